@@ -1,0 +1,34 @@
+# Two commands do all the set-up on a fresh clone: `make demo` and `make test`.
+# Both create .venv in the checkout (torch's pinned CPU wheel first, then the project with its
+# extras), build the native interceptor and fake driver with the system C compiler, then run.
+PYTHON ?= python3
+VENV   := .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.dilu-installed
+ARGS   ?=
+
+.PHONY: demo test native clean schema
+
+$(STAMP): pyproject.toml setup.py
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --disable-pip-version-check --upgrade pip
+	$(PY) -m pip install -q --disable-pip-version-check torch==2.13.0
+	$(PY) -m pip install -q --disable-pip-version-check -e '.[worker,dev]'
+	$(PY) -m dilu.interceptor.build
+	touch $(STAMP)
+
+native: $(STAMP)
+	$(PY) -m dilu.interceptor.build
+
+demo: $(STAMP)
+	$(VENV)/bin/dilu demo $(ARGS)
+
+test: $(STAMP)
+	$(PY) -m dilu.interceptor.build
+	$(PY) -m pytest -q -p no:cacheprovider $(ARGS)
+
+schema: $(STAMP)
+	$(PY) -m dilu.contracts.schema --write
+
+clean:
+	rm -rf $(VENV) interceptor/build

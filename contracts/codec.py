@@ -1,0 +1,44 @@
+"""Encoding and strict decoding of events (JSON via msgspec).
+
+Decoding never raises anything but :class:`MalformedEvent`, whose message says what was wrong,
+so a service can reject, log and count a bad message and carry on.
+"""
+from __future__ import annotations
+
+import time
+from typing import TypeVar
+
+import msgspec
+
+from .events import Event
+
+E = TypeVar("E", bound=Event)
+
+_encoder = msgspec.json.Encoder()
+_decoders: dict[type, msgspec.json.Decoder] = {}
+
+
+class MalformedEvent(ValueError):
+    """A message that is not a valid instance of the subject's event type."""
+
+
+def encode(event: Event) -> bytes:
+    """Event -> JSON bytes; stamps ``ts_ns`` (Unix epoch ns) when it is 0."""
+    if event.ts_ns == 0:
+        event.ts_ns = time.time_ns()
+    return _encoder.encode(event)
+
+
+def decode(data: bytes, kind: type[E]) -> E:
+    """JSON bytes -> ``kind``. Unknown fields are skipped (forward compatible).
+
+    Raises MalformedEvent with the decoder's reason (e.g. "Expected `float`, got `str` - at
+    `$.quota`") for invalid JSON, wrong types or missing required fields.
+    """
+    dec = _decoders.get(kind)
+    if dec is None:
+        dec = _decoders[kind] = msgspec.json.Decoder(kind)
+    try:
+        return dec.decode(data)
+    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        raise MalformedEvent(f"{kind.__name__}: {exc}") from None

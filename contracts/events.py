@@ -1,0 +1,305 @@
+"""Typed events: the only thing Dilu's services share (DESIGN.md sections 4 and 5).
+
+Rules that keep old and new services talking:
+- every field added after the first release gets a default, so old decoders skip it and new
+  decoders accept old messages (never set ``forbid_unknown_fields``);
+- one event type per subject (see :mod:`dilu.contracts.subjects`), encoded as JSON;
+- units are in the field names: ``_ms``, ``_us``, ``_ns`` (time), ``_bytes``; quotas and shares are
+  fractions 0..1 of one GPU's compute (SM-time, DESIGN.md section 2).
+"""
+from __future__ import annotations
+
+from typing import Literal
+
+import msgspec
+
+FunctionKind = Literal["inference", "training"]
+PriorityClass = Literal["latency-sensitive", "training", "best-effort"]
+
+
+class Event(msgspec.Struct, kw_only=True):
+    """Base of every event. ``ts_ns`` is the publisher's wall clock (Unix epoch ns) at publish."""
+
+    ts_ns: int = 0
+
+
+# --------------------------------------------------------------------------- functions and profiles
+
+
+class FunctionSpec(msgspec.Struct, kw_only=True):
+    """A deployed function: a model plus a handler.
+
+    ``handler`` is an importable module path with ``load(ctx)`` and ``predict(model, batch)``
+    (see :mod:`dilu.services.node_agent.handlers`). ``slo_ms`` is the latency objective of one
+    request, measured from its scheduled send time (inference only; 0 for training).
+    ``memory_bytes`` is the GPU memory one instance needs (weights + documented allowance).
+    ``cold_start_ms`` is the model's load time on a fresh instance, excluding process start.
+    """
+
+    name: str
+    model: str
+    kind: FunctionKind = "inference"
+    slo_ms: float = 0.0
+    memory_bytes: int = 0
+    handler: str = "dilu.services.node_agent.handlers.emulated"
+    priority: PriorityClass = "latency-sensitive"
+    max_batch: int = 32
+    min_instances: int = 0
+    max_instances: int = 8
+    cold_start_ms: float = 0.0
+
+
+class FunctionDeployed(Event):
+    """A function was deployed (or redeployed with a new spec)."""
+
+    spec: FunctionSpec
+
+
+class Profile(msgspec.Struct, kw_only=True):
+    """What the profiler found for one function.
+
+    ``request_quota``: the guaranteed share (0..1) at which the function meets its SLO at
+    ``batch_size``; ``limit_quota``: the share at which its burst batch (largest batch that
+    still meets the SLO) runs; ``te``: throughput per quota (requests/s per unit of GPU) at
+    the request setting; ``trials``: measurements the search made; ``backend``: what was
+    measured (``surface``, ``emulated``, ``fake-driver``, ``gpu``).
+    """
+
+    function: str
+    request_quota: float
+    limit_quota: float
+    batch_size: int
+    burst_batch: int = 0
+    te: float = 0.0
+    throughput_rps: float = 0.0
+    latency_ms: float = 0.0
+    trials: int = 0
+    backend: str = "surface"
+
+
+class ProfileReady(Event):
+    """A profile is stored in the ``dilu-profiles`` KV bucket and ready to use."""
+
+    profile: Profile
+
+
+class ProfileRequest(Event):
+    """Request-reply on ``dilu.v1.profiler.profile``: profile ``spec`` now."""
+
+    spec: FunctionSpec
+
+
+class ProfileReply(Event):
+    ok: bool
+    profile: Profile | None = None
+    error: str = ""
+
+
+# --------------------------------------------------------------------------- placement
+
+
+class Placement(msgspec.Struct, kw_only=True):
+    """One instance placed on one GPU. Quotas are fractions 0..1 of that GPU's SM-time.
+
+    ``width`` is the SM fraction the instance's kernels may occupy (the MPS active-thread
+    percentage on a real GPU), fixed at launch; by default its limit quota.
+    """
+
+    instance_id: str
+    function: str
+    node: str
+    gpu: int
+    request_quota: float
+    limit_quota: float
+    width: float
+    memory_bytes: int
+    batch_size: int = 1
+    priority: PriorityClass = "latency-sensitive"
+    model: str = ""
+    handler: str = ""
+    slo_ms: float = 0.0
+    cold_start_ms: float = 0.0
+    draining: bool = False
+
+
+class PlacementDecided(Event):
+    """Informational copy of a placement-table change (the KV table drives launches)."""
+
+    placement: Placement
+    action: Literal["place", "retire", "migrate"] = "place"
+    revision: int = 0
+
+
+class PlaceRequest(Event):
+    """Request-reply on ``dilu.v1.scheduler.place``: place ``count`` new instances of ``function``."""
+
+    function: str
+    count: int = 1
+    reason: str = ""
+
+
+class PlaceReply(Event):
+    ok: bool
+    placements: list[Placement] = []
+    error: str = ""
+
+
+class RetireRequest(Event):
+    """Request-reply on ``dilu.v1.scheduler.retire``: drain and remove one instance.
+
+    With ``instance_id`` empty the scheduler picks the victim of ``function`` (the one whose
+    removal leaves the least fragmentation; never a starting instance over a warm one).
+    """
+
+    function: str
+    instance_id: str = ""
+    reason: str = ""
+
+
+class RetireReply(Event):
+    ok: bool
+    instance_id: str = ""
+    error: str = ""
+
+
+# --------------------------------------------------------------------------- instance lifecycle
+
+
+class InstanceEvent(Event):
+    """Base of the instance lifecycle events published by the node agent."""
+
+    instance_id: str
+    function: str
+    node: str
+    gpu: int
+
+
+class InstanceLaunched(InstanceEvent):
+    """The instance's process was started (its cold start begins)."""
+
+    pid: int = 0
+
+
+class InstanceReady(InstanceEvent):
+    """The instance loaded its model and pulls requests. ``cold_start_ms``: launch to ready."""
+
+    cold_start_ms: float = 0.0
+
+
+class InstanceRetired(InstanceEvent):
+    """The instance was drained and its process ended (``reason``: retired, crashed, ...)."""
+
+    reason: str = "retired"
+    exit_code: int = 0
+
+
+# --------------------------------------------------------------------------- telemetry and grants
+
+
+class InstanceTelemetry(msgspec.Struct, kw_only=True):
+    """One instance's counters over the last sampling window, read from its control block.
+
+    ``busy_share``: fraction (0..1) of the window with one of its kernels on the device;
+    ``sm_time_share`` = busy_share x width; ``wait_us``: time launches waited for tokens in the
+    window; counters ending in ``_total`` are cumulative since launch.
+    """
+
+    instance_id: str
+    function: str
+    priority: PriorityClass = "latency-sensitive"
+    quota: float = 0.0
+    request_quota: float = 0.0
+    limit_quota: float = 0.0
+    width: float = 1.0
+    busy_share: float = 0.0
+    sm_time_share: float = 0.0
+    launches_total: int = 0
+    busy_us_total: int = 0
+    wait_us_total: int = 0
+    wait_us: int = 0
+    cycles_total: int = 0
+    last_cycle_us: int = 0
+    baseline_cycle_us: int = 0
+    slo_ms: float = 0.0
+    latency_ms_recent: float = 0.0
+    queue_depth: int = 0
+
+
+class GpuTelemetry(Event):
+    """Per-GPU telemetry from a node agent, every sampling period (``window_ms``)."""
+
+    node: str
+    gpu: int
+    window_ms: float
+    instances: list[InstanceTelemetry] = []
+
+
+class KernelCycleStretch(Event):
+    """An instance's kernel-launch cycle took ``ratio`` x its baseline: contention."""
+
+    node: str
+    gpu: int
+    instance_id: str
+    function: str = ""
+    span_us: int = 0
+    baseline_us: int = 0
+    ratio: float = 0.0
+    detected_ns: int = 0
+
+
+class TokenGrant(Event):
+    """Set one instance's quota (fraction 0..1 of the GPU's SM-time). ``epoch`` increases per grant."""
+
+    node: str
+    gpu: int
+    instance_id: str
+    quota: float
+    epoch: int = 0
+    reason: str = ""
+    cause_ns: int = 0
+
+
+# --------------------------------------------------------------------------- horizontal scaling
+
+
+class BurstWindowBreach(Event):
+    """Load over a burst window exceeded capacity (``panic``: the short window did)."""
+
+    function: str
+    window_s: float
+    rate_rps: float
+    capacity_rps: float
+    queue_depth: int = 0
+    panic: bool = False
+
+
+class ScaleDecision(Event):
+    """Informational: the horizontal scaler changed a function's instance count."""
+
+    function: str
+    direction: Literal["out", "in", "zero", "prewarm"]
+    count: int
+    current: int = 0
+    desired: int = 0
+    reason: str = ""
+
+
+EVENT_TYPES: tuple[type[Event], ...] = (
+    FunctionDeployed,
+    ProfileReady,
+    ProfileRequest,
+    ProfileReply,
+    PlacementDecided,
+    PlaceRequest,
+    PlaceReply,
+    RetireRequest,
+    RetireReply,
+    InstanceLaunched,
+    InstanceReady,
+    InstanceRetired,
+    GpuTelemetry,
+    KernelCycleStretch,
+    TokenGrant,
+    BurstWindowBreach,
+    ScaleDecision,
+)

@@ -1,0 +1,108 @@
+"""NATS subjects: ``dilu.v1.<domain>.<event>[.<ids>]`` (DESIGN.md section 5).
+
+Identifiers come last and are sanitised with :func:`token` (no dots, spaces or wildcards), so a
+function called ``a.b`` can never widen a subscription. Each subject carries one event type
+(:data:`SUBJECT_EVENTS`), JSON-encoded, except ``dilu.v1.invoke.<fn>`` which carries the caller's
+opaque payload on the JetStream work queue :data:`INVOKE_STREAM`.
+"""
+from __future__ import annotations
+
+import re
+
+from . import events as ev
+
+PREFIX = "dilu.v1"
+_BAD = re.compile(r"[^A-Za-z0-9_\-]")
+
+
+def token(ident: str | int) -> str:
+    """Sanitise an identifier into one subject token: every char outside ``[A-Za-z0-9_-]`` -> ``_``.
+
+    Raises ValueError for an empty identifier (it would make an invalid subject).
+    """
+    s = str(ident)
+    if not s:
+        raise ValueError("empty identifier in a subject")
+    return _BAD.sub("_", s)
+
+
+def function_deployed(fn: str) -> str:
+    return f"{PREFIX}.function.deployed.{token(fn)}"
+
+
+def profile_ready(fn: str) -> str:
+    return f"{PREFIX}.profile.ready.{token(fn)}"
+
+
+def placement_decided(fn: str) -> str:
+    return f"{PREFIX}.placement.decided.{token(fn)}"
+
+
+def instance_state(state: str, node: str) -> str:
+    """``state`` is one of launched, ready, retired."""
+    return f"{PREFIX}.instance.{token(state)}.{token(node)}"
+
+
+def telemetry_gpu(node: str, gpu: int | str) -> str:
+    return f"{PREFIX}.telemetry.gpu.{token(node)}.{token(gpu)}"
+
+
+def kernel_cycle_stretch(node: str, gpu: int | str) -> str:
+    return f"{PREFIX}.event.kernel_cycle_stretch.{token(node)}.{token(gpu)}"
+
+
+def grant_issued(node: str, gpu: int | str) -> str:
+    return f"{PREFIX}.grant.issued.{token(node)}.{token(gpu)}"
+
+
+def burst_window_breach(fn: str) -> str:
+    return f"{PREFIX}.event.burst_window_breach.{token(fn)}"
+
+
+def scale_decided(fn: str) -> str:
+    return f"{PREFIX}.scale.decided.{token(fn)}"
+
+
+def invoke(fn: str) -> str:
+    """Data plane: invocation requests for ``fn`` (JetStream work queue)."""
+    return f"{PREFIX}.invoke.{token(fn)}"
+
+
+SCHEDULER_PLACE = f"{PREFIX}.scheduler.place"
+SCHEDULER_RETIRE = f"{PREFIX}.scheduler.retire"
+PROFILER_PROFILE = f"{PREFIX}.profiler.profile"
+
+# JetStream resources.
+INVOKE_STREAM = "DILU_INVOKE"
+INVOKE_SUBJECTS = f"{PREFIX}.invoke.>"
+PROFILES_BUCKET = "dilu-profiles"
+PLACEMENT_BUCKET = "dilu-placement"
+FUNCTIONS_BUCKET = "dilu-functions"
+
+# Headers of the data plane (request and reply).
+H_REQUEST_ID = "Dilu-Request-Id"
+H_SCHEDULED_NS = "Dilu-Scheduled-Ns"  # the request's intended send time, Unix epoch ns
+H_REPLY_TO = "Dilu-Reply-To"  # the caller's inbox (msg.reply is JetStream's ack subject)
+H_STATUS = "Dilu-Status"  # reply: ok | error
+H_ERROR = "Dilu-Error"
+H_COLD_START = "Dilu-Cold-Start"  # reply: "1" when the request waited for an instance launch
+H_INSTANCE = "Dilu-Instance"
+H_ENQUEUED_NS = "Dilu-Enqueued-Ns"
+
+# subject pattern (with '*' for ids) -> the one event type it carries
+SUBJECT_EVENTS: dict[str, type[ev.Event]] = {
+    f"{PREFIX}.function.deployed.*": ev.FunctionDeployed,
+    f"{PREFIX}.profile.ready.*": ev.ProfileReady,
+    f"{PREFIX}.placement.decided.*": ev.PlacementDecided,
+    f"{PREFIX}.instance.launched.*": ev.InstanceLaunched,
+    f"{PREFIX}.instance.ready.*": ev.InstanceReady,
+    f"{PREFIX}.instance.retired.*": ev.InstanceRetired,
+    f"{PREFIX}.telemetry.gpu.*.*": ev.GpuTelemetry,
+    f"{PREFIX}.event.kernel_cycle_stretch.*.*": ev.KernelCycleStretch,
+    f"{PREFIX}.grant.issued.*.*": ev.TokenGrant,
+    f"{PREFIX}.event.burst_window_breach.*": ev.BurstWindowBreach,
+    f"{PREFIX}.scale.decided.*": ev.ScaleDecision,
+    SCHEDULER_PLACE: ev.PlaceRequest,
+    SCHEDULER_RETIRE: ev.RetireRequest,
+    PROFILER_PROFILE: ev.ProfileRequest,
+}

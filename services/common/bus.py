@@ -1,0 +1,136 @@
+"""The typed event bus over NATS: decode, dispatch, reject-and-count, publish.
+
+A malformed message (bad JSON, wrong type, missing field) is logged with its reason and counted
+in ``dilu_malformed_messages_total``; a handler that raises is logged and counted in
+``dilu_handler_errors_total``. Neither ever stops the service. Request-reply handlers answer a
+malformed request with ``{"ok": false, "error": "..."}`` so the caller learns why at once.
+"""
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar
+
+import msgspec
+import nats
+from nats.aio.client import Client as NATS
+from nats.aio.msg import Msg
+
+from dilu.contracts import MalformedEvent, decode, encode
+from dilu.contracts.events import Event
+
+from . import logging as dlog
+from .metrics import HANDLER_ERRORS, MALFORMED, MESSAGES
+
+E = TypeVar("E", bound=Event)
+Handler = Callable[[E, Msg], Awaitable[None]]
+RequestHandler = Callable[[E, Msg], Awaitable[Event]]
+
+
+class Bus:
+    """One NATS connection with typed subscribe / publish / request helpers.
+
+    ``service`` labels metrics and logs. Create with :meth:`connect`.
+    """
+
+    def __init__(self, nc: NATS, service: str) -> None:
+        self.nc = nc
+        self.service = service
+        self.js = nc.jetstream()
+        self.log = dlog.get(service)
+        self._subs: list[Any] = []
+        self.malformed = 0
+        self.handler_errors = 0
+
+    @classmethod
+    async def connect(cls, url: str, service: str, **opts: Any) -> "Bus":
+        """Connect to NATS at ``url`` (reconnecting forever on later loss; nats-py does the retries)."""
+        nc = await nats.connect(
+            url, name=f"dilu-{service}", max_reconnect_attempts=-1, reconnect_time_wait=0.5, **opts
+        )
+        return cls(nc, service)
+
+    @property
+    def ready(self) -> bool:
+        """True while connected and every subscription is live."""
+        return self.nc.is_connected and all(not getattr(s, "_closed", False) for s in self._subs)
+
+    # ---------------------------------------------------------------- receive
+
+    def _reject(self, msg: Msg, reason: str, *, error: bool = False) -> None:
+        counter = HANDLER_ERRORS if error else MALFORMED
+        counter.labels(self.service, msg.subject).inc()
+        if error:
+            self.handler_errors += 1
+        else:
+            self.malformed += 1
+        self.log.warning("message rejected", subject=msg.subject, reason=reason, handler_error=error)
+
+    async def subscribe(self, subject: str, kind: type[E], handler: Handler, queue: str = "") -> Any:
+        """Subscribe ``handler(event, msg)`` to ``subject`` (wildcards allowed), decoding ``kind``."""
+
+        async def cb(msg: Msg) -> None:
+            try:
+                event = decode(msg.data, kind)
+            except MalformedEvent as exc:
+                self._reject(msg, str(exc))
+                return
+            try:
+                await handler(event, msg)
+                MESSAGES.labels(self.service, subject).inc()
+            except Exception as exc:  # a bad message must never stop the service
+                self._reject(msg, f"{type(exc).__name__}: {exc}", error=True)
+
+        sub = await self.nc.subscribe(subject, queue=queue, cb=cb)
+        self._subs.append(sub)
+        return sub
+
+    async def serve(self, subject: str, kind: type[E], handler: RequestHandler, queue: str = "") -> Any:
+        """Serve request-reply on ``subject``: ``handler(request, msg)`` returns the reply event.
+
+        Malformed requests and handler errors are answered ``{"ok": false, "error": ...}``.
+        """
+
+        async def cb(msg: Msg) -> None:
+            try:
+                event = decode(msg.data, kind)
+            except MalformedEvent as exc:
+                self._reject(msg, str(exc))
+                await self._answer_error(msg, str(exc))
+                return
+            try:
+                reply = await handler(event, msg)
+            except Exception as exc:
+                self._reject(msg, f"{type(exc).__name__}: {exc}", error=True)
+                await self._answer_error(msg, f"{type(exc).__name__}: {exc}")
+                return
+            MESSAGES.labels(self.service, subject).inc()
+            if msg.reply:
+                await self.nc.publish(msg.reply, encode(reply))
+
+        sub = await self.nc.subscribe(subject, queue=queue, cb=cb)
+        self._subs.append(sub)
+        return sub
+
+    async def _answer_error(self, msg: Msg, error: str) -> None:
+        if msg.reply:
+            await self.nc.publish(msg.reply, msgspec.json.encode({"ok": False, "error": error}))
+
+    # ---------------------------------------------------------------- send
+
+    async def publish(self, subject: str, event: Event) -> None:
+        await self.nc.publish(subject, encode(event))
+
+    async def request(self, subject: str, event: Event, reply_kind: type[E], timeout: float = 5.0) -> E:
+        """Request-reply; raises ``nats.errors.TimeoutError`` or MalformedEvent for a bad reply."""
+        msg = await self.nc.request(subject, encode(event), timeout=timeout)
+        return decode(msg.data, reply_kind)
+
+    async def close(self) -> None:
+        """Drain: finish in-flight callbacks, flush pending publishes, then close."""
+        if self.nc.is_closed:
+            return
+        try:
+            await asyncio.wait_for(self.nc.drain(), timeout=10)
+        except Exception:
+            await self.nc.close()

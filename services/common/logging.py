@@ -1,0 +1,30 @@
+"""structlog set-up: one JSON object per line on stderr, with the service's name bound."""
+from __future__ import annotations
+
+import logging
+import sys
+
+import structlog
+
+
+def configure(service: str, level: str = "info") -> structlog.stdlib.BoundLogger:
+    """Configure structlog for JSON lines on stderr and return a logger bound to ``service``."""
+    lvl = getattr(logging, level.upper(), logging.INFO)
+    structlog.configure(
+        processors=[
+            structlog.contextvars.merge_contextvars,
+            structlog.processors.add_log_level,
+            structlog.processors.TimeStamper(fmt="iso", utc=True),
+            structlog.processors.format_exc_info,
+            structlog.processors.JSONRenderer(),
+        ],
+        wrapper_class=structlog.make_filtering_bound_logger(lvl),
+        logger_factory=structlog.WriteLoggerFactory(file=sys.stderr),
+        cache_logger_on_first_use=True,
+    )
+    return structlog.get_logger().bind(service=service)
+
+
+def get(service: str = "") -> structlog.stdlib.BoundLogger:
+    log = structlog.get_logger()
+    return log.bind(service=service) if service else log

@@ -1,0 +1,26 @@
+"""Maps the top-level folders onto the `dilu.*` import names (DESIGN.md section 3).
+
+`dilu.contracts` -> contracts/, `dilu.services` -> services/, and so on; `dilu` itself is an
+implicit namespace package. Works for regular and editable installs.
+"""
+from setuptools import find_packages, setup
+
+FOLDERS = ["contracts", "services", "loadgen", "interceptor", "cli"]
+
+packages: list[str] = []
+package_dir: dict[str, str] = {}
+for folder in FOLDERS:
+    top = f"dilu.{folder}"
+    packages.append(top)
+    package_dir[top] = folder
+    packages += [f"{top}.{sub}" for sub in find_packages(folder)]
+
+setup(
+    packages=packages,
+    package_dir=package_dir,
+    package_data={
+        "dilu.interceptor": ["*.h", "*.c", "Makefile"],
+        "dilu.loadgen": ["data/**/*", "data/*"],
+        "dilu.contracts": ["schema/*.json"],
+    },
+)
