@@ -1,2 +1,48 @@
-def main():
-    print("dilu")
+"""The ``dilu`` command line (click). Subcommands live next to what they drive and load lazily,
+so ``dilu --help`` stays fast and a missing optional piece breaks only its own command.
+"""
+from __future__ import annotations
+
+import importlib
+
+import click
+
+# name -> "module:attribute" of a click command
+COMMANDS: dict[str, str] = {
+    "demo": "dilu.cli.demo:demo",
+    "compare": "dilu.cli.demo:compare",
+    "service": "dilu.cli.service:service",
+    "profile": "dilu.services.profiler.cli:profile",
+}
+BENCHES: dict[str, str] = {
+    "interceptor": "dilu.interceptor.bench:bench_interceptor",
+    "scheduler": "dilu.services.scheduler.bench:bench_scheduler",
+    "vertical": "dilu.services.vertical_scaler.bench:bench_vertical",
+}
+
+
+class LazyGroup(click.Group):
+    """A click group whose subcommands are imported only when used."""
+
+    def __init__(self, *args, lazy: dict[str, str], **kwargs):
+        super().__init__(*args, **kwargs)
+        self._lazy = lazy
+
+    def list_commands(self, ctx):
+        return sorted(set(super().list_commands(ctx)) | set(self._lazy))
+
+    def get_command(self, ctx, name):
+        if name in self._lazy:
+            module, attr = self._lazy[name].split(":")
+            return getattr(importlib.import_module(module), attr)
+        return super().get_command(ctx, name)
+
+
+@click.group(cls=LazyGroup, lazy=COMMANDS)
+def main() -> None:
+    """Dilu: serverless DL functions on shared GPUs with introspective elasticity."""
+
+
+@main.group(cls=LazyGroup, lazy=BENCHES)
+def bench() -> None:
+    """Benchmarks; each writes its figures as JSON (--json PATH)."""
