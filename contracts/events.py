@@ -95,6 +95,31 @@ class ProfileReply(Event):
     error: str = ""
 
 
+class TrialRequest(Event):
+    """Request-reply on ``dilu.v1.node.trial.<node>``: run one profiling trial on an emulated GPU.
+
+    Runs ``repeats`` batches of ``batch`` for ``model`` at SM width ``quota`` and token rate
+    ``quota`` (so no pacing: the setting the A100 MPS surfaces were measured at).
+    """
+
+    model: str
+    batch: int
+    quota: float
+    repeats: int = 5
+    gpu: int = -1
+
+
+class TrialReply(Event):
+    """``latency_ms_p99`` / ``latency_ms_mean``: per batch, from the device timeline; throughput
+    is requests/s (batch / latency, and for generative models requests of 32 tokens)."""
+
+    ok: bool
+    latency_ms_mean: float = 0.0
+    latency_ms_p99: float = 0.0
+    throughput_rps: float = 0.0
+    error: str = ""
+
+
 # --------------------------------------------------------------------------- placement
 
 
@@ -289,6 +314,8 @@ EVENT_TYPES: tuple[type[Event], ...] = (
     ProfileReady,
     ProfileRequest,
     ProfileReply,
+    TrialRequest,
+    TrialReply,
     PlacementDecided,
     PlaceRequest,
     PlaceReply,

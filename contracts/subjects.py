@@ -68,6 +68,11 @@ def invoke(fn: str) -> str:
     return f"{PREFIX}.invoke.{token(fn)}"
 
 
+def node_trial(node: str) -> str:
+    """Request-reply: a profiling trial on ``node``'s emulated GPUs."""
+    return f"{PREFIX}.node.trial.{token(node)}"
+
+
 SCHEDULER_PLACE = f"{PREFIX}.scheduler.place"
 SCHEDULER_RETIRE = f"{PREFIX}.scheduler.retire"
 PROFILER_PROFILE = f"{PREFIX}.profiler.profile"
@@ -102,6 +107,7 @@ SUBJECT_EVENTS: dict[str, type[ev.Event]] = {
     f"{PREFIX}.grant.issued.*.*": ev.TokenGrant,
     f"{PREFIX}.event.burst_window_breach.*": ev.BurstWindowBreach,
     f"{PREFIX}.scale.decided.*": ev.ScaleDecision,
+    f"{PREFIX}.node.trial.*": ev.TrialRequest,
     SCHEDULER_PLACE: ev.PlaceRequest,
     SCHEDULER_RETIRE: ev.RetireRequest,
     PROFILER_PROFILE: ev.ProfileRequest,
