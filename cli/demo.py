@@ -1,0 +1,198 @@
+"""``dilu demo`` and ``dilu compare``: the whole platform on a real trace.
+
+One run: start nats-server and the five services (one OS process each), deploy the K busiest
+functions of the replayed trace span (each with a model chosen by a seeded rule), let the
+profiler profile them through the node agent's emulated GPUs, replay the trace open loop through
+NATS (JetStream work queue), then report SLO violations, goodput, cold starts, fragmentation,
+GPU cost and the mechanism counters (DESIGN.md section 8) and stop everything.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import signal
+import tempfile
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+
+import click
+import nats
+import uvloop
+from rich.console import Console
+
+from dilu.loadgen import arrivals, assign, generator, report, trace
+from dilu.services.common.invoke import InvokeClient
+from dilu.services.common.workqueue import ensure_consumer, ensure_stream
+
+from .cluster import POLICIES, Cluster
+from .deploy import cluster_facts, deploy, function_spec
+
+DRAIN_GRACE_S = 20.0  # after the last send, how long answers may still arrive
+
+
+@dataclass
+class RunOptions:
+    """Options shared by demo and compare (see the click options for meanings and units)."""
+
+    duration: float
+    speedup: float
+    seed: int
+    trace_dir: str | None
+    start_minute: int | None
+    functions: int | str
+    gpus: str
+    nats_url: str | None
+    log_dir: str | None
+    progress: bool = True
+
+
+def _functions(value: str) -> int | str:
+    if value == "all":
+        return "all"
+    try:
+        k = int(value)
+    except ValueError:
+        raise click.BadParameter(f"expected a count or 'all', got {value!r}") from None
+    if k < 1:
+        raise click.BadParameter(f"need at least 1 function, got {k}")
+    return k
+
+
+def run_options(f):
+    """The options of a run, shared by ``demo`` and ``compare``."""
+    opts = [
+        click.option("--duration", type=click.FloatRange(min=1), default=120.0, show_default=True, help="wall-clock seconds of replay"),
+        click.option("--speedup", type=click.FloatRange(min=0.01), default=10.0, show_default=True, help="trace seconds per wall second (arrivals only)"),
+        click.option("--seed", type=click.IntRange(min=0), default=1, show_default=True),
+        click.option("--trace", "trace_dir", type=click.Path(exists=True, file_okay=False), default=None, help="trace directory in the Azure Functions 2019 format (default: the bundled 100-function sample)"),
+        click.option("--start-minute", type=int, default=None, help="trace minute to begin at (default: the first)"),
+        click.option("--functions", type=str, default="16", show_default=True, callback=lambda c, p, v: _functions(v), help="K busiest functions of the span, or 'all'"),
+        click.option("--gpus", default="4", show_default=True, help="emulated A100 40 GB GPUs on the node, or 'cpu'"),
+        click.option("--nats-url", default=None, help="use a running NATS server instead of starting one"),
+        click.option("--log-dir", default=None, type=click.Path(file_okay=False), help="where the services' JSON logs go (default: a temp dir)"),
+    ]
+    for opt in reversed(opts):
+        f = opt(f)
+    return f
+
+
+def build_plan(opts: RunOptions, run_id: str):
+    """The replay plan and each selected function's model (seeded rule in :mod:`loadgen.assign`)."""
+    tr = trace.read_trace(opts.trace_dir)
+    plan = arrivals.plan_replay(tr, seed=opts.seed, duration_s=opts.duration, speedup=opts.speedup,
+                                start_minute=opts.start_minute, functions=opts.functions, id_prefix=f"{run_id}-")
+    chosen = assign.assign_models(plan.functions, seed=opts.seed, speedup=opts.speedup, capacity_rps=assign.catalogue_capacity)
+    return plan, chosen
+
+
+async def _replay(opts: RunOptions, cluster: Cluster, plan, chosen: dict[str, str], console: Console, stop: asyncio.Event):
+    nc = await nats.connect(cluster.url, name="dilu-loadgen", max_reconnect_attempts=-1)
+    js = nc.jetstream()
+    try:
+        await ensure_stream(js)
+        specs = [function_spec(f.name, chosen[f.name]) for f in plan.functions]
+        for spec in specs:
+            await ensure_consumer(js, spec.name)
+        console.print(f"[dim]deploying {len(specs)} functions and profiling them on the emulated GPUs...[/dim]")
+        profiles = await deploy(nc, specs)
+        slo_ms = {s.name: s.slo_ms for s in specs}
+        client = InvokeClient(nc, js)
+        await client.start()
+        timeouts = {s.name: max(30.0, 10 * s.slo_ms / 1000.0) for s in specs}
+
+        async def invoke(inv):
+            return await client.invoke(inv.function, inv.id.encode(), request_id=inv.id,
+                                       scheduled_ns=inv.scheduled_ns, timeout_s=timeouts[inv.function])
+
+        started = time.time()
+        records = await generator.run(plan, invoke, stop=stop, progress=opts.progress, console=console,
+                                      drain_s=DRAIN_GRACE_S)
+        wall_s = time.time() - started
+        await client.close()
+        return records, wall_s, slo_ms, profiles
+    finally:
+        await nc.drain()
+
+
+async def run_once(opts: RunOptions, policy: str, console: Console, stop: asyncio.Event) -> dict:
+    """One full run under ``policy``; returns the report as a JSON-ready dict."""
+    run_id = uuid.uuid4().hex[:6]
+    plan, chosen = build_plan(opts, run_id)
+    log_dir = Path(opts.log_dir or tempfile.mkdtemp(prefix="dilu-logs-")) / policy
+    console.print(f"[bold]policy {policy}[/bold]: {len(plan.functions)} functions carrying "
+                  f"{plan.share:.1%} of the span's {plan.span_invocations} invocations; logs in {log_dir}")
+    cluster = Cluster(log_dir=log_dir, policy=policy, gpus=opts.gpus, nats_url=opts.nats_url)
+    await asyncio.to_thread(cluster.start)
+    try:
+        records, wall_s, slo_ms, profiles = await _replay(opts, cluster, plan, chosen, console, stop)
+        facts = cluster_facts(cluster)
+    finally:
+        await asyncio.to_thread(cluster.stop)
+    rep = report.build(records, slo_ms=slo_ms, models=chosen, wall_s=wall_s, facts=facts, plan=plan, policy=policy)
+    return rep
+
+
+def _install_stop(stop: asyncio.Event, console: Console) -> None:
+    loop = asyncio.get_running_loop()
+
+    def on_signal() -> None:
+        if not stop.is_set():
+            console.print("[yellow]stopping: no new sends; waiting for answers, then shutting down[/yellow]")
+        stop.set()
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, on_signal)
+
+
+@click.command()
+@run_options
+@click.option("--policy", type=click.Choice(list(POLICIES)), default="dilu", show_default=True)
+@click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None, help="also write the report as JSON")
+def demo(json_path, policy, **kw) -> None:
+    """Run the whole platform on a real trace and print the report."""
+    opts = RunOptions(**kw)
+    console = Console()
+
+    async def main() -> dict:
+        stop = asyncio.Event()
+        _install_stop(stop, console)
+        return await run_once(opts, policy, console, stop)
+
+    rep = uvloop.run(main())
+    report.render(rep, console)
+    if json_path:
+        Path(json_path).write_text(json.dumps(rep, indent=2))
+        console.print(f"report written to {json_path}")
+
+
+@click.command()
+@run_options
+@click.option("--policies", default="dilu,horizontal-only", show_default=True, help=f"comma-separated, from: {', '.join(POLICIES)}")
+@click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None)
+def compare(json_path, policies, **kw) -> None:
+    """Run the same trace and seed under several policies back to back; print one table."""
+    names = [p.strip() for p in policies.split(",") if p.strip()]
+    bad = [p for p in names if p not in POLICIES]
+    if bad or not names:
+        raise click.BadParameter(f"unknown policies {bad}; choose from {', '.join(POLICIES)}", param_hint="--policies")
+    opts = RunOptions(**kw)
+    console = Console()
+
+    async def main() -> dict:
+        stop = asyncio.Event()
+        _install_stop(stop, console)
+        out = {}
+        for name in names:
+            if stop.is_set():
+                break
+            out[name] = await run_once(opts, name, console, stop)
+        return out
+
+    results = uvloop.run(main())
+    report.render_compare(results, console)
+    if json_path:
+        Path(json_path).write_text(json.dumps({"policies": results}, indent=2))
+        console.print(f"comparison written to {json_path}")
+

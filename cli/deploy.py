@@ -1,0 +1,108 @@
+"""Deploying functions onto a running cluster and reading its mechanism counters back."""
+from __future__ import annotations
+
+import asyncio
+
+from dilu.contracts import decode, encode, subjects
+from dilu.contracts import events as ev
+from dilu.services.common import models
+
+from .cluster import Cluster
+
+PROFILE_TIMEOUT_S = 150.0
+
+
+def function_spec(name: str, model: str, *, handler: str = "", max_instances: int = 8) -> ev.FunctionSpec:
+    """A deployable spec for an emulated model with the catalogue's defaults
+    (SLO 5 x batch-1 latency on a full GPU, memory and cold start from :mod:`models`)."""
+    return ev.FunctionSpec(
+        name=name, model=model, kind="inference", slo_ms=models.default_slo_ms(model),
+        memory_bytes=models.memory_bytes(model), cold_start_ms=models.cold_start_ms(model),
+        handler=handler or "dilu.services.node_agent.handlers.emulated", max_instances=max_instances,
+    )
+
+
+async def deploy(nc, specs: list[ev.FunctionSpec], timeout_s: float = PROFILE_TIMEOUT_S) -> dict[str, ev.Profile]:
+    """Publish FunctionDeployed for each spec and wait for every ProfileReady.
+
+    Raises TimeoutError naming the functions still without a profile.
+    """
+    wanted = {s.name for s in specs}
+    profiles: dict[str, ev.Profile] = {}
+    done = asyncio.Event()
+
+    async def on_ready(msg) -> None:
+        try:
+            profile = decode(msg.data, ev.ProfileReady).profile
+        except Exception:
+            return
+        if profile.function in wanted:
+            profiles[profile.function] = profile
+            if wanted <= set(profiles):
+                done.set()
+
+    sub = await nc.subscribe(f"{subjects.PREFIX}.profile.ready.*", cb=on_ready)
+    try:
+        for spec in specs:
+            await nc.publish(subjects.function_deployed(spec.name), encode(ev.FunctionDeployed(spec=spec)))
+        await nc.flush()
+        try:
+            await asyncio.wait_for(done.wait(), timeout=timeout_s)
+        except asyncio.TimeoutError:
+            missing = sorted(wanted - set(profiles))
+            raise TimeoutError(f"no profile after {timeout_s:.0f} s for: {', '.join(missing)}") from None
+    finally:
+        await sub.unsubscribe()
+    return profiles
+
+
+def _sum(metrics: dict[str, float], name: str) -> float:
+    """Sum of a counter over all its label sets (``name_total`` samples)."""
+    total = 0.0
+    for key, value in metrics.items():
+        base = key.split("{", 1)[0]
+        if base == f"{name}_total":
+            total += value
+    return total
+
+
+def _by_label(metrics: dict[str, float], name: str, label: str) -> dict[str, float]:
+    out: dict[str, float] = {}
+    for key, value in metrics.items():
+        if key.split("{", 1)[0] != f"{name}_total" or "{" not in key:
+            continue
+        labels = dict(kv.split("=", 1) for kv in key[key.index("{") + 1 : -1].split(","))
+        if label in labels:
+            out[labels[label]] = out.get(labels[label], 0.0) + value
+    return out
+
+
+def cluster_facts(cluster: Cluster) -> dict:
+    """GPU-side figures and mechanism counters, scraped from the services' /metrics.
+
+    Returns ``{"gpu": {...}, "per_function": {fn: {...}}, "mechanism": {...}}`` with the fields
+    DESIGN.md section 8 defines (fragmentations as time-weighted means over active GPUs).
+    """
+    node = cluster.metrics("node_agent")
+    prof = cluster.metrics("profiler")
+    hs = cluster.metrics("horizontal_scaler")
+    active = _sum(node, "dilu_active_gpu_seconds")
+    gpu = {
+        "active_gpu_seconds": active,
+        "allocation_fragmentation": _sum(node, "dilu_allocation_frag_gpu_seconds") / active if active else 0.0,
+        "idle_fragmentation": _sum(node, "dilu_idle_frag_gpu_seconds") / active if active else 0.0,
+    }
+    per_function: dict[str, dict] = {}
+    for fn, q in _by_label(node, "dilu_quota_seconds", "function").items():
+        per_function.setdefault(fn, {})["quota_seconds"] = q
+    for fn, n in _by_label(node, "dilu_instance_launches", "function").items():
+        per_function.setdefault(fn, {})["instance_launches"] = int(n)
+    mechanism = {
+        "profiler_trials": int(_sum(prof, "dilu_profiler_trials")),
+        "grant_changes": int(_sum(node, "dilu_grant_changes")),
+        "token_wait_ms": round(_sum(node, "dilu_token_wait_ms"), 3),
+        "scale_outs": int(_sum(hs, "dilu_scale_outs")),
+        "retirements": int(_sum(hs, "dilu_retirements")),
+        "scale_to_zero": int(_sum(hs, "dilu_scale_to_zero")),
+    }
+    return {"gpu": gpu, "per_function": per_function, "mechanism": mechanism}

@@ -1,0 +1,121 @@
+"""The model catalogue and the emulated GPU's timing, read from measured surfaces only.
+
+Latency L(b, w) of a batch of b requests at SM width w (fraction 0..1) is interpolated bilinearly
+on the A100 MPS surfaces in ``surfaces/a100-mps/`` (Dilu authors' measurements; see
+``surfaces/ATTRIBUTION.md``). Outside the measured widths (w < 0.1) latency scales as 1/w from the
+narrowest measured width; batches above 32 scale linearly from batch 32.
+
+Documented constants (the sources of the defaults):
+- memory: parameters x 2 bytes (fp16 weights) + ``MEMORY_FIXED_BYTES`` (CUDA context, allocator
+  pools, cuDNN/cuBLAS workspaces: about 1.5 GiB on an A100 under PyTorch) + ``MEMORY_ACTIVATION_FRACTION``
+  of the weights for activations and the KV cache at the profiled batch;
+- cold start: weights / ``LOAD_BANDWIDTH_BYTES_PER_S`` (4 GB/s: host page cache to device over
+  PCIe 4.0 x16 including deserialisation, the middle of the 2-12 GB/s seen for torch.load + .cuda()),
+  plus process start, which the instance pays for real;
+- SLO: 5 x the request latency at batch 1 on a full GPU (the project's default).
+"""
+from __future__ import annotations
+
+import csv
+from dataclasses import dataclass
+from functools import lru_cache
+from pathlib import Path
+
+import numpy as np
+
+SURFACES = Path(__file__).parent / "surfaces"
+MEMORY_FIXED_BYTES = int(1.5 * 2**30)
+MEMORY_ACTIVATION_FRACTION = 0.2
+LOAD_BANDWIDTH_BYTES_PER_S = 4e9
+DEFAULT_SLO_FACTOR = 5.0
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """One emulated model. ``steps_per_request``: decode steps per request (32 generated tokens
+    for LLaMA2, whose surface latency is per token); ``kernels_per_step``: kernels replayed per step."""
+
+    name: str
+    params: int
+    surface: str
+    steps_per_request: int = 1
+    kernels_per_step: int = 8
+
+
+MODELS: dict[str, ModelSpec] = {
+    "bert_base": ModelSpec("bert_base", 110_000_000, "a100-mps/bert_base.csv", kernels_per_step=12),
+    "gpt2_large": ModelSpec("gpt2_large", 774_000_000, "a100-mps/gpt2_large.csv", kernels_per_step=12),
+    "llama2": ModelSpec("llama2", 6_740_000_000, "a100-mps/llama2.csv", steps_per_request=32, kernels_per_step=4),
+    "resnet152": ModelSpec("resnet152", 60_200_000, "a100-mps/resnet152.csv", kernels_per_step=10),
+}
+
+
+def spec(model: str) -> ModelSpec:
+    """The catalogue entry; KeyError names the known models."""
+    try:
+        return MODELS[model]
+    except KeyError:
+        raise KeyError(f"unknown model {model!r}; known: {', '.join(sorted(MODELS))}") from None
+
+
+@lru_cache(maxsize=None)
+def _grid(model: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(batches, widths 0..1, step latency ms [batch x width]) from the model's surface CSV."""
+    path = SURFACES / spec(model).surface
+    rows = list(csv.DictReader(path.open()))
+    batches = np.array(sorted({float(r["batch"]) for r in rows}))
+    widths = np.array(sorted({float(r["sm_percent"]) / 100.0 for r in rows}))
+    lat = np.full((len(batches), len(widths)), np.nan)
+    for r in rows:
+        i = int(np.searchsorted(batches, float(r["batch"])))
+        j = int(np.searchsorted(widths, float(r["sm_percent"]) / 100.0))
+        lat[i, j] = float(r["latency_s"]) * 1000.0
+    if np.isnan(lat).any():
+        raise ValueError(f"{path}: surface has holes (every batch x sm_percent must be measured)")
+    return batches, widths, lat
+
+
+def step_latency_ms(model: str, batch: int, width: float) -> float:
+    """Latency (ms) of one step of a batch of ``batch`` at SM width ``width`` (0 < width <= 1)."""
+    if batch < 1 or not 0 < width <= 1.0 + 1e-9:
+        raise ValueError(f"batch must be >= 1 and width in (0, 1], got batch={batch} width={width}")
+    batches, widths, lat = _grid(model)
+    w = min(max(width, widths[0]), widths[-1])
+    b = min(float(batch), batches[-1])
+    per_b = np.array([np.interp(w, widths, lat[i]) for i in range(len(batches))])
+    value = float(np.interp(b, batches, per_b))
+    if batch > batches[-1]:
+        value *= batch / batches[-1]
+    if width < widths[0]:
+        value *= widths[0] / width
+    return value
+
+
+def latency_ms(model: str, batch: int, width: float) -> float:
+    """Latency (ms) of a whole batch of requests: steps x step latency."""
+    return spec(model).steps_per_request * step_latency_ms(model, batch, width)
+
+
+def throughput_rps(model: str, batch: int, width: float) -> float:
+    """Requests per second of back-to-back batches at ``width``."""
+    return batch / latency_ms(model, batch, width) * 1000.0
+
+
+def default_slo_ms(model: str) -> float:
+    """5 x the request latency at batch 1 on a full GPU."""
+    return DEFAULT_SLO_FACTOR * latency_ms(model, 1, 1.0)
+
+
+def weight_bytes(model: str) -> int:
+    return spec(model).params * 2
+
+
+def memory_bytes(model: str) -> int:
+    """GPU memory one instance needs (bytes): fp16 weights + fixed + activation allowance."""
+    w = weight_bytes(model)
+    return int(w + MEMORY_FIXED_BYTES + MEMORY_ACTIVATION_FRACTION * w)
+
+
+def cold_start_ms(model: str) -> float:
+    """Weight-load time (ms) of a fresh instance at the documented load bandwidth."""
+    return weight_bytes(model) / LOAD_BANDWIDTH_BYTES_PER_S * 1000.0

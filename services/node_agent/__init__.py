@@ -1,0 +1,1 @@
+"""The node agent: instances, control blocks, telemetry, grants, profiling trials."""

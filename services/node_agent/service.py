@@ -1,0 +1,406 @@
+"""The node agent: runs instances on its GPUs, owns their control blocks, publishes telemetry.
+
+- Watches the placement table (JetStream KV ``dilu-placement``, the single source of truth) and
+  launches, drains and retires the instances placed on this node.
+- Creates each instance's control block (request quota as the fail-safe rate, width fixed at
+  launch) and launches the instance process under the interceptor on the node's (emulated) GPU.
+- Samples every block every ``sample_ms``: heartbeats it, detects kernel-cycle stretch and
+  publishes :class:`KernelCycleStretch` at once; every ``telemetry_ms`` publishes one
+  :class:`GpuTelemetry` per GPU and advances the GPU-cost integrals (exported as Prometheus
+  counters, which the demo's report reads).
+- Writes each :class:`TokenGrant` from the vertical scaler into the instance's block.
+- Serves profiling trials (``dilu.v1.node.trial.<node>``) on a trial worker under the interceptor.
+"""
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import sys
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from nats.js.api import KeyValueConfig
+from nats.js.errors import BucketNotFoundError
+from prometheus_client import Counter, Gauge
+
+from dilu.contracts import MalformedEvent, decode, subjects
+from dilu.contracts import events as ev
+from dilu.services.common import logging as dlog
+from dilu.services.common.bus import Bus
+from dilu.services.common.metrics import MALFORMED
+
+from .accounting import Counters, GpuCost, Slot, stretch, window_use
+
+LAUNCHES = Counter("dilu_instance_launches", "Instances launched", ["function"])
+GRANT_CHANGES = Counter("dilu_grant_changes", "TokenGrants that changed an instance's quota")
+TOKEN_WAIT_MS = Counter("dilu_token_wait_ms", "Time kernel launches waited for tokens (ms, summed)")
+ACTIVE_GPU_S = Counter("dilu_active_gpu_seconds", "Seconds of GPUs holding at least one instance")
+ALLOC_FRAG_S = Counter("dilu_allocation_frag_gpu_seconds", "Integral of (1 - sum request quotas) over active GPUs")
+IDLE_FRAG_S = Counter("dilu_idle_frag_gpu_seconds", "Integral of (1 - sum SM-time shares) over active GPUs")
+QUOTA_S = Counter("dilu_quota_seconds", "Integral of granted quota over time", ["function"])
+STRETCHES = Counter("dilu_kernel_cycle_stretches", "Kernel-cycle stretch events published")
+INSTANCES = Gauge("dilu_instances", "Instances on this node", ["state"])
+
+READY_TIMEOUT_S = 180.0
+DRAIN_TIMEOUT_S = 25.0
+
+
+@dataclass
+class Gpu:
+    """One (emulated) GPU of this node. ``name`` keys the fake driver's shared device timeline."""
+
+    index: int
+    name: str
+    memory_bytes: int
+    sms: int
+
+
+@dataclass
+class ManagedInstance:
+    placement: ev.Placement
+    state: str = "launching"  # launching -> ready -> draining -> gone
+    proc: asyncio.subprocess.Process | None = None
+    cb: object | None = None
+    cb_path: str = ""
+    quota: float = 0.0
+    launched_ns: int = 0
+    last: Counters | None = None
+    window_start: Counters | None = None
+    tasks: list[asyncio.Task] = field(default_factory=list)
+
+
+class NodeAgent:
+    """The node agent service (see module doc). ``gpus`` = 0 means a CPU node (torch handlers)."""
+
+    name = "node_agent"
+
+    def __init__(
+        self,
+        node: str = "node0",
+        gpus: int = 4,
+        gpu_memory_gb: float = 40.0,
+        sms: int = 108,
+        sample_ms: float = 10.0,
+        telemetry_ms: float = 250.0,
+        initial_grant: str = "request",
+        nats_url: str = "nats://127.0.0.1:4222",
+    ) -> None:
+        self.node = node
+        self.nats_url = nats_url
+        self.cpu = gpus == 0
+        run = uuid.uuid4().hex[:8]
+        count = 1 if self.cpu else gpus
+        self.gpus = [Gpu(i, f"dilu-{subjects.token(node)}-{run}-g{i}", int(gpu_memory_gb * 2**30), sms) for i in range(count)]
+        self.sample_s = sample_ms / 1000.0
+        self.telemetry_every = max(1, round(telemetry_ms / sample_ms))
+        self.initial_grant = initial_grant
+        self.instances: dict[str, ManagedInstance] = {}
+        self.cost = GpuCost()
+        self.bus: Bus | None = None
+        self.log = dlog.get(self.name).bind(node=node)
+        self._tasks: list[asyncio.Task] = []
+        self._watcher = None
+        self._stopping = False
+        self._trial = None
+        self._trial_lock = asyncio.Lock()
+        self._started = False
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def ready(self) -> bool:
+        return self._started and not self._stopping
+
+    async def start(self, bus: Bus) -> None:
+        self.bus = bus
+        if not self.cpu:
+            from dilu.interceptor import native
+
+            await asyncio.to_thread(native.build)
+        await bus.subscribe(f"{subjects.PREFIX}.grant.issued.{subjects.token(self.node)}.*", ev.TokenGrant, self._on_grant)
+        await bus.serve(subjects.node_trial(self.node), ev.TrialRequest, self._on_trial)
+        kv = await self._placement_bucket()
+        self._watcher = await kv.watchall()
+        self._tasks.append(asyncio.create_task(self._watch_placements()))
+        self._tasks.append(asyncio.create_task(self._sample_loop()))
+        self._started = True
+        self.log.info("node agent started", gpus=[g.name for g in self.gpus])
+
+    async def stop(self) -> None:
+        """Drain and retire every instance, then stop the loops (the runner drains NATS after)."""
+        self._stopping = True
+        if self._watcher is not None:
+            try:
+                await self._watcher.stop()
+            except Exception:
+                pass
+        await asyncio.gather(*(self._retire(i, "node stopping") for i in list(self.instances.values())), return_exceptions=True)
+        for t in self._tasks:
+            t.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        if self._trial is not None:
+            await self._trial.close()
+        if not self.cpu:
+            from dilu.interceptor import timeline
+
+            for g in self.gpus:
+                timeline.unlink_gpu(g.name)
+
+    async def _placement_bucket(self):
+        js = self.bus.js
+        try:
+            return await js.key_value(subjects.PLACEMENT_BUCKET)
+        except BucketNotFoundError:
+            try:
+                return await js.create_key_value(KeyValueConfig(bucket=subjects.PLACEMENT_BUCKET, history=5))
+            except Exception:  # created concurrently by the scheduler: bind to it
+                return await js.key_value(subjects.PLACEMENT_BUCKET)
+
+    # ------------------------------------------------------------------ placements
+
+    async def _watch_placements(self) -> None:
+        async for entry in self._watcher:
+            if entry is None:  # end of the initial values
+                continue
+            try:
+                await self._on_entry(entry)
+            except Exception as exc:
+                self.log.error("placement entry failed", key=entry.key, error=repr(exc))
+
+    async def _on_entry(self, entry) -> None:
+        if entry.operation in ("DEL", "PURGE"):
+            inst = self.instances.get(entry.key)
+            if inst is not None:
+                await self._retire(inst, "placement removed")
+            return
+        try:
+            placement = decode(entry.value, ev.Placement)
+        except MalformedEvent as exc:
+            MALFORMED.labels(self.name, f"kv:{subjects.PLACEMENT_BUCKET}").inc()
+            self.log.warning("malformed placement rejected", key=entry.key, reason=str(exc))
+            return
+        if placement.node != self.node:
+            return
+        inst = self.instances.get(placement.instance_id)
+        if placement.draining:
+            if inst is not None:
+                asyncio.create_task(self._retire(inst, "drained by scheduler"))
+            return
+        if inst is None and not self._stopping:
+            if not 0 <= placement.gpu < len(self.gpus):
+                self.log.warning("placement names a GPU this node lacks", instance=placement.instance_id, gpu=placement.gpu)
+                return
+            await self._launch(placement)
+
+    async def _launch(self, p: ev.Placement) -> None:
+        inst = ManagedInstance(placement=p, launched_ns=time.time_ns())
+        self.instances[p.instance_id] = inst
+        quota = p.request_quota if self.initial_grant == "request" else p.limit_quota
+        gpu = self.gpus[p.gpu]
+        env = dict(os.environ)
+        device = "cpu" if self.cpu else "emulated"
+        if not self.cpu:
+            from dilu.interceptor import native
+            from dilu.interceptor.control_block import ControlBlock
+
+            inst.cb_path = f"/dev/shm/dilu-cb-{subjects.token(self.node)}-{subjects.token(p.instance_id)}"
+            inst.cb = ControlBlock.create(inst.cb_path, p.instance_id, request_quota=p.request_quota, width=p.width)
+            inst.cb.write_grant(quota)
+            env.update(native.instance_env(inst.cb_path, gpu_name=gpu.name, width=p.width,
+                                           request_quota=p.request_quota, sms=gpu.sms))
+        inst.quota = quota
+        args = [
+            sys.executable, "-m", "dilu.services.node_agent.instance",
+            "--instance-id", p.instance_id, "--function", p.function, "--model", p.model or "none",
+            "--handler", p.handler or "dilu.services.node_agent.handlers.emulated",
+            "--batch-size", str(max(1, p.batch_size)), "--width", f"{max(0.01, min(1.0, p.width)):.4f}",
+            "--device", device, "--nats-url", self.nats_url,
+        ]
+        if inst.cb_path:
+            args += ["--cb", inst.cb_path]
+        # same process group as the agent: whoever stops the agent's group stops its instances too
+        inst.proc = await asyncio.create_subprocess_exec(*args, env=env, stdout=asyncio.subprocess.PIPE)
+        LAUNCHES.labels(p.function).inc()
+        await self._publish_instance("launched", ev.InstanceLaunched(
+            instance_id=p.instance_id, function=p.function, node=self.node, gpu=p.gpu, pid=inst.proc.pid))
+        inst.tasks.append(asyncio.create_task(self._await_ready(inst)))
+        self.log.info("instance launched", instance=p.instance_id, function=p.function, gpu=p.gpu, quota=quota, width=p.width)
+
+    async def _await_ready(self, inst: ManagedInstance) -> None:
+        proc, p = inst.proc, inst.placement
+        try:
+            while True:
+                line = await asyncio.wait_for(proc.stdout.readline(), timeout=READY_TIMEOUT_S)
+                if not line:
+                    break
+                if line.strip() == b"READY":
+                    inst.state = "ready" if inst.state == "launching" else inst.state
+                    cold_ms = (time.time_ns() - inst.launched_ns) / 1e6
+                    await self._publish_instance("ready", ev.InstanceReady(
+                        instance_id=p.instance_id, function=p.function, node=self.node, gpu=p.gpu, cold_start_ms=cold_ms))
+                    self.log.info("instance ready", instance=p.instance_id, cold_start_ms=round(cold_ms, 1))
+                    break
+        except asyncio.TimeoutError:
+            self.log.error("instance not ready in time; retiring", instance=p.instance_id)
+        # keep reading stdout so the pipe never blocks the instance, until it exits
+        while proc.stdout and await proc.stdout.readline():
+            pass
+        code = await proc.wait()
+        if inst.state != "draining" and not self._stopping:
+            self.log.warning("instance exited unexpectedly", instance=p.instance_id, exit_code=code)
+            await self._finish(inst, "crashed", code)
+
+    async def _retire(self, inst: ManagedInstance, reason: str) -> None:
+        """Drain: SIGTERM (the instance finishes its batch and stops pulling), SIGKILL after
+        ``DRAIN_TIMEOUT_S``; then publish InstanceRetired and remove the block."""
+        if inst.state in ("draining", "gone"):
+            return
+        inst.state = "draining"
+        proc = inst.proc
+        code = 0
+        if proc is not None and proc.returncode is None:
+            try:
+                proc.send_signal(signal.SIGTERM)
+                code = await asyncio.wait_for(proc.wait(), timeout=DRAIN_TIMEOUT_S)
+            except asyncio.TimeoutError:
+                proc.kill()
+                code = await proc.wait()
+            except ProcessLookupError:
+                pass
+        await self._finish(inst, reason, code if code is not None else 0)
+
+    async def _finish(self, inst: ManagedInstance, reason: str, code: int) -> None:
+        if inst.state == "gone":
+            return
+        inst.state = "gone"
+        p = inst.placement
+        self.instances.pop(p.instance_id, None)
+        if inst.cb is not None:
+            inst.cb.close()
+            try:
+                Path(inst.cb_path).unlink()
+            except FileNotFoundError:
+                pass
+            inst.cb = None
+        await self._publish_instance("retired", ev.InstanceRetired(
+            instance_id=p.instance_id, function=p.function, node=self.node, gpu=p.gpu, reason=reason, exit_code=code or 0))
+        self.log.info("instance retired", instance=p.instance_id, reason=reason, exit_code=code)
+
+    async def _publish_instance(self, state: str, event: ev.InstanceEvent) -> None:
+        if self.bus and self.bus.nc.is_connected:
+            await self.bus.publish(subjects.instance_state(state, self.node), event)
+
+    # ------------------------------------------------------------------ grants
+
+    async def _on_grant(self, grant: ev.TokenGrant, _msg) -> None:
+        inst = self.instances.get(grant.instance_id)
+        if inst is None or inst.cb is None or inst.state == "gone":
+            return
+        if not 0.0 < grant.quota <= 1.0:
+            raise ValueError(f"grant quota {grant.quota} outside (0, 1]")
+        if abs(grant.quota - inst.quota) > 1e-6:
+            GRANT_CHANGES.inc()
+        inst.cb.write_grant(grant.quota)
+        inst.quota = grant.quota
+
+    # ------------------------------------------------------------------ sampling
+
+    def _counters(self, inst: ManagedInstance, now_ns: int) -> Counters | None:
+        if inst.cb is None:
+            return None
+        s = inst.cb.snapshot()
+        return Counters(at_ns=now_ns, busy_us=s.busy_us, wait_us=s.wait_us, launches=s.launches,
+                        cycles=s.cycles, last_cycle_us=s.last_cycle_us, baseline_cycle_us=s.baseline_cycle_us)
+
+    async def _sample_loop(self) -> None:
+        tick = 0
+        last_window_ns = time.monotonic_ns()
+        while True:
+            await asyncio.sleep(self.sample_s)
+            tick += 1
+            now = time.monotonic_ns()
+            for inst in list(self.instances.values()):
+                try:
+                    await self._sample(inst, now)
+                except Exception as exc:  # one bad block must not stop telemetry for the others
+                    self.log.warning("sample failed", instance=inst.placement.instance_id, error=repr(exc))
+            if tick % self.telemetry_every == 0:
+                await self._publish_window((now - last_window_ns) / 1e9)
+                last_window_ns = now
+
+    async def _sample(self, inst: ManagedInstance, now: int) -> None:
+        if inst.cb is None or inst.state == "gone":
+            return
+        inst.cb.heartbeat()
+        cur = self._counters(inst, now)
+        if inst.last is not None:
+            r = stretch(inst.last, cur)
+            if r is not None and inst.state == "ready":
+                STRETCHES.inc()
+                p = inst.placement
+                await self.bus.publish(subjects.kernel_cycle_stretch(self.node, p.gpu), ev.KernelCycleStretch(
+                    node=self.node, gpu=p.gpu, instance_id=p.instance_id, function=p.function,
+                    span_us=cur.last_cycle_us, baseline_us=cur.baseline_cycle_us, ratio=r, detected_ns=time.time_ns()))
+        inst.last = cur
+        if inst.window_start is None:
+            inst.window_start = cur
+
+    async def _publish_window(self, dt_s: float) -> None:
+        per_gpu: list[list[Slot]] = [[] for _ in self.gpus]
+        per_gpu_tel: list[list[ev.InstanceTelemetry]] = [[] for _ in self.gpus]
+        states = {"launching": 0, "ready": 0, "draining": 0}
+        for inst in list(self.instances.values()):
+            p = inst.placement
+            states[inst.state] = states.get(inst.state, 0) + 1
+            use_share, wait_us, tel = 0.0, 0, None
+            if inst.last is not None and inst.window_start is not None:
+                use = window_use(inst.window_start, inst.last)
+                use_share, wait_us = use.busy_share, use.wait_us
+                snap = inst.cb.snapshot() if inst.cb is not None else None
+                tel = ev.InstanceTelemetry(
+                    instance_id=p.instance_id, function=p.function, priority=p.priority, quota=inst.quota,
+                    request_quota=p.request_quota, limit_quota=p.limit_quota, width=p.width,
+                    busy_share=use.busy_share, sm_time_share=use.busy_share * p.width,
+                    launches_total=inst.last.launches, busy_us_total=inst.last.busy_us,
+                    wait_us_total=inst.last.wait_us, wait_us=use.wait_us, cycles_total=inst.last.cycles,
+                    last_cycle_us=inst.last.last_cycle_us, baseline_cycle_us=inst.last.baseline_cycle_us,
+                    slo_ms=p.slo_ms, latency_ms_recent=(snap.latency_us_ewma / 1000.0) if snap else 0.0,
+                    queue_depth=snap.queue_depth if snap else 0)
+                inst.window_start = inst.last
+            TOKEN_WAIT_MS.inc(wait_us / 1000.0)
+            per_gpu[p.gpu].append(Slot(p.function, p.request_quota, inst.quota, use_share * p.width))
+            if tel is not None and inst.state == "ready":
+                per_gpu_tel[p.gpu].append(tel)
+        before = (self.cost.active_gpu_seconds, self.cost.allocation_frag_seconds, self.cost.idle_frag_seconds,
+                  dict(self.cost.quota_seconds))
+        self.cost.advance(dt_s, per_gpu)
+        ACTIVE_GPU_S.inc(self.cost.active_gpu_seconds - before[0])
+        ALLOC_FRAG_S.inc(self.cost.allocation_frag_seconds - before[1])
+        IDLE_FRAG_S.inc(self.cost.idle_frag_seconds - before[2])
+        for fn, q in self.cost.quota_seconds.items():
+            QUOTA_S.labels(fn).inc(q - before[3].get(fn, 0.0))
+        for state, n in states.items():
+            INSTANCES.labels(state).set(n)
+        for g in self.gpus:
+            if per_gpu_tel[g.index]:
+                await self.bus.publish(subjects.telemetry_gpu(self.node, g.index), ev.GpuTelemetry(
+                    node=self.node, gpu=g.index, window_ms=dt_s * 1000.0, instances=per_gpu_tel[g.index]))
+
+    # ------------------------------------------------------------------ profiling trials
+
+    async def _on_trial(self, req: ev.TrialRequest, _msg) -> ev.TrialReply:
+        if req.batch < 1 or not 0.0 < req.quota <= 1.0 or req.repeats < 1:
+            return ev.TrialReply(ok=False, error=f"need batch >= 1, 0 < quota <= 1, repeats >= 1; got {req}")
+        if self.cpu:
+            return ev.TrialReply(ok=False, error="this node has no GPU to run trials on")
+        from .trial import TrialWorker
+
+        async with self._trial_lock:
+            if self._trial is None:
+                gpu = self.gpus[req.gpu] if 0 <= req.gpu < len(self.gpus) else self.gpus[-1]
+                self._trial = TrialWorker(self.node, gpu.name, gpu.sms)
+                await self._trial.start()
+            return await self._trial.run(req)
+

@@ -1,0 +1,103 @@
+"""Profiling trials on an emulated GPU, run by a long-lived worker process under the interceptor.
+
+The node agent keeps one trial worker (``python -m dilu.services.node_agent.trial``) with its own
+control block at a full grant; each trial replays ``repeats`` batches of the model at the width
+under test (after one warm-up batch) and answers mean and p99 (max of the repeats) batch latency.
+Trials run at grant = width = quota, the setting the A100 MPS surfaces were measured at.
+Requests and answers are JSON lines over the worker's stdin/stdout.
+"""
+from __future__ import annotations
+
+import asyncio
+import os
+import sys
+import uuid
+from pathlib import Path
+
+import msgspec
+
+from dilu.contracts import events as ev
+
+TRIAL_TIMEOUT_S = 60.0
+
+
+class TrialWorker:
+    """Owns the trial worker process and its control block (node-agent side)."""
+
+    def __init__(self, node: str, gpu_name: str, sms: int) -> None:
+        self.gpu_name = gpu_name
+        self.sms = sms
+        self.cb_path = f"/dev/shm/dilu-cb-trial-{node}-{uuid.uuid4().hex[:8]}"
+        self.cb = None
+        self.proc: asyncio.subprocess.Process | None = None
+
+    async def start(self) -> None:
+        from dilu.interceptor import native
+        from dilu.interceptor.control_block import ControlBlock
+
+        self.cb = ControlBlock.create(self.cb_path, "trial", request_quota=1.0, width=1.0)
+        self.cb.write_grant(1.0)
+        env = dict(os.environ)
+        env.update(native.instance_env(self.cb_path, gpu_name=self.gpu_name, width=1.0, request_quota=1.0, sms=self.sms))
+        self.proc = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "dilu.services.node_agent.trial", env=env,
+            stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE)
+
+    async def run(self, req: ev.TrialRequest) -> ev.TrialReply:
+        if self.proc is None or self.proc.returncode is not None:
+            return ev.TrialReply(ok=False, error="trial worker is not running")
+        self.cb.heartbeat()
+        self.proc.stdin.write(msgspec.json.encode(req) + b"\n")
+        await self.proc.stdin.drain()
+        try:
+            line = await asyncio.wait_for(self.proc.stdout.readline(), timeout=TRIAL_TIMEOUT_S)
+        except asyncio.TimeoutError:
+            return ev.TrialReply(ok=False, error=f"trial took over {TRIAL_TIMEOUT_S} s")
+        if not line:
+            return ev.TrialReply(ok=False, error="trial worker exited")
+        return msgspec.json.decode(line, type=ev.TrialReply)
+
+    async def close(self) -> None:
+        if self.proc is not None and self.proc.returncode is None:
+            self.proc.stdin.close()
+            try:
+                await asyncio.wait_for(self.proc.wait(), timeout=5)
+            except asyncio.TimeoutError:
+                self.proc.kill()
+                await self.proc.wait()
+        if self.cb is not None:
+            self.cb.close()
+            Path(self.cb_path).unlink(missing_ok=True)
+
+
+def _serve() -> None:
+    """Worker side: JSON TrialRequest lines in, TrialReply lines out, until stdin closes."""
+    import time
+
+    from dilu.services.common import models
+
+    from .handlers import HandlerContext
+    from .handlers import emulated
+
+    loaded: dict[str, emulated.EmulatedModel] = {}
+    for line in sys.stdin:
+        try:
+            req = msgspec.json.decode(line, type=ev.TrialRequest)
+            m = loaded.get(req.model)
+            if m is None:
+                models.spec(req.model)
+                m = loaded[req.model] = emulated.load_kernels(
+                    HandlerContext(instance_id="trial", function="trial", model=req.model, batch_size=req.batch))
+            emulated.run_batch(m, req.batch, req.quota)  # warm-up
+            lats = sorted(emulated.run_batch(m, req.batch, req.quota) for _ in range(req.repeats))
+            mean = sum(lats) / len(lats)
+            reply = ev.TrialReply(ok=True, latency_ms_mean=mean, latency_ms_p99=lats[-1],
+                                  throughput_rps=req.batch / mean * 1000.0, ts_ns=time.time_ns())
+        except Exception as exc:  # answer every request, even a bad one
+            reply = ev.TrialReply(ok=False, error=f"{type(exc).__name__}: {exc}")
+        sys.stdout.write(msgspec.json.encode(reply).decode() + "\n")
+        sys.stdout.flush()
+
+
+if __name__ == "__main__":
+    _serve()
