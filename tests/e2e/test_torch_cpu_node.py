@@ -1,0 +1,49 @@
+"""A user's real torch handler serves inferences through the whole NATS path on a CPU node:
+loadgen client -> JetStream work queue -> instance launched by the node agent from the
+scheduler's placement table -> handler -> reply to the caller's inbox."""
+import asyncio
+import time
+
+import nats
+import pytest
+
+from dilu.cli.cluster import Cluster
+from dilu.contracts import encode, subjects
+from dilu.contracts import events as ev
+from dilu.services.common.invoke import InvokeClient
+from dilu.services.common.workqueue import ensure_consumer, ensure_stream
+
+pytestmark = [pytest.mark.nats, pytest.mark.slow]
+
+
+async def test_torch_handler_serves_real_inferences(tmp_path):
+    cluster = Cluster(log_dir=tmp_path / "logs", gpus="cpu")
+    await asyncio.to_thread(cluster.start)
+    try:
+        nc = await nats.connect(cluster.url)
+        js = nc.jetstream()
+        await ensure_stream(js)
+        await ensure_consumer(js, "cnn")
+        spec = ev.FunctionSpec(name="cnn", model="tiny_cnn", slo_ms=2000, memory_bytes=2**28,
+                               handler="dilu.services.node_agent.handlers.torch_cnn", max_batch=4)
+        await nc.publish(subjects.function_deployed("cnn"), encode(ev.FunctionDeployed(spec=spec)))
+        # a CPU node has no GPU to profile on: the operator supplies the profile
+        profile = ev.Profile(function="cnn", request_quota=0.5, limit_quota=1.0, batch_size=4, backend="operator")
+        await nc.publish(subjects.profile_ready("cnn"), encode(ev.ProfileReady(profile=profile)))
+        await nc.flush()
+        await asyncio.sleep(0.5)
+        reply = await nc.request(subjects.SCHEDULER_PLACE, encode(ev.PlaceRequest(function="cnn")), timeout=10)
+        assert b'"ok":true' in reply.data, reply.data
+
+        client = InvokeClient(nc, js)
+        await client.start()
+        now = time.time_ns()
+        results = await asyncio.gather(*(
+            client.invoke("cnn", b"x" * i, request_id=f"r{i}", scheduled_ns=now, timeout_s=60) for i in range(1, 13)))
+        await client.close()
+        assert [r.status for r in results] == ["ok"] * 12, [r.error for r in results]
+        # the first requests waited for the instance's launch: they are cold starts
+        assert any(r.cold_start for r in results)
+        await nc.drain()
+    finally:
+        await asyncio.to_thread(cluster.stop)
