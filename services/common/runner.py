@@ -7,6 +7,7 @@ SIGINT and SIGTERM (or the injectable ``shutdown`` event, for tests) stop it: ``
 from __future__ import annotations
 
 import asyncio
+import os
 import signal
 from typing import Protocol
 
@@ -43,7 +44,9 @@ async def serve(
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, shutdown.set)
     bus = await Bus.connect(nats_url, service.name)
-    health = HealthServer(lambda: bus.ready and service.ready(), port=metrics_port)
+    # loopback by default; deployments set DILU_METRICS_HOST (e.g. 0.0.0.0) for remote checks
+    host = os.environ.get("DILU_METRICS_HOST", "127.0.0.1")
+    health = HealthServer(lambda: bus.ready and service.ready(), host=host, port=metrics_port)
     health.start()
     try:
         await service.start(bus)
