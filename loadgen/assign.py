@@ -123,3 +123,28 @@ def surface_capacity(perf_dir: str | Path, *, queueing_factor: float = 2.0) -> C
         return cache[model]
 
     return capacity_rps
+
+
+def catalogue_capacity(
+    latency_ms: Callable[[str, int, float], float],
+    default_slo_ms: Callable[[str], float],
+    *,
+    batches: Iterable[int] = (1, 2, 4, 8, 16, 32),
+    queueing_factor: float = 2.0,
+) -> Callable[[str], float]:
+    """``capacity_rps(model)`` from a model catalogue: ``latency_ms(model, batch, sm_percent)``
+    (request latency of a batch on ``sm_percent`` % of the SMs) and ``default_slo_ms(model)``.
+
+    Same rule as :func:`surface_capacity`: the best ``batch / latency`` at 100 % SMs over
+    ``batches`` whose latency is at most ``SLO / queueing_factor``; batch 1 always counts, so a
+    model whose batch-1 latency alone misses that budget still gets its batch-1 throughput.
+    """
+    sizes = sorted(set(batches) | {1})
+
+    def capacity_rps(model: str) -> float:
+        budget = default_slo_ms(model) / queueing_factor
+        rates = [1000.0 * b / latency_ms(model, b, 100.0) for b in sizes
+                 if b == 1 or latency_ms(model, b, 100.0) <= budget]
+        return max(rates)
+
+    return capacity_rps

@@ -231,3 +231,30 @@ def _unique_names(hashes: list[str]) -> list[str]:
         used[base] = used.get(base, 0) + 1
         names.append(base if used[base] == 1 else f"{base}-{used[base]}")
     return names
+
+
+def write_trace(
+    directory: str | Path,
+    counts: dict[str, list[int] | tuple[int, ...]],
+    *,
+    first_minute: int = 1,
+    trigger: str = "http",
+) -> Path:
+    """Write a synthetic trace in the Azure Functions 2019 format (``invocations.csv`` only).
+
+    ``counts`` maps a HashFunction to its per-minute counts (all the same length, >= 1 minute);
+    owner and app hashes are derived from it. Returns the directory. Useful to build small
+    traces with known answers (tests, examples). Raises ValueError on ragged or empty counts.
+    """
+    lengths = {len(c) for c in counts.values()}
+    if len(lengths) != 1 or 0 in lengths:
+        raise ValueError("every function needs the same, non-zero number of minutes")
+    root = Path(directory)
+    root.mkdir(parents=True, exist_ok=True)
+    (n,) = lengths
+    with (root / INVOCATIONS).open("w", newline="", encoding="utf-8") as fh:
+        writer = csv.writer(fh)
+        writer.writerow([*KEY_COLUMNS, *range(first_minute, first_minute + n)])
+        for fn, row in counts.items():
+            writer.writerow([f"owner-{fn}", f"app-{fn}", fn, trigger, *row])
+    return root
