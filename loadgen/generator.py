@@ -73,7 +73,8 @@ class RunResult(msgspec.Struct, kw_only=True):
     """The generator's account of a run.
 
     ``records``: one per offered (sent) request, sorted by (scheduled_ns, id); ``wall_s``: wall
-    seconds from the start of the replay until every offered request was answered or given up;
+    seconds from the start of the replay until its planned duration was over and every offered
+    request was answered or given up;
     ``started_unix_ns``: Unix time of the replay start; ``late_sends``: sends more than
     ``late_threshold_ms`` behind schedule; ``max_late_ms``: the worst lateness; ``not_sent``:
     planned invocations never sent because the run was stopped early; ``stopped``: ``stop()``
@@ -147,14 +148,19 @@ class OpenLoopGenerator:
         if self._sender is not None:
             self._sender.cancel()
 
-    async def run(self, invocations: Sequence[Invocation]) -> RunResult:
+    async def run(self, invocations: Sequence[Invocation], *, duration_s: float | None = None) -> RunResult:
         """Replay ``invocations`` (any order; sent in scheduled order) and return the records.
-        Cancelling ``run`` itself cancels every request in flight and re-raises."""
+
+        ``duration_s``: the replay's planned length; after the last send the generator stays
+        until then (an idle tail of the trace is real idle time), then drains. Cancelling
+        ``run`` itself cancels every request in flight and re-raises.
+        """
         plan = sorted(invocations, key=lambda i: (i.scheduled_ns, i.id))
         self._start_ns = self._clock.now_ns()
         self.started_unix_ns = time.time_ns()
+        until_ns = None if duration_s is None else self._start_ns + round(duration_s * 1e9)
         with self._progress_bar(len(plan)) as bar:
-            self._sender = asyncio.create_task(self._send_all(plan, bar))
+            self._sender = asyncio.create_task(self._send_all(plan, bar, until_ns))
             try:
                 await asyncio.wait({self._sender})
                 await self._drain()
@@ -172,7 +178,7 @@ class OpenLoopGenerator:
 
     # ------------------------------------------------------------------------------- internals
 
-    async def _send_all(self, plan: list[Invocation], bar: _Bar) -> None:
+    async def _send_all(self, plan: list[Invocation], bar: _Bar, until_ns: int | None) -> None:
         for inv in plan:
             if self._stopped:
                 return
@@ -188,6 +194,8 @@ class OpenLoopGenerator:
             self._inflight.add(task)
             task.add_done_callback(self._inflight.discard)
             bar.sent(self._late)
+        if until_ns is not None and not self._stopped:
+            await self._clock.sleep_until(until_ns)
 
     async def _one(self, inv: Invocation, sent: int, bar: _Bar) -> None:
         try:

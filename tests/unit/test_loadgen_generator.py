@@ -139,7 +139,7 @@ def test_case10_every_invocation_offered_once_and_accounted(tmp_path):
 
     async def main(loop):
         gen = OpenLoopGenerator(invoke, clock=LoopClock(), request_timeout_s=5.0)
-        return await gen.run(plan.invocations)
+        return await gen.run(plan.invocations, duration_s=plan.duration_s)
 
     result = run_virtual(main)
     ids = Counter(r.id for r in result.records)
@@ -206,3 +206,34 @@ def test_outcome_done_time_is_used_when_given():
 
     result = run_virtual(main)
     assert [r.latency_ns for r in result.records] == [250 * MS, 250 * MS]
+
+
+def test_an_idle_tail_is_waited_out_and_an_empty_replay_still_lasts():
+    async def main(loop):
+        gen = OpenLoopGenerator(single_server(0.1), clock=LoopClock())
+        return await gen.run(steady(1, 3), duration_s=60)  # sends at 0, 1, 2 s; then idle
+
+    result = run_virtual(main)
+    assert len(result.records) == 3 and result.wall_s == pytest.approx(60, abs=1e-6)
+
+    async def empty(loop):
+        gen = OpenLoopGenerator(single_server(0.1), clock=LoopClock())
+        loop.call_later(5, gen.stop)  # stop interrupts the idle wait
+        return await gen.run([], duration_s=60)
+
+    result = run_virtual(empty)
+    assert result.records == [] and result.stopped and result.wall_s == pytest.approx(5, abs=1e-6)
+
+
+def test_progress_bar_reports_sent_and_answered():
+    from rich.console import Console
+
+    console = Console(record=True, width=120, force_terminal=False)
+
+    async def main(loop):
+        return await OpenLoopGenerator(single_server(0.01), clock=LoopClock(), progress=True, console=console).run(steady(10, 2))
+
+    result = run_virtual(main)
+    text = console.export_text()
+    assert len(result.records) == 20
+    assert "replay: sent" in text and "20/20" in text and "late 0" in text
