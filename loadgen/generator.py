@@ -212,6 +212,8 @@ class OpenLoopGenerator:
             raise
         except Exception as exc:  # noqa: BLE001 - any failure of invoke is a failed request, counted
             outcome = Outcome(status="error", detail=f"{type(exc).__name__}: {exc}")
+        if not isinstance(outcome, Outcome):
+            outcome = Outcome(status="error", detail=f"invoke returned {type(outcome).__name__}, not an Outcome")
         self._record(inv, sent, outcome)
         bar.answered()
 

@@ -237,3 +237,19 @@ def test_progress_bar_reports_sent_and_answered():
     text = console.export_text()
     assert len(result.records) == 20
     assert "replay: sent" in text and "20/20" in text and "late 0" in text
+
+
+def test_a_misbehaving_invoke_is_a_counted_failure_never_a_lost_request():
+    async def sloppy(inv):
+        if inv.id == "r0":
+            return None  # not an Outcome
+        if inv.id == "r1":
+            return Outcome(status="weird")  # not a known status
+        raise ValueError("bad payload")
+
+    async def main(loop):
+        return await OpenLoopGenerator(sloppy, clock=LoopClock()).run(steady(1, 3))
+
+    result = run_virtual(main)
+    assert [(r.id, r.status) for r in result.records] == [("r0", "error"), ("r1", "error"), ("r2", "error")]
+    assert "NoneType" in result.records[0].detail and "bad payload" in result.records[2].detail
