@@ -132,10 +132,11 @@ def catalogue_capacity(
     batches: Iterable[int] = (1, 2, 4, 8, 16, 32),
     queueing_factor: float = 2.0,
 ) -> Callable[[str], float]:
-    """``capacity_rps(model)`` from a model catalogue: ``latency_ms(model, batch, sm_percent)``
-    (request latency of a batch on ``sm_percent`` % of the SMs) and ``default_slo_ms(model)``.
+    """``capacity_rps(model)`` from a model catalogue such as ``dilu.services.profiler.models``:
+    ``latency_ms(model, batch, sm_fraction)`` (request latency in ms of a batch alone on a GPU at
+    SM share ``sm_fraction`` 0..1) and ``default_slo_ms(model)``.
 
-    Same rule as :func:`surface_capacity`: the best ``batch / latency`` at 100 % SMs over
+    Same rule as :func:`surface_capacity`: the best ``batch / latency`` on the whole GPU over
     ``batches`` whose latency is at most ``SLO / queueing_factor``; batch 1 always counts, so a
     model whose batch-1 latency alone misses that budget still gets its batch-1 throughput.
     """
@@ -143,8 +144,8 @@ def catalogue_capacity(
 
     def capacity_rps(model: str) -> float:
         budget = default_slo_ms(model) / queueing_factor
-        rates = [1000.0 * b / latency_ms(model, b, 100.0) for b in sizes
-                 if b == 1 or latency_ms(model, b, 100.0) <= budget]
+        rates = [1000.0 * b / latency_ms(model, b, 1.0) for b in sizes
+                 if b == 1 or latency_ms(model, b, 1.0) <= budget]
         return max(rates)
 
     return capacity_rps

@@ -95,8 +95,17 @@ def test_surface_capacity_reports_a_malformed_row(tmp_path):
 
 def test_catalogue_capacity_plugs_a_latency_model_in():
     def latency_ms(model, batch, sm):
-        assert sm == 100.0
+        assert sm == 1.0  # the whole GPU
         return 10.0 + 5.0 * batch  # 15 ms at batch 1
 
     cap = catalogue_capacity(latency_ms, lambda m: 75.0)  # budget 37.5 ms: batches 1, 2, 4 fit
     assert cap("bert_base") == pytest.approx(1000 * 4 / 30.0)
+
+
+def test_catalogue_capacity_with_the_platform_catalogue_when_present():
+    models = pytest.importorskip("dilu.services.profiler.models")
+    cap = catalogue_capacity(models.latency_ms, models.default_slo_ms)
+    got = {m: cap(m) for m in MODELS}
+    # the A100 surfaces: the 7B LLM serves tens of requests/s, ResNet152 hundreds
+    assert got["llama2"] < got["bert_base"] < got["resnet152"]
+    assert 10 < got["llama2"] < 40 and got["resnet152"] > 500
