@@ -23,6 +23,7 @@ import uvloop
 from rich.console import Console
 
 from dilu.loadgen import arrivals, assign, generator, report, trace
+from dilu.services.common import models
 from dilu.services.common.invoke import InvokeClient
 from dilu.services.common.workqueue import ensure_consumer, ensure_stream
 
@@ -30,6 +31,7 @@ from .cluster import POLICIES, Cluster
 from .deploy import cluster_facts, deploy, function_spec
 
 DRAIN_GRACE_S = 20.0  # after the last send, how long answers may still arrive
+REQUEST_TIMEOUT_MIN_S = 30.0  # a request unanswered this long (or 10 x its SLO) counts as timed out
 
 
 @dataclass
@@ -83,11 +85,22 @@ def build_plan(opts: RunOptions, run_id: str):
     tr = trace.read_trace(opts.trace_dir)
     plan = arrivals.plan_replay(tr, seed=opts.seed, duration_s=opts.duration, speedup=opts.speedup,
                                 start_minute=opts.start_minute, functions=opts.functions, id_prefix=f"{run_id}-")
-    chosen = assign.assign_models(plan.functions, seed=opts.seed, speedup=opts.speedup, capacity_rps=assign.catalogue_capacity)
+    capacity = assign.catalogue_capacity(models.latency_ms, models.default_slo_ms)
+    chosen = assign.assign_models(plan.functions, opts.seed, opts.speedup, capacity)
     return plan, chosen
 
 
-async def _replay(opts: RunOptions, cluster: Cluster, plan, chosen: dict[str, str], console: Console, stop: asyncio.Event):
+def run_facts(facts: dict) -> report.RunFacts:
+    """The cluster's scraped counters (:func:`cluster_facts`) as the report's RunFacts."""
+    per_fn = {fn: report.FunctionFacts(instance_launches=f.get("instance_launches", 0),
+                                       quota_seconds=f.get("quota_seconds", 0.0))
+              for fn, f in facts["per_function"].items()}
+    return report.RunFacts(functions=per_fn, mechanism=report.Mechanism(**facts["mechanism"]), **facts["gpu"])
+
+
+async def _replay(opts: RunOptions, cluster: Cluster, plan, chosen: dict[str, str], console: Console,
+                  stop: asyncio.Event):
+    """Deploy, profile, replay; returns (generator result, function specs)."""
     nc = await nats.connect(cluster.url, name="dilu-loadgen", max_reconnect_attempts=-1)
     js = nc.jetstream()
     try:
@@ -95,25 +108,34 @@ async def _replay(opts: RunOptions, cluster: Cluster, plan, chosen: dict[str, st
         specs = [function_spec(f.name, chosen[f.name]) for f in plan.functions]
         for spec in specs:
             await ensure_consumer(js, spec.name)
-        console.print(f"[dim]deploying {len(specs)} functions and profiling them on the emulated GPUs...[/dim]")
-        profiles = await deploy(nc, specs)
-        slo_ms = {s.name: s.slo_ms for s in specs}
+        console.print(f"[dim]deploying {len(specs)} functions; the profiler measures them on the emulated GPUs[/dim]")
+        await deploy(nc, specs)
         client = InvokeClient(nc, js)
         await client.start()
-        timeouts = {s.name: max(30.0, 10 * s.slo_ms / 1000.0) for s in specs}
+        timeouts = {s.name: max(REQUEST_TIMEOUT_MIN_S, 10 * s.slo_ms / 1000.0) for s in specs}
+        gen: generator.OpenLoopGenerator
 
-        async def invoke(inv):
-            return await client.invoke(inv.function, inv.id.encode(), request_id=inv.id,
-                                       scheduled_ns=inv.scheduled_ns, timeout_s=timeouts[inv.function])
+        async def invoke(inv) -> generator.Outcome:
+            r = await client.invoke(inv.function, inv.id.encode(), request_id=inv.id,
+                                    scheduled_ns=gen.started_unix_ns + inv.scheduled_ns,
+                                    timeout_s=timeouts[inv.function])
+            return generator.Outcome(status=r.status, cold_start=r.cold_start, detail=r.error)
 
-        started = time.time()
-        records = await generator.run(plan, invoke, stop=stop, progress=opts.progress, console=console,
-                                      drain_s=DRAIN_GRACE_S)
-        wall_s = time.time() - started
+        gen = generator.OpenLoopGenerator(invoke, drain_timeout_s=DRAIN_GRACE_S, progress=opts.progress, console=console)
+        watcher = asyncio.create_task(_stop_on(stop, gen))
+        try:
+            result = await gen.run(plan.invocations, duration_s=plan.duration_s)
+        finally:
+            watcher.cancel()
         await client.close()
-        return records, wall_s, slo_ms, profiles
+        return result, specs
     finally:
         await nc.drain()
+
+
+async def _stop_on(stop: asyncio.Event, gen) -> None:
+    await stop.wait()
+    gen.stop()
 
 
 async def run_once(opts: RunOptions, policy: str, console: Console, stop: asyncio.Event) -> dict:
@@ -126,12 +148,14 @@ async def run_once(opts: RunOptions, policy: str, console: Console, stop: asynci
     cluster = Cluster(log_dir=log_dir, policy=policy, gpus=opts.gpus, nats_url=opts.nats_url)
     await asyncio.to_thread(cluster.start)
     try:
-        records, wall_s, slo_ms, profiles = await _replay(opts, cluster, plan, chosen, console, stop)
+        result, specs = await _replay(opts, cluster, plan, chosen, console, stop)
         facts = cluster_facts(cluster)
     finally:
         await asyncio.to_thread(cluster.stop)
-    rep = report.build(records, slo_ms=slo_ms, models=chosen, wall_s=wall_s, facts=facts, plan=plan, policy=policy)
-    return rep
+    meta = {s.name: report.FunctionMeta(model=s.model, slo_ms=s.slo_ms) for s in specs}
+    gpus = 0 if opts.gpus == "cpu" else int(opts.gpus)
+    info = report.run_info(plan, result, policy=policy, gpus=gpus)
+    return report.build_report(result.records, meta, run_facts(facts), info).to_dict()
 
 
 def _install_stop(stop: asyncio.Event, console: Console) -> None:
@@ -161,7 +185,7 @@ def demo(json_path, policy, **kw) -> None:
         return await run_once(opts, policy, console, stop)
 
     rep = uvloop.run(main())
-    report.render(rep, console)
+    report.render(report.Report.from_dict(rep), console)
     if json_path:
         Path(json_path).write_text(json.dumps(rep, indent=2))
         console.print(f"report written to {json_path}")
@@ -191,7 +215,7 @@ def compare(json_path, policies, **kw) -> None:
         return out
 
     results = uvloop.run(main())
-    report.render_compare(results, console)
+    report.render_compare({k: report.Report.from_dict(v) for k, v in results.items()}, console)
     if json_path:
         Path(json_path).write_text(json.dumps({"policies": results}, indent=2))
         console.print(f"comparison written to {json_path}")

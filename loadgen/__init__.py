@@ -8,7 +8,6 @@
 - :mod:`.generator`: the open-loop generator (``OpenLoopGenerator``) over any async
   ``invoke(inv) -> Outcome``; :mod:`.clock` holds its clocks, including virtual time.
 - :mod:`.report`: the report (``build_report``, ``render``, ``render_compare``).
-- :mod:`.accounting`: time-weighted GPU figures for the report (``GpuAccounting`` -> ``RunFacts``).
 
 A replay, wired end to end::
 
