@@ -42,6 +42,7 @@ async def test_torch_handler_serves_real_inferences(tmp_path):
             client.invoke("cnn", b"x" * i, request_id=f"r{i}", scheduled_ns=now, timeout_s=60) for i in range(1, 13)))
         await client.close()
         assert [r.status for r in results] == ["ok"] * 12, [r.error for r in results]
+        assert all(0 <= int(r.payload) < 10 for r in results)  # a class index from the CNN
         # the first requests waited for the instance's launch: they are cold starts
         assert any(r.cold_start for r in results)
         await nc.drain()
