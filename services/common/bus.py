@@ -81,9 +81,7 @@ class Bus:
             except Exception as exc:  # a bad message must never stop the service
                 self._reject(msg, f"{type(exc).__name__}: {exc}", error=True)
 
-        sub = await self.nc.subscribe(subject, queue=queue, cb=cb)
-        self._subs.append(sub)
-        return sub
+        return await self._subscribe(subject, queue, cb)
 
     async def serve(self, subject: str, kind: type[E], handler: RequestHandler, queue: str = "") -> Any:
         """Serve request-reply on ``subject``: ``handler(request, msg)`` returns the reply event.
@@ -108,7 +106,13 @@ class Bus:
             if msg.reply:
                 await self.nc.publish(msg.reply, encode(reply))
 
+        return await self._subscribe(subject, queue, cb)
+
+    async def _subscribe(self, subject: str, queue: str, cb: Callable[[Msg], Awaitable[None]]) -> Any:
         sub = await self.nc.subscribe(subject, queue=queue, cb=cb)
+        # nats-py only buffers the SUB: flush so the server has it before we return (and before
+        # readiness says so); otherwise a message published right after is silently missed.
+        await self.nc.flush()
         self._subs.append(sub)
         return sub
 
