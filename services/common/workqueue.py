@@ -222,6 +222,8 @@ class BatchPuller:
       set, ``done_ns`` Unix epoch ns), for latency bookkeeping. Must not block.
     - ``progress_interval_s``: period of in-progress acks while a batch runs; default a quarter
       of the consumer's ack wait, so a handler longer than the ack wait causes no redelivery.
+    - ``handler_timeout_s``: if set, a batch whose ``process`` runs longer is answered with an
+      error (a hung handler would otherwise hold its requests forever, kept alive by +WPI).
 
     Counters: ``batches``, ``handled`` (answered and acked), ``errors`` (answered with an
     error), ``malformed`` (rejected), ``redelivered`` (requests seen with delivery count > 1).
@@ -239,6 +241,7 @@ class BatchPuller:
         fetch_timeout_s: float = 0.5,
         on_done: OnDone | None = None,
         progress_interval_s: float | None = None,
+        handler_timeout_s: float | None = None,
     ) -> None:
         if max_batch < 1:
             raise ValueError(f"max_batch must be >= 1, got {max_batch}")
@@ -249,6 +252,7 @@ class BatchPuller:
         self.fetch_timeout_s = fetch_timeout_s
         self.on_done = on_done
         self.progress_interval_s = progress_interval_s
+        self.handler_timeout_s = handler_timeout_s
         self.log = log.bind(function=function, instance=instance_id)
         self.batches = self.handled = self.errors = self.malformed = self.redelivered = 0
 
@@ -280,7 +284,7 @@ class BatchPuller:
             while not stop.is_set():
                 try:
                     msgs = await psub.fetch(self.max_batch, timeout=self.fetch_timeout_s)
-                except nats.errors.TimeoutError:
+                except asyncio.TimeoutError:  # nothing queued (nats-py raises several subclasses)
                     continue
                 except (nats.errors.ConnectionClosedError, nats.errors.ConnectionDrainingError):
                     self.log.warning("connection closed while pulling")
@@ -298,8 +302,9 @@ class BatchPuller:
         """Hand back requests that reached us after the last fetch (nak: redeliver at once)."""
         if self.nc.is_closed:
             return
-        queue = psub._sub._pending_queue  # nats-py keeps late pull deliveries here
-        while not queue.empty():
+        # nats-py keeps deliveries that arrived after a fetch returned in the subscription's queue.
+        queue = getattr(getattr(psub, "_sub", None), "_pending_queue", None)
+        while queue is not None and not queue.empty():
             msg = queue.get_nowait()
             if msg.reply and msg.reply.startswith("$JS.ACK."):
                 await msg.nak()
@@ -338,7 +343,10 @@ class BatchPuller:
 
     async def _run_process(self, process: Process, requests: list[Request]) -> list[bytes | Exception]:
         try:
-            results = list(await process(requests))
+            results = list(await asyncio.wait_for(process(requests), self.handler_timeout_s))
+        except asyncio.TimeoutError:
+            self.log.warning("batch handler timed out", timeout_s=self.handler_timeout_s, batch=len(requests))
+            return [TimeoutError(f"handler ran over {self.handler_timeout_s} s")] * len(requests)
         except Exception as exc:  # the handler failed as a whole: every request gets the error
             self.log.warning("batch handler failed", error=repr(exc), batch=len(requests))
             return [exc] * len(requests)
@@ -349,12 +357,17 @@ class BatchPuller:
         return results
 
     async def _keep_in_progress(self, msgs: list[Msg]) -> None:
-        """Send +WPI for every held request each interval, resetting their ack-wait timers."""
+        """Send +WPI for every held request each interval, resetting their ack-wait timers.
+
+        Runs only while ``process`` does; the batch is acknowledged after this task is cancelled.
+        """
         while True:
             await asyncio.sleep(self.progress_interval_s)
-            for msg in msgs:
-                if not msg._ackd:
+            try:
+                for msg in msgs:
                     await msg.in_progress()
+            except Exception as exc:  # e.g. reconnecting: try again next interval
+                self.log.warning("in-progress ack failed", error=repr(exc))
 
     async def _answer(self, req: Request, msg: Msg, result: bytes | Exception) -> None:
         if isinstance(result, Exception):

@@ -299,24 +299,29 @@ async def test_failed_handler_gets_an_error_reply_and_is_acked(nc, js, client):
     assert await backlog(js, FN) == 0
 
 
-@pytest.mark.parametrize("broken", ["raises", "short"])
-async def test_broken_batch_handler_answers_every_request(nc, js, client, broken):
+@pytest.mark.parametrize(
+    "broken, reason",
+    [("raises", "model crashed"), ("short", "1 results for 3"), ("hangs", "handler ran over 0.3 s")],
+)
+async def test_broken_batch_handler_answers_every_request(nc, js, client, broken, reason):
     async def handler(batch):
         if broken == "raises":
             raise RuntimeError("model crashed")
+        if broken == "hangs":
+            await asyncio.Event().wait()
         return [b"only one"]
 
     await ensure_consumer(js, FN)
     tasks = submit(client, 3)
     await queued(js, 3)
     stop = asyncio.Event()
-    p = puller(nc, js, "i1", max_batch=3)
+    p = puller(nc, js, "i1", max_batch=3, handler_timeout_s=0.3)
     run = asyncio.create_task(p.run(handler, stop))
     results = await asyncio.gather(*tasks)
     stop.set()
     await run
     assert [r.status for r in results] == ["error"] * 3
-    assert all(("model crashed" if broken == "raises" else "1 results for 3") in r.error for r in results)
+    assert all(reason in r.error for r in results), [r.error for r in results]
     assert await backlog(js, FN) == 0
 
 
