@@ -27,6 +27,18 @@ Handler = Callable[[E, Msg], Awaitable[None]]
 RequestHandler = Callable[[E, Msg], Awaitable[Event]]
 
 
+async def settle(nc: NATS, timeout_s: float = 5.0) -> None:
+    """Return once the server has processed every command this client sent so far (e.g. a SUB).
+
+    nats-py's ``flush()`` writes its PING straight to the socket, ahead of commands still queued
+    for its flusher task (nats-py 2.16), so one flush can come back before a just-buffered SUB
+    reaches the server. The first round trip lets the flusher write the queue; the second PING
+    is then behind it on the wire. Raises ``nats.errors.FlushTimeoutError`` after ``timeout_s``.
+    """
+    await nc.flush(timeout=timeout_s)
+    await nc.flush(timeout=timeout_s)
+
+
 class Bus:
     """One NATS connection with typed subscribe / publish / request helpers.
 
@@ -110,9 +122,9 @@ class Bus:
 
     async def _subscribe(self, subject: str, queue: str, cb: Callable[[Msg], Awaitable[None]]) -> Any:
         sub = await self.nc.subscribe(subject, queue=queue, cb=cb)
-        # nats-py only buffers the SUB: flush so the server has it before we return (and before
-        # readiness says so); otherwise a message published right after is silently missed.
-        await self.nc.flush()
+        # The server must have the SUB before we return (and before readiness says so), or a
+        # message published right after by another connection is silently missed.
+        await settle(self.nc)
         self._subs.append(sub)
         return sub
 

@@ -26,6 +26,7 @@ from nats.js import JetStreamContext
 from dilu.contracts import subjects as subj
 
 from . import logging as dlog
+from .bus import settle
 from .workqueue import ensure_stream
 
 Status = Literal["ok", "error", "timeout", "dropped"]
@@ -99,6 +100,7 @@ class InvokeClient:
         if ensure:
             await ensure_stream(self.js)
         self._sub = await self.nc.subscribe(f"{self.inbox_prefix}.>", cb=self._on_reply)
+        await settle(self.nc)
 
     async def invoke(
         self, function: str, payload: bytes, *, request_id: str, scheduled_ns: int, timeout_s: float

@@ -35,6 +35,7 @@ from prometheus_client import Counter
 from dilu.contracts import subjects as subj
 
 from . import logging as dlog
+from .bus import settle
 
 # Stream limits. A request older than this is useless (its caller gave up long before), and a
 # full stream refuses new requests (DiscardPolicy.NEW) so callers see an explicit "dropped"
@@ -310,7 +311,7 @@ class BatchPuller:
                 await msg.nak()
         try:
             await psub.unsubscribe()
-            await self.nc.flush(timeout=5)
+            await settle(self.nc)
         except Exception as exc:
             self.log.warning("unsubscribe failed", error=repr(exc))
 
@@ -425,6 +426,6 @@ class BatchPuller:
     async def _flush(self) -> None:
         """Wait until the server has the batch's replies and acks (so backlog reads are exact)."""
         try:
-            await self.nc.flush(timeout=5)
+            await settle(self.nc)
         except Exception as exc:
             self.log.warning("flush failed", error=repr(exc))
