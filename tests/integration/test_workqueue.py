@@ -9,6 +9,7 @@ import collections
 import time
 
 import nats
+import nats.js.errors
 import pytest
 
 from dilu.contracts import subjects as subj
@@ -118,6 +119,17 @@ async def test_stream_and_consumer_are_idempotent(js):
     cinfo = await js.consumer_info(subj.INVOKE_STREAM, name)
     assert cinfo.config.filter_subject == "dilu.v1.invoke.resnet_152"
     assert cinfo.config.ack_wait == pytest.approx(3)
+
+
+async def test_stream_with_other_limits_is_updated_and_an_incompatible_one_refused(nc):
+    js = nc.jetstream()
+    await js.add_stream(name=subj.INVOKE_STREAM, subjects=[subj.INVOKE_SUBJECTS], retention="workqueue", max_age=5)
+    await ensure_stream(js, max_age_s=60)
+    assert (await js.stream_info(subj.INVOKE_STREAM)).config.max_age == pytest.approx(60)
+    await js.delete_stream(subj.INVOKE_STREAM)
+    await js.add_stream(name=subj.INVOKE_STREAM, subjects=[subj.INVOKE_SUBJECTS], retention="limits")
+    with pytest.raises(nats.js.errors.APIError):
+        await ensure_stream(js)  # a limits stream would never delete served requests
 
 
 async def test_backlog_of_missing_or_misnamed_consumer_raises(nc):
