@@ -27,6 +27,18 @@ Handler = Callable[[E, Msg], Awaitable[None]]
 RequestHandler = Callable[[E, Msg], Awaitable[Event]]
 
 
+async def settle(nc: NATS, timeout_s: float = 5.0) -> None:
+    """Return once the server has processed every command this client sent so far (e.g. a SUB).
+
+    nats-py's ``flush()`` writes its PING straight to the socket, ahead of commands still queued
+    for its flusher task (nats-py 2.16), so one flush can come back before a just-buffered SUB
+    reaches the server. The first round trip lets the flusher write the queue; the second PING
+    is then behind it on the wire. Raises ``nats.errors.FlushTimeoutError`` after ``timeout_s``.
+    """
+    await nc.flush(timeout=timeout_s)
+    await nc.flush(timeout=timeout_s)
+
+
 class Bus:
     """One NATS connection with typed subscribe / publish / request helpers.
 
@@ -81,9 +93,7 @@ class Bus:
             except Exception as exc:  # a bad message must never stop the service
                 self._reject(msg, f"{type(exc).__name__}: {exc}", error=True)
 
-        sub = await self.nc.subscribe(subject, queue=queue, cb=cb)
-        self._subs.append(sub)
-        return sub
+        return await self._subscribe(subject, queue, cb)
 
     async def serve(self, subject: str, kind: type[E], handler: RequestHandler, queue: str = "") -> Any:
         """Serve request-reply on ``subject``: ``handler(request, msg)`` returns the reply event.
@@ -108,7 +118,13 @@ class Bus:
             if msg.reply:
                 await self.nc.publish(msg.reply, encode(reply))
 
+        return await self._subscribe(subject, queue, cb)
+
+    async def _subscribe(self, subject: str, queue: str, cb: Callable[[Msg], Awaitable[None]]) -> Any:
         sub = await self.nc.subscribe(subject, queue=queue, cb=cb)
+        # The server must have the SUB before we return (and before readiness says so), or a
+        # message published right after by another connection is silently missed.
+        await settle(self.nc)
         self._subs.append(sub)
         return sub
 

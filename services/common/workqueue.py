@@ -1,0 +1,431 @@
+"""The invocation work queue (DESIGN.md section 4.1): stream, consumers, backlog, batch puller.
+
+Requests for function ``f`` are published on ``dilu.v1.invoke.<token(f)>`` into the JetStream
+work-queue stream :data:`~dilu.contracts.subjects.INVOKE_STREAM`. Each function has one durable
+pull consumer ``fn-<token(f)>`` shared by all of its instances, so JetStream hands each request to
+exactly one instance, instances take what they can (dynamic batching, back-pressure), and the
+consumer's pending plus in-flight count is the queue-depth signal of the horizontal scaler.
+
+Delivery is at least once: an instance replies first and acknowledges after, so a crash in
+between causes a redelivery (and a duplicate reply that the caller ignores), never a lost request.
+"""
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+
+import nats.errors
+import nats.js.errors
+from nats.aio.client import Client as NATS
+from nats.aio.msg import Msg
+from nats.js import JetStreamContext
+from nats.js.api import (
+    AckPolicy,
+    ConsumerConfig,
+    DeliverPolicy,
+    DiscardPolicy,
+    RetentionPolicy,
+    StorageType,
+    StreamConfig,
+)
+from prometheus_client import Counter
+
+from dilu.contracts import subjects as subj
+
+from . import logging as dlog
+from .bus import settle
+
+# Stream limits. A request older than this is useless (its caller gave up long before), and a
+# full stream refuses new requests (DiscardPolicy.NEW) so callers see an explicit "dropped"
+# instead of old requests vanishing silently.
+STREAM_MAX_AGE_S = 600.0
+STREAM_MAX_BYTES = 1 << 30
+
+_ERR_STREAM_NAME_IN_USE = 10058  # "stream name already in use with a different configuration"
+_MAX_HEADER_CHARS = 512
+
+REQUESTS = Counter(
+    "dilu_invoke_requests", "Invocation requests finished by instances", ["function", "status"]
+)
+REDELIVERIES = Counter(
+    "dilu_invoke_redeliveries", "Invocation requests delivered more than once", ["function"]
+)
+
+log = dlog.get("workqueue")
+
+
+class ConsumerMissing(LookupError):
+    """The work-queue consumer (or the stream) of a function does not exist.
+
+    The horizontal scaler treats this as "no signal" and holds the current scale: a missing or
+    misnamed consumer must never read as an empty (scale to zero) or infinite (scale to max) queue.
+    """
+
+
+def consumer_name(function: str) -> str:
+    """Durable consumer name of ``function``: ``fn-<token(function)>``."""
+    return f"fn-{subj.token(function)}"
+
+
+async def ensure_stream(
+    js: JetStreamContext,
+    *,
+    storage: StorageType = StorageType.FILE,
+    max_age_s: float = STREAM_MAX_AGE_S,
+    max_bytes: int = STREAM_MAX_BYTES,
+) -> None:
+    """Create the invocation stream if needed; idempotent and safe to call from many processes.
+
+    Work-queue retention: a request is deleted once acknowledged, and each subject has at most
+    one consumer. File storage (the default) because requests must survive a nats-server restart
+    while no instance is warm; JetStream batches its writes, so it costs little next to a GPU
+    batch. ``StorageType.MEMORY`` suits throw-away test servers.
+
+    An existing stream with other limits is updated to these. Raises ``nats.js.errors.APIError``
+    when the stream exists with an incompatible configuration (e.g. another retention policy).
+    """
+    config = StreamConfig(
+        name=subj.INVOKE_STREAM,
+        subjects=[subj.INVOKE_SUBJECTS],
+        retention=RetentionPolicy.WORK_QUEUE,
+        storage=storage,
+        discard=DiscardPolicy.NEW,
+        max_age=max_age_s,
+        max_bytes=max_bytes,
+    )
+    try:
+        await js.add_stream(config)
+    except nats.js.errors.BadRequestError as exc:
+        if exc.err_code != _ERR_STREAM_NAME_IN_USE:
+            raise
+        await js.update_stream(config)
+
+
+async def ensure_consumer(
+    js: JetStreamContext, function: str, *, ack_wait_s: float = 30, max_ack_pending: int = 1000
+) -> str:
+    """Create (or update) the durable pull consumer of ``function``; returns its name.
+
+    ``ack_wait_s``: seconds an instance may hold a request without acknowledging it (or sending
+    an in-progress ack) before JetStream redelivers it. ``max_ack_pending``: requests in flight
+    across all instances of the function. Idempotent (create-or-update by name, nats-server >= 2.9);
+    the stream must exist (:func:`ensure_stream`).
+    """
+    name = consumer_name(function)
+    await js.add_consumer(
+        subj.INVOKE_STREAM,
+        ConsumerConfig(
+            name=name,
+            durable_name=name,
+            filter_subject=subj.invoke(function),
+            ack_policy=AckPolicy.EXPLICIT,
+            deliver_policy=DeliverPolicy.ALL,
+            ack_wait=ack_wait_s,
+            max_ack_pending=max_ack_pending,
+        ),
+    )
+    return name
+
+
+async def backlog(js: JetStreamContext, function: str) -> int:
+    """Requests of ``function`` waiting or in flight: ``num_pending + num_ack_pending``.
+
+    In-flight requests count, so a long request keeps its instance from being retired, and a
+    request held by a dead instance (unacknowledged until its ack wait expires) still reads as
+    work to do. Raises :class:`ConsumerMissing` when the consumer or the stream does not exist.
+    """
+    name = consumer_name(function)
+    try:
+        info = await js.consumer_info(subj.INVOKE_STREAM, name)
+    except nats.js.errors.NotFoundError as exc:
+        raise ConsumerMissing(
+            f"no consumer {name!r} on stream {subj.INVOKE_STREAM!r} for function {function!r}: {exc.description}"
+        ) from None
+    return int(info.num_pending or 0) + int(info.num_ack_pending or 0)
+
+
+@dataclass(slots=True)
+class Request:
+    """One invocation as an instance sees it.
+
+    ``scheduled_ns``: the caller's intended send time, Unix epoch ns (latency counts from it).
+    ``enqueued_ns``: when JetStream stored it, Unix epoch ns. ``delivered``: delivery count
+    (> 1 means a redelivery). ``status`` ("ok" / "error") and ``error`` are filled in once the
+    request is answered, before the ``on_done`` hook sees it.
+    """
+
+    request_id: str
+    scheduled_ns: int
+    enqueued_ns: int
+    payload: bytes
+    reply_to: str
+    delivered: int = 1
+    status: str = ""
+    error: str = ""
+
+
+class MalformedRequest(ValueError):
+    """An invocation message without the headers the data plane needs."""
+
+
+def _header_value(text: str) -> str:
+    """A header value on one line (a newline would corrupt the NATS header block)."""
+    return " ".join(str(text).split())[:_MAX_HEADER_CHARS]
+
+
+def enqueued_ns_of(msg: Msg) -> int:
+    """The JetStream storage time of ``msg`` in Unix epoch ns, read exactly from its ack subject.
+
+    (nats-py's ``metadata.timestamp`` is a datetime, which keeps only microseconds.)
+    """
+    tokens = (msg.reply or "").split(".")
+    if len(tokens) == 9:  # v1: $JS.ACK.<stream>.<consumer>.<delivered>.<sseq>.<cseq>.<ts>.<pending>
+        return int(tokens[7])
+    if len(tokens) >= 11:  # v2: $JS.ACK.<domain>.<account>.<stream>... with the same tail
+        return int(tokens[Msg.Ack.Timestamp])
+    return int(msg.metadata.timestamp.timestamp() * 1e9)  # raises NotJSMessageError
+
+
+def parse_request(msg: Msg) -> Request:
+    """Decode an invocation message; raises :class:`MalformedRequest` naming what is missing."""
+    headers = msg.headers or {}
+    missing = [h for h in (subj.H_REQUEST_ID, subj.H_REPLY_TO, subj.H_SCHEDULED_NS) if not headers.get(h)]
+    if missing:
+        raise MalformedRequest(f"missing header(s) {', '.join(missing)}")
+    try:
+        scheduled_ns = int(headers[subj.H_SCHEDULED_NS])
+    except ValueError:
+        raise MalformedRequest(f"{subj.H_SCHEDULED_NS} is not an integer: {headers[subj.H_SCHEDULED_NS]!r}") from None
+    return Request(
+        request_id=headers[subj.H_REQUEST_ID],
+        scheduled_ns=scheduled_ns,
+        enqueued_ns=enqueued_ns_of(msg),
+        payload=msg.data,
+        reply_to=headers[subj.H_REPLY_TO],
+        delivered=msg.metadata.num_delivered,
+    )
+
+
+Process = Callable[[list[Request]], Awaitable[list["bytes | Exception"]]]
+OnDone = Callable[[Request, int], None]
+
+
+class BatchPuller:
+    """Pulls batches of one function's requests for one instance, runs them, replies, acks.
+
+    - ``max_batch``: most requests per batch; a fetch takes what is queued up to it (dynamic
+      batching), waiting at most ``fetch_timeout_s`` seconds for the first one.
+    - ``ready_ns``: Unix epoch ns when this instance became ready; a request stored before it
+      waited for this instance's launch and is flagged cold-start in its reply. Settable.
+    - ``on_done(request, done_ns)``: called once per answered request (its ``status``/``error``
+      set, ``done_ns`` Unix epoch ns), for latency bookkeeping. Must not block.
+    - ``progress_interval_s``: period of in-progress acks while a batch runs; default a quarter
+      of the consumer's ack wait, so a handler longer than the ack wait causes no redelivery.
+    - ``handler_timeout_s``: if set, a batch whose ``process`` runs longer is answered with an
+      error (a hung handler would otherwise hold its requests forever, kept alive by +WPI).
+
+    Counters: ``batches``, ``handled`` (answered and acked), ``errors`` (answered with an
+    error), ``malformed`` (rejected), ``redelivered`` (requests seen with delivery count > 1).
+    """
+
+    def __init__(
+        self,
+        nc: NATS,
+        js: JetStreamContext,
+        function: str,
+        *,
+        instance_id: str,
+        max_batch: int,
+        ready_ns: int,
+        fetch_timeout_s: float = 0.5,
+        on_done: OnDone | None = None,
+        progress_interval_s: float | None = None,
+        handler_timeout_s: float | None = None,
+    ) -> None:
+        if max_batch < 1:
+            raise ValueError(f"max_batch must be >= 1, got {max_batch}")
+        self.nc, self.js, self.function = nc, js, function
+        self.instance_id = instance_id
+        self.max_batch = max_batch
+        self.ready_ns = ready_ns
+        self.fetch_timeout_s = fetch_timeout_s
+        self.on_done = on_done
+        self.progress_interval_s = progress_interval_s
+        self.handler_timeout_s = handler_timeout_s
+        self.log = log.bind(function=function, instance=instance_id)
+        self.batches = self.handled = self.errors = self.malformed = self.redelivered = 0
+
+    async def _bind(self) -> JetStreamContext.PullSubscription:
+        """Bind to the function's consumer (creating it with defaults if absent)."""
+        name = consumer_name(self.function)
+        try:
+            info = await self.js.consumer_info(subj.INVOKE_STREAM, name)
+        except nats.js.errors.NotFoundError:
+            self.log.warning("consumer missing, creating it with defaults", consumer=name)
+            await ensure_stream(self.js)
+            await ensure_consumer(self.js, self.function)
+            info = await self.js.consumer_info(subj.INVOKE_STREAM, name)
+        if self.progress_interval_s is None:
+            self.progress_interval_s = max(0.01, float(info.config.ack_wait or 30) / 4)
+        return await self.js.pull_subscribe_bind(durable=name, stream=subj.INVOKE_STREAM)
+
+    async def run(self, process: Process, stop: asyncio.Event) -> None:
+        """Serve until ``stop`` is set, then drain: finish the batch in hand, fetch nothing more.
+
+        ``process(requests)`` returns one result per request, in order: reply bytes, or an
+        Exception that becomes an error reply. If ``process`` itself raises, every request of the
+        batch gets an error reply. Either way each request is answered, then acknowledged.
+        Raises only when binding to the consumer fails.
+        """
+        psub = await self._bind()
+        self.log.info("pulling", max_batch=self.max_batch)
+        try:
+            while not stop.is_set():
+                try:
+                    msgs = await psub.fetch(self.max_batch, timeout=self.fetch_timeout_s)
+                except asyncio.TimeoutError:  # nothing queued (nats-py raises several subclasses)
+                    continue
+                except (nats.errors.ConnectionClosedError, nats.errors.ConnectionDrainingError):
+                    self.log.warning("connection closed while pulling")
+                    return
+                except Exception as exc:  # a transient JetStream or connection error: retry
+                    self.log.warning("fetch failed", error=repr(exc))
+                    await asyncio.sleep(self.fetch_timeout_s)
+                    continue
+                await self._serve_batch(msgs, process)
+        finally:
+            await self._release(psub)
+        self.log.info("drained", handled=self.handled, errors=self.errors, malformed=self.malformed)
+
+    async def _release(self, psub: JetStreamContext.PullSubscription) -> None:
+        """Hand back requests that reached us after the last fetch (nak: redeliver at once)."""
+        if self.nc.is_closed:
+            return
+        # nats-py keeps deliveries that arrived after a fetch returned in the subscription's queue.
+        queue = getattr(getattr(psub, "_sub", None), "_pending_queue", None)
+        while queue is not None and not queue.empty():
+            msg = queue.get_nowait()
+            if msg.reply and msg.reply.startswith("$JS.ACK."):
+                await msg.nak()
+        try:
+            await psub.unsubscribe()
+            await settle(self.nc)
+        except Exception as exc:
+            self.log.warning("unsubscribe failed", error=repr(exc))
+
+    async def _serve_batch(self, msgs: list[Msg], process: Process) -> None:
+        requests: list[Request] = []
+        held: list[Msg] = []
+        for msg in msgs:
+            try:
+                req = parse_request(msg)
+            except (MalformedRequest, ValueError, nats.errors.Error) as exc:
+                await self._reject(msg, str(exc))
+                continue
+            if req.delivered > 1:
+                self.redelivered += 1
+                REDELIVERIES.labels(self.function).inc()
+            requests.append(req)
+            held.append(msg)
+        if not requests:
+            await self._flush()
+            return
+        self.batches += 1
+        progress = asyncio.create_task(self._keep_in_progress(held))
+        try:
+            results = await self._run_process(process, requests)
+        finally:
+            progress.cancel()
+        for req, msg, result in zip(requests, held, results):
+            await self._answer(req, msg, result)
+        await self._flush()
+
+    async def _run_process(self, process: Process, requests: list[Request]) -> list[bytes | Exception]:
+        try:
+            results = list(await asyncio.wait_for(process(requests), self.handler_timeout_s))
+        except asyncio.TimeoutError:
+            self.log.warning("batch handler timed out", timeout_s=self.handler_timeout_s, batch=len(requests))
+            return [TimeoutError(f"handler ran over {self.handler_timeout_s} s")] * len(requests)
+        except Exception as exc:  # the handler failed as a whole: every request gets the error
+            self.log.warning("batch handler failed", error=repr(exc), batch=len(requests))
+            return [exc] * len(requests)
+        if len(results) != len(requests):
+            err = RuntimeError(f"handler returned {len(results)} results for {len(requests)} requests")
+            self.log.warning("batch handler result count mismatch", error=str(err))
+            return [err] * len(requests)
+        return results
+
+    async def _keep_in_progress(self, msgs: list[Msg]) -> None:
+        """Send +WPI for every held request each interval, resetting their ack-wait timers.
+
+        Runs only while ``process`` does; the batch is acknowledged after this task is cancelled.
+        """
+        while True:
+            await asyncio.sleep(self.progress_interval_s)
+            try:
+                for msg in msgs:
+                    await msg.in_progress()
+            except Exception as exc:  # e.g. reconnecting: try again next interval
+                self.log.warning("in-progress ack failed", error=repr(exc))
+
+    async def _answer(self, req: Request, msg: Msg, result: bytes | Exception) -> None:
+        if isinstance(result, Exception):
+            req.status, req.error = "error", f"{type(result).__name__}: {result}"
+            data = b""
+        else:
+            req.status, data = "ok", bytes(result)
+        headers = {
+            subj.H_REQUEST_ID: req.request_id,
+            subj.H_STATUS: req.status,
+            subj.H_INSTANCE: self.instance_id,
+            subj.H_COLD_START: "1" if req.enqueued_ns < self.ready_ns else "0",
+            subj.H_ENQUEUED_NS: str(req.enqueued_ns),
+        }
+        if req.error:
+            headers[subj.H_ERROR] = _header_value(req.error)
+        try:
+            await self.nc.publish(req.reply_to, data, headers=headers)
+            await msg.ack()  # after the reply: a crash in between means redelivery, not loss
+        except Exception as exc:  # not acked: JetStream redelivers after the ack wait
+            self.log.warning("reply failed, request left for redelivery", request_id=req.request_id, error=repr(exc))
+            return
+        self.handled += 1
+        if req.status == "error":
+            self.errors += 1
+        REQUESTS.labels(self.function, req.status).inc()
+        if self.on_done is not None:
+            try:
+                self.on_done(req, time.time_ns())
+            except Exception as exc:
+                self.log.warning("on_done hook failed", error=repr(exc))
+
+    async def _reject(self, msg: Msg, reason: str) -> None:
+        """Answer a malformed request if it names a reply inbox, then terminate it (no redelivery)."""
+        self.malformed += 1
+        REQUESTS.labels(self.function, "malformed").inc()
+        headers = msg.headers or {}
+        self.log.warning("malformed request rejected", reason=reason, request_id=headers.get(subj.H_REQUEST_ID, ""))
+        try:
+            if headers.get(subj.H_REPLY_TO):
+                await self.nc.publish(
+                    headers[subj.H_REPLY_TO],
+                    b"",
+                    headers={
+                        subj.H_REQUEST_ID: headers.get(subj.H_REQUEST_ID, ""),
+                        subj.H_STATUS: "error",
+                        subj.H_ERROR: _header_value(f"malformed request: {reason}"),
+                        subj.H_INSTANCE: self.instance_id,
+                    },
+                )
+            await msg.term()
+        except Exception as exc:
+            self.log.warning("reject failed", error=repr(exc))
+
+    async def _flush(self) -> None:
+        """Wait until the server has the batch's replies and acks (so backlog reads are exact)."""
+        try:
+            await settle(self.nc)
+        except Exception as exc:
+            self.log.warning("flush failed", error=repr(exc))
