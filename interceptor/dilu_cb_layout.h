@@ -49,5 +49,10 @@ struct dilu_cb {
     uint64_t r_latency_us_ewma;    /* EWMA of request latency from scheduled send */
     uint64_t r_queue_depth;        /* requests held (fetched, not yet answered) */
 
-    uint64_t reserved[16];
+    /* ---- telemetry added in layout 1 (interceptor writes, under t_seq) ---- */
+    uint64_t t_flags;              /* bit 0: agent heartbeat stale (running at the last grant) */
+    uint64_t t_samples;            /* launches timed with events to calibrate kernel cost */
+    uint64_t t_quota_ppm;          /* quota in effect (after the floor), as applied */
+
+    uint64_t reserved[13];
 };

@@ -1,0 +1,205 @@
+"""The Python side of an instance's control block (DESIGN.md section 6).
+
+The node agent creates one block per instance (``ControlBlock.create``), writes grants
+(``write_grant``) and heartbeats, and samples the interceptor's telemetry (``snapshot``). The
+instance's runtime reports request-level counters (``set_runtime``). The layout is
+interceptor/dilu_cb_layout.h, read verbatim by the cffi cdef; atomics, seqlocks and futex
+wake-ups go through the C helpers of dilu_cb.h compiled in cffi API mode.
+
+Quotas and widths are fractions 0..1 here and parts per million in the block.
+"""
+from __future__ import annotations
+
+import mmap
+import os
+import time
+from dataclasses import dataclass
+
+from dilu.interceptor.native import cffi_module
+
+PPM = 1_000_000
+
+
+class ControlBlockError(RuntimeError):
+    """The file is not a usable control block (missing, too small, wrong magic/version/size)."""
+
+
+@dataclass(frozen=True, slots=True)
+class CbSnapshot:
+    """One consistent reading of a block (grant group and telemetry group each seqlock-consistent).
+
+    Counters are cumulative since the interceptor started: launches, throttled (launches that
+    waited), busy_us (GPU-busy µs charged), wait_us (µs spent waiting for tokens), cycles.
+    last_cycle_us / baseline_cycle_us: kernel-launch cycle spans (µs). tokens_us: token balance.
+    quota, request_quota, width: fractions 0..1 (quota = the grant in the block; applied_quota =
+    the rate the interceptor enforces). applied_epoch / grant_epoch: the interceptor has applied
+    the latest grant when equal. applied_ns / last_launch_ns / heartbeat_ns: CLOCK_MONOTONIC ns.
+    pid: the metered process (0 before its first launch). stale: the interceptor sees the agent's
+    heartbeat as stale. ready, requests, latency_us_ewma, queue_depth: the instance runtime's fields.
+    """
+
+    instance_id: str
+    launches: int
+    throttled: int
+    busy_us: int
+    wait_us: int
+    cycles: int
+    last_cycle_us: int
+    baseline_cycle_us: int
+    tokens_us: int
+    quota: float
+    request_quota: float
+    width: float
+    applied_quota: float
+    applied_epoch: int
+    applied_ns: int
+    grant_epoch: int
+    pid: int
+    samples: int
+    stale: bool
+    last_launch_ns: int
+    heartbeat_ns: int
+    ready: bool
+    requests: int
+    latency_us_ewma: int
+    queue_depth: int
+
+
+def _ppm(fraction: float, name: str) -> int:
+    if not 0.0 <= fraction <= 1.0:
+        raise ValueError(f"{name} must be a fraction in [0, 1], got {fraction!r}")
+    return round(fraction * PPM)
+
+
+class ControlBlock:
+    """A mapped control block. Use ``create`` (agent) or ``open`` (readers); ``close`` unmaps."""
+
+    def __init__(self, path: str, mm: mmap.mmap):
+        mod = cffi_module()
+        self._ffi, self._lib = mod.ffi, mod.lib
+        self.path = path
+        self._mm = mm
+        self._cb = self._ffi.from_buffer("struct dilu_cb *", mm)
+        self._out = self._ffi.new("struct dilu_cb *")
+
+    @staticmethod
+    def size() -> int:
+        """sizeof(struct dilu_cb) in bytes."""
+        return cffi_module().ffi.sizeof("struct dilu_cb")
+
+    @classmethod
+    def create(cls, path: str, instance_id: str, request_quota: float, width: float,
+               stale_after_ms: float = 500) -> "ControlBlock":
+        """Creates (or recreates) the block at ``path`` (e.g. /dev/shm/dilu-cb-<id>), mode 0600.
+
+        request_quota, width: fractions 0..1 (the initial grant is the request quota).
+        stale_after_ms: heartbeat age after which the interceptor marks the agent stale.
+        Raises ValueError for out-of-range fractions, OSError when the file cannot be made.
+        """
+        req, wid = _ppm(request_quota, "request_quota"), _ppm(width, "width")
+        if wid == 0:
+            raise ValueError("width must be > 0")
+        if len(instance_id.encode()) >= 64:
+            raise ValueError("instance_id must be shorter than 64 bytes")
+        size = cls.size()
+        tmp = f"{path}.{os.getpid()}.tmp"
+        fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+        try:
+            os.ftruncate(fd, size)
+            mm = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        finally:
+            os.close(fd)
+        block = cls(path, mm)
+        block._lib.dilu_cb_init(block._cb, instance_id.encode(), req, wid,
+                                int(stale_after_ms * 1e6))
+        os.replace(tmp, path)  # an opener sees either no file or a complete block
+        return block
+
+    @classmethod
+    def open(cls, path: str) -> "ControlBlock":
+        """Maps an existing block read-write. Raises ControlBlockError when it is not valid."""
+        mod = cffi_module()
+        try:
+            fd = os.open(path, os.O_RDWR)
+        except FileNotFoundError as exc:
+            raise ControlBlockError(f"{path}: no such control block") from exc
+        try:
+            size = os.fstat(fd).st_size
+            need = mod.ffi.sizeof("struct dilu_cb")
+            if size < need:
+                raise ControlBlockError(f"{path}: {size} bytes, a control block has {need}")
+            mm = mmap.mmap(fd, need, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        finally:
+            os.close(fd)
+        block = cls(path, mm)
+        cb = block._cb
+        if cb.magic != mod.lib.DILU_CB_MAGIC:
+            block.close()
+            raise ControlBlockError(f"{path}: bad magic {cb.magic:#x}")
+        if cb.layout_version != mod.lib.DILU_CB_LAYOUT_VERSION or cb.size != need:
+            version, got = cb.layout_version, cb.size
+            block.close()
+            raise ControlBlockError(
+                f"{path}: layout version {version} size {got}, expected "
+                f"{mod.lib.DILU_CB_LAYOUT_VERSION} size {need}")
+        return block
+
+    def write_grant(self, quota: float) -> int:
+        """Publishes a new quota (fraction 0..1) and wakes throttled launches; returns the epoch."""
+        return int(self._lib.dilu_cb_write_grant(self._cb, _ppm(quota, "quota")))
+
+    def heartbeat(self) -> None:
+        """Marks the agent alive (the interceptor treats an old heartbeat as stale)."""
+        self._lib.dilu_cb_heartbeat(self._cb)
+
+    def set_runtime(self, ready: bool, requests: int, latency_us_ewma: int, queue_depth: int) -> None:
+        """Writes the instance runtime's fields (one writer: the instance process)."""
+        self._lib.dilu_cb_set_runtime(self._cb, int(bool(ready)), int(requests),
+                                      int(latency_us_ewma), int(queue_depth))
+
+    def snapshot(self) -> CbSnapshot:
+        """A consistent copy of the block's grant, telemetry and runtime fields."""
+        o = self._out
+        self._lib.dilu_cb_snapshot(self._cb, o)
+        return CbSnapshot(
+            instance_id=self._ffi.string(o.instance_id).decode(errors="replace"),
+            launches=o.t_launches, throttled=o.t_throttled, busy_us=o.t_busy_us,
+            wait_us=o.t_wait_us, cycles=o.t_cycles, last_cycle_us=o.t_last_cycle_us,
+            baseline_cycle_us=o.t_baseline_cycle_us, tokens_us=o.t_tokens_us,
+            quota=o.quota_ppm / PPM, request_quota=o.request_ppm / PPM, width=o.width_ppm / PPM,
+            applied_quota=o.t_quota_ppm / PPM, applied_epoch=o.t_applied_epoch,
+            applied_ns=o.t_applied_ns, grant_epoch=o.grant_epoch, pid=o.t_pid,
+            samples=o.t_samples, stale=bool(o.t_flags & 1), last_launch_ns=o.t_last_launch_ns,
+            heartbeat_ns=o.agent_heartbeat_ns, ready=bool(o.r_ready), requests=o.r_requests,
+            latency_us_ewma=o.r_latency_us_ewma, queue_depth=o.r_queue_depth)
+
+    def wait_applied(self, epoch: int, timeout_ms: float) -> bool:
+        """Polls (1 ms steps) until the interceptor applied ``epoch``; True if it did in time."""
+        deadline = self._lib.dilu_now_ns() + int(timeout_ms * 1e6)
+        while self._lib.dilu_now_ns() < deadline:
+            if self.snapshot().applied_epoch >= epoch:
+                return True
+            time.sleep(0.001)
+        return self.snapshot().applied_epoch >= epoch
+
+    def close(self) -> None:
+        """Unmaps the block (the file stays; see unlink)."""
+        if self._mm is None:
+            return
+        self._ffi.release(self._cb)
+        self._cb = None
+        self._mm.close()
+        self._mm = None
+
+    def unlink(self) -> None:
+        """Removes the block's file (mapped processes keep their mapping)."""
+        try:
+            os.unlink(self.path)
+        except FileNotFoundError:
+            pass
+
+    def __enter__(self) -> "ControlBlock":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

@@ -1,0 +1,1185 @@
+/* A fake CUDA driver (libcuda.so.1) for tests and emulated GPUs.
+ *
+ * It implements the part of the driver API that instances and tests use: device and context
+ * queries, modules and functions (any name), kernel launches (plain, Ex, cooperative, each also
+ * _ptsz), streams, events, stream capture into graphs, graph launch, cuGetProcAddress(_v2).
+ *
+ * Execution: each stream has a queue drained by its own worker thread. Kernels run on a virtual
+ * device shared by every process that names the same emulated GPU (env DILU_FAKE_GPU): a POSIX
+ * shared-memory segment holds the set of running kernels and a ring of completed-kernel records
+ * (pid, context, stream, start and end in CLOCK_MONOTONIC ns, width). The segment advances a
+ * virtual clock under a process-shared robust mutex: while the widths of the processes with a
+ * kernel running sum to W > 1, each kernel progresses W times slower (DESIGN.md section 7), and
+ * kernels of one process running at once share its width. Start and end times are computed
+ * exactly on that clock, so tests read shares from the timeline, not from sleeps; the worker
+ * also sleeps (real time) until the computed end so callers see real latency.
+ *
+ * A kernel's solo duration (at the process's own width), first match wins:
+ *   - function name "k_<us>"            e.g. k_50 lasts 50 µs, k_2.5 lasts 2.5 µs;
+ *   - DILU_FAKE_KERNELS="name=us,..."  a per-name table;
+ *   - function name starting "p_"       the first kernel parameter points to a float of µs;
+ *   - DILU_FAKE_DEFAULT_US (default 100).
+ * Width: CUDA_MPS_ACTIVE_THREAD_PERCENTAGE (percent, default 100), read at cuInit.
+ * SMs: DILU_FAKE_GPU_SMS (default 108); the first process to create the GPU segment fixes it.
+ */
+#define _GNU_SOURCE
+#include <errno.h>
+#include <fcntl.h>
+#include <math.h>
+#include <pthread.h>
+#include <signal.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <sys/prctl.h>
+#include <sys/stat.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "dilu_cuda_min.h"
+
+#define API __attribute__((visibility("default")))
+#define FAKE_DRIVER_VERSION 12080
+
+/* ------------------------------------------------------------------ shared virtual device */
+
+#define GPU_MAGIC 0x3155504745464c44ULL /* "DLFEGPU1" */
+#define GPU_VERSION 1u
+#define GPU_SLOTS 4096
+#define GPU_RING (1u << 19)
+
+struct gpu_rec { /* one completed kernel; seq = index + 1 once complete (written last) */
+    uint64_t seq;
+    uint32_t pid;
+    uint32_t width_ppm;
+    uint64_t ctx;
+    uint64_t stream;
+    uint64_t start_ns;
+    uint64_t end_ns;
+    uint64_t func;
+};
+
+struct gpu_slot { /* one running kernel */
+    uint32_t used, done;
+    uint32_t pid, width_ppm;
+    uint64_t gen;
+    uint64_t ctx, stream, func;
+    double remaining_ns; /* solo work left */
+    uint64_t start_ns, end_ns;
+};
+
+struct gpu_shm {
+    /* fixed header read by dilu.interceptor.timeline (keep offsets) */
+    uint64_t magic;        /* 0 */
+    uint32_t version;      /* 8 */
+    uint32_t sms;          /* 12 */
+    uint64_t ring_offset;  /* 16 */
+    uint64_t ring_cap;     /* 24 */
+    uint64_t rec_size;     /* 32 */
+    uint64_t ring_head;    /* 40: records written so far */
+    uint64_t sim_now;      /* 48: virtual clock */
+    uint64_t slot_gen;     /* 56 */
+    uint32_t slot_hw;      /* 64: slots[0..slot_hw) may be used */
+    uint32_t pad;
+    pthread_mutex_t mu;
+    struct gpu_slot slots[GPU_SLOTS];
+    struct gpu_rec ring[GPU_RING] __attribute__((aligned(64)));
+};
+
+static struct gpu_shm *g_gpu;
+static uint32_t g_width_ppm = 1000000;
+static uint32_t g_pid;
+
+static uint64_t now_ns(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
+}
+
+static void sleep_until(uint64_t t)
+{
+    struct timespec ts = {(time_t)(t / 1000000000ull), (long)(t % 1000000000ull)};
+    while (clock_nanosleep(CLOCK_MONOTONIC, TIMER_ABSTIME, &ts, NULL) == EINTR) {
+    }
+}
+
+static void gpu_lock(void)
+{
+    int r = pthread_mutex_lock(&g_gpu->mu);
+    if (r == EOWNERDEAD) /* a process died holding it; the state is still consistent per step */
+        pthread_mutex_consistent(&g_gpu->mu);
+}
+
+static void gpu_unlock(void) { pthread_mutex_unlock(&g_gpu->mu); }
+
+static int gpu_open(void)
+{
+    const char *name = getenv("DILU_FAKE_GPU");
+    const char *sms_env = getenv("DILU_FAKE_GPU_SMS");
+    char path[256];
+    snprintf(path, sizeof path, "/dilu-gpu-%s", name && *name ? name : "default");
+    size_t size = sizeof(struct gpu_shm);
+    int fd = shm_open(path, O_RDWR | O_CREAT | O_EXCL, 0600);
+    int creator = fd >= 0;
+    if (!creator)
+        fd = shm_open(path, O_RDWR, 0600);
+    if (fd < 0) {
+        fprintf(stderr, "fake libcuda: shm_open %s: %s\n", path, strerror(errno));
+        return -1;
+    }
+    if (creator && ftruncate(fd, (off_t)size) != 0) {
+        close(fd);
+        return -1;
+    }
+    if (!creator) { /* wait (bounded) for the creator to size the segment */
+        struct stat st;
+        for (int i = 0; i < 2000 && (fstat(fd, &st) != 0 || (size_t)st.st_size < size); i++)
+            usleep(1000);
+    }
+    void *p = mmap(NULL, size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+    close(fd);
+    if (p == MAP_FAILED)
+        return -1;
+    struct gpu_shm *g = p;
+    if (creator) {
+        pthread_mutexattr_t a;
+        pthread_mutexattr_init(&a);
+        pthread_mutexattr_setpshared(&a, PTHREAD_PROCESS_SHARED);
+        pthread_mutexattr_setrobust(&a, PTHREAD_MUTEX_ROBUST);
+        pthread_mutex_init(&g->mu, &a);
+        g->version = GPU_VERSION;
+        g->sms = sms_env ? (uint32_t)atoi(sms_env) : 108;
+        if (g->sms == 0)
+            g->sms = 108;
+        g->ring_offset = offsetof(struct gpu_shm, ring);
+        g->ring_cap = GPU_RING;
+        g->rec_size = sizeof(struct gpu_rec);
+        g->sim_now = now_ns();
+        __atomic_store_n(&g->magic, GPU_MAGIC, __ATOMIC_RELEASE);
+    } else {
+        for (int i = 0; i < 2000 && __atomic_load_n(&g->magic, __ATOMIC_ACQUIRE) != GPU_MAGIC; i++)
+            usleep(1000);
+        if (g->magic != GPU_MAGIC || g->version != GPU_VERSION) {
+            fprintf(stderr, "fake libcuda: %s is not a usable emulated GPU\n", path);
+            munmap(p, size);
+            return -1;
+        }
+    }
+    g_gpu = g;
+    return 0;
+}
+
+static void gpu_record(struct gpu_slot *s)
+{
+    uint64_t i = g_gpu->ring_head++;
+    struct gpu_rec *r = &g_gpu->ring[i % GPU_RING];
+    __atomic_store_n(&r->seq, 0, __ATOMIC_RELAXED);
+    __atomic_thread_fence(__ATOMIC_RELEASE);
+    r->pid = s->pid;
+    r->width_ppm = s->width_ppm;
+    r->ctx = s->ctx;
+    r->stream = s->stream;
+    r->start_ns = s->start_ns;
+    r->end_ns = s->end_ns;
+    r->func = s->func;
+    __atomic_store_n(&r->seq, i + 1, __ATOMIC_RELEASE);
+}
+
+/* Progress rate of running slot i (solo-ns per ns): 1 / (max(1, W) * kernels of its process). */
+static void gpu_rates(double *rate)
+{
+    struct gpu_shm *g = g_gpu;
+    double W = 0.0;
+    uint32_t hw = g->slot_hw;
+    static __thread uint32_t counted[GPU_SLOTS];
+    for (uint32_t i = 0; i < hw; i++) {
+        struct gpu_slot *s = &g->slots[i];
+        rate[i] = 0.0;
+        if (!s->used || s->done)
+            continue;
+        uint32_t same = 0, first = 1;
+        for (uint32_t j = 0; j < hw; j++) {
+            struct gpu_slot *t = &g->slots[j];
+            if (t->used && !t->done && t->pid == s->pid) {
+                same++;
+                if (j < i)
+                    first = 0;
+            }
+        }
+        counted[i] = same;
+        if (first)
+            W += s->width_ppm / 1e6;
+    }
+    double slow = W > 1.0 ? W : 1.0;
+    for (uint32_t i = 0; i < hw; i++) {
+        struct gpu_slot *s = &g->slots[i];
+        if (s->used && !s->done)
+            rate[i] = 1.0 / (slow * counted[i]);
+    }
+}
+
+/* Advances the virtual clock to t (never backwards), completing kernels exactly on the way. */
+static void gpu_advance(uint64_t t)
+{
+    struct gpu_shm *g = g_gpu;
+    static __thread double rate[GPU_SLOTS];
+    while (g->sim_now < t) {
+        gpu_rates(rate);
+        uint32_t hw = g->slot_hw;
+        double min_dt = INFINITY;
+        for (uint32_t i = 0; i < hw; i++)
+            if (rate[i] > 0.0) {
+                double dt = g->slots[i].remaining_ns / rate[i];
+                if (dt < min_dt)
+                    min_dt = dt;
+            }
+        if (min_dt == INFINITY) {
+            g->sim_now = t;
+            break;
+        }
+        double span = (double)(t - g->sim_now);
+        int completes = min_dt <= span;
+        double dt = completes ? min_dt : span;
+        uint64_t step = (uint64_t)ceil(dt);
+        if (step == 0)
+            step = completes ? 0 : 1;
+        for (uint32_t i = 0; i < hw; i++) {
+            if (rate[i] <= 0.0)
+                continue;
+            struct gpu_slot *s = &g->slots[i];
+            s->remaining_ns -= dt * rate[i];
+            if (completes && s->remaining_ns <= 0.5) {
+                s->remaining_ns = 0.0;
+                s->done = 1;
+                s->end_ns = g->sim_now + step;
+                gpu_record(s);
+            }
+        }
+        g->sim_now += step;
+    }
+}
+
+static int pid_alive(uint32_t pid) { return kill((pid_t)pid, 0) == 0 || errno != ESRCH; }
+
+static int gpu_alloc(void)
+{
+    struct gpu_shm *g = g_gpu;
+    for (uint32_t i = 0; i < GPU_SLOTS; i++) {
+        struct gpu_slot *s = &g->slots[i];
+        /* a finished slot whose owner died is never collected: reclaim it */
+        if (s->used && s->done && !pid_alive(s->pid))
+            s->used = 0;
+        if (!s->used) {
+            if (i >= g->slot_hw)
+                g->slot_hw = i + 1;
+            return (int)i;
+        }
+    }
+    return -1;
+}
+
+/* Runs one kernel of dur_ns solo work that may start at `desired` (virtual ns); returns its end. */
+static uint64_t gpu_run(uint64_t desired, double dur_ns, uint64_t ctx, uint64_t stream, uint64_t func)
+{
+    if (!g_gpu) { /* no device segment: run alone, unrecorded */
+        uint64_t start = desired > now_ns() ? desired : now_ns();
+        uint64_t end = start + (uint64_t)dur_ns;
+        sleep_until(end);
+        return end;
+    }
+    static __thread double rate[GPU_SLOTS];
+    gpu_lock();
+    gpu_advance(desired);
+    int idx = gpu_alloc();
+    if (idx < 0) {
+        gpu_unlock();
+        fprintf(stderr, "fake libcuda: emulated GPU has no free kernel slot\n");
+        uint64_t end = now_ns() + (uint64_t)dur_ns;
+        sleep_until(end);
+        return end;
+    }
+    struct gpu_slot *s = &g_gpu->slots[idx];
+    uint64_t gen = ++g_gpu->slot_gen;
+    *s = (struct gpu_slot){.used = 1, .pid = g_pid, .width_ppm = g_width_ppm, .gen = gen,
+                           .ctx = ctx, .stream = stream, .func = func,
+                           .remaining_ns = dur_ns > 1.0 ? dur_ns : 1.0,
+                           .start_ns = g_gpu->sim_now};
+    for (;;) {
+        if (s->gen != gen) { /* reclaimed (should not happen while we live) */
+            gpu_unlock();
+            return now_ns();
+        }
+        if (s->done) {
+            uint64_t end = s->end_ns;
+            s->used = 0;
+            gpu_unlock();
+            return end;
+        }
+        gpu_rates(rate);
+        uint64_t projected = g_gpu->sim_now + (uint64_t)ceil(s->remaining_ns / rate[idx]);
+        gpu_unlock();
+        sleep_until(projected);
+        gpu_lock();
+        uint64_t t = now_ns();
+        gpu_advance(t < projected ? t : projected);
+    }
+}
+
+/* ------------------------------------------------------------------ process-local objects */
+
+struct kfunc {
+    char name[128];
+    double fixed_us; /* < 0: read from the first kernel parameter */
+    struct kfunc *next;
+};
+
+struct graph {
+    size_t n, cap;
+    double *dur_ns;
+    uint64_t *func;
+};
+
+struct event {
+    int pending; /* records enqueued but not processed */
+    int recorded;
+    uint64_t time_ns;
+};
+
+enum op_kind { OP_KERNEL, OP_EVENT, OP_WAIT };
+
+struct op {
+    enum op_kind kind;
+    double dur_ns;
+    uint64_t func;
+    uint64_t submit_ns;
+    struct event *ev;
+    struct op *next;
+};
+
+struct ctx;
+struct stream {
+    struct ctx *ctx;
+    pthread_t thread;
+    pthread_cond_t cv;
+    struct op *head, *tail;
+    int running, stop;
+    uint64_t last_end;
+    struct graph *capture;
+    struct stream *next_in_ctx;
+};
+
+struct ctx {
+    struct stream *def; /* default stream, made on first use */
+    struct stream *streams;
+    int destroyed;
+};
+
+static pthread_mutex_t g_mu = PTHREAD_MUTEX_INITIALIZER;
+static pthread_cond_t g_done = PTHREAD_COND_INITIALIZER; /* broadcast when any op completes */
+static int g_inited;
+static struct ctx *g_primary;
+static struct kfunc *g_funcs;
+static double g_default_us = 100.0;
+static __thread struct ctx *t_ctx;
+
+static void *worker(void *arg)
+{
+    struct stream *s = arg;
+    prctl(PR_SET_TIMERSLACK, 1UL, 0, 0, 0); /* µs kernels need µs wake-ups */
+    pthread_mutex_lock(&g_mu);
+    for (;;) {
+        while (!s->head && !s->stop)
+            pthread_cond_wait(&s->cv, &g_mu);
+        if (!s->head && s->stop)
+            break;
+        struct op *op = s->head;
+        s->head = op->next;
+        if (!s->head)
+            s->tail = NULL;
+        s->running = 1;
+        uint64_t desired = op->submit_ns > s->last_end ? op->submit_ns : s->last_end;
+        if (op->kind == OP_KERNEL) {
+            pthread_mutex_unlock(&g_mu);
+            uint64_t end = gpu_run(desired, op->dur_ns, (uint64_t)(uintptr_t)s->ctx,
+                                   (uint64_t)(uintptr_t)s, op->func);
+            pthread_mutex_lock(&g_mu);
+            s->last_end = end;
+        } else if (op->kind == OP_EVENT) {
+            op->ev->time_ns = desired;
+            op->ev->recorded = 1;
+            op->ev->pending--;
+        } else { /* OP_WAIT: the stream waits for the event's work */
+            while (op->ev->pending > 0)
+                pthread_cond_wait(&g_done, &g_mu);
+            if (op->ev->time_ns > s->last_end)
+                s->last_end = op->ev->time_ns;
+        }
+        s->running = 0;
+        free(op);
+        pthread_cond_broadcast(&g_done);
+    }
+    pthread_mutex_unlock(&g_mu);
+    return NULL;
+}
+
+static struct stream *stream_new(struct ctx *c)
+{
+    struct stream *s = calloc(1, sizeof *s);
+    s->ctx = c;
+    pthread_cond_init(&s->cv, NULL);
+    s->next_in_ctx = c->streams;
+    c->streams = s;
+    pthread_attr_t a;
+    pthread_attr_init(&a);
+    pthread_attr_setdetachstate(&a, PTHREAD_CREATE_DETACHED);
+    pthread_attr_setstacksize(&a, 256 * 1024);
+    pthread_create(&s->thread, &a, worker, s);
+    pthread_attr_destroy(&a);
+    return s;
+}
+
+static struct ctx *cur_ctx(void)
+{
+    if (t_ctx)
+        return t_ctx;
+    if (!g_primary) /* lenient: launching without a context uses the process's primary one */
+        g_primary = calloc(1, sizeof *g_primary);
+    return g_primary;
+}
+
+/* Resolves a stream handle (0, legacy and per-thread all mean the context's default stream). */
+static struct stream *resolve(CUstream h)
+{
+    if (h == NULL || h == CU_STREAM_LEGACY || h == CU_STREAM_PER_THREAD) {
+        struct ctx *c = cur_ctx();
+        if (!c->def)
+            c->def = stream_new(c);
+        return c->def;
+    }
+    return (struct stream *)h;
+}
+
+static void enqueue(struct stream *s, struct op *op)
+{
+    op->submit_ns = now_ns();
+    op->next = NULL;
+    if (s->tail)
+        s->tail->next = op;
+    else
+        s->head = op;
+    s->tail = op;
+    pthread_cond_signal(&s->cv);
+}
+
+static int stream_idle(struct stream *s) { return !s->head && !s->running; }
+
+static void atfork_child(void)
+{
+    /* threads do not survive fork: forget everything; the child starts over with cuInit */
+    pthread_mutex_init(&g_mu, NULL);
+    pthread_cond_init(&g_done, NULL);
+    g_inited = 0;
+    g_primary = NULL;
+    t_ctx = NULL;
+    g_pid = (uint32_t)getpid();
+}
+
+static void init_once(void)
+{
+    const char *w = getenv("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE");
+    double pct = w ? atof(w) : 100.0;
+    if (!(pct > 0.0) || pct > 100.0)
+        pct = 100.0;
+    g_width_ppm = (uint32_t)llround(pct * 10000.0);
+    const char *d = getenv("DILU_FAKE_DEFAULT_US");
+    if (d && atof(d) > 0)
+        g_default_us = atof(d);
+    g_pid = (uint32_t)getpid();
+    if (!g_gpu)
+        gpu_open();
+}
+
+static double table_us(const char *name)
+{
+    const char *t = getenv("DILU_FAKE_KERNELS");
+    size_t n = strlen(name);
+    while (t && *t) {
+        const char *eq = strchr(t, '=');
+        if (!eq)
+            break;
+        if ((size_t)(eq - t) == n && strncmp(t, name, n) == 0)
+            return atof(eq + 1);
+        t = strchr(eq, ',');
+        if (t)
+            t++;
+    }
+    return -1.0;
+}
+
+static double kernel_ns(CUfunction f, void **params)
+{
+    struct kfunc *k = (struct kfunc *)f;
+    if (!k)
+        return g_default_us * 1000.0;
+    if (k->fixed_us >= 0.0)
+        return k->fixed_us * 1000.0;
+    if (params && params[0])
+        return (double)*(const float *)params[0] * 1000.0;
+    return g_default_us * 1000.0;
+}
+
+static CUresult launch(CUfunction f, CUstream h, void **params)
+{
+    if (!g_inited)
+        return CUDA_ERROR_NOT_INITIALIZED;
+    if (!f)
+        return CUDA_ERROR_INVALID_HANDLE;
+    double ns = kernel_ns(f, params);
+    pthread_mutex_lock(&g_mu);
+    struct stream *s = resolve(h);
+    if (s->capture) {
+        struct graph *g = s->capture;
+        if (g->n == g->cap) {
+            g->cap = g->cap ? 2 * g->cap : 16;
+            g->dur_ns = realloc(g->dur_ns, g->cap * sizeof *g->dur_ns);
+            g->func = realloc(g->func, g->cap * sizeof *g->func);
+        }
+        g->dur_ns[g->n] = ns;
+        g->func[g->n++] = (uint64_t)(uintptr_t)f;
+    } else {
+        struct op *op = calloc(1, sizeof *op);
+        op->kind = OP_KERNEL;
+        op->dur_ns = ns;
+        op->func = (uint64_t)(uintptr_t)f;
+        enqueue(s, op);
+    }
+    pthread_mutex_unlock(&g_mu);
+    return CUDA_SUCCESS;
+}
+
+/* ------------------------------------------------------------------ API: init, device, context */
+
+API CUresult cuInit(unsigned int flags)
+{
+    static pthread_once_t once = PTHREAD_ONCE_INIT;
+    static int registered;
+    if (!registered) {
+        registered = 1;
+        pthread_atfork(NULL, NULL, atfork_child);
+    }
+    pthread_once(&once, init_once);
+    if (!g_pid || g_pid != (uint32_t)getpid()) /* forked child */
+        g_pid = (uint32_t)getpid();
+    g_inited = 1;
+    return CUDA_SUCCESS;
+}
+
+API CUresult cuDriverGetVersion(int *v)
+{
+    if (!v)
+        return CUDA_ERROR_INVALID_VALUE;
+    *v = FAKE_DRIVER_VERSION;
+    return CUDA_SUCCESS;
+}
+
+API CUresult cuDeviceGetCount(int *n)
+{
+    if (!g_inited)
+        return CUDA_ERROR_NOT_INITIALIZED;
+    *n = 1;
+    return CUDA_SUCCESS;
+}
+
+API CUresult cuDeviceGet(CUdevice *d, int ordinal)
+{
+    if (!g_inited)
+        return CUDA_ERROR_NOT_INITIALIZED;
+    if (ordinal != 0)
+        return CUDA_ERROR_INVALID_DEVICE;
+    *d = 0;
+    return CUDA_SUCCESS;
+}
+
+API CUresult cuDeviceGetName(char *name, int len, CUdevice d)
+{
+    snprintf(name, (size_t)len, "Dilu emulated GPU %s", getenv("DILU_FAKE_GPU") ? getenv("DILU_FAKE_GPU") : "default");
+    return CUDA_SUCCESS;
+}
+
+API CUresult cuDeviceTotalMem_v2(size_t *bytes, CUdevice d)
+{
+    *bytes = (size_t)80 << 30;
+    return CUDA_SUCCESS;
+}
+
+API CUresult cuDeviceGetAttribute(int *v, int attrib, CUdevice d)
+{
+    if (!g_inited)
+        return CUDA_ERROR_NOT_INITIALIZED;
+    switch (attrib) {
+    case CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT:
+        *v = g_gpu ? (int)g_gpu->sms : 108;
+        return CUDA_SUCCESS;
+    case CU_DEVICE_ATTRIBUTE_MAX_THREADS_PER_BLOCK:
+        *v = 1024;
+        return CUDA_SUCCESS;
+    case CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR:
+        *v = 8;
+        return CUDA_SUCCESS;
+    case CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR:
+        *v = 0;
+        return CUDA_SUCCESS;
+    default:
+        *v = 0;
+        return CUDA_SUCCESS;
+    }
+}
+
+API CUresult cuCtxCreate_v2(CUcontext *pctx, unsigned int flags, CUdevice d)
+{
+    if (!g_inited)
+        return CUDA_ERROR_NOT_INITIALIZED;
+    struct ctx *c = calloc(1, sizeof *c);
+    t_ctx = c;
+    *pctx = (CUcontext)c;
+    return CUDA_SUCCESS;
+}
+
+API CUresult cuCtxCreate(CUcontext *pctx, unsigned int flags, CUdevice d) { return cuCtxCreate_v2(pctx, flags, d); }
+
+API CUresult cuCtxCreate_v4(CUcontext *pctx, void *params, unsigned int flags, CUdevice d)
+{
+    return cuCtxCreate_v2(pctx, flags, d);
+}
+
+API CUresult cuDevicePrimaryCtxRetain(CUcontext *pctx, CUdevice d)
+{
+    if (!g_inited)
+        return CUDA_ERROR_NOT_INITIALIZED;
+    pthread_mutex_lock(&g_mu);
+    if (!g_primary)
+        g_primary = calloc(1, sizeof *g_primary);
+    *pctx = (CUcontext)g_primary;
+    pthread_mutex_unlock(&g_mu);
+    return CUDA_SUCCESS;
+}
+
+API CUresult cuDevicePrimaryCtxRelease_v2(CUdevice d) { return CUDA_SUCCESS; }
+API CUresult cuDevicePrimaryCtxRelease(CUdevice d) { return CUDA_SUCCESS; }
+
+static void ctx_sync(struct ctx *c)
+{
+    for (;;) {
+        int idle = 1;
+        for (struct stream *s = c->streams; s; s = s->next_in_ctx)
+            idle &= stream_idle(s);
+        if (idle)
+            return;
+        pthread_cond_wait(&g_done, &g_mu);
+    }
+}
+
+API CUresult cuCtxDestroy_v2(CUcontext h)
+{
+    struct ctx *c = (struct ctx *)h;
+    if (!c)
+        return CUDA_ERROR_INVALID_CONTEXT;
+    pthread_mutex_lock(&g_mu);
+    ctx_sync(c);
+    for (struct stream *s = c->streams; s; s = s->next_in_ctx) {
+        s->stop = 1;
+        pthread_cond_signal(&s->cv);
+    }
+    c->destroyed = 1; /* streams are detached threads; memory is kept (handles may linger) */
+    if (t_ctx == c)
+        t_ctx = NULL;
+    pthread_mutex_unlock(&g_mu);
+    return CUDA_SUCCESS;
+}
+
+API CUresult cuCtxDestroy(CUcontext h) { return cuCtxDestroy_v2(h); }
+
+API CUresult cuCtxGetCurrent(CUcontext *pctx)
+{
+    *pctx = (CUcontext)t_ctx;
+    return CUDA_SUCCESS;
+}
+
+API CUresult cuCtxSetCurrent(CUcontext h)
+{
+    t_ctx = (struct ctx *)h;
+    return CUDA_SUCCESS;
+}
+
+API CUresult cuCtxPushCurrent_v2(CUcontext h) { return cuCtxSetCurrent(h); }
+API CUresult cuCtxPopCurrent_v2(CUcontext *p)
+{
+    if (p)
+        *p = (CUcontext)t_ctx;
+    t_ctx = NULL;
+    return CUDA_SUCCESS;
+}
+
+API CUresult cuCtxSynchronize(void)
+{
+    if (!g_inited)
+        return CUDA_ERROR_NOT_INITIALIZED;
+    pthread_mutex_lock(&g_mu);
+    ctx_sync(cur_ctx());
+    pthread_mutex_unlock(&g_mu);
+    return CUDA_SUCCESS;
+}
+
+/* ------------------------------------------------------------------ API: modules, functions */
+
+API CUresult cuModuleLoadData(CUmodule *m, const void *image)
+{
+    if (!g_inited)
+        return CUDA_ERROR_NOT_INITIALIZED;
+    *m = (CUmodule)calloc(1, 16);
+    return CUDA_SUCCESS;
+}
+
+API CUresult cuModuleLoad(CUmodule *m, const char *fname) { return cuModuleLoadData(m, fname); }
+API CUresult cuModuleUnload(CUmodule m) { return CUDA_SUCCESS; }
+
+API CUresult cuModuleGetFunction(CUfunction *f, CUmodule m, const char *name)
+{
+    if (!g_inited)
+        return CUDA_ERROR_NOT_INITIALIZED;
+    if (!f || !name || strlen(name) >= sizeof(((struct kfunc *)0)->name))
+        return CUDA_ERROR_INVALID_VALUE;
+    pthread_mutex_lock(&g_mu);
+    struct kfunc *k;
+    for (k = g_funcs; k; k = k->next)
+        if (strcmp(k->name, name) == 0)
+            break;
+    if (!k) {
+        k = calloc(1, sizeof *k);
+        strcpy(k->name, name);
+        char *end = NULL;
+        double us = -1.0;
+        if (strncmp(name, "k_", 2) == 0) {
+            us = strtod(name + 2, &end);
+            if (end == name + 2 || *end || us < 0)
+                us = -1.0;
+        }
+        if (us < 0)
+            us = table_us(name);
+        if (us < 0 && strncmp(name, "p_", 2) != 0)
+            us = g_default_us;
+        k->fixed_us = us;
+        k->next = g_funcs;
+        g_funcs = k;
+    }
+    pthread_mutex_unlock(&g_mu);
+    *f = (CUfunction)k;
+    return CUDA_SUCCESS;
+}
+
+/* ------------------------------------------------------------------ API: launches */
+
+API CUresult cuLaunchKernel(CUfunction f, unsigned gx, unsigned gy, unsigned gz, unsigned bx,
+                            unsigned by, unsigned bz, unsigned shmem, CUstream h, void **params,
+                            void **extra)
+{
+    return launch(f, h, params);
+}
+
+API CUresult cuLaunchKernel_ptsz(CUfunction f, unsigned gx, unsigned gy, unsigned gz, unsigned bx,
+                                 unsigned by, unsigned bz, unsigned shmem, CUstream h,
+                                 void **params, void **extra)
+{
+    return launch(f, h, params);
+}
+
+API CUresult cuLaunchKernelEx(const CUlaunchConfig *cfg, CUfunction f, void **params, void **extra)
+{
+    if (!cfg)
+        return CUDA_ERROR_INVALID_VALUE;
+    return launch(f, cfg->hStream, params);
+}
+
+API CUresult cuLaunchKernelEx_ptsz(const CUlaunchConfig *cfg, CUfunction f, void **params, void **extra)
+{
+    return cuLaunchKernelEx(cfg, f, params, extra);
+}
+
+API CUresult cuLaunchCooperativeKernel(CUfunction f, unsigned gx, unsigned gy, unsigned gz,
+                                       unsigned bx, unsigned by, unsigned bz, unsigned shmem,
+                                       CUstream h, void **params)
+{
+    return launch(f, h, params);
+}
+
+API CUresult cuLaunchCooperativeKernel_ptsz(CUfunction f, unsigned gx, unsigned gy, unsigned gz,
+                                            unsigned bx, unsigned by, unsigned bz, unsigned shmem,
+                                            CUstream h, void **params)
+{
+    return launch(f, h, params);
+}
+
+/* ------------------------------------------------------------------ API: streams */
+
+API CUresult cuStreamCreate(CUstream *ph, unsigned int flags)
+{
+    if (!g_inited)
+        return CUDA_ERROR_NOT_INITIALIZED;
+    pthread_mutex_lock(&g_mu);
+    *ph = (CUstream)stream_new(cur_ctx());
+    pthread_mutex_unlock(&g_mu);
+    return CUDA_SUCCESS;
+}
+
+API CUresult cuStreamCreateWithPriority(CUstream *ph, unsigned int flags, int prio)
+{
+    return cuStreamCreate(ph, flags);
+}
+
+API CUresult cuStreamDestroy_v2(CUstream h)
+{
+    /* the worker drains what is queued, then the stream stays as an idle husk (cheap) */
+    return CUDA_SUCCESS;
+}
+
+API CUresult cuStreamDestroy(CUstream h) { return cuStreamDestroy_v2(h); }
+
+API CUresult cuStreamSynchronize(CUstream h)
+{
+    if (!g_inited)
+        return CUDA_ERROR_NOT_INITIALIZED;
+    pthread_mutex_lock(&g_mu);
+    struct stream *s = resolve(h);
+    while (!stream_idle(s))
+        pthread_cond_wait(&g_done, &g_mu);
+    pthread_mutex_unlock(&g_mu);
+    return CUDA_SUCCESS;
+}
+
+API CUresult cuStreamSynchronize_ptsz(CUstream h) { return cuStreamSynchronize(h); }
+
+API CUresult cuStreamQuery(CUstream h)
+{
+    if (!g_inited)
+        return CUDA_ERROR_NOT_INITIALIZED;
+    pthread_mutex_lock(&g_mu);
+    int idle = stream_idle(resolve(h));
+    pthread_mutex_unlock(&g_mu);
+    return idle ? CUDA_SUCCESS : CUDA_ERROR_NOT_READY;
+}
+
+API CUresult cuStreamQuery_ptsz(CUstream h) { return cuStreamQuery(h); }
+
+API CUresult cuStreamWaitEvent(CUstream h, CUevent e, unsigned int flags)
+{
+    if (!e)
+        return CUDA_ERROR_INVALID_HANDLE;
+    pthread_mutex_lock(&g_mu);
+    struct stream *s = resolve(h);
+    if (!s->capture) {
+        struct op *op = calloc(1, sizeof *op);
+        op->kind = OP_WAIT;
+        op->ev = (struct event *)e;
+        enqueue(s, op);
+    }
+    pthread_mutex_unlock(&g_mu);
+    return CUDA_SUCCESS;
+}
+
+API CUresult cuStreamWaitEvent_ptsz(CUstream h, CUevent e, unsigned int flags)
+{
+    return cuStreamWaitEvent(h, e, flags);
+}
+
+static CUresult begin_capture(CUstream h)
+{
+    if (!g_inited)
+        return CUDA_ERROR_NOT_INITIALIZED;
+    pthread_mutex_lock(&g_mu);
+    struct stream *s = resolve(h);
+    CUresult r = CUDA_SUCCESS;
+    if (s->capture)
+        r = CUDA_ERROR_INVALID_VALUE;
+    else
+        s->capture = calloc(1, sizeof(struct graph));
+    pthread_mutex_unlock(&g_mu);
+    return r;
+}
+
+API CUresult cuStreamBeginCapture(CUstream h) { return begin_capture(h); }
+API CUresult cuStreamBeginCapture_v2(CUstream h, int mode) { return begin_capture(h); }
+API CUresult cuStreamBeginCapture_ptsz(CUstream h) { return begin_capture(h); }
+API CUresult cuStreamBeginCapture_v2_ptsz(CUstream h, int mode) { return begin_capture(h); }
+
+API CUresult cuStreamEndCapture(CUstream h, CUgraph *pg)
+{
+    pthread_mutex_lock(&g_mu);
+    struct stream *s = resolve(h);
+    CUresult r = CUDA_SUCCESS;
+    if (!s->capture)
+        r = CUDA_ERROR_INVALID_VALUE;
+    else {
+        *pg = (CUgraph)s->capture;
+        s->capture = NULL;
+    }
+    pthread_mutex_unlock(&g_mu);
+    return r;
+}
+
+API CUresult cuStreamEndCapture_ptsz(CUstream h, CUgraph *pg) { return cuStreamEndCapture(h, pg); }
+
+API CUresult cuStreamIsCapturing(CUstream h, int *status)
+{
+    pthread_mutex_lock(&g_mu);
+    *status = resolve(h)->capture ? CU_STREAM_CAPTURE_STATUS_ACTIVE : CU_STREAM_CAPTURE_STATUS_NONE;
+    pthread_mutex_unlock(&g_mu);
+    return CUDA_SUCCESS;
+}
+
+API CUresult cuStreamIsCapturing_ptsz(CUstream h, int *status) { return cuStreamIsCapturing(h, status); }
+
+/* ------------------------------------------------------------------ API: events */
+
+API CUresult cuEventCreate(CUevent *pe, unsigned int flags)
+{
+    if (!g_inited)
+        return CUDA_ERROR_NOT_INITIALIZED;
+    *pe = (CUevent)calloc(1, sizeof(struct event));
+    return CUDA_SUCCESS;
+}
+
+API CUresult cuEventDestroy_v2(CUevent e)
+{
+    struct event *ev = (struct event *)e;
+    if (!ev)
+        return CUDA_ERROR_INVALID_HANDLE;
+    pthread_mutex_lock(&g_mu);
+    int busy = ev->pending > 0;
+    pthread_mutex_unlock(&g_mu);
+    if (!busy) /* a pending record still points at it: leak rather than use after free */
+        free(ev);
+    return CUDA_SUCCESS;
+}
+
+API CUresult cuEventDestroy(CUevent e) { return cuEventDestroy_v2(e); }
+
+API CUresult cuEventRecord(CUevent e, CUstream h)
+{
+    struct event *ev = (struct event *)e;
+    if (!ev)
+        return CUDA_ERROR_INVALID_HANDLE;
+    pthread_mutex_lock(&g_mu);
+    struct stream *s = resolve(h);
+    if (!s->capture) {
+        struct op *op = calloc(1, sizeof *op);
+        op->kind = OP_EVENT;
+        op->ev = ev;
+        ev->pending++;
+        enqueue(s, op);
+    }
+    pthread_mutex_unlock(&g_mu);
+    return CUDA_SUCCESS;
+}
+
+API CUresult cuEventRecord_ptsz(CUevent e, CUstream h) { return cuEventRecord(e, h); }
+API CUresult cuEventRecordWithFlags(CUevent e, CUstream h, unsigned int f) { return cuEventRecord(e, h); }
+
+API CUresult cuEventQuery(CUevent e)
+{
+    struct event *ev = (struct event *)e;
+    if (!ev)
+        return CUDA_ERROR_INVALID_HANDLE;
+    pthread_mutex_lock(&g_mu);
+    int pending = ev->pending;
+    pthread_mutex_unlock(&g_mu);
+    return pending ? CUDA_ERROR_NOT_READY : CUDA_SUCCESS;
+}
+
+API CUresult cuEventSynchronize(CUevent e)
+{
+    struct event *ev = (struct event *)e;
+    if (!ev)
+        return CUDA_ERROR_INVALID_HANDLE;
+    pthread_mutex_lock(&g_mu);
+    while (ev->pending)
+        pthread_cond_wait(&g_done, &g_mu);
+    pthread_mutex_unlock(&g_mu);
+    return CUDA_SUCCESS;
+}
+
+API CUresult cuEventElapsedTime(float *ms, CUevent a, CUevent b)
+{
+    struct event *ea = (struct event *)a, *eb = (struct event *)b;
+    if (!ms || !ea || !eb)
+        return CUDA_ERROR_INVALID_HANDLE;
+    pthread_mutex_lock(&g_mu);
+    CUresult r = CUDA_SUCCESS;
+    if (ea->pending || eb->pending)
+        r = CUDA_ERROR_NOT_READY;
+    else if (!ea->recorded || !eb->recorded)
+        r = CUDA_ERROR_INVALID_HANDLE;
+    else
+        *ms = (float)(((double)eb->time_ns - (double)ea->time_ns) / 1e6);
+    pthread_mutex_unlock(&g_mu);
+    return r;
+}
+
+API CUresult cuEventElapsedTime_v2(float *ms, CUevent a, CUevent b) { return cuEventElapsedTime(ms, a, b); }
+
+/* ------------------------------------------------------------------ API: graphs */
+
+API CUresult cuGraphCreate(CUgraph *pg, unsigned int flags)
+{
+    *pg = (CUgraph)calloc(1, sizeof(struct graph));
+    return CUDA_SUCCESS;
+}
+
+API CUresult cuGraphDestroy(CUgraph g)
+{
+    struct graph *gr = (struct graph *)g;
+    if (gr) {
+        free(gr->dur_ns);
+        free(gr->func);
+        free(gr);
+    }
+    return CUDA_SUCCESS;
+}
+
+API CUresult cuGraphInstantiateWithFlags(CUgraphExec *pe, CUgraph g, unsigned long long flags)
+{
+    struct graph *src = (struct graph *)g;
+    if (!pe || !src)
+        return CUDA_ERROR_INVALID_VALUE;
+    struct graph *x = calloc(1, sizeof *x);
+    x->n = x->cap = src->n;
+    x->dur_ns = malloc((src->n + 1) * sizeof *x->dur_ns);
+    x->func = malloc((src->n + 1) * sizeof *x->func);
+    memcpy(x->dur_ns, src->dur_ns, src->n * sizeof *x->dur_ns);
+    memcpy(x->func, src->func, src->n * sizeof *x->func);
+    *pe = (CUgraphExec)x;
+    return CUDA_SUCCESS;
+}
+
+API CUresult cuGraphInstantiate(CUgraphExec *pe, CUgraph g, unsigned long long flags)
+{
+    return cuGraphInstantiateWithFlags(pe, g, flags);
+}
+
+API CUresult cuGraphExecDestroy(CUgraphExec e) { return cuGraphDestroy((CUgraph)e); }
+
+API CUresult cuGraphLaunch(CUgraphExec e, CUstream h)
+{
+    struct graph *x = (struct graph *)e;
+    if (!g_inited)
+        return CUDA_ERROR_NOT_INITIALIZED;
+    if (!x)
+        return CUDA_ERROR_INVALID_HANDLE;
+    pthread_mutex_lock(&g_mu);
+    struct stream *s = resolve(h);
+    for (size_t i = 0; i < x->n; i++) {
+        struct op *op = calloc(1, sizeof *op);
+        op->kind = OP_KERNEL;
+        op->dur_ns = x->dur_ns[i];
+        op->func = x->func[i];
+        enqueue(s, op);
+    }
+    pthread_mutex_unlock(&g_mu);
+    return CUDA_SUCCESS;
+}
+
+API CUresult cuGraphLaunch_ptsz(CUgraphExec e, CUstream h) { return cuGraphLaunch(e, h); }
+
+/* ------------------------------------------------------------------ API: errors, entry points */
+
+API CUresult cuGetErrorString(CUresult r, const char **s)
+{
+    static const char *ok = "no error", *nr = "device not ready", *other = "fake driver error";
+    *s = r == CUDA_SUCCESS ? ok : r == CUDA_ERROR_NOT_READY ? nr : other;
+    return CUDA_SUCCESS;
+}
+
+API CUresult cuGetErrorName(CUresult r, const char **s) { return cuGetErrorString(r, s); }
+
+API CUresult cuGetExportTable(const void **table, const void *id)
+{
+    return CUDA_ERROR_NOT_SUPPORTED;
+}
+
+API CUresult cuGetProcAddress_v2(const char *sym, void **pfn, int ver, cuuint64_t flags, int *status);
+API CUresult cuGetProcAddress(const char *sym, void **pfn, int ver, cuuint64_t flags);
+
+#define ENTRY(name) {#name, (void *)name}
+static const struct { const char *name; void *fn; } g_entries[] = {
+    ENTRY(cuInit), ENTRY(cuDriverGetVersion), ENTRY(cuDeviceGetCount), ENTRY(cuDeviceGet),
+    ENTRY(cuDeviceGetName), ENTRY(cuDeviceTotalMem_v2), ENTRY(cuDeviceGetAttribute),
+    ENTRY(cuCtxCreate), ENTRY(cuCtxCreate_v2), ENTRY(cuCtxCreate_v4), ENTRY(cuCtxDestroy),
+    ENTRY(cuCtxDestroy_v2), ENTRY(cuDevicePrimaryCtxRetain), ENTRY(cuDevicePrimaryCtxRelease),
+    ENTRY(cuDevicePrimaryCtxRelease_v2), ENTRY(cuCtxGetCurrent), ENTRY(cuCtxSetCurrent),
+    ENTRY(cuCtxPushCurrent_v2), ENTRY(cuCtxPopCurrent_v2), ENTRY(cuCtxSynchronize),
+    ENTRY(cuModuleLoadData), ENTRY(cuModuleLoad), ENTRY(cuModuleUnload), ENTRY(cuModuleGetFunction),
+    ENTRY(cuLaunchKernel), ENTRY(cuLaunchKernel_ptsz), ENTRY(cuLaunchKernelEx),
+    ENTRY(cuLaunchKernelEx_ptsz), ENTRY(cuLaunchCooperativeKernel),
+    ENTRY(cuLaunchCooperativeKernel_ptsz), ENTRY(cuStreamCreate), ENTRY(cuStreamCreateWithPriority),
+    ENTRY(cuStreamDestroy), ENTRY(cuStreamDestroy_v2), ENTRY(cuStreamSynchronize),
+    ENTRY(cuStreamSynchronize_ptsz), ENTRY(cuStreamQuery), ENTRY(cuStreamQuery_ptsz),
+    ENTRY(cuStreamWaitEvent), ENTRY(cuStreamWaitEvent_ptsz), ENTRY(cuStreamBeginCapture),
+    ENTRY(cuStreamBeginCapture_v2), ENTRY(cuStreamBeginCapture_ptsz),
+    ENTRY(cuStreamBeginCapture_v2_ptsz), ENTRY(cuStreamEndCapture), ENTRY(cuStreamEndCapture_ptsz),
+    ENTRY(cuStreamIsCapturing), ENTRY(cuStreamIsCapturing_ptsz), ENTRY(cuEventCreate),
+    ENTRY(cuEventDestroy), ENTRY(cuEventDestroy_v2), ENTRY(cuEventRecord), ENTRY(cuEventRecord_ptsz),
+    ENTRY(cuEventRecordWithFlags), ENTRY(cuEventQuery), ENTRY(cuEventSynchronize),
+    ENTRY(cuEventElapsedTime), ENTRY(cuEventElapsedTime_v2), ENTRY(cuGraphCreate),
+    ENTRY(cuGraphDestroy), ENTRY(cuGraphInstantiate), ENTRY(cuGraphInstantiateWithFlags),
+    ENTRY(cuGraphExecDestroy), ENTRY(cuGraphLaunch), ENTRY(cuGraphLaunch_ptsz),
+    ENTRY(cuGetErrorString), ENTRY(cuGetErrorName), ENTRY(cuGetExportTable),
+    ENTRY(cuGetProcAddress), ENTRY(cuGetProcAddress_v2),
+};
+
+static void *entry(const char *name)
+{
+    for (size_t i = 0; i < sizeof g_entries / sizeof g_entries[0]; i++)
+        if (strcmp(g_entries[i].name, name) == 0)
+            return g_entries[i].fn;
+    return NULL;
+}
+
+/* Like the real driver: the base name, versioned per the requested CUDA version, and the
+ * per-thread-default-stream (_ptsz) flavour when flags ask for it. */
+API CUresult cuGetProcAddress_v2(const char *sym, void **pfn, int ver, cuuint64_t flags, int *status)
+{
+    if (!sym || !pfn)
+        return CUDA_ERROR_INVALID_VALUE;
+    char name[160];
+    void *fn = NULL;
+    const char *base = sym;
+    if (strcmp(sym, "cuCtxCreate") == 0)
+        base = ver >= 13000 ? "cuCtxCreate_v4" : "cuCtxCreate_v2";
+    else if (strcmp(sym, "cuStreamBeginCapture") == 0)
+        base = "cuStreamBeginCapture_v2";
+    else if (strcmp(sym, "cuGraphInstantiate") == 0)
+        base = "cuGraphInstantiateWithFlags";
+    else if (strcmp(sym, "cuEventElapsedTime") == 0 && ver >= 13000)
+        base = "cuEventElapsedTime_v2";
+    if (flags & CU_GET_PROC_ADDRESS_PER_THREAD_DEFAULT_STREAM) {
+        snprintf(name, sizeof name, "%s_ptsz", base);
+        fn = entry(name);
+    }
+    if (!fn)
+        fn = entry(base);
+    if (!fn) {
+        snprintf(name, sizeof name, "%s_v2", base);
+        fn = entry(name);
+    }
+    *pfn = fn;
+    if (status)
+        *status = fn ? 0 : 1;
+    return fn ? CUDA_SUCCESS : CUDA_ERROR_NOT_FOUND;
+}
+
+API CUresult cuGetProcAddress(const char *sym, void **pfn, int ver, cuuint64_t flags)
+{
+    return cuGetProcAddress_v2(sym, pfn, ver, flags, NULL);
+}

@@ -1,0 +1,844 @@
+/* libdilu_intercept.so: meters and throttles one process's CUDA kernel launches (LD_PRELOAD).
+ *
+ * Paths into the driver that are covered (DESIGN.md section 6):
+ *   - symbols linked directly: this library exports cuLaunchKernel & co., so with LD_PRELOAD
+ *     it wins symbol resolution over libcuda.so.1;
+ *   - dlopen + dlsym (also Python ctypes): dlsym is exported here; the real one is found with
+ *     dlvsym; any result that is a real driver entry point we wrap is swapped for our wrapper;
+ *   - cuGetProcAddress (4 args) and cuGetProcAddress_v2 (5 args), any flags: routed by the real
+ *     pointer the driver returns, so versions and _ptsz flavours stay right; asked for
+ *     cuGetProcAddress itself, they return our wrapper.
+ * cuGetExportTable is never touched.
+ *
+ * Throttling: tokens are µs of GPU-busy time, refilled at q/w per µs of wall time (q: quota in
+ * effect, w: width), capped at DILU_BURST_US. A launch goes when the balance is >= 0 and is charged
+ * its estimated cost; otherwise it sleeps on the grant-epoch futex for exactly the time the
+ * refill needs (a new grant wakes it early). Cost per CUfunction (or CUgraphExec) is an EWMA of
+ * sampled launches timed with events (never on a capturing stream); each sampled launch is also
+ * trued up (charged measured - estimated), and the first launches of every key are all sampled.
+ *
+ * Fail safe: with no usable control block the rate is the last grant seen, or before any
+ * DILU_REQUEST_QUOTA; a quota is never below DILU_MIN_QUOTA so no wait is unbounded. A stale
+ * heartbeat only raises a telemetry flag (the block's last grant stays in force). Fork safe.
+ *
+ * Environment: DILU_CB (control block path), DILU_REQUEST_QUOTA (fraction), DILU_WIDTH or
+ * CUDA_MPS_ACTIVE_THREAD_PERCENTAGE (width when there is no block), DILU_MIN_QUOTA (default
+ * 0.01), DILU_BURST_US (2000), DILU_CYCLE_GAP_US (1000), DILU_DEFAULT_COST_US (100),
+ * DILU_SAMPLE_EVERY (128), DILU_REAL_LIBCUDA (path of the real driver), DILU_INTERCEPT_DEBUG.
+ */
+#define _GNU_SOURCE
+#include <dlfcn.h>
+#include <errno.h>
+#include <fcntl.h>
+#include <math.h>
+#include <pthread.h>
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include "dilu_cb.h"
+#include "dilu_cuda_min.h"
+
+#ifdef cuGetProcAddress /* CUDA 13's cuda.h maps it to _v2; we export both names ourselves */
+#undef cuGetProcAddress
+#endif
+
+#define API __attribute__((visibility("default")))
+
+typedef CUresult (*launch_fn)(CUfunction, unsigned, unsigned, unsigned, unsigned, unsigned,
+                              unsigned, unsigned, CUstream, void **, void **);
+typedef CUresult (*launch_ex_fn)(const CUlaunchConfig *, CUfunction, void **, void **);
+typedef CUresult (*coop_fn)(CUfunction, unsigned, unsigned, unsigned, unsigned, unsigned,
+                            unsigned, unsigned, CUstream, void **);
+typedef CUresult (*graph_fn)(CUgraphExec, CUstream);
+typedef CUresult (*gpa_fn)(const char *, void **, int, cuuint64_t);
+typedef CUresult (*gpa2_fn)(const char *, void **, int, cuuint64_t, int *);
+typedef CUresult (*begin_fn)(CUstream);
+typedef CUresult (*begin2_fn)(CUstream, int);
+typedef CUresult (*end_fn)(CUstream, CUgraph *);
+
+/* ------------------------------------------------------------------ hook slots */
+
+enum kind { K_LAUNCH, K_LAUNCH_EX, K_COOP, K_GRAPH, K_GPA, K_GPA2, K_BEGIN, K_BEGIN2, K_END };
+
+struct slot {
+    const char *name; /* exported driver symbol */
+    const char *base; /* name given to cuGetProcAddress */
+    enum kind kind;
+    int ptsz;
+    void *real;
+    void *wrapper;
+};
+
+#define NPRIMARY 16
+#define NSLOTS (2 * NPRIMARY) /* slot i + NPRIMARY: an alternative real pointer of slot i */
+
+static struct slot g_slot[NSLOTS] = {
+    {"cuLaunchKernel", "cuLaunchKernel", K_LAUNCH, 0, 0, 0},
+    {"cuLaunchKernel_ptsz", "cuLaunchKernel", K_LAUNCH, 1, 0, 0},
+    {"cuLaunchKernelEx", "cuLaunchKernelEx", K_LAUNCH_EX, 0, 0, 0},
+    {"cuLaunchKernelEx_ptsz", "cuLaunchKernelEx", K_LAUNCH_EX, 1, 0, 0},
+    {"cuLaunchCooperativeKernel", "cuLaunchCooperativeKernel", K_COOP, 0, 0, 0},
+    {"cuLaunchCooperativeKernel_ptsz", "cuLaunchCooperativeKernel", K_COOP, 1, 0, 0},
+    {"cuGraphLaunch", "cuGraphLaunch", K_GRAPH, 0, 0, 0},
+    {"cuGraphLaunch_ptsz", "cuGraphLaunch", K_GRAPH, 1, 0, 0},
+    {"cuGetProcAddress", "cuGetProcAddress", K_GPA, 0, 0, 0},
+    {"cuGetProcAddress_v2", "cuGetProcAddress_v2", K_GPA2, 0, 0, 0},
+    {"cuStreamBeginCapture", NULL, K_BEGIN, 0, 0, 0},
+    {"cuStreamBeginCapture_v2", "cuStreamBeginCapture", K_BEGIN2, 0, 0, 0},
+    {"cuStreamBeginCapture_ptsz", NULL, K_BEGIN, 1, 0, 0},
+    {"cuStreamBeginCapture_v2_ptsz", "cuStreamBeginCapture", K_BEGIN2, 1, 0, 0},
+    {"cuStreamEndCapture", "cuStreamEndCapture", K_END, 0, 0, 0},
+    {"cuStreamEndCapture_ptsz", "cuStreamEndCapture", K_END, 1, 0, 0},
+};
+
+/* real driver entry points used for calibration */
+static CUresult (*r_event_create)(CUevent *, unsigned);
+static CUresult (*r_event_destroy)(CUevent);
+static CUresult (*r_event_record)(CUevent, CUstream);
+static CUresult (*r_event_record_ptsz)(CUevent, CUstream);
+static CUresult (*r_event_query)(CUevent);
+static CUresult (*r_event_elapsed)(float *, CUevent, CUevent);
+static CUresult (*r_is_capturing)(CUstream, int *);
+static CUresult (*r_is_capturing_ptsz)(CUstream, int *);
+
+static void *(*real_dlsym)(void *, const char *);
+static void *g_cuda;
+static pthread_once_t g_once = PTHREAD_ONCE_INIT;
+static int g_ready;
+static int g_debug;
+static int g_capturing; /* streams in capture (through our hooks); > 0 => check each launch */
+
+static int is_own(void *p)
+{
+    static void *own_base;
+    Dl_info a, b;
+    if (!own_base && dladdr((void *)&is_own, &a))
+        own_base = a.dli_fbase;
+    return p && dladdr(p, &b) && b.dli_fbase == own_base;
+}
+
+static void *lookup_wrapper(void *real)
+{
+    if (!real)
+        return NULL;
+    for (int i = 0; i < NSLOTS; i++)
+        if (g_slot[i].real == real)
+            return g_slot[i].wrapper;
+    return NULL;
+}
+
+/* ------------------------------------------------------------------ throttle state */
+
+struct cost {
+    uintptr_t key; /* CUfunction or CUgraphExec */
+    double us;     /* EWMA of measured busy µs */
+    uint32_t samples, pending;
+    uint64_t launches;
+};
+
+#define COST_SLOTS 8192
+#define MAX_PENDING 64
+
+struct sample {
+    uintptr_t key;
+    CUevent start0, start, end; /* start0 - start: the record-to-record gap (see poll_samples) */
+    double charged_us;
+};
+
+static struct {
+    pthread_mutex_t mu;
+    /* configuration */
+    uint64_t width_ppm, request_ppm, min_ppm;
+    double burst_us, default_cost_us, cycle_gap_ns;
+    uint32_t sample_every;
+    const char *cb_path;
+    /* control block */
+    struct dilu_cb *cb;
+    int writer; /* this process owns the telemetry fields */
+    uint64_t next_open_ns;
+    uint64_t next_stale_check_ns;
+    /* token bucket */
+    uint64_t quota_ppm; /* in effect (floored) */
+    double rate;        /* µs of busy time per µs of wall time */
+    double tokens;      /* µs */
+    uint64_t refill_ns;
+    /* costs and calibration */
+    struct cost costs[COST_SLOTS];
+    struct sample pending[MAX_PENDING];
+    int npending;
+    uint64_t next_poll_ns;
+    double global_cost_us;
+    /* telemetry (mirrored into the block) */
+    uint64_t launches, throttled, samples, flags;
+    double busy_us, wait_us;
+    uint64_t cycles, last_cycle_us, baseline_cycle_us;
+    uint64_t cycle_start_ns, last_launch_ns;
+    double last_cost_us;
+    uint64_t applied_epoch, applied_ns;
+} S = {.mu = PTHREAD_MUTEX_INITIALIZER};
+
+static double env_f(const char *name, double dflt)
+{
+    const char *v = getenv(name);
+    if (!v || !*v)
+        return dflt;
+    char *end;
+    double x = strtod(v, &end);
+    if (end == v || !isfinite(x)) {
+        fprintf(stderr, "dilu interceptor: ignoring %s=%s (not a number)\n", name, v);
+        return dflt;
+    }
+    return x;
+}
+
+static uint64_t frac_ppm(double f)
+{
+    if (f < 0.0)
+        f = 0.0;
+    if (f > 1.0)
+        f = 1.0;
+    return (uint64_t)llround(f * 1e6);
+}
+
+static void set_rate(uint64_t quota_ppm)
+{
+    if (quota_ppm < S.min_ppm)
+        quota_ppm = S.min_ppm; /* never zero: a launch must not wait forever */
+    S.quota_ppm = quota_ppm;
+    S.rate = (double)quota_ppm / (double)(S.width_ppm ? S.width_ppm : DILU_PPM);
+}
+
+static void publish(void)
+{
+    struct dilu_cb *cb = S.cb;
+    if (!cb || !S.writer)
+        return;
+    dilu_seq_write_begin(&cb->t_seq);
+    cb->t_launches = S.launches;
+    cb->t_throttled = S.throttled;
+    cb->t_busy_us = (uint64_t)(S.busy_us > 0 ? S.busy_us : 0);
+    cb->t_wait_us = (uint64_t)S.wait_us;
+    cb->t_cycles = S.cycles;
+    cb->t_last_cycle_us = S.last_cycle_us;
+    cb->t_baseline_cycle_us = S.baseline_cycle_us;
+    cb->t_tokens_us = (int64_t)S.tokens;
+    cb->t_last_launch_ns = S.last_launch_ns;
+    cb->t_applied_epoch = S.applied_epoch;
+    cb->t_applied_ns = S.applied_ns;
+    cb->t_flags = S.flags;
+    cb->t_samples = S.samples;
+    cb->t_quota_ppm = S.quota_ppm;
+    dilu_seq_write_end(&cb->t_seq);
+}
+
+static int pid_alive(pid_t pid) { return pid > 0 && (kill(pid, 0) == 0 || errno != ESRCH); }
+
+/* Maps DILU_CB if it is a valid block; called under S.mu. */
+static void try_open_block(uint64_t now)
+{
+    if (S.cb || !S.cb_path || now < S.next_open_ns)
+        return;
+    S.next_open_ns = now + 100000000ull; /* retry every 100 ms while it is missing */
+    int fd = open(S.cb_path, O_RDWR | O_CLOEXEC);
+    if (fd < 0)
+        return;
+    struct stat st;
+    void *p = MAP_FAILED;
+    if (fstat(fd, &st) == 0 && (size_t)st.st_size >= sizeof(struct dilu_cb))
+        p = mmap(NULL, sizeof(struct dilu_cb), PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+    close(fd);
+    if (p == MAP_FAILED)
+        return;
+    struct dilu_cb *cb = p;
+    if (dilu_load_u64(&cb->magic) != DILU_CB_MAGIC || cb->layout_version != DILU_CB_LAYOUT_VERSION ||
+        cb->size != sizeof(struct dilu_cb)) {
+        fprintf(stderr, "dilu interceptor: %s is not a control block of layout %u; "
+                        "running at the request quota\n", S.cb_path, DILU_CB_LAYOUT_VERSION);
+        munmap(p, sizeof(struct dilu_cb));
+        S.next_open_ns = now + 1000000000ull;
+        return;
+    }
+    S.cb = cb;
+    pid_t owner = (pid_t)cb->t_pid;
+    S.writer = owner == 0 || owner == getpid() || !pid_alive(owner);
+    if (S.writer) { /* continue the block's counters so they stay monotonic */
+        cb->t_pid = (uint64_t)getpid();
+        S.launches += cb->t_launches;
+        S.throttled += cb->t_throttled;
+        S.busy_us += (double)cb->t_busy_us;
+        S.wait_us += (double)cb->t_wait_us;
+        S.cycles += cb->t_cycles;
+        S.samples += cb->t_samples;
+    }
+    uint64_t q, r, w;
+    dilu_cb_read_grant(cb, &q, &r, &w);
+    if (w)
+        S.width_ppm = w;
+    S.applied_epoch = (uint64_t)-1; /* force the first refresh to apply the block's grant */
+    if (g_debug)
+        fprintf(stderr, "dilu interceptor: pid %d block %s quota %.3f width %.3f writer %d\n",
+                getpid(), S.cb_path, q / 1e6, w / 1e6, S.writer);
+}
+
+/* Applies a new grant if the epoch moved; checks the heartbeat now and then. Under S.mu. */
+static void refresh_grant(uint64_t now)
+{
+    struct dilu_cb *cb = S.cb;
+    if (!cb) {
+        try_open_block(now);
+        cb = S.cb;
+        if (!cb)
+            return;
+    }
+    uint32_t epoch = dilu_load_u32(&cb->grant_epoch);
+    if ((uint64_t)epoch != S.applied_epoch) {
+        uint64_t q, r, w;
+        dilu_cb_read_grant(cb, &q, &r, &w);
+        set_rate(q);
+        S.applied_epoch = epoch;
+        S.applied_ns = now;
+    }
+    if (now >= S.next_stale_check_ns) {
+        S.next_stale_check_ns = now + 10000000ull;
+        uint64_t hb = dilu_load_u64(&cb->agent_heartbeat_ns);
+        uint64_t limit = cb->stale_after_ns ? cb->stale_after_ns : 500000000ull;
+        if (now > hb && now - hb > limit)
+            S.flags |= DILU_CB_FLAG_STALE; /* keep running at the last grant */
+        else
+            S.flags &= ~DILU_CB_FLAG_STALE;
+    }
+}
+
+static void refill(uint64_t now)
+{
+    if (now > S.refill_ns) {
+        S.tokens += (double)(now - S.refill_ns) / 1000.0 * S.rate;
+        if (S.tokens > S.burst_us)
+            S.tokens = S.burst_us;
+    }
+    S.refill_ns = now;
+}
+
+static struct cost *cost_of(uintptr_t key)
+{
+    uint64_t h = (uint64_t)key * 0x9E3779B97F4A7C15ull;
+    for (uint32_t n = 0, i = (uint32_t)(h >> 51); n < 32; n++, i = (i + 1) & (COST_SLOTS - 1)) {
+        struct cost *c = &S.costs[i];
+        if (c->key == key)
+            return c;
+        if (c->key == 0) {
+            c->key = key;
+            c->us = S.global_cost_us;
+            return c;
+        }
+    }
+    return NULL; /* table crowded: the caller uses the global estimate */
+}
+
+/* Collects finished timing samples: EWMA per key, true-up of the tokens. Under S.mu. */
+static void poll_samples(uint64_t now)
+{
+    if (!S.npending || now < S.next_poll_ns)
+        return;
+    S.next_poll_ns = now + 100000ull;
+    for (int i = 0; i < S.npending;) {
+        struct sample *s = &S.pending[i];
+        CUresult q = r_event_query(s->end);
+        if (q == CUDA_ERROR_NOT_READY) {
+            i++;
+            continue;
+        }
+        float ms = 0.0f, gap_ms = 0.0f;
+        struct cost *c = cost_of(s->key);
+        if (q == CUDA_SUCCESS && r_event_elapsed(&ms, s->start, s->end) == CUDA_SUCCESS && ms >= 0.0f &&
+            r_event_elapsed(&gap_ms, s->start0, s->start) == CUDA_SUCCESS) {
+            /* On an idle stream the start event is stamped as soon as it is recorded, and the
+             * kernel starts only after the launch call arrives: that host gap is not GPU-busy
+             * time. Two start events recorded back to back measure about the same gap (zero when
+             * the stream was busy: both are stamped when earlier work ends), so subtract it. */
+            double us = ((double)ms - (gap_ms > 0.0f ? (double)gap_ms : 0.0)) * 1000.0;
+            if (us < 0.0)
+                us = 0.0;
+            if (c) {
+                c->us = c->samples == 0 ? us : c->us + (us - c->us) / 8.0;
+                c->samples++;
+            }
+            S.global_cost_us += (us - S.global_cost_us) / 16.0;
+            double fix = us - s->charged_us; /* true-up: charge what the launch really used */
+            S.tokens -= fix;
+            if (S.tokens > S.burst_us)
+                S.tokens = S.burst_us;
+            S.busy_us += fix;
+            S.samples++;
+        }
+        if (c && c->pending)
+            c->pending--;
+        r_event_destroy(s->start0);
+        r_event_destroy(s->start);
+        r_event_destroy(s->end);
+        S.pending[i] = S.pending[--S.npending];
+    }
+}
+
+static void note_cycle(uint64_t arrival)
+{
+    if (S.last_launch_ns && arrival - S.last_launch_ns > (uint64_t)S.cycle_gap_ns) {
+        uint64_t span_us = (S.last_launch_ns - S.cycle_start_ns) / 1000 + (uint64_t)S.last_cost_us;
+        S.cycles++;
+        S.last_cycle_us = span_us;
+        if (S.baseline_cycle_us == 0 || span_us < S.baseline_cycle_us)
+            S.baseline_cycle_us = span_us;
+        else /* drift up slowly so a permanently longer workload re-baselines */
+            S.baseline_cycle_us += (span_us - S.baseline_cycle_us) / 256;
+        S.cycle_start_ns = arrival;
+    }
+    if (!S.cycle_start_ns)
+        S.cycle_start_ns = arrival;
+}
+
+/* Waits for tokens, charges the launch; returns 1 if this launch should be timed. Under S.mu. */
+static int admit(uintptr_t key, double *charged)
+{
+    uint64_t now = dilu_now_ns();
+    note_cycle(now);
+    refresh_grant(now);
+    refill(now);
+    poll_samples(now);
+    if (S.rate >= 1.0) { /* q >= w: the kernels may keep the device busy all the time */
+        if (S.tokens < -S.burst_us)
+            S.tokens = -S.burst_us;
+    } else if (S.tokens < 0.0) {
+        uint64_t t0 = now;
+        S.throttled++;
+        while (S.tokens < 0.0) {
+            double need_ns = -S.tokens / S.rate * 1000.0 + 1000.0;
+            int64_t wait = need_ns > 1e9 ? 1000000000ll : (int64_t)need_ns; /* re-check each s */
+            struct dilu_cb *cb = S.cb;
+            uint32_t epoch = cb ? dilu_load_u32(&cb->grant_epoch) : 0;
+            publish();
+            pthread_mutex_unlock(&S.mu);
+            if (cb) /* a new grant (epoch bump) wakes us at once */
+                dilu_futex_wait(&cb->grant_epoch, epoch, wait);
+            else {
+                struct timespec ts = {wait / 1000000000ll, wait % 1000000000ll};
+                nanosleep(&ts, NULL);
+            }
+            pthread_mutex_lock(&S.mu);
+            now = dilu_now_ns();
+            refresh_grant(now);
+            refill(now);
+            poll_samples(now);
+        }
+        S.wait_us += (double)(now - t0) / 1000.0;
+    }
+    struct cost *c = cost_of(key);
+    double cost = c ? c->us : S.global_cost_us;
+    S.tokens -= cost;
+    S.busy_us += cost;
+    S.launches++;
+    S.last_launch_ns = now;
+    S.last_cost_us = cost;
+    *charged = cost;
+    int sample = 0;
+    if (c) {
+        c->launches++;
+        sample = (c->samples + c->pending < 4 || c->launches % S.sample_every == 0) &&
+                 S.npending < MAX_PENDING && r_event_create;
+        if (sample)
+            c->pending++;
+    }
+    publish();
+    return sample;
+}
+
+static int capturing(CUstream h, int ptsz)
+{
+    if (!__atomic_load_n(&g_capturing, __ATOMIC_ACQUIRE))
+        return 0;
+    int st = 0;
+    CUresult (*f)(CUstream, int *) = ptsz && r_is_capturing_ptsz ? r_is_capturing_ptsz : r_is_capturing;
+    if (f && f(h, &st) == CUDA_SUCCESS)
+        return st != CU_STREAM_CAPTURE_STATUS_NONE;
+    return 0;
+}
+
+struct timing {
+    int on;
+    CUevent start0, start, end;
+    uintptr_t key;
+    double charged;
+    int ptsz;
+    CUstream stream;
+};
+
+/* Throttles one launch on `h`; fills *t when it is to be timed. Returns 0 if the caller must
+ * just forward (capturing stream or not initialised). */
+static int before_launch(uintptr_t key, CUstream h, int ptsz, struct timing *t)
+{
+    t->on = 0;
+    if (!g_ready || capturing(h, ptsz))
+        return 0;
+    pthread_mutex_lock(&S.mu);
+    int sample = admit(key, &t->charged);
+    pthread_mutex_unlock(&S.mu);
+    if (sample) {
+        CUresult (*rec)(CUevent, CUstream) = ptsz && r_event_record_ptsz ? r_event_record_ptsz : r_event_record;
+        t->start0 = t->start = t->end = NULL;
+        if (r_event_create(&t->start0, 0) == CUDA_SUCCESS && r_event_create(&t->start, 0) == CUDA_SUCCESS &&
+            r_event_create(&t->end, 0) == CUDA_SUCCESS && rec(t->start0, h) == CUDA_SUCCESS &&
+            rec(t->start, h) == CUDA_SUCCESS) {
+            t->on = 1;
+            t->key = key;
+            t->ptsz = ptsz;
+            t->stream = h;
+            return 1;
+        }
+        if (t->start0)
+            r_event_destroy(t->start0);
+        if (t->start)
+            r_event_destroy(t->start);
+        if (t->end)
+            r_event_destroy(t->end);
+        pthread_mutex_lock(&S.mu); /* could not time it: release the reservation */
+        struct cost *c = cost_of(key);
+        if (c && c->pending)
+            c->pending--;
+        pthread_mutex_unlock(&S.mu);
+    }
+    return 1;
+}
+
+static void after_launch(struct timing *t, CUresult r)
+{
+    if (!t->on)
+        return;
+    CUresult (*rec)(CUevent, CUstream) = t->ptsz && r_event_record_ptsz ? r_event_record_ptsz : r_event_record;
+    int ok = r == CUDA_SUCCESS && rec(t->end, t->stream) == CUDA_SUCCESS;
+    pthread_mutex_lock(&S.mu);
+    if (ok && S.npending < MAX_PENDING) {
+        S.pending[S.npending++] = (struct sample){t->key, t->start0, t->start, t->end, t->charged};
+    } else {
+        struct cost *c = cost_of(t->key);
+        if (c && c->pending)
+            c->pending--;
+        r_event_destroy(t->start0);
+        r_event_destroy(t->start);
+        r_event_destroy(t->end);
+    }
+    pthread_mutex_unlock(&S.mu);
+}
+
+/* ------------------------------------------------------------------ init and fork */
+
+static void atfork_prepare(void) { pthread_mutex_lock(&S.mu); }
+static void atfork_parent(void) { pthread_mutex_unlock(&S.mu); }
+
+static void atfork_child(void)
+{
+    /* the child has one thread and its own GPU context (if any): own bucket at the same grant,
+     * no telemetry writes (the block's fields have one writer: the parent), no stale samples */
+    pthread_mutex_init(&S.mu, NULL);
+    S.writer = 0;
+    S.npending = 0;
+    for (int i = 0; i < COST_SLOTS; i++)
+        S.costs[i].pending = 0;
+    S.tokens = 0.0;
+    S.refill_ns = dilu_now_ns();
+}
+
+static void resolve_real_dlsym(void)
+{
+    if (real_dlsym)
+        return;
+    static const char *versions[] = {"GLIBC_2.34", "GLIBC_2.2.5", "GLIBC_2.17", "GLIBC_2.0"};
+    for (size_t i = 0; i < sizeof versions / sizeof versions[0] && !real_dlsym; i++)
+        real_dlsym = (void *(*)(void *, const char *))dlvsym(RTLD_NEXT, "dlsym", versions[i]);
+}
+
+static void *wrapper_for(int i); /* defined with the wrappers below */
+
+static void discover_alternatives(void)
+{
+    /* The driver may hand out entry points through cuGetProcAddress that are not the exported
+     * symbols; ask it for each hooked base name and give any new pointer its own wrapper. */
+    gpa2_fn gpa2 = (gpa2_fn)g_slot[9].real;
+    gpa_fn gpa = (gpa_fn)g_slot[8].real;
+    int versions[] = {12000, 13000};
+    for (int i = 0; i < NPRIMARY; i++) {
+        /* cuGetProcAddress itself is routed by its exports only: a versioned entry point of it
+         * could have the other signature (4 vs 5 arguments) */
+        if (!g_slot[i].base || g_slot[i].kind == K_GPA || g_slot[i].kind == K_GPA2)
+            continue;
+        for (int v = 0; v < 2; v++) {
+            void *p = NULL;
+            cuuint64_t flags = g_slot[i].ptsz ? CU_GET_PROC_ADDRESS_PER_THREAD_DEFAULT_STREAM
+                                              : CU_GET_PROC_ADDRESS_LEGACY_STREAM;
+            int st = 0;
+            CUresult r = gpa2 ? gpa2(g_slot[i].base, &p, versions[v], flags, &st)
+                              : gpa ? gpa(g_slot[i].base, &p, versions[v], flags) : CUDA_ERROR_NOT_FOUND;
+            if (r != CUDA_SUCCESS || !p || lookup_wrapper(p) || is_own(p))
+                continue;
+            int j = i + NPRIMARY;
+            if (!g_slot[j].real) {
+                g_slot[j] = g_slot[i];
+                g_slot[j].real = p;
+                g_slot[j].wrapper = wrapper_for(j);
+                if (g_debug)
+                    fprintf(stderr, "dilu interceptor: alternative entry for %s\n", g_slot[i].name);
+            }
+        }
+    }
+}
+
+static void init(void)
+{
+    resolve_real_dlsym();
+    g_debug = getenv("DILU_INTERCEPT_DEBUG") != NULL;
+    const char *path = getenv("DILU_REAL_LIBCUDA");
+    g_cuda = dlopen(path && *path ? path : "libcuda.so.1", RTLD_NOW | RTLD_GLOBAL);
+    if (!g_cuda || !real_dlsym) {
+        fprintf(stderr, "dilu interceptor: cannot open the CUDA driver (%s)\n", dlerror());
+        return;
+    }
+    for (int i = 0; i < NPRIMARY; i++) {
+        g_slot[i].real = real_dlsym(g_cuda, g_slot[i].name);
+        g_slot[i].wrapper = wrapper_for(i);
+    }
+#define REAL(var, name) var = (__typeof__(var))real_dlsym(g_cuda, name)
+    REAL(r_event_create, "cuEventCreate");
+    REAL(r_event_destroy, "cuEventDestroy_v2");
+    REAL(r_event_record, "cuEventRecord");
+    REAL(r_event_record_ptsz, "cuEventRecord_ptsz");
+    REAL(r_event_query, "cuEventQuery");
+    REAL(r_event_elapsed, "cuEventElapsedTime");
+    if (!r_event_elapsed)
+        REAL(r_event_elapsed, "cuEventElapsedTime_v2");
+    REAL(r_is_capturing, "cuStreamIsCapturing");
+    REAL(r_is_capturing_ptsz, "cuStreamIsCapturing_ptsz");
+#undef REAL
+    if (!r_event_destroy || !r_event_record || !r_event_query || !r_event_elapsed)
+        r_event_create = NULL; /* cannot calibrate: estimates stay at their defaults */
+
+    double width = env_f("DILU_WIDTH", env_f("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE", 100.0) / 100.0);
+    if (!(width > 0.0) || width > 1.0)
+        width = 1.0;
+    S.width_ppm = frac_ppm(width);
+    S.cb_path = getenv("DILU_CB");
+    /* no block and no request quota: an unmanaged process, metered at its full width */
+    S.request_ppm = frac_ppm(env_f("DILU_REQUEST_QUOTA", width));
+    S.min_ppm = frac_ppm(env_f("DILU_MIN_QUOTA", 0.01));
+    if (S.min_ppm == 0)
+        S.min_ppm = 1;
+    S.burst_us = env_f("DILU_BURST_US", 2000.0);
+    S.cycle_gap_ns = env_f("DILU_CYCLE_GAP_US", 1000.0) * 1000.0;
+    S.default_cost_us = env_f("DILU_DEFAULT_COST_US", 100.0);
+    S.global_cost_us = S.default_cost_us;
+    double every = env_f("DILU_SAMPLE_EVERY", 128.0);
+    S.sample_every = every >= 1.0 ? (uint32_t)every : 128;
+    set_rate(S.request_ppm);
+    S.refill_ns = dilu_now_ns();
+    try_open_block(S.refill_ns);
+    pthread_atfork(atfork_prepare, atfork_parent, atfork_child);
+    discover_alternatives();
+    __atomic_store_n(&g_ready, 1, __ATOMIC_RELEASE);
+    if (g_debug)
+        fprintf(stderr, "dilu interceptor: pid %d ready, quota %.3f width %.3f block %s\n", getpid(),
+                S.quota_ppm / 1e6, S.width_ppm / 1e6, S.cb ? "mapped" : "none");
+}
+
+static inline void ensure_init(void)
+{
+    if (__builtin_expect(!__atomic_load_n(&g_ready, __ATOMIC_ACQUIRE), 0))
+        pthread_once(&g_once, init);
+}
+
+__attribute__((constructor)) static void on_load(void) { resolve_real_dlsym(); }
+
+/* ------------------------------------------------------------------ wrappers */
+
+static CUresult do_launch(int i, CUfunction f, unsigned gx, unsigned gy, unsigned gz, unsigned bx,
+                          unsigned by, unsigned bz, unsigned sh, CUstream h, void **p, void **e)
+{
+    ensure_init();
+    launch_fn real = (launch_fn)g_slot[i].real;
+    if (!real)
+        return CUDA_ERROR_NOT_INITIALIZED;
+    struct timing t;
+    before_launch((uintptr_t)f, h, g_slot[i].ptsz, &t);
+    CUresult r = real(f, gx, gy, gz, bx, by, bz, sh, h, p, e);
+    after_launch(&t, r);
+    return r;
+}
+
+static CUresult do_launch_ex(int i, const CUlaunchConfig *cfg, CUfunction f, void **p, void **e)
+{
+    ensure_init();
+    launch_ex_fn real = (launch_ex_fn)g_slot[i].real;
+    if (!real)
+        return CUDA_ERROR_NOT_INITIALIZED;
+    if (!cfg)
+        return real(cfg, f, p, e);
+    struct timing t;
+    before_launch((uintptr_t)f, cfg->hStream, g_slot[i].ptsz, &t);
+    CUresult r = real(cfg, f, p, e);
+    after_launch(&t, r);
+    return r;
+}
+
+static CUresult do_coop(int i, CUfunction f, unsigned gx, unsigned gy, unsigned gz, unsigned bx,
+                        unsigned by, unsigned bz, unsigned sh, CUstream h, void **p)
+{
+    ensure_init();
+    coop_fn real = (coop_fn)g_slot[i].real;
+    if (!real)
+        return CUDA_ERROR_NOT_INITIALIZED;
+    struct timing t;
+    before_launch((uintptr_t)f, h, g_slot[i].ptsz, &t);
+    CUresult r = real(f, gx, gy, gz, bx, by, bz, sh, h, p);
+    after_launch(&t, r);
+    return r;
+}
+
+static CUresult do_graph(int i, CUgraphExec g, CUstream h)
+{
+    ensure_init();
+    graph_fn real = (graph_fn)g_slot[i].real;
+    if (!real)
+        return CUDA_ERROR_NOT_INITIALIZED;
+    struct timing t; /* charged the graph's estimated cost, calibrated like a kernel */
+    before_launch((uintptr_t)g, h, g_slot[i].ptsz, &t);
+    CUresult r = real(g, h);
+    after_launch(&t, r);
+    return r;
+}
+
+static CUresult route(CUresult r, void **pfn)
+{
+    if (r == CUDA_SUCCESS && pfn && *pfn) {
+        void *w = lookup_wrapper(*pfn);
+        if (w)
+            *pfn = w;
+    }
+    return r;
+}
+
+static CUresult do_gpa(int i, const char *sym, void **pfn, int ver, cuuint64_t flags)
+{
+    ensure_init();
+    gpa_fn real = (gpa_fn)g_slot[i].real;
+    if (!real)
+        return CUDA_ERROR_NOT_INITIALIZED;
+    return route(real(sym, pfn, ver, flags), pfn);
+}
+
+static CUresult do_gpa2(int i, const char *sym, void **pfn, int ver, cuuint64_t flags, int *st)
+{
+    ensure_init();
+    gpa2_fn real = (gpa2_fn)g_slot[i].real;
+    if (!real)
+        return CUDA_ERROR_NOT_INITIALIZED;
+    return route(real(sym, pfn, ver, flags, st), pfn);
+}
+
+static CUresult do_begin(int i, CUstream h, int mode)
+{
+    ensure_init();
+    void *real = g_slot[i].real;
+    if (!real)
+        return CUDA_ERROR_NOT_INITIALIZED;
+    CUresult r = g_slot[i].kind == K_BEGIN2 ? ((begin2_fn)real)(h, mode) : ((begin_fn)real)(h);
+    if (r == CUDA_SUCCESS)
+        __atomic_add_fetch(&g_capturing, 1, __ATOMIC_ACQ_REL);
+    return r;
+}
+
+static CUresult do_end(int i, CUstream h, CUgraph *g)
+{
+    ensure_init();
+    end_fn real = (end_fn)g_slot[i].real;
+    if (!real)
+        return CUDA_ERROR_NOT_INITIALIZED;
+    CUresult r = real(h, g);
+    if (r == CUDA_SUCCESS || r == CUDA_ERROR_STREAM_CAPTURE_INVALIDATED) {
+        int c = __atomic_load_n(&g_capturing, __ATOMIC_ACQUIRE);
+        while (c > 0 && !__atomic_compare_exchange_n(&g_capturing, &c, c - 1, 0, __ATOMIC_ACQ_REL,
+                                                     __ATOMIC_ACQUIRE)) {
+        }
+    }
+    return r;
+}
+
+#define LAUNCH_ARGS CUfunction f, unsigned gx, unsigned gy, unsigned gz, unsigned bx, unsigned by, \
+                    unsigned bz, unsigned sh, CUstream h
+#define WRAPPERS(I, VIS, LAUNCH, LAUNCH_PTSZ, EX, EX_PTSZ, COOP, COOP_PTSZ, GRAPH, GRAPH_PTSZ, GPA,  \
+                 GPA2, BEGIN, BEGIN2, BEGIN_PTSZ, BEGIN2_PTSZ, END, END_PTSZ)                          \
+    VIS CUresult LAUNCH(LAUNCH_ARGS, void **p, void **e) { return do_launch(I + 0, f, gx, gy, gz, bx, by, bz, sh, h, p, e); } \
+    VIS CUresult LAUNCH_PTSZ(LAUNCH_ARGS, void **p, void **e) { return do_launch(I + 1, f, gx, gy, gz, bx, by, bz, sh, h, p, e); } \
+    VIS CUresult EX(const CUlaunchConfig *c, CUfunction f, void **p, void **e) { return do_launch_ex(I + 2, c, f, p, e); } \
+    VIS CUresult EX_PTSZ(const CUlaunchConfig *c, CUfunction f, void **p, void **e) { return do_launch_ex(I + 3, c, f, p, e); } \
+    VIS CUresult COOP(LAUNCH_ARGS, void **p) { return do_coop(I + 4, f, gx, gy, gz, bx, by, bz, sh, h, p); } \
+    VIS CUresult COOP_PTSZ(LAUNCH_ARGS, void **p) { return do_coop(I + 5, f, gx, gy, gz, bx, by, bz, sh, h, p); } \
+    VIS CUresult GRAPH(CUgraphExec g, CUstream h) { return do_graph(I + 6, g, h); }                   \
+    VIS CUresult GRAPH_PTSZ(CUgraphExec g, CUstream h) { return do_graph(I + 7, g, h); }              \
+    VIS CUresult GPA(const char *s, void **pfn, int v, cuuint64_t fl) { return do_gpa(I + 8, s, pfn, v, fl); } \
+    VIS CUresult GPA2(const char *s, void **pfn, int v, cuuint64_t fl, int *st) { return do_gpa2(I + 9, s, pfn, v, fl, st); } \
+    VIS CUresult BEGIN(CUstream h) { return do_begin(I + 10, h, 0); }                                 \
+    VIS CUresult BEGIN2(CUstream h, int m) { return do_begin(I + 11, h, m); }                         \
+    VIS CUresult BEGIN_PTSZ(CUstream h) { return do_begin(I + 12, h, 0); }                            \
+    VIS CUresult BEGIN2_PTSZ(CUstream h, int m) { return do_begin(I + 13, h, m); }                    \
+    VIS CUresult END(CUstream h, CUgraph *g) { return do_end(I + 14, h, g); }                         \
+    VIS CUresult END_PTSZ(CUstream h, CUgraph *g) { return do_end(I + 15, h, g); }
+
+/* primary slots: the exported driver names */
+WRAPPERS(0, API, cuLaunchKernel, cuLaunchKernel_ptsz, cuLaunchKernelEx, cuLaunchKernelEx_ptsz,
+         cuLaunchCooperativeKernel, cuLaunchCooperativeKernel_ptsz, cuGraphLaunch, cuGraphLaunch_ptsz,
+         cuGetProcAddress, cuGetProcAddress_v2, cuStreamBeginCapture, cuStreamBeginCapture_v2,
+         cuStreamBeginCapture_ptsz, cuStreamBeginCapture_v2_ptsz, cuStreamEndCapture,
+         cuStreamEndCapture_ptsz)
+/* alternative slots: entry points the driver hands out that differ from its exports */
+WRAPPERS(NPRIMARY, static, alt_launch, alt_launch_ptsz, alt_ex, alt_ex_ptsz, alt_coop, alt_coop_ptsz,
+         alt_graph, alt_graph_ptsz, alt_gpa, alt_gpa2, alt_begin, alt_begin2, alt_begin_ptsz,
+         alt_begin2_ptsz, alt_end, alt_end_ptsz)
+
+static void *wrapper_for(int i)
+{
+    static void *const table[NSLOTS] = {
+        cuLaunchKernel, cuLaunchKernel_ptsz, cuLaunchKernelEx, cuLaunchKernelEx_ptsz,
+        cuLaunchCooperativeKernel, cuLaunchCooperativeKernel_ptsz, cuGraphLaunch, cuGraphLaunch_ptsz,
+        cuGetProcAddress, cuGetProcAddress_v2, cuStreamBeginCapture, cuStreamBeginCapture_v2,
+        cuStreamBeginCapture_ptsz, cuStreamBeginCapture_v2_ptsz, cuStreamEndCapture,
+        cuStreamEndCapture_ptsz,
+        alt_launch, alt_launch_ptsz, alt_ex, alt_ex_ptsz, alt_coop, alt_coop_ptsz, alt_graph,
+        alt_graph_ptsz, alt_gpa, alt_gpa2, alt_begin, alt_begin2, alt_begin_ptsz, alt_begin2_ptsz,
+        alt_end, alt_end_ptsz,
+    };
+    return table[i];
+}
+
+/* dlsym: every lookup goes to the real one; a real driver entry point we wrap comes back as our
+ * wrapper. Lookups are only inspected once libcuda is loaded (a pointer cannot be the driver's
+ * before that), so processes that never use CUDA are left alone. */
+API void *dlsym(void *handle, const char *name)
+{
+    resolve_real_dlsym();
+    if (!real_dlsym)
+        return NULL;
+    void *p = real_dlsym(handle, name);
+    if (!p || name[0] != 'c' || name[1] != 'u')
+        return p;
+    if (!__atomic_load_n(&g_ready, __ATOMIC_ACQUIRE)) {
+        const char *path = getenv("DILU_REAL_LIBCUDA");
+        void *h = dlopen(path && *path ? path : "libcuda.so.1", RTLD_NOW | RTLD_NOLOAD);
+        if (!h)
+            return p;
+        dlclose(h);
+        ensure_init();
+    }
+    void *w = lookup_wrapper(p);
+    return w ? w : p;
+}
