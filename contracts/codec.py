@@ -22,14 +22,15 @@ class MalformedEvent(ValueError):
     """A message that is not a valid instance of the subject's event type."""
 
 
-def encode(event: Event) -> bytes:
-    """Event -> JSON bytes; stamps ``ts_ns`` (Unix epoch ns) when it is 0."""
-    if event.ts_ns == 0:
+def encode(event: msgspec.Struct) -> bytes:
+    """Event (or any contracts Struct) -> JSON bytes; stamps an event's ``ts_ns`` (Unix epoch ns)
+    when it is 0."""
+    if isinstance(event, Event) and event.ts_ns == 0:
         event.ts_ns = time.time_ns()
     return _encoder.encode(event)
 
 
-def decode(data: bytes, kind: type[E]) -> E:
+def decode(data: bytes, kind: type[E]) -> E:  # kind: an Event or any contracts Struct
     """JSON bytes -> ``kind``. Unknown fields are skipped (forward compatible).
 
     Raises MalformedEvent with the decoder's reason (e.g. "Expected `float`, got `str` - at

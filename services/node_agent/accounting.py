@@ -45,10 +45,15 @@ def window_use(prev: Counters, cur: Counters) -> WindowUse:
 
 def stretch(prev: Counters, cur: Counters, ratio: float = STRETCH_RATIO) -> float | None:
     """The stretch ratio of a cycle that completed since ``prev`` when it is at least ``ratio`` x
-    the baseline cycle, else None (no new cycle, no baseline yet, or no contention)."""
+    the baseline cycle, else None (no new cycle, no baseline yet, or no contention).
+
+    Time the instance's own launches waited for tokens since ``prev`` is taken out of the span:
+    a cycle slowed by its own quota is throttling, not contention from a neighbour.
+    """
     if cur.cycles <= prev.cycles or cur.baseline_cycle_us <= 0:
         return None
-    r = cur.last_cycle_us / cur.baseline_cycle_us
+    own_wait_us = max(0, cur.wait_us - prev.wait_us)
+    r = max(0, cur.last_cycle_us - own_wait_us) / cur.baseline_cycle_us
     return r if r >= ratio else None
 
 

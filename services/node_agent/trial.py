@@ -3,7 +3,8 @@
 The node agent keeps one trial worker (``python -m dilu.services.node_agent.trial``) with its own
 control block at a full grant; each trial replays ``repeats`` batches of the model at the width
 under test (after one warm-up batch) and answers mean and p99 (max of the repeats) batch latency.
-Trials run at grant = width = quota, the setting the A100 MPS surfaces were measured at.
+Trials run at grant = width = quota, the setting the A100 MPS surfaces were measured at. A
+generative model's request (32 decode steps) is timed over ``TRIAL_STEPS`` steps and scaled.
 Requests and answers are JSON lines over the worker's stdin/stdout.
 """
 from __future__ import annotations
@@ -19,6 +20,7 @@ import msgspec
 from dilu.contracts import events as ev
 
 TRIAL_TIMEOUT_S = 60.0
+TRIAL_STEPS = 4  # decode steps measured per generative request (scaled to the whole request)
 
 
 class TrialWorker:
@@ -88,8 +90,8 @@ def _serve() -> None:
                 models.spec(req.model)
                 m = loaded[req.model] = emulated.load_kernels(
                     HandlerContext(instance_id="trial", function="trial", model=req.model, batch_size=req.batch))
-            emulated.run_batch(m, req.batch, req.quota)  # warm-up
-            lats = sorted(emulated.run_batch(m, req.batch, req.quota) for _ in range(req.repeats))
+            emulated.run_batch(m, req.batch, req.quota, TRIAL_STEPS)  # warm-up
+            lats = sorted(emulated.run_batch(m, req.batch, req.quota, TRIAL_STEPS) for _ in range(req.repeats))
             mean = sum(lats) / len(lats)
             reply = ev.TrialReply(ok=True, latency_ms_mean=mean, latency_ms_p99=lats[-1],
                                   throughput_rps=req.batch / mean * 1000.0, ts_ns=time.time_ns())

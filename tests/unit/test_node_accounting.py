@@ -33,6 +33,14 @@ def test_stretch_needs_a_new_cycle_a_baseline_and_the_ratio():
     assert stretch(prev, no_base) is None
 
 
+def test_a_cycle_slowed_by_its_own_token_waits_is_not_contention():
+    prev = Counters(at_ns=0, cycles=3, wait_us=0, baseline_cycle_us=1000)
+    throttled = Counters(at_ns=1, cycles=4, wait_us=1800, last_cycle_us=2600, baseline_cycle_us=1000)
+    assert stretch(prev, throttled) is None  # 2600 - 1800 = 800 us of own work
+    contended = Counters(at_ns=1, cycles=4, wait_us=200, last_cycle_us=2600, baseline_cycle_us=1000)
+    assert stretch(prev, contended) == pytest.approx(2.4)
+
+
 def test_gpu_cost_counts_only_active_gpus():
     cost = GpuCost()
     gpus = [[Slot("a", 0.25, 0.5, 0.4), Slot("b", 0.25, 0.25, 0.1)], []]

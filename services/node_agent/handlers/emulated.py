@@ -40,17 +40,22 @@ def load(ctx: HandlerContext) -> EmulatedModel:
     return model
 
 
-def run_batch(m: EmulatedModel, batch: int, width: float | None = None) -> float:
-    """Replay one batch; returns its wall latency in ms (launch of the first kernel to sync)."""
+def run_batch(m: EmulatedModel, batch: int, width: float | None = None, max_steps: int | None = None) -> float:
+    """Replay one batch; returns its wall latency in ms (launch of the first kernel to sync).
+
+    ``max_steps`` replays only that many decode steps and scales the measured time to the whole
+    request (profiling trials of generative models: per-step latency is what varies).
+    """
     w = m.width if width is None else width
     step_ms = models.step_latency_ms(m.spec.name, batch, w)
     per_kernel_us = step_ms * 1000.0 / len(m.kernels)
+    steps = m.spec.steps_per_request if max_steps is None else max(1, min(max_steps, m.spec.steps_per_request))
     t0 = time.perf_counter()
-    for _ in range(m.spec.steps_per_request):
+    for _ in range(steps):
         for k in m.kernels:
             m.driver.launch(k, per_kernel_us)
     m.driver.synchronize()
-    return (time.perf_counter() - t0) * 1000.0
+    return (time.perf_counter() - t0) * 1000.0 * m.spec.steps_per_request / steps
 
 
 def predict(model: EmulatedModel, batch: list[bytes]) -> list[bytes]:
