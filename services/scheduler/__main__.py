@@ -14,13 +14,15 @@ from .service import GB, SchedulerService
 @click.option("--gpus", type=int, default=4, show_default=True, help="GPUs per node.")
 @click.option("--gpu-memory-gb", type=float, default=40, show_default=True)
 @click.option("--gamma", type=float, default=1.5, show_default=True, help="Cap on Σ limit quotas per GPU.")
+@click.option("--defrag-interval-s", type=float, default=0.0, show_default=True,
+              help="Plan and apply defragmenting migrations this often (0: never).")
 @click.option("--log-level", default="info", show_default=True)
-def main(nats_url, metrics_port, nodes, gpus, gpu_memory_gb, gamma, log_level) -> None:
+def main(nats_url, metrics_port, nodes, gpus, gpu_memory_gb, gamma, defrag_interval_s, log_level) -> None:
     """The scheduler service: single writer of the dilu-placement table."""
     names = [n.strip() for n in nodes.split(",") if n.strip()]
     if not names:
         raise click.BadParameter("at least one node", param_hint="--nodes")
-    run(SchedulerService(names, gpus, int(gpu_memory_gb * GB), gamma), nats_url, metrics_port=metrics_port,
+    run(SchedulerService(names, gpus, int(gpu_memory_gb * GB), gamma, defrag_interval_s), nats_url, metrics_port=metrics_port,
         log_level=log_level)
 
 

@@ -13,6 +13,10 @@ bucket and launch or drain instances; PlacementDecided events are for informatio
   a compare-and-set on its revision; the key is deleted (again compare-and-set) when the node
   agent's InstanceRetired arrives (``dilu.v1.instance.retired.*``). The capacity stays reserved
   while the instance drains.
+- Defragmentation (``defrag_interval_s`` > 0): every interval, the policy's planner proposes
+  migrations that empty whole GPUs; each is applied as relaunch-then-drain (a new placement on the
+  target, the old one marked draining), only when the GPU-seconds gained exceed the migrations'
+  cost (cold start × request quota + ``MIGRATION_DISRUPTION_S`` × request quota, per instance).
 - Decisions are serialised by one lock, so concurrent requests never see a half-applied state.
   A failed compare-and-set means the table changed under us: state is rebuilt from the bucket and
   the request is answered with an error to retry. On start, state is rebuilt from the bucket.
@@ -51,6 +55,14 @@ PLACEMENTS = Counter("dilu_scheduler_placements", "Instances placed", ["function
 RETIREMENTS = Counter("dilu_scheduler_retirements", "Instances marked draining", ["function"])
 REFUSALS = Counter("dilu_scheduler_refusals", "Place/retire requests answered ok=false", ["reason"])
 CONFLICTS = Counter("dilu_scheduler_cas_conflicts", "Compare-and-set failures on the placement table")
+MIGRATIONS = Counter("dilu_scheduler_migrations", "Instances moved by defragmentation")
+MIGRATION_DISRUPTION_S = 5.0  # allowance for the drain and warm-up of a moved instance, in s at its quota
+DEFRAG_GAIN_PER_GPU_S = 300.0  # a freed GPU is assumed to stay free this long (s)
+
+
+def migration_cost_gpu_s(p: Placement) -> float:
+    """GPU-seconds one migration costs: while the new instance starts, its quota is held twice."""
+    return (p.cold_start_ms / 1000 + MIGRATION_DISRUPTION_S) * p.request_quota
 
 
 def demand_of(p: Placement) -> Demand:
@@ -69,7 +81,10 @@ class SchedulerService:
 
     name = "scheduler"
 
-    def __init__(self, nodes: list[str], gpus: int = 4, gpu_memory_bytes: int = 40 * GB, gamma: float = 1.5) -> None:
+    def __init__(self, nodes: list[str], gpus: int = 4, gpu_memory_bytes: int = 40 * GB, gamma: float = 1.5,
+                 defrag_interval_s: float = 0.0) -> None:
+        self.defrag_interval_s = defrag_interval_s
+        self._defrag_task: asyncio.Task | None = None
         self.cluster_args = (list(nodes), gpus, gpu_memory_bytes, gamma)
         self.cluster = self._new_cluster()
         self.functions: dict[str, FunctionSpec] = {}
@@ -98,10 +113,15 @@ class SchedulerService:
         await bus.subscribe(f"{p}.instance.retired.*", InstanceRetired, self._on_retired)
         await bus.serve(subjects.SCHEDULER_PLACE, PlaceRequest, self._on_place)
         await bus.serve(subjects.SCHEDULER_RETIRE, RetireRequest, self._on_retire)
+        if self.defrag_interval_s > 0:
+            self._defrag_task = asyncio.create_task(self._defrag_loop())
         self._ready = True
 
     async def stop(self) -> None:
         self._ready = False
+        if self._defrag_task:
+            self._defrag_task.cancel()
+            await asyncio.gather(self._defrag_task, return_exceptions=True)
         async with self.lock:  # let a decision in flight finish its writes
             pass
 
@@ -272,6 +292,55 @@ class SchedulerService:
             await self.bus.publish(subjects.placement_decided(p.function),
                                    PlacementDecided(placement=drained, action="retire", revision=new_rev))
         return RetireReply(ok=True, instance_id=victim)
+
+    # ------------------------------------------------------------------ defragmentation
+
+    async def _defrag_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.defrag_interval_s)
+            try:
+                await self.defragment()
+            except Exception as exc:  # logged; the next round tries again
+                self.bus.log.warning("defragmentation failed", error=f"{type(exc).__name__}: {exc}")
+
+    async def defragment(self) -> int:
+        """Plan and apply one round of migrations; returns how many instances were moved.
+
+        Draining instances are not moved (they are leaving anyway), nor are their GPUs emptied
+        by the plan: the planner only sees instances that are live.
+        """
+        async with self.lock:
+            live = {i: p for i, (p, _) in self.placements.items() if not p.draining}
+            costs = {i: migration_cost_gpu_s(p) for i, p in live.items()}
+            costs.update({i: float("inf") for i, (p, _) in self.placements.items() if p.draining})
+            plan = self.cluster.plan_defrag(costs, gain_per_gpu_s=DEFRAG_GAIN_PER_GPU_S)
+            moved = 0
+            for m in plan.migrations:
+                old, rev = self.placements[m.instance_id]
+                new_id = f"{subjects.token(old.function)}-{uuid.uuid4().hex[:10]}"
+                new = msgspec.structs.replace(old, instance_id=new_id, node=m.target.node, gpu=m.target.gpu)
+                try:
+                    self.cluster.assign(new_id, demand_of(new), [m.target])
+                except ValueError:  # the table moved since planning: stop this round
+                    break
+                try:
+                    new_rev = await self.kv.create(new_id, msgspec.json.encode(new))
+                    drained = msgspec.structs.replace(old, draining=True)
+                    old_rev = await self.kv.update(m.instance_id, msgspec.json.encode(drained), last=rev)
+                except KeyWrongLastSequenceError:
+                    CONFLICTS.inc()
+                    await self.rebuild()
+                    break
+                self.placements[new_id] = (new, new_rev)
+                self.placements[m.instance_id] = (drained, old_rev)
+                moved += 1
+                MIGRATIONS.inc()
+                await self.bus.publish(subjects.placement_decided(old.function),
+                                       PlacementDecided(placement=new, action="migrate", revision=new_rev))
+            if moved:
+                self.bus.log.info("defragmented", moved=moved, freed=len(plan.freed),
+                                  gain_gpu_s=plan.gain_gpu_s, cost_gpu_s=plan.cost_gpu_s)
+            return moved
 
     def _refuse(self, kind, reason: str, error: str):
         REFUSALS.labels(reason).inc()

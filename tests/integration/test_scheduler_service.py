@@ -180,3 +180,38 @@ async def test_state_is_rebuilt_from_the_table_on_restart(nats_url):
             await asyncio.sleep(0.02)
         assert (await place(nc, "f")).ok
     await nc.close()
+
+
+async def test_defragmentation_relaunches_then_drains_to_free_a_gpu(nats_url):
+    nc = await nats.connect(nats_url)
+    svc = SchedulerService(["node0"], gpus=4, gpu_memory_bytes=40 * GB)
+    async with running(svc, nats_url):
+        kv = await nc.jetstream().key_value(subjects.PLACEMENT_BUCKET)
+        await deploy(nc, svc, "f", request=0.5, limit=0.5)
+        placed = (await place(nc, "f", count=4)).placements
+        by_gpu = collections.defaultdict(list)
+        for p in placed:
+            by_gpu[p.gpu].append(p)
+        assert sorted(len(v) for v in by_gpu.values()) == [2, 2]
+        for group in by_gpu.values():  # leave one instance on each of the two GPUs
+            assert (await retire(nc, "f", group[0].instance_id)).ok
+            await retired(nc, group[0])
+        for _ in range(250):
+            if len(await table(kv)) == 2:
+                break
+            await asyncio.sleep(0.02)
+        assert svc.cluster.active == 2
+        assert await svc.defragment() == 1
+        rows = await table(kv)
+        live = [p for p in rows.values() if not p.draining]
+        draining = [p for p in rows.values() if p.draining]
+        assert len(live) == 2 and len(draining) == 1
+        assert len({(p.node, p.gpu) for p in live}) == 1, "both live instances now share one GPU"
+        await retired(nc, draining[0])
+        for _ in range(250):
+            if svc.cluster.active == 1:
+                break
+            await asyncio.sleep(0.02)
+        assert svc.cluster.active == 1 and svc.cluster.violations() == []
+        assert await svc.defragment() == 0, "nothing left to gain"
+    await nc.close()
