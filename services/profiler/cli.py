@@ -1,0 +1,88 @@
+"""``dilu profile``: run the inference search on a recorded surface and compare with the exhaustive optimum."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import click
+from rich.console import Console
+from rich.table import Table
+
+from .policy import InferenceSearch, NoFeasibleSetting
+from .surface import SurfaceBackend, SurfaceError, load_surface, run_search, surface_files
+
+SLO_FACTORS = (2.0, 3.0, 5.0)
+
+
+def profile_surface(path: Path, slo_ms: float, stop_threshold: float = 0.15) -> dict:
+    """Search one surface at one SLO; a dict of the choice, its trial count and the exhaustive optimum.
+
+    Raises NoFeasibleSetting when no grid point meets ``slo_ms``.
+    """
+    surf = load_surface(path)
+    opt = surf.exhaustive(slo_ms)
+    if opt is None:
+        raise NoFeasibleSetting(f"{path.name}: no grid point meets the SLO of {slo_ms:.4g} ms")
+    backend = SurfaceBackend(surf)
+    res = run_search(InferenceSearch(surf.batches, surf.quota_axes, slo_ms, stop_threshold=stop_threshold), backend)
+    return {
+        "surface": str(path),
+        "format": surf.fmt,
+        "slo_ms": slo_ms,
+        "baseline_latency_ms": surf.baseline_latency_ms(),
+        "request_quota": res.request_quota,
+        "request_setting": list(res.request_setting),
+        "batch_size": res.batch_size,
+        "limit_quota": res.limit_quota,
+        "limit_setting": list(res.limit_setting),
+        "burst_batch": res.burst_batch,
+        "te": res.te,
+        "latency_ms": res.latency_ms,
+        "throughput_rps": res.throughput_rps,
+        "trials": backend.trials,
+        "optimum": {
+            "te": opt.te, "quota": opt.quota, "setting": list(opt.setting), "batch": opt.batch,
+            "trials": opt.trials,
+        },
+        "te_ratio": res.te / opt.te,
+        "trial_ratio": backend.trials / opt.trials,
+    }
+
+
+@click.command("profile")
+@click.option("--surface", "surface_path", type=click.Path(exists=True, dir_okay=False, path_type=Path),
+              help="Surface CSV (a100-mps or v100-sm-quota format). Without it: every shipped surface.")
+@click.option("--slo-ms", type=float, help="Latency SLO in ms. Default: 2, 3 and 5 × batch-1 full-GPU latency.")
+@click.option("--stop-threshold", type=float, default=0.15, show_default=True,
+              help="Relative TE margin below the best within which the search keeps growing.")
+@click.option("--json", "json_path", type=click.Path(dir_okay=False, path_type=Path), help="Write the results here.")
+def profile(surface_path: Path | None, slo_ms: float | None, stop_threshold: float, json_path: Path | None) -> None:
+    """Profile on a recorded surface: request/limit quota, batch, TE and trials vs the exhaustive optimum."""
+    paths = [surface_path] if surface_path else surface_files()
+    rows: list[dict] = []
+    try:
+        for path in paths:
+            base = load_surface(path).baseline_latency_ms()
+            for slo in [slo_ms] if slo_ms else [f * base for f in SLO_FACTORS]:
+                try:
+                    rows.append(profile_surface(path, slo, stop_threshold))
+                except NoFeasibleSetting as exc:
+                    if slo_ms:  # the SLO the user asked for: say why there is no answer
+                        raise click.ClickException(str(exc)) from None
+    except SurfaceError as exc:
+        raise click.ClickException(str(exc)) from None
+    _print(rows)
+    if json_path:
+        out = rows[0] if surface_path and slo_ms else rows
+        json_path.write_text(json.dumps(out, indent=2) + "\n")
+
+
+def _print(rows: list[dict]) -> None:
+    table = Table("surface", "SLO ms", "quota", "batch", "limit", "TE", "optimum TE", "TE/opt", "trials")
+    for r in rows:
+        table.add_row(
+            Path(r["surface"]).stem, f"{r['slo_ms']:.1f}", f"{r['request_quota']:.3f}", str(r["batch_size"]),
+            f"{r['limit_quota']:.3f}", f"{r['te']:.1f}", f"{r['optimum']['te']:.1f}", f"{r['te_ratio']:.3f}",
+            f"{r['trials']}/{r['optimum']['trials']}",
+        )
+    Console(width=120).print(table)

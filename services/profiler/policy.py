@@ -1,0 +1,454 @@
+"""Profiling searches: pure state machines (no I/O, no clock). DESIGN.md section 4.6.
+
+A search proposes one trial at a time and is told what the trial measured::
+
+    s = InferenceSearch(grid_batches=[1, 2, 4], grid_quotas=[0.1, 0.2, ..., 1.0], slo_ms=50)
+    while (t := s.next_trial()) is not None:
+        s.record(t, Measurement(latency_ms=..., throughput_rps=...))
+    s.result()  # -> ProfileResult
+
+The backend that runs a trial (recorded surface, emulated GPU through the node agent, a real GPU)
+is the caller's business; the search only sees :class:`Measurement`.
+
+Quota grids: a flat list of fractions (one axis, the SM share), or a list of axes whose product is
+the quota, e.g. ``[[0.05, ..., 1.0], [0.1, ..., 1.0]]`` for SM share × time-quota share on the
+V100 tables (the share of the GPU's SM-time that setting grants). The first axis is always the
+spatial (SM) share.
+"""
+from __future__ import annotations
+
+import heapq
+import itertools
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from dilu.contracts.events import Profile
+
+Setting = tuple[float, ...]
+Index = tuple[int, ...]  # (quota axis indices..., batch index)
+
+
+class NoFeasibleSetting(ValueError):
+    """No measured setting met the objective (inference: the SLO)."""
+
+
+class SearchProtocolError(RuntimeError):
+    """``record`` was called with a trial the search did not propose (or twice)."""
+
+
+@dataclass(frozen=True)
+class Trial:
+    """One measurement to make: run batches of ``batch`` at quota setting ``setting``.
+
+    ``quota`` (property) is the product of the setting's fractions: the share of the GPU's SM-time.
+    """
+
+    setting: Setting
+    batch: int
+
+    @property
+    def quota(self) -> float:
+        return round(math.prod(self.setting), 6)
+
+
+@dataclass(frozen=True)
+class Measurement:
+    """What a trial measured: ``latency_ms`` of one batch (p99 after warm-up when measured live;
+    this is also each request's latency), ``throughput_rps`` in requests per second."""
+
+    latency_ms: float
+    throughput_rps: float
+
+
+@dataclass(frozen=True)
+class ProfileResult:
+    """The outcome of a search.
+
+    ``request_quota``/``request_setting``: the chosen guaranteed share, with ``batch_size``;
+    ``limit_quota``/``limit_setting``: the share at which ``burst_batch`` (the largest batch meeting
+    the SLO) runs; ``te``: throughput per quota at the request setting (requests/s per unit of
+    GPU); ``trials``: distinct settings the search measured.
+    """
+
+    kind: str
+    request_quota: float
+    request_setting: Setting
+    batch_size: int
+    limit_quota: float
+    limit_setting: Setting
+    burst_batch: int
+    te: float
+    throughput_rps: float
+    latency_ms: float
+    trials: int
+
+    def to_profile(self, function: str, backend: str) -> Profile:
+        """As the contracts' Profile event payload."""
+        return Profile(
+            function=function,
+            request_quota=self.request_quota,
+            limit_quota=self.limit_quota,
+            batch_size=self.batch_size,
+            burst_batch=self.burst_batch,
+            te=self.te,
+            throughput_rps=self.throughput_rps,
+            latency_ms=self.latency_ms,
+            trials=self.trials,
+            backend=backend,
+        )
+
+
+def _axes(grid_quotas: Sequence[float] | Sequence[Sequence[float]]) -> tuple[tuple[float, ...], ...]:
+    """Normalise a quota grid to sorted, de-duplicated axes; raises ValueError when empty or out of (0, 1]."""
+    if not grid_quotas:
+        raise ValueError("empty quota grid")
+    raw = [grid_quotas] if isinstance(grid_quotas[0], (int, float)) else list(grid_quotas)
+    axes = []
+    for axis in raw:
+        vals = tuple(sorted({round(float(v), 4) for v in axis}))  # type: ignore[union-attr]
+        if not vals or vals[0] <= 0 or vals[-1] > 1:
+            raise ValueError(f"quota axis must hold fractions in (0, 1], got {axis}")
+        axes.append(vals)
+    return tuple(axes)
+
+
+class _Machine:
+    """Shared bookkeeping: one pending trial at a time, a cache of what was measured."""
+
+    def __init__(self) -> None:
+        self._pending: Trial | None = None
+        self._measured: dict[Trial, Measurement] = {}
+
+    @property
+    def trials(self) -> int:
+        """Distinct trials measured so far."""
+        return len(self._measured)
+
+    def _propose(self, trial: Trial | None) -> Trial | None:
+        self._pending = trial
+        return trial
+
+    def record(self, trial: Trial, m: Measurement) -> None:
+        """Tell the search what ``trial`` measured. Raises SearchProtocolError for a trial it did
+        not propose, ValueError for a non-finite or negative measurement."""
+        if trial != self._pending:
+            raise SearchProtocolError(f"recorded {trial}, but the pending trial is {self._pending}")
+        if not (math.isfinite(m.latency_ms) and math.isfinite(m.throughput_rps)) or min(
+            m.latency_ms, m.throughput_rps
+        ) < 0:
+            raise ValueError(f"bad measurement {m}")
+        self._measured[trial] = m
+        self._pending = None
+        self._learn(trial, m)
+
+    def _learn(self, trial: Trial, m: Measurement) -> None:  # pragma: no cover - overridden
+        pass
+
+
+class TrainingSearch(_Machine):
+    """Binary search on quota for a training function (DESIGN.md section 4.6).
+
+    Request quota: the smallest grid quota whose throughput ≥ ``threshold`` (default 0.98) × the
+    throughput on the full GPU (the largest grid quota, measured first). Limit quota: the smallest
+    grid quota whose throughput ≥ ``limit_threshold`` (default 1.0) × full, i.e. where extra quota
+    stops buying throughput; the vertical scaler lets training burst up to it only into idle capacity.
+
+    Invariant of each binary search: ``hi`` is a measured index meeting its threshold (initially the
+    full GPU, which meets any threshold ≤ 1), ``lo`` one that does not (initially -1). Each step
+    halves ``hi - lo``, so it terminates after ⌈log2 n⌉ trials; on a monotone curve ``hi`` ends on
+    the true minimum, on a noisy one on a measured point that meets the threshold.
+    """
+
+    def __init__(
+        self, grid_quotas: Sequence[float], batch: int = 1, threshold: float = 0.98, limit_threshold: float = 1.0
+    ) -> None:
+        super().__init__()
+        (self.quotas,) = _axes(grid_quotas) if grid_quotas and isinstance(grid_quotas[0], (int, float)) else (None,)
+        if self.quotas is None:
+            raise ValueError("TrainingSearch takes one quota axis (a flat list of fractions)")
+        if not 0 < threshold <= limit_threshold <= 1:
+            raise ValueError(f"need 0 < threshold ≤ limit_threshold ≤ 1, got {threshold}, {limit_threshold}")
+        self.batch = batch
+        self.thresholds = (threshold, limit_threshold)
+        self._phase = 0  # 0: request, 1: limit, 2: done
+        self._lo, self._hi = -1, len(self.quotas) - 1
+        self._found: list[int] = []
+        self._full: float | None = None
+
+    def _trial(self, i: int) -> Trial:
+        return Trial((self.quotas[i],), self.batch)
+
+    def _thr(self, i: int) -> float:
+        return self._measured[self._trial(i)].throughput_rps
+
+    def next_trial(self) -> Trial | None:
+        """The next quota to measure, or None when done. Measured points are never proposed twice."""
+        if self._pending is not None:
+            return self._pending
+        full = self._trial(len(self.quotas) - 1)
+        if full not in self._measured:
+            return self._propose(full)
+        while self._phase < 2:
+            if self._hi - self._lo <= 1:
+                self._found.append(self._hi)
+                self._phase += 1
+                # the limit is at or above the request quota: search only that part
+                self._lo, self._hi = self._found[-1] - 1, len(self.quotas) - 1
+                continue
+            mid = (self._lo + self._hi) // 2
+            if self._trial(mid) not in self._measured:
+                return self._propose(self._trial(mid))
+            self._step(mid)
+        return self._propose(None)
+
+    def _step(self, mid: int) -> None:
+        full = self._thr(len(self.quotas) - 1)
+        if self._thr(mid) >= self.thresholds[self._phase] * full:
+            self._hi = mid
+        else:
+            self._lo = mid
+
+    def _learn(self, trial: Trial, m: Measurement) -> None:
+        pass  # next_trial consults the cache and steps the bounds
+
+    def result(self) -> ProfileResult:
+        """Raises RuntimeError before the search finished."""
+        if self._phase < 2:
+            raise RuntimeError("training search not finished")
+        req, lim = self._found
+        rq, lq = self.quotas[req], self.quotas[lim]
+        m = self._measured[self._trial(req)]
+        return ProfileResult(
+            kind="training", request_quota=rq, request_setting=(rq,), batch_size=self.batch,
+            limit_quota=lq, limit_setting=(lq,), burst_batch=self.batch, te=m.throughput_rps / rq,
+            throughput_rps=m.throughput_rps, latency_ms=m.latency_ms, trials=self.trials,
+        )
+
+
+class InferenceSearch(_Machine):
+    """Guided growth over quota × batch for an inference function (DESIGN.md section 4.6).
+
+    Efficacy TE = throughput / quota (requests/s per unit of GPU); only settings whose latency
+    (p99) ≤ ``slo_ms`` are accepted.
+
+    Phase 1, best-first growth. It starts at the smallest quota with batch 1 and always measures
+    the unmeasured grid neighbour (±1 step on one axis) of the measured point with the highest TE.
+    A point that meets the SLO opens all its neighbours; one that misses it opens only those that
+    lower latency (more quota, smaller batch). The search stops when no open neighbour has a parent
+    within ``stop_threshold`` (relative, default 0.15) of the best SLO-meeting TE so far. Because
+    every point within that margin is still expanded, a noisy dip smaller than the margin does not
+    stop the growth (it does not stop at the first dip). If nothing met the SLO it also tries the
+    full GPU at batch 1 before giving up.
+
+    Phase 2, burst batch and limit quota. The burst batch is the largest batch meeting the SLO on
+    the full GPU (binary search over batches, latency assumed to grow with batch); the limit quota
+    is the smallest setting along the SM axis (other axes at full) at which the burst batch meets
+    the SLO (binary search, latency assumed to fall with quota). The limit is never below the request.
+
+    Raises NoFeasibleSetting from :meth:`result` when no measured setting met the SLO.
+    """
+
+    def __init__(
+        self,
+        grid_batches: Sequence[int],
+        grid_quotas: Sequence[float] | Sequence[Sequence[float]],
+        slo_ms: float,
+        *,
+        stop_threshold: float = 0.15,
+        max_trials: int | None = None,
+    ) -> None:
+        super().__init__()
+        if not grid_batches or min(grid_batches) < 1:
+            raise ValueError(f"batches must be positive integers, got {grid_batches}")
+        if not slo_ms > 0:
+            raise ValueError(f"slo_ms must be > 0, got {slo_ms}")
+        if not 0 <= stop_threshold < 1:
+            raise ValueError(f"stop_threshold must be in [0, 1), got {stop_threshold}")
+        self.axes = _axes(grid_quotas)
+        self.batches = tuple(sorted({int(b) for b in grid_batches}))
+        self.slo_ms = float(slo_ms)
+        self.stop_threshold = stop_threshold
+        self.max_trials = max_trials
+        self._dims = tuple(len(a) for a in self.axes) + (len(self.batches),)
+        self._by_index: dict[Index, Measurement] = {}
+        self._heap: list[tuple[float, int, Index]] = []
+        self._seq = itertools.count()
+        self._best: tuple[float, Index] | None = None
+        self._phase = "grow"
+        self._tried_full = False
+        self._burst: int | None = None  # batch index
+        self._bounds: tuple[int, int] = (-1, -1)
+        self._limit: int | None = None  # SM-axis index
+        self._push((0,) * len(self._dims), math.inf)
+
+    # ------------------------------------------------------------------ grid helpers
+
+    def _trial(self, idx: Index) -> Trial:
+        setting = tuple(axis[i] for axis, i in zip(self.axes, idx[:-1]))
+        return Trial(setting, self.batches[idx[-1]])
+
+    def _full(self, b: int) -> Index:
+        return tuple(d - 1 for d in self._dims[:-1]) + (b,)
+
+    def _path(self, i: int, b: int) -> Index:
+        """Point ``i`` of the limit path: SM axis at ``i``, every other quota axis at full."""
+        return (i,) + tuple(d - 1 for d in self._dims[1:-1]) + (b,)
+
+    def _ok(self, idx: Index) -> bool:
+        return self._by_index[idx].latency_ms <= self.slo_ms
+
+    def _known(self, idx: Index) -> bool | None:
+        """Whether ``idx`` meets the SLO: measured, or implied by a measured point under the
+        monotone model (more quota or a smaller batch never raises latency); None if unknown."""
+        if idx in self._by_index:
+            return self._ok(idx)
+        for other, m in self._by_index.items():
+            ok = m.latency_ms <= self.slo_ms
+            le = all(a <= b for a, b in zip(other[:-1], idx[:-1])) and other[-1] >= idx[-1]
+            ge = all(a >= b for a, b in zip(other[:-1], idx[:-1])) and other[-1] <= idx[-1]
+            if (ok and le) or (not ok and ge):
+                return ok
+        return None
+
+    def _te(self, idx: Index) -> float:
+        return self._by_index[idx].throughput_rps / self._trial(idx).quota
+
+    def _push(self, idx: Index, priority: float) -> None:
+        if idx not in self._by_index and all(0 <= i < d for i, d in zip(idx, self._dims)):
+            heapq.heappush(self._heap, (-priority, next(self._seq), idx))
+
+    def _learn(self, trial: Trial, m: Measurement) -> None:
+        idx = self._index_of(trial)
+        self._by_index[idx] = m
+        te = self._te(idx)
+        feasible = m.latency_ms <= self.slo_ms
+        if feasible and (self._best is None or te > self._best[0]):
+            self._best = (te, idx)
+        if self._phase != "grow":
+            return
+        for axis in range(len(self._dims)):
+            is_batch = axis == len(self._dims) - 1
+            for step in (1, -1):
+                lowers_latency = (step == -1) if is_batch else (step == 1)
+                nxt = list(idx)
+                nxt[axis] += step
+                if feasible != lowers_latency:
+                    self._push(tuple(nxt), te)
+                elif feasible and not is_batch:
+                    # more quota rarely buys TE (speed-up is sublinear) but can on time-sliced
+                    # GPUs, where a batch that starts to fit one slice runs much faster: try it
+                    # only from settings already within the stopping margin of the best
+                    self._push(tuple(nxt), te * (1 - self.stop_threshold))
+
+    def _index_of(self, trial: Trial) -> Index:
+        return tuple(axis.index(round(v, 4)) for axis, v in zip(self.axes, trial.setting)) + (
+            self.batches.index(trial.batch),
+        )
+
+    # ------------------------------------------------------------------ the machine
+
+    def next_trial(self) -> Trial | None:
+        """The next setting to measure, or None when the search is over."""
+        if self._pending is not None:
+            return self._pending
+        while True:
+            idx = self._next_index()
+            if idx is None:
+                return self._propose(None)
+            if idx not in self._by_index:
+                return self._propose(self._trial(idx))
+
+    def _budget_left(self) -> bool:
+        return self.max_trials is None or self.trials < self.max_trials
+
+    def _next_index(self) -> Index | None:
+        """The next index to look at; already-measured ones are consumed by the caller's loop."""
+        if self._phase == "grow":
+            idx = self._grow()
+            if idx is not None:
+                return idx
+            if self._best is None:
+                return None
+            self._phase, self._bounds = "burst", (-1, len(self.batches))
+        if self._phase == "burst":
+            idx = self._burst_step()
+            if idx is not None:
+                return idx
+            self._phase = "limit"
+            n_sm = self._dims[0]
+            self._bounds = (-1, n_sm - 1)
+        if self._phase == "limit":
+            idx = self._limit_step()
+            if idx is not None:
+                return idx
+            self._phase = "done"
+        return None
+
+    def _grow(self) -> Index | None:
+        while self._heap and self._budget_left():
+            neg, _, idx = self._heap[0]
+            if idx in self._by_index:
+                heapq.heappop(self._heap)
+                continue
+            if self._best is not None and -neg < (1 - self.stop_threshold) * self._best[0]:
+                break
+            return idx
+        if self._best is None and not self._tried_full and self._budget_left():
+            self._tried_full = True
+            full = self._full(0)
+            if full not in self._by_index:
+                self._push(full, math.inf)
+                return full
+        return None
+
+    def _burst_step(self) -> Index | None:
+        """Binary search for the largest batch index meeting the SLO on the full GPU."""
+        lo, hi = self._bounds  # lo: meets (or -1), hi: misses (or len)
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            idx = self._full(mid)
+            ok = self._known(idx)
+            if ok is None:
+                return idx
+            lo, hi = (mid, hi) if ok else (lo, mid)
+            self._bounds = (lo, hi)
+        if lo < 0:  # nothing meets the SLO on the full GPU: the best batch is the burst batch
+            lo = self._best[1][-1]
+        self._burst = lo
+        return None
+
+    def _limit_step(self) -> Index | None:
+        """Binary search along the SM axis for the smallest share at which the burst batch fits."""
+        lo, hi = self._bounds  # lo: misses (or -1), hi: meets (the full GPU, or assumed)
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            idx = self._path(mid, self._burst)
+            ok = self._known(idx)
+            if ok is None:
+                return idx
+            lo, hi = (lo, mid) if ok else (mid, hi)
+            self._bounds = (lo, hi)
+        self._limit = hi
+        return None
+
+    def result(self) -> ProfileResult:
+        """The chosen profile. Raises NoFeasibleSetting when nothing met the SLO, RuntimeError
+        when called before :meth:`next_trial` returned None."""
+        if self._best is None and self._phase == "grow" and self.next_trial() is None:
+            raise NoFeasibleSetting(
+                f"no setting met the SLO of {self.slo_ms:.3g} ms in {self.trials} trials "
+                f"(not even batch {self.batches[0]} on the full GPU)"
+            )
+        if self._phase != "done":
+            raise RuntimeError("inference search not finished")
+        te, idx = self._best
+        req, m = self._trial(idx), self._by_index[idx]
+        lim = self._trial(self._path(self._limit, self._burst))
+        if lim.quota < req.quota:  # a limit below the request guarantees nothing more
+            lim = Trial(req.setting, lim.batch)
+        return ProfileResult(
+            kind="inference", request_quota=req.quota, request_setting=req.setting, batch_size=req.batch,
+            limit_quota=lim.quota, limit_setting=lim.setting, burst_batch=self.batches[self._burst],
+            te=te, throughput_rps=m.throughput_rps, latency_ms=m.latency_ms, trials=self.trials,
+        )

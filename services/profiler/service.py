@@ -1,0 +1,209 @@
+"""The profiler service: the thin asyncio shell around :mod:`.policy` (DESIGN.md section 4.6).
+
+- On ``dilu.v1.function.deployed.*`` (FunctionDeployed) it profiles the function in the background;
+  on ``dilu.v1.profiler.profile`` (ProfileRequest -> ProfileReply) it profiles and answers.
+- Trials go to the node agent: TrialRequest on ``dilu.v1.node.trial.<node>`` -> TrialReply
+  (``backend="node"``), or are read from the model's recorded A100 surface (``backend="surface"``).
+- Profiles are cached by (model, kind, SLO ms, max batch): a second deploy of the same model costs
+  no trials. Each profile is stored in the JetStream KV bucket ``dilu-profiles`` (history 5, key =
+  sanitised function name) and announced with ProfileReady on ``dilu.v1.profile.ready.<fn>``.
+- Training functions have no measured training surface: their binary search runs on the model's
+  largest-batch inference curve as a stand-in (documented in issue 4).
+"""
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+
+import msgspec
+from nats.errors import NoRespondersError
+from nats.errors import TimeoutError as NatsTimeout
+from nats.js.api import KeyValueConfig
+from prometheus_client import Counter
+
+from dilu.contracts import subjects
+from dilu.contracts.events import (
+    FunctionDeployed,
+    FunctionSpec,
+    Profile,
+    ProfileReady,
+    ProfileReply,
+    ProfileRequest,
+    TrialReply,
+    TrialRequest,
+)
+
+from ..common.bus import Bus
+from . import models
+from .policy import InferenceSearch, Measurement, NoFeasibleSetting, TrainingSearch, Trial
+from .surface import SurfaceBackend
+
+TRIALS = Counter("dilu_profiler_trials", "Measurements the profiler made", ["backend"])
+PROFILES = Counter("dilu_profiler_profiles", "Profiles produced", ["source"])  # search | cache
+FAILURES = Counter("dilu_profiler_failures", "Profiles that could not be produced", ["reason"])
+
+QUOTA_GRID = tuple(round(0.1 * i, 1) for i in range(1, 11))  # the A100 MPS grid: 10 % .. 100 %
+BATCH_GRID = (1, 2, 4, 8, 16, 32)
+PROFILE_HISTORY = 5
+
+
+class TrialFailed(RuntimeError):
+    """The node agent could not run a trial (no responder, timeout, or it answered ok=false)."""
+
+
+@dataclass
+class NodeTrialBackend:
+    """Runs each trial on ``node``'s emulated GPU through the node agent (request-reply)."""
+
+    bus: Bus
+    node: str
+    model: str
+    repeats: int = 5
+    timeout_s: float = 30.0
+    trials: int = 0
+
+    async def run(self, trial: Trial) -> Measurement:
+        """Raises TrialFailed with the reason."""
+        req = TrialRequest(model=self.model, batch=trial.batch, quota=trial.quota, repeats=self.repeats)
+        try:
+            reply = await self.bus.request(subjects.node_trial(self.node), req, TrialReply, timeout=self.timeout_s)
+        except (NatsTimeout, NoRespondersError, asyncio.TimeoutError) as exc:
+            raise TrialFailed(f"trial on {self.node} got no answer: {type(exc).__name__}") from None
+        self.trials += 1
+        TRIALS.labels("node").inc()
+        if not reply.ok:
+            raise TrialFailed(f"trial on {self.node} failed: {reply.error}")
+        return Measurement(latency_ms=reply.latency_ms_p99, throughput_rps=reply.throughput_rps)
+
+
+class _SurfaceAsync:
+    """The recorded-surface backend behind the same async interface."""
+
+    def __init__(self, model: str) -> None:
+        self.inner = SurfaceBackend(models.surface(model))
+
+    @property
+    def trials(self) -> int:
+        return self.inner.trials
+
+    async def run(self, trial: Trial) -> Measurement:
+        before = self.inner.trials
+        m = self.inner.run(trial)
+        TRIALS.labels("surface").inc(self.inner.trials - before)
+        return m
+
+
+def search_for(spec: FunctionSpec, stop_threshold: float = 0.15):
+    """The search for ``spec``: training -> TrainingSearch at its largest batch; inference ->
+    InferenceSearch at the spec's SLO (default: 5 × batch-1 full-GPU latency). Batches up to
+    ``spec.max_batch``. Raises KeyError for an unknown model."""
+    models.model(spec.model)
+    batches = [b for b in BATCH_GRID if b <= max(1, spec.max_batch)]
+    if spec.kind == "training":
+        return TrainingSearch(QUOTA_GRID, batch=batches[-1])
+    slo = spec.slo_ms or models.default_slo_ms(spec.model)
+    return InferenceSearch(batches, QUOTA_GRID, slo, stop_threshold=stop_threshold)
+
+
+def cache_key(spec: FunctionSpec) -> tuple:
+    return (spec.model, spec.kind, round(spec.slo_ms, 3), spec.max_batch)
+
+
+class ProfilerService:
+    """See the module docstring. ``backend``: ``node`` (through the node agent) or ``surface``."""
+
+    name = "profiler"
+
+    def __init__(self, node: str = "node0", backend: str = "node", repeats: int = 5,
+                 trial_timeout_s: float = 30.0) -> None:
+        if backend not in ("node", "surface"):
+            raise ValueError(f"backend must be 'node' or 'surface', got {backend!r}")
+        self.node = node
+        self.backend = backend
+        self.repeats = repeats
+        self.trial_timeout_s = trial_timeout_s
+        self.bus: Bus | None = None
+        self.kv = None
+        self.cache: dict[tuple, Profile] = {}
+        self._locks: dict[tuple, asyncio.Lock] = {}
+        self._tasks: set[asyncio.Task] = set()
+        self.trials = 0
+        self._ready = False
+
+    async def start(self, bus: Bus) -> None:
+        self.bus = bus
+        self.kv = await bus.js.create_key_value(
+            KeyValueConfig(bucket=subjects.PROFILES_BUCKET, history=PROFILE_HISTORY))
+        # a wildcard pattern, written out: subjects.function_deployed() would sanitise "*" away
+        await bus.subscribe(f"{subjects.PREFIX}.function.deployed.*", FunctionDeployed, self._on_deployed)
+        await bus.serve(subjects.PROFILER_PROFILE, ProfileRequest, self._on_request)
+        self._ready = True
+
+    async def stop(self) -> None:
+        self._ready = False
+        if self._tasks:
+            await asyncio.gather(*self._tasks, return_exceptions=True)
+
+    def ready(self) -> bool:
+        return self._ready
+
+    # ------------------------------------------------------------------ handlers
+
+    async def _on_deployed(self, event: FunctionDeployed, _msg) -> None:
+        # profiling takes many trials: run it aside so later deploys are not queued behind it
+        task = asyncio.create_task(self._profile_logged(event.spec))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _profile_logged(self, spec: FunctionSpec) -> None:
+        try:
+            await self.profile(spec)
+        except Exception as exc:  # counted and logged; the service carries on
+            self.bus.log.warning("profiling failed", function=spec.name, error=f"{type(exc).__name__}: {exc}")
+
+    async def _on_request(self, req: ProfileRequest, _msg) -> ProfileReply:
+        try:
+            return ProfileReply(ok=True, profile=await self.profile(req.spec))
+        except (KeyError, NoFeasibleSetting, TrialFailed, ValueError) as exc:
+            return ProfileReply(ok=False, error=f"{type(exc).__name__}: {exc}")
+
+    # ------------------------------------------------------------------ work
+
+    async def profile(self, spec: FunctionSpec) -> Profile:
+        """Profile ``spec`` (or reuse a cached profile of the same model, kind and SLO), store it
+        in KV and publish ProfileReady. Raises KeyError (unknown model), NoFeasibleSetting,
+        TrialFailed; each is counted in ``dilu_profiler_failures``."""
+        key = cache_key(spec)
+        lock = self._locks.setdefault(key, asyncio.Lock())
+        async with lock:  # concurrent deploys of one model share one search
+            try:
+                cached = self.cache.get(key)
+                if cached is not None:
+                    profile = msgspec.structs.replace(cached, function=spec.name, trials=0)
+                    PROFILES.labels("cache").inc()
+                else:
+                    profile = await self._search(spec)
+                    self.cache[key] = profile
+                    PROFILES.labels("search").inc()
+            except Exception as exc:
+                FAILURES.labels(type(exc).__name__).inc()
+                raise
+        # the bucket holds the Profile itself (JSON), one key per function, the last 5 kept
+        await self.kv.put(subjects.token(spec.name), msgspec.json.encode(profile))
+        await self.bus.publish(subjects.profile_ready(spec.name), ProfileReady(profile=profile))
+        self.bus.log.info("profile ready", function=spec.name, request_quota=profile.request_quota,
+                          limit_quota=profile.limit_quota, batch=profile.batch_size, trials=profile.trials)
+        return profile
+
+    async def _search(self, spec: FunctionSpec) -> Profile:
+        search = search_for(spec)
+        if self.backend == "surface":
+            backend = _SurfaceAsync(spec.model)
+        else:
+            backend = NodeTrialBackend(self.bus, self.node, spec.model, self.repeats, self.trial_timeout_s)
+        while (trial := search.next_trial()) is not None:
+            search.record(trial, await backend.run(trial))
+        self.trials += backend.trials
+        result = search.result()
+        name = "surface" if self.backend == "surface" else "emulated"
+        return msgspec.structs.replace(result.to_profile(spec.name, name), trials=backend.trials)

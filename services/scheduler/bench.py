@@ -1,0 +1,198 @@
+"""``dilu bench scheduler``: placement speed at scale, and packing quality on the paper's workloads.
+
+Without ``--workload``: fill ``--nodes`` × ``--gpus-per-node`` GPUs with ``--instances`` synthetic
+instances (seeded), then churn (retire one, place one), timing every placement; writes
+``placements_per_second`` and ``placement_latency_ms_p99`` (HDR histogram).
+
+With ``--workload FILE`` (a dilu-sim event list, see ``workloads/ATTRIBUTION.md``): replays the
+start/delete events in file order through the placement policy and writes ``peak_active_gpus``,
+``mean_active_gpus`` (time-weighted over the events' timestamps), ``lower_bound_peak`` (the largest
+over time of max(⌈Σ SM requests⌉, ⌈Σ memory / GPU memory⌉, the number of live GPU slots needing
+more than half a GPU's memory, since no two of those can share a GPU)), ``max_limit_sum`` and
+``allocation_fragmentation`` (time-weighted mean over active GPUs of 1 − Σ request quotas).
+Multi-GPU training takes distinct GPUs of one node; an instance is never split.
+"""
+from __future__ import annotations
+
+import ast
+import json
+import math
+import random
+import time
+from datetime import datetime
+from pathlib import Path
+
+import click
+from hdrh.histogram import HdrHistogram
+
+from .policy import Cluster, Demand, NoCapacity
+
+GB = 10**9
+WORKLOADS_DIR = Path(__file__).parent / "workloads"
+
+
+class WorkloadError(ValueError):
+    """A workload line that is not a valid event (the message names the line)."""
+
+
+def parse_workload(path: str | Path) -> list[tuple[float, str, str, Demand]]:
+    """Events as (time s, action, instance name, demand); raises WorkloadError naming the bad line."""
+    events = []
+    for n, line in enumerate(Path(path).read_text().splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            e = ast.literal_eval(line)
+            inst = e["Instance"]
+            t = datetime.strptime(e["Time"], "%Y-%m-%d %H:%M:%S").timestamp()
+            gpus = int(inst["gpu_num"])
+            kind = "training" if inst["type"] == "training" else "inference"
+            d = Demand(
+                function=inst["service_name"], request_quota=float(inst["sm_requests"]),
+                limit_quota=float(inst["sm_limits"]), memory_bytes=int(max(inst["memory"]) * GB),
+                kind=kind, gpus=gpus if kind == "training" else 1,
+            )
+            action = e["Action"]
+            if action not in ("start", "delete"):
+                raise ValueError(f"unknown action {action!r}")
+        except (ValueError, SyntaxError, KeyError, TypeError) as exc:
+            raise WorkloadError(f"{path}:{n}: {type(exc).__name__}: {exc}") from None
+        events.append((t, action, inst["service_name"], d))
+    return events
+
+
+def _timer() -> HdrHistogram:
+    """Latency histogram in ns, 1 ns .. 10 s, 3 significant digits."""
+    return HdrHistogram(1, 10**10, 3)
+
+
+def replay(path: str | Path, nodes: int = 1000, gpus_per_node: int = 4, gpu_memory_gb: float = 40,
+           gamma: float = 1.5) -> dict:
+    """Replay a dilu-sim workload; returns the figures named in the module docstring."""
+    capacity = int(gpu_memory_gb * GB)
+    cluster = Cluster([f"node{i}" for i in range(nodes)], gpus_per_node, capacity, gamma=gamma)
+    hist = _timer()
+    live_req = 0.0
+    live_mem = 0
+    live_big = 0
+    bound = 0
+    peak = 0
+    max_lim = 0.0
+    unplaced = 0
+    area = frag_area = span = 0.0
+    last_t: float | None = None
+    events = parse_workload(path)
+    for t, action, name, d in events:
+        if last_t is not None and t > last_t:  # the state since last_t held until t
+            dt = t - last_t
+            area += cluster.active * dt
+            frag_area += (cluster.active - live_req) * dt
+            span += dt
+        last_t = t
+        if action == "start":
+            t0 = time.perf_counter_ns()
+            try:
+                gpus = cluster.choose(d)
+            except NoCapacity:
+                unplaced += 1
+                continue
+            cluster._apply(name, d, gpus)
+            hist.record_value(max(1, time.perf_counter_ns() - t0))
+            live_req += d.request_quota * d.gpus
+            live_mem += d.memory_bytes * d.gpus
+            live_big += d.gpus if d.memory_bytes > capacity / 2 else 0
+            max_lim = max(max_lim, *(cluster.gpus[g].lim for g in gpus))
+        elif name in cluster.instances:
+            d, _ = cluster.remove(name)
+            live_req -= d.request_quota * d.gpus
+            live_mem -= d.memory_bytes * d.gpus
+            live_big -= d.gpus if d.memory_bytes > capacity / 2 else 0
+        peak = max(peak, cluster.active)
+        bound = max(bound, math.ceil(live_req - 1e-6), math.ceil(live_mem / capacity - 1e-9), live_big)
+    return {
+        "workload": Path(path).name,
+        "nodes": nodes, "gpus_per_node": gpus_per_node, "gpu_memory_gb": gpu_memory_gb, "gamma": gamma,
+        "events": len(events),
+        "peak_active_gpus": peak,
+        "lower_bound_peak": bound,
+        "peak_over_bound": peak / bound - 1 if bound else 0.0,
+        "mean_active_gpus": area / span if span else float(cluster.active),
+        "max_limit_sum": round(max_lim, 9),  # sums of 2-decimal quotas: drop float residue
+        "allocation_fragmentation": frag_area / area if area else 0.0,
+        "unplaced": unplaced,
+        "placement_latency_ms_p99": hist.get_value_at_percentile(99) / 1e6,
+        "violations": len(cluster.violations()),
+    }
+
+
+def synthetic(nodes: int = 1000, gpus_per_node: int = 4, instances: int = 10_000, churn: int = 2_000,
+              gpu_memory_gb: float = 40, gamma: float = 1.5, seed: int = 0) -> dict:
+    """Fill the cluster with ``instances`` seeded random instances, then ``churn`` retire+place pairs."""
+    rng = random.Random(seed)
+    cluster = Cluster([f"node{i}" for i in range(nodes)], gpus_per_node, int(gpu_memory_gb * GB), gamma=gamma)
+    functions = [f"fn{i}" for i in range(max(1, instances // 50))]
+
+    def demand() -> Demand:
+        r = round(rng.uniform(0.05, 0.5), 2)
+        training = rng.random() < 0.15
+        return Demand(function=rng.choice(functions), request_quota=r,
+                      limit_quota=min(1.0, round(r * rng.uniform(1.1, 1.6), 2)),
+                      memory_bytes=int(rng.uniform(1, 12) * GB), kind="training" if training else "inference",
+                      gpus=rng.choice((1, 2, 4)) if training and rng.random() < 0.3 else 1,
+                      peak_hour=rng.randrange(24))
+
+    hist = _timer()
+    ids: list[str] = []
+    placed = unplaced = 0
+    total_ns = 0
+    for k in range(instances + churn):
+        if k >= instances and ids:
+            cluster.remove(ids.pop(rng.randrange(len(ids))))
+        d, iid = demand(), f"i{k}"
+        t0 = time.perf_counter_ns()
+        try:
+            cluster.place(iid, d)
+        except NoCapacity:
+            unplaced += 1
+            continue
+        dt = time.perf_counter_ns() - t0
+        total_ns += dt
+        hist.record_value(max(1, dt))
+        ids.append(iid)
+        placed += 1
+    return {
+        "nodes": nodes, "gpus_per_node": gpus_per_node, "instances": len(ids), "placements": placed,
+        "unplaced": unplaced, "seed": seed,
+        "placements_per_second": placed / (total_ns / 1e9) if total_ns else 0.0,
+        "placement_latency_ms_p50": hist.get_value_at_percentile(50) / 1e6,
+        "placement_latency_ms_p99": hist.get_value_at_percentile(99) / 1e6,
+        "placement_latency_ms_max": hist.get_max_value() / 1e6,
+        "active_gpus": cluster.active,
+        "violations": len(cluster.violations()),
+    }
+
+
+@click.command("scheduler")
+@click.option("--nodes", type=int, default=1000, show_default=True)
+@click.option("--gpus-per-node", type=int, default=4, show_default=True)
+@click.option("--gpu-memory-gb", type=float, default=40, show_default=True)
+@click.option("--gamma", type=float, default=1.5, show_default=True, help="Cap on Σ limit quotas per GPU.")
+@click.option("--instances", type=int, default=10_000, show_default=True, help="Synthetic mode: instances to fill.")
+@click.option("--churn", type=int, default=2_000, show_default=True, help="Synthetic mode: retire+place pairs after filling.")
+@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--workload", type=click.Path(exists=True, dir_okay=False, path_type=Path),
+              help="Replay a dilu-sim event list instead (e.g. services/scheduler/workloads/instances-1600.txt).")
+@click.option("--json", "json_path", type=click.Path(dir_okay=False, path_type=Path), help="Write the figures here.")
+def bench_scheduler(nodes, gpus_per_node, gpu_memory_gb, gamma, instances, churn, seed, workload, json_path) -> None:
+    """Placement speed (synthetic) or packing quality against the lower bound (--workload)."""
+    try:
+        if workload:
+            out = replay(workload, nodes, gpus_per_node, gpu_memory_gb, gamma)
+        else:
+            out = synthetic(nodes, gpus_per_node, instances, churn, gpu_memory_gb, gamma, seed)
+    except WorkloadError as exc:
+        raise click.ClickException(str(exc)) from None
+    text = json.dumps(out, indent=2)
+    click.echo(text)
+    if json_path:
+        json_path.write_text(text + "\n")

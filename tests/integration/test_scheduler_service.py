@@ -1,0 +1,217 @@
+"""The scheduler service against a real nats-server: the placement table in KV, concurrent
+placements (issue 6 case 3), retirement through draining, rebuilding state on restart."""
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+
+import msgspec
+import nats
+import pytest
+
+from dilu.contracts import decode, encode, subjects
+from dilu.contracts.events import (
+    FunctionDeployed,
+    FunctionSpec,
+    InstanceRetired,
+    PlaceReply,
+    PlaceRequest,
+    Placement,
+    Profile,
+    ProfileReady,
+    RetireReply,
+    RetireRequest,
+)
+from dilu.services.common.runner import serve
+from dilu.services.scheduler.service import GB, SchedulerService
+
+pytestmark = pytest.mark.nats
+
+
+@contextlib.asynccontextmanager
+async def running(service, url):
+    stop = asyncio.Event()
+    task = asyncio.create_task(serve(service, url, shutdown=stop, install_signals=False))
+    for _ in range(250):
+        if service.ready():
+            break
+        await asyncio.sleep(0.02)
+    assert service.ready()
+    try:
+        yield service
+    finally:
+        stop.set()
+        await asyncio.wait_for(task, 20)
+
+
+async def deploy(nc, svc, name, request=0.5, limit=0.5, memory=4 * GB, profile=True):
+    spec = FunctionSpec(name=name, model="bert_base", memory_bytes=memory, slo_ms=80)
+    await nc.publish(subjects.function_deployed(name), encode(FunctionDeployed(spec=spec)))
+    if profile:
+        p = Profile(function=name, request_quota=request, limit_quota=limit, batch_size=4)
+        await nc.publish(subjects.profile_ready(name), encode(ProfileReady(profile=p)))
+    await nc.flush()
+    for _ in range(250):  # the scheduler learns them asynchronously
+        if name in svc.functions and (not profile or name in svc.profiles):
+            return
+        await asyncio.sleep(0.02)
+    raise AssertionError("scheduler did not learn the function")
+
+
+async def place(nc, fn, count=1) -> PlaceReply:
+    msg = await nc.request(subjects.SCHEDULER_PLACE, encode(PlaceRequest(function=fn, count=count)), timeout=10)
+    return decode(msg.data, PlaceReply)
+
+
+async def retire(nc, fn, instance_id="") -> RetireReply:
+    msg = await nc.request(subjects.SCHEDULER_RETIRE, encode(RetireRequest(function=fn, instance_id=instance_id)), timeout=10)
+    return decode(msg.data, RetireReply)
+
+
+async def table(kv) -> dict[str, Placement]:
+    try:
+        keys = await kv.keys()
+    except nats.js.errors.NoKeysError:
+        return {}
+    rows = {}
+    for k in keys:
+        try:
+            rows[k] = msgspec.json.decode((await kv.get(k)).value, type=Placement)
+        except nats.js.errors.KeyNotFoundError:  # deleted since keys() listed it
+            pass
+    return rows
+
+
+async def retired(nc, p: Placement):
+    ev = InstanceRetired(instance_id=p.instance_id, function=p.function, node=p.node, gpu=p.gpu)
+    await nc.publish(subjects.instance_state("retired", p.node), encode(ev))
+
+
+async def wait_empty(kv):
+    for _ in range(250):
+        if not await table(kv):
+            return
+        await asyncio.sleep(0.02)
+    raise AssertionError("placement table not emptied")
+
+
+async def test_concurrent_placements_never_over_pack(nats_url):
+    """Issue 6 case 3: 8 GPUs, 16 requests of request quota 0.5 at once, 20 trials: two per GPU."""
+    nc = await nats.connect(nats_url)
+    senders = [await nats.connect(nats_url) for _ in range(4)]  # requests arrive on several connections
+    svc = SchedulerService(["node0", "node1"], gpus=4, gpu_memory_bytes=40 * GB)
+    async with running(svc, nats_url):
+        kv = await nc.jetstream().key_value(subjects.PLACEMENT_BUCKET)
+        await deploy(nc, svc, "half", request=0.5, limit=0.5)
+        for trial in range(20):
+            replies = await asyncio.gather(*(place(senders[k % 4], "half") for k in range(16)))
+            assert all(r.ok for r in replies), [r.error for r in replies if not r.ok]
+            rows = await table(kv)
+            assert len(rows) == 16
+            per_gpu = collections.Counter((p.node, p.gpu) for p in rows.values())
+            assert sorted(per_gpu.values()) == [2] * 8, f"trial {trial}: {per_gpu}"
+            load = collections.defaultdict(float)
+            for p in rows.values():
+                load[(p.node, p.gpu)] += p.request_quota
+                assert p.width == p.limit_quota
+            assert max(load.values()) <= 1.0 + 1e-9
+            extra = await place(nc, "half")
+            assert not extra.ok and "no GPU" in extra.error
+            # retire them all: draining first, deleted when the node agent reports them retired
+            for iid, p in rows.items():
+                assert (await retire(nc, "half", iid)).ok
+            rows = await table(kv)
+            assert all(p.draining for p in rows.values())
+            for p in rows.values():
+                await retired(nc, p)
+            await wait_empty(kv)
+    for s in senders:
+        await s.close()
+    await nc.close()
+
+
+async def test_refusals_are_clear_and_victim_choice_is_served(nats_url):
+    nc = await nats.connect(nats_url)
+    svc = SchedulerService(["node0"], gpus=2, gpu_memory_bytes=40 * GB)
+    async with running(svc, nats_url):
+        r = await place(nc, "ghost")
+        assert not r.ok and "not deployed" in r.error
+        await deploy(nc, svc, "fresh", profile=False)
+        r = await place(nc, "fresh")
+        assert not r.ok and "no profile yet" in r.error
+        msg = await nc.request(subjects.SCHEDULER_PLACE, b'{"function": 5}', timeout=5)
+        assert b"false" in msg.data
+        r = await place(nc, "fresh", count=0)
+        assert not r.ok and "count" in r.error
+        # the profile may also come from the dilu-profiles bucket (the profiler stores it there)
+        kv_prof = await nc.jetstream().key_value(subjects.PROFILES_BUCKET)
+        await kv_prof.put("fresh", msgspec.json.encode(Profile(function="fresh", request_quota=0.3, limit_quota=0.6, batch_size=2)))
+        r = await place(nc, "fresh", count=2)
+        assert r.ok and len(r.placements) == 2
+        assert {p.request_quota for p in r.placements} == {0.3} and r.placements[0].batch_size == 2
+        rr = await retire(nc, "fresh")
+        assert rr.ok and rr.instance_id in {p.instance_id for p in r.placements}
+        assert (await retire(nc, "fresh", "nope")).ok is False
+    await nc.close()
+
+
+async def test_state_is_rebuilt_from_the_table_on_restart(nats_url):
+    nc = await nats.connect(nats_url)
+    svc = SchedulerService(["node0"], gpus=1, gpu_memory_bytes=40 * GB)
+    async with running(svc, nats_url):
+        await deploy(nc, svc, "f", request=0.5, limit=0.7)
+        r = await place(nc, "f", count=2)
+        assert r.ok
+    svc2 = SchedulerService(["node0"], gpus=1, gpu_memory_bytes=40 * GB)
+    async with running(svc2, nats_url):
+        assert len(svc2.placements) == 2 and svc2.cluster.active == 1
+        await deploy(nc, svc2, "f", request=0.5, limit=0.7)
+        r = await place(nc, "f")
+        assert not r.ok, "the GPU is full with the two placements made before the restart"
+        # retire one; its capacity stays reserved while it drains, and is free once it retired
+        victim = (await retire(nc, "f")).instance_id
+        assert not (await place(nc, "f")).ok
+        kv = await nc.jetstream().key_value(subjects.PLACEMENT_BUCKET)
+        await retired(nc, msgspec.json.decode((await kv.get(victim)).value, type=Placement))
+        for _ in range(250):
+            if victim not in svc2.placements:
+                break
+            await asyncio.sleep(0.02)
+        assert (await place(nc, "f")).ok
+    await nc.close()
+
+
+async def test_defragmentation_relaunches_then_drains_to_free_a_gpu(nats_url):
+    nc = await nats.connect(nats_url)
+    svc = SchedulerService(["node0"], gpus=4, gpu_memory_bytes=40 * GB)
+    async with running(svc, nats_url):
+        kv = await nc.jetstream().key_value(subjects.PLACEMENT_BUCKET)
+        await deploy(nc, svc, "f", request=0.5, limit=0.5)
+        placed = (await place(nc, "f", count=4)).placements
+        by_gpu = collections.defaultdict(list)
+        for p in placed:
+            by_gpu[p.gpu].append(p)
+        assert sorted(len(v) for v in by_gpu.values()) == [2, 2]
+        for group in by_gpu.values():  # leave one instance on each of the two GPUs
+            assert (await retire(nc, "f", group[0].instance_id)).ok
+            await retired(nc, group[0])
+        for _ in range(250):
+            if len(await table(kv)) == 2:
+                break
+            await asyncio.sleep(0.02)
+        assert svc.cluster.active == 2
+        assert await svc.defragment() == 1
+        rows = await table(kv)
+        live = [p for p in rows.values() if not p.draining]
+        draining = [p for p in rows.values() if p.draining]
+        assert len(live) == 2 and len(draining) == 1
+        assert len({(p.node, p.gpu) for p in live}) == 1, "both live instances now share one GPU"
+        await retired(nc, draining[0])
+        for _ in range(250):
+            if svc.cluster.active == 1:
+                break
+            await asyncio.sleep(0.02)
+        assert svc.cluster.active == 1 and svc.cluster.violations() == []
+        assert await svc.defragment() == 0, "nothing left to gain"
+    await nc.close()

@@ -1,0 +1,245 @@
+"""Placement policy: feasibility, best fit, collocation, multi-GPU, retirement, defragmentation,
+invariants under any sequence of operations (hypothesis), and the benchmark's figures."""
+from __future__ import annotations
+
+import json
+
+import pytest
+from click.testing import CliRunner
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+from dilu.services.scheduler.bench import WORKLOADS_DIR, WorkloadError, bench_scheduler, parse_workload, replay, synthetic
+from dilu.services.scheduler.policy import Cluster, Demand, NoCapacity, Slot, UnknownInstance
+
+GB = 10**9
+
+
+def cluster(nodes=2, gpus=4, mem_gb=40, **kw) -> Cluster:
+    return Cluster([f"n{i}" for i in range(nodes)], gpus, mem_gb * GB, **kw)
+
+
+def inf(fn="f", r=0.3, lim=None, mem_gb=4, **kw) -> Demand:
+    return Demand(function=fn, request_quota=r, limit_quota=lim if lim is not None else r, memory_bytes=int(mem_gb * GB), **kw)
+
+
+def test_float_artefacts_are_tolerated():
+    c = cluster(1, 1)
+    c.place("a", inf(r=0.41, lim=0.5900000000000001))
+    c.place("b", inf(r=0.59, lim=0.9100000000000001))  # Σlim = 1.5000000000000002 ≤ γ within tolerance
+    assert c.residents(Slot("n0", 0)) == ["a", "b"]
+    with pytest.raises(NoCapacity):
+        c.place("c", inf(r=0.01))
+
+
+@pytest.mark.parametrize(("field", "demand"), [
+    ("request", inf(r=0.6)), ("limit", inf(r=0.1, lim=1.0)), ("memory", inf(r=0.1, mem_gb=30)),
+])
+def test_each_cap_blocks_collocation(field, demand):
+    c = cluster(1, 2)
+    first = c.place("a", inf(r=0.5, lim=0.9, mem_gb=20))
+    second = c.place("b", demand)
+    assert second != first, f"the {field} cap must force a second GPU"
+    assert c.violations() == []
+
+
+def test_best_fit_and_new_gpu_only_when_nothing_fits():
+    c = cluster(1, 4)
+    a = c.place("a", inf("a", r=0.6))
+    b = c.place("b", inf("b", r=0.5))  # does not fit beside a: second GPU
+    assert a != b and c.active == 2
+    d = c.place("d", inf("d", r=0.35))  # fits both; best fit is beside a (0.05 left vs 0.15)
+    assert d == a and c.active == 2
+    c.place("e", inf("e", r=0.5))  # fits beside b exactly
+    assert c.active == 2
+
+
+def test_complementary_collocation_prefers_training_beside_inference():
+    c = cluster(1, 4)
+    i = c.place("i", inf("serve", r=0.4))
+    t = c.place("t", inf("train0", r=0.4, kind="training"))
+    assert t != i or c.active == 1
+    # two GPUs equally loaded, one with inference, one with training: a training job goes beside inference
+    c2 = cluster(1, 4)
+    gi = c2.place("i", inf("serve", r=0.4))
+    c2.assign("t", inf("train0", r=0.4, kind="training"), [Slot("n0", 1)])
+    assert c2.place("t2", inf("train1", r=0.3, kind="training")) == gi
+
+
+def test_replicas_of_one_function_spread_and_peaks_complement():
+    c = cluster(1, 4)
+    c.assign("a", inf("x", r=0.3, peak_hour=9), [Slot("n0", 0)])
+    c.assign("b", inf("y", r=0.3, peak_hour=20), [Slot("n0", 1)])
+    # same load: an instance of x peaking at 9 goes beside y (peaks differ, different function)
+    assert c.place("c", inf("x", r=0.3, peak_hour=9)) == [Slot("n0", 1)]
+
+
+def test_multi_gpu_training_takes_distinct_gpus_of_one_node():
+    c = cluster(3, 4)
+    c.place("small", inf(r=0.2))
+    slots = c.place("t", inf("train", r=0.5, mem_gb=30, kind="training", gpus=4))
+    assert len({s.node for s in slots}) == 1 and len({s.gpu for s in slots}) == 4
+    with pytest.raises(NoCapacity, match="nodes have 4"):
+        c.place("t8", inf("train", r=0.5, kind="training", gpus=8))
+    assert c.violations() == []
+
+
+def test_no_capacity_and_bad_input_are_clear_errors():
+    c = cluster(1, 1)
+    with pytest.raises(NoCapacity, match="memory"):
+        c.place("big", inf(r=0.1, mem_gb=41))
+    with pytest.raises(ValueError):
+        inf(r=0.5, lim=0.4)
+    with pytest.raises(ValueError):
+        inf(r=0.0)
+    c.place("a", inf())
+    with pytest.raises(ValueError, match="already"):
+        c.place("a", inf())
+    with pytest.raises(UnknownInstance):
+        c.remove("zzz")
+    with pytest.raises(ValueError, match="break"):
+        c.assign("b", inf(r=0.9), [Slot("n0", 0)])
+    with pytest.raises(KeyError):
+        c.assign("b", inf(), [Slot("nope", 0)])
+
+
+def test_victim_prefers_starting_then_the_one_that_empties_a_gpu():
+    c = cluster(1, 4)
+    c.assign("w1", inf(r=0.3), [Slot("n0", 0)])
+    c.assign("other", inf("g", r=0.5), [Slot("n0", 0)])
+    c.assign("w2", inf(r=0.3), [Slot("n0", 1)])  # alone: retiring it frees GPU 1
+    c.assign("s1", inf(r=0.3), [Slot("n0", 2)])
+    c.assign("s2", inf(r=0.3), [Slot("n0", 3)])
+    warm = {"w1", "w2"}
+    assert c.choose_victim(["w1", "w2", "s1", "s2"], warm) in {"s1", "s2"}
+    assert c.choose_victim(["w1", "w2"], warm) == "w2"
+    with pytest.raises(ValueError):
+        c.choose_victim([], warm)
+
+
+def test_defrag_frees_a_gpu_only_when_gain_outweighs_cost():
+    c = cluster(1, 4)
+    c.assign("a", inf("a", r=0.3), [Slot("n0", 0)])
+    c.assign("b", inf("b", r=0.3), [Slot("n0", 1)])
+    c.assign("c", inf("c", r=0.3), [Slot("n0", 2)])
+    plan = c.plan_defrag(gain_per_gpu_s=300, default_cost_gpu_s=10)
+    assert len(plan.freed) >= 1 and plan.gain_gpu_s > plan.cost_gpu_s
+    assert c.active == 3, "planning does not change the cluster"
+    # apply: drain and relaunch; every migrated instance lands on a GPU that was active, none on a freed one
+    for m in plan.migrations:
+        d, _ = c.remove(m.instance_id)
+        c.assign(m.instance_id, d, [m.target])
+        assert m.target not in plan.freed
+    assert c.active == 3 - len(plan.freed) and c.violations() == []
+    # too expensive: nothing proposed
+    c2 = cluster(1, 4)
+    c2.assign("a", inf("a", r=0.3), [Slot("n0", 0)])
+    c2.assign("b", inf("b", r=0.3), [Slot("n0", 1)])
+    assert c2.plan_defrag({"a": 400, "b": 400}, gain_per_gpu_s=300).migrations == []
+
+
+def test_concurrent_half_gpu_requests_pack_two_per_gpu():
+    """Issue 6 case 3 at the policy level: 16 × 0.5 on 8 GPUs -> exactly two per GPU."""
+    c = cluster(2, 4)
+    for k in range(16):
+        c.place(f"i{k}", inf(f"f{k}", r=0.5, lim=0.5))
+    counts = [len(s.residents) for s in c.gpus]
+    assert counts == [2] * 8 and max(s.req for s in c.gpus) <= 1.0 + 1e-9
+    with pytest.raises(NoCapacity):
+        c.place("i16", inf(r=0.5))
+
+
+# ----------------------------------------------------------------------------- invariants, any sequence
+
+demands = st.builds(
+    lambda fn, r, extra, mem, kind, gpus, peak: Demand(
+        function=fn, request_quota=r, limit_quota=min(1.0, r + extra), memory_bytes=mem * GB, kind=kind,
+        gpus=gpus if kind == "training" else 1, peak_hour=peak),
+    fn=st.sampled_from(["a", "b", "c", "d", "e"]),
+    r=st.floats(0.01, 1.0), extra=st.floats(0.0, 0.8), mem=st.integers(0, 40),
+    kind=st.sampled_from(["inference", "training"]), gpus=st.sampled_from([1, 1, 2, 4]),
+    peak=st.one_of(st.none(), st.integers(0, 23)),
+)
+
+
+class PlacementMachine(RuleBasedStateMachine):
+    """Deploys, scale-outs, retirements and defragmentation in any order never break an invariant."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.c = cluster(3, 4, gamma=1.5, max_candidates=4)
+        self.n = 0
+
+    @rule(d=demands)
+    def scale_out(self, d):
+        before = self.c.active
+        fit_active = any(self.c.fits(g, d) for g in range(12) if self.c.gpus[g].residents)
+        self.n += 1
+        try:
+            self.c.place(f"i{self.n}", d)
+        except NoCapacity:
+            assert d.gpus > 1 or not fit_active, "refused although an active GPU fit"
+            return
+        if d.gpus == 1 and self.c.active > before:
+            assert not fit_active, "a new GPU was opened although an active one fit"
+
+    @precondition(lambda self: self.c.instances)
+    @rule(data=st.data())
+    def retire(self, data):
+        ids = sorted(self.c.instances)
+        fn = self.c.instances[data.draw(st.sampled_from(ids))][0].function
+        same = [i for i in ids if self.c.instances[i][0].function == fn]
+        self.c.remove(self.c.choose_victim(same, warm=same[::2]))
+
+    @precondition(lambda self: self.c.instances)
+    @rule()
+    def defragment(self):
+        plan = self.c.plan_defrag(gain_per_gpu_s=100, default_cost_gpu_s=1)
+        active = self.c.active
+        for m in plan.migrations:
+            d, _ = self.c.remove(m.instance_id)
+            self.c.assign(m.instance_id, d, [m.target])  # check=True: raises if the plan over-packs
+        assert self.c.active == active - len(plan.freed)
+
+    @invariant()
+    def caps_hold(self):
+        assert self.c.violations() == []
+
+
+TestPlacementMachine = PlacementMachine.TestCase
+TestPlacementMachine.settings = settings(max_examples=120, stateful_step_count=40, deadline=None)
+
+
+# ----------------------------------------------------------------------------- benchmark
+
+
+def test_workload_replay_is_deterministic_and_near_the_bound():
+    path = WORKLOADS_DIR / "instances-200.txt"
+    a = replay(path)
+    b = replay(path)
+    a.pop("placement_latency_ms_p99"), b.pop("placement_latency_ms_p99")
+    assert a == b
+    assert a["lower_bound_peak"] <= a["peak_active_gpus"] <= 1.03 * a["lower_bound_peak"]
+    assert a["max_limit_sum"] <= 1.5 + 1e-9
+    assert a["unplaced"] == 0 and a["violations"] == 0
+    assert 0 <= a["allocation_fragmentation"] < 1
+    assert a["mean_active_gpus"] <= a["peak_active_gpus"]
+
+
+def test_workload_parse_error_names_the_line(tmp_path):
+    bad = tmp_path / "w.txt"
+    good = (WORKLOADS_DIR / "instances-100.txt").read_text().splitlines()[0]
+    bad.write_text(good + "\n__import__('os').system('true')\n")
+    with pytest.raises(WorkloadError, match=":2:"):
+        parse_workload(bad)
+
+
+def test_synthetic_bench_and_cli_write_figures(tmp_path):
+    out = synthetic(nodes=100, gpus_per_node=4, instances=600, churn=100, seed=3)
+    assert out["placements"] == 700 and out["violations"] == 0 and out["placements_per_second"] > 0
+    path = tmp_path / "b.json"
+    r = CliRunner().invoke(bench_scheduler, ["--nodes", "50", "--instances", "200", "--churn", "20", "--json", str(path)])
+    assert r.exit_code == 0, r.output
+    data = json.loads(path.read_text())
+    assert {"placements_per_second", "placement_latency_ms_p99"} <= set(data)
