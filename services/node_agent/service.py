@@ -24,6 +24,7 @@ from pathlib import Path
 
 from nats.js.api import KeyValueConfig
 from nats.js.errors import BucketNotFoundError
+from hdrh.histogram import HdrHistogram
 from prometheus_client import Counter, Gauge
 
 from dilu.contracts import MalformedEvent, decode, subjects
@@ -43,6 +44,7 @@ IDLE_FRAG_S = Counter("dilu_idle_frag_gpu_seconds", "Integral of (1 - sum SM-tim
 QUOTA_S = Counter("dilu_quota_seconds", "Integral of granted quota over time", ["function"])
 STRETCHES = Counter("dilu_kernel_cycle_stretches", "Kernel-cycle stretch events published")
 INSTANCES = Gauge("dilu_instances", "Instances on this node", ["state"])
+REACTION_MS = Gauge("dilu_vertical_reaction_ms", "Stretch detected -> grant written to the control block (ms)", ["quantile"])
 
 READY_TIMEOUT_S = 180.0
 DRAIN_TIMEOUT_S = 25.0
@@ -107,6 +109,7 @@ class NodeAgent:
         self._trial = None
         self._trial_lock = asyncio.Lock()
         self._started = False
+        self._reaction = HdrHistogram(1, 60_000_000, 3)  # µs
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -304,6 +307,10 @@ class NodeAgent:
             GRANT_CHANGES.inc()
         inst.cb.write_grant(grant.quota)
         inst.quota = grant.quota
+        if grant.cause_ns:  # a reaction to a stretch this agent detected: time it end to end
+            self._reaction.record_value(max(1, (time.time_ns() - grant.cause_ns) // 1000))
+            for q in (50.0, 99.0):
+                REACTION_MS.labels(f"{q / 100:g}").set(self._reaction.get_value_at_percentile(q) / 1000.0)
 
     # ------------------------------------------------------------------ sampling
 
