@@ -39,7 +39,9 @@ pending plus in flight: the concurrency Knative measures at its queue proxy) and
   the histogram gives a pre-warm window, the function is unloaded once idle and one instance is
   launched again at the pre-warm time. A backlog with no instance scales from zero at once.
 - **Unknown backlog** (missing consumer, monitoring error): the current count is held, never
-  raised to the maximum nor dropped; no sample is recorded.
+  raised to the maximum nor dropped; no sample is recorded. One exception keeps requests from
+  being stranded: with no instance at all and requests known to be stored for the function, one
+  instance is started (instances create the consumer when they bind).
 - **Burst-window breach**: load over a window above the ready capacity yields a
   :class:`Breach` (at most one per ``breach_interval_s``).
 """
@@ -260,6 +262,7 @@ class _Function:
     arrivals: deque = field(default_factory=deque)  # (t, count)
     instances: dict[str, _Instance] = field(default_factory=dict)
     backlog: float | None = None
+    stored: int = 0
     idle_since: float | None = None
     active_before: bool = False
     panic_since: float | None = None
@@ -353,14 +356,20 @@ class HorizontalPolicy:
 
     # ------------------------------------------------------------------ observations
 
-    def record(self, fn: str, now_s: float, backlog: float | None, arrivals: int | None = None) -> None:
+    def record(self, fn: str, now_s: float, backlog: float | None, arrivals: int | None = None,
+               stored: int = 0) -> None:
         """One tick's observation: ``backlog`` = pending + in-flight requests, instantaneous or
         averaged over the tick as Knative's queue proxy reports it (None: unknown, e.g. the
-        consumer is missing); ``arrivals``: requests that arrived since the last tick.
+        consumer is missing); ``arrivals``: requests that arrived since the last tick;
+        ``stored``: with an unknown backlog, requests known to be stored for the function anyway
+        (e.g. counted on the stream's subject while its consumer does not exist yet).
 
-        Raises ValueError for a negative backlog or arrival count.
+        Raises ValueError for a negative backlog, arrival or stored count.
         """
         f = self._fn(fn)
+        if stored < 0:
+            raise ValueError(f"{fn}: stored must be >= 0, got {stored}")
+        f.stored = stored if backlog is None else 0
         if backlog is None:
             f.backlog = None
             return
@@ -400,6 +409,11 @@ class HorizontalPolicy:
         d = Decision(fn, now_s, cur, ready, cur)
         if f.backlog is None:
             d.reason = "backlog unknown: holding the current count"
+            if cur == 0 and f.stored > 0 and f.params.max_instances > 0:
+                # Holding at zero would strand these requests; one instance (which binds and so
+                # creates the consumer) is the least that serves them, and never the maximum.
+                d.desired, d.place, d.direction = 1, 1, "out"
+                d.reason = f"backlog unknown, {f.stored} requests stored and no instance: one instance"
             return d
         target = f.params.target
         stable_avg = _avg(f.samples, now_s - cfg.stable_window_s)

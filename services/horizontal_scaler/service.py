@@ -18,7 +18,8 @@ Every tick (``tick_s``), per function (ticks of one function never overlap):
    stream ``DILU_INVOKE`` (pending plus in flight, so a long request keeps its instance and a
    request held by a dead instance still counts); a missing consumer or a monitoring error is an
    *unknown* backlog, counted in ``dilu_backlog_errors`` and logged once per outage, and the
-   policy holds the current count;
+   policy holds the current count (except that a function with no instance and requests stored
+   on its subject gets one instance: instances create the consumer when they bind);
 2. the policy decides; scale-out asks ``dilu.v1.scheduler.place`` (PlaceRequest -> PlaceReply;
    after a refusal the function backs off, doubling up to ``place_backoff_max_s``); scale-in asks
    ``dilu.v1.scheduler.retire`` per victim (RetireRequest -> RetireReply; the scheduler drains
@@ -272,7 +273,8 @@ class HorizontalScaler:
     async def tick(self, fn: str, now: float, headroom: float = 0.0) -> Decision:
         """One function's tick: observe its backlog, decide, carry the decision out."""
         backlog, arrivals = await self._backlog(fn)
-        self.policy.record(fn, now, backlog, arrivals)
+        stored = await self._stored(fn) if backlog is None else 0
+        self.policy.record(fn, now, backlog, arrivals, stored=stored)
         d = self.policy.decide(fn, now, headroom)
         DESIRED.labels(fn).set(d.desired)
         if d.breach is not None:
@@ -303,6 +305,17 @@ class HorizontalScaler:
         arrivals = max(0, (delivered - prev.delivered) + (pending - prev.pending)) if prev else None
         BACKLOG.labels(fn).set(pending + in_flight)
         return pending + in_flight, arrivals
+
+    async def _stored(self, fn: str) -> int:
+        """Requests stored on the stream for ``fn``'s subject (work queue: not yet acknowledged);
+        0 when that cannot be read either."""
+        assert self.bus is not None
+        subject = subjects.invoke(fn)
+        try:
+            info = await self.bus.js.stream_info(subjects.INVOKE_STREAM, subjects_filter=subject)
+        except Exception:  # no stream, no JetStream: nothing known to be stored
+            return 0
+        return int((info.state.subjects or {}).get(subject, 0))
 
     def _no_backlog(self, fn: str, kind: str, why: str) -> tuple[None, None]:
         assert self.bus is not None

@@ -11,6 +11,7 @@ from nats.js.api import AckPolicy, ConsumerConfig, RetentionPolicy, StorageType,
 
 from dilu.contracts import decode, encode, subjects
 from dilu.contracts.events import (
+    BurstWindowBreach,
     FunctionDeployed,
     FunctionSpec,
     InstanceLaunched,
@@ -41,11 +42,13 @@ class FakeCluster:
         self.retired: list[RetireRequest] = []
         self.live: dict[str, str] = {}
         self.decisions: list[ScaleDecision] = []
+        self.breaches: list[BurstWindowBreach] = []
 
     async def start(self):
         await self.nc.subscribe(subjects.SCHEDULER_PLACE, cb=self.on_place)
         await self.nc.subscribe(subjects.SCHEDULER_RETIRE, cb=self.on_retire)
         await self.nc.subscribe(f"{subjects.PREFIX}.scale.decided.*", cb=self.on_decision)
+        await self.nc.subscribe(f"{subjects.PREFIX}.event.burst_window_breach.*", cb=self.on_breach)
         await self.nc.flush()
 
     async def on_place(self, msg):
@@ -71,6 +74,9 @@ class FakeCluster:
         if ok:
             await self.nc.publish(subjects.instance_state("retired", "n0"), encode(InstanceRetired(
                 instance_id=req.instance_id, function=req.function, node="n0", gpu=0)))
+
+    async def on_breach(self, msg):
+        self.breaches.append(decode(msg.data, BurstWindowBreach))
 
     async def on_decision(self, msg):
         self.decisions.append(decode(msg.data, ScaleDecision))
@@ -120,7 +126,8 @@ async def test_burst_scales_out_then_idle_function_scales_to_zero_after_keep_ali
     await until(lambda: len(cluster.live) >= 2)
     out = [d for d in cluster.decisions if d.direction == "out"]
     assert out and all(r.function == FN for r in cluster.placed)
-    assert max(len(cluster.live), 0) <= 4  # the function's max_instances
+    assert len(cluster.live) <= 4  # the function's max_instances
+    assert cluster.breaches and cluster.breaches[0].function == FN and cluster.breaches[0].queue_depth >= 1
 
     # the instances serve everything: pull and acknowledge
     sub = await js.pull_subscribe(subjects.invoke(FN), durable=consumer_name(FN), stream=subjects.INVOKE_STREAM)
@@ -145,14 +152,36 @@ async def test_burst_scales_out_then_idle_function_scales_to_zero_after_keep_ali
 
 async def test_missing_consumer_holds_the_scale_and_never_goes_to_max(nats_url):
     nc, js, cluster, scaler, shutdown, task = await setup(nats_url, with_consumer=False)
-    for k in range(20):  # requests the (misnamed) consumer would have seen
+    for k in range(20):  # requests stored while the function's consumer does not exist
         await js.publish(subjects.invoke(FN), b"x")
-    await until(lambda: scaler.backlog_errors >= 5)
-    assert cluster.placed == [] and cluster.retired == []
-    # the consumer appears: the backlog is read again and the function scales from zero
+    await until(lambda: scaler.backlog_errors >= 8)
+    # one instance, so the stored requests are not stranded (its binding creates the consumer) ...
+    assert [r.count for r in cluster.placed] == [1] and cluster.retired == []
+    errors = scaler.backlog_errors
+    await until(lambda: scaler.backlog_errors >= errors + 5)
+    assert [r.count for r in cluster.placed] == [1]  # ... and then held: never the maximum
+    # the consumer appears: the backlog is read again and the function scales on it, up to its max
     await js.add_consumer(subjects.INVOKE_STREAM, ConsumerConfig(
         durable_name=consumer_name(FN), filter_subject=subjects.invoke(FN), ack_policy=AckPolicy.EXPLICIT))
-    await until(lambda: cluster.placed)
+    await until(lambda: len(cluster.live) == 4)
+    await asyncio.sleep(0.5)
+    assert len(cluster.live) == 4
+    await nc.close()
+    shutdown.set()
+    await task
+
+
+async def test_a_long_request_in_flight_keeps_its_instance_past_the_keep_alive(nats_url):
+    nc, js, cluster, scaler, shutdown, task = await setup(nats_url)
+    await js.publish(subjects.invoke(FN), b"slow")
+    await until(lambda: cluster.live)
+    sub = await js.pull_subscribe(subjects.invoke(FN), durable=consumer_name(FN), stream=subjects.INVOKE_STREAM)
+    (msg,) = await sub.fetch(1, timeout=5)  # in flight (unacknowledged) for 3 s, keep-alive 1.5 s
+    await asyncio.sleep(3.0)
+    assert cluster.retired == [] and cluster.live
+    await msg.ack()
+    await until(lambda: not cluster.live, timeout=10.0)
+    assert any(d.direction == "zero" for d in cluster.decisions)
     await nc.close()
     shutdown.set()
     await task

@@ -62,6 +62,18 @@ def test_unknown_backlog_holds_the_current_count():
     assert p.instances(FN) == {"w0": "ready", "w1": "ready", "w2": "ready"}
 
 
+def test_unknown_backlog_with_stored_requests_and_no_instance_starts_exactly_one():
+    p = policy(mode="eager")
+    for t in (0.5, 1.0, 1.5):
+        p.record(FN, t, None, stored=40)
+        d = p.decide(FN, t)
+        if t == 0.5:
+            assert (d.desired, d.place) == (1, 1)
+            p.instance_starting(FN, "only", t)
+        else:
+            assert (d.desired, d.place, d.retire) == (1, 0, [])  # held at one, never the maximum
+
+
 def test_bad_observations_are_clear_errors():
     p = policy()
     with pytest.raises(ValueError, match="backlog"):
