@@ -39,9 +39,10 @@ pending plus in flight: the concurrency Knative measures at its queue proxy) and
   the histogram gives a pre-warm window, the function is unloaded once idle and one instance is
   launched again at the pre-warm time. A backlog with no instance scales from zero at once.
 - **Unknown backlog** (missing consumer, monitoring error): the current count is held, never
-  raised to the maximum nor dropped; no sample is recorded. One exception keeps requests from
-  being stranded: with no instance at all and requests known to be stored for the function, one
-  instance is started (instances create the consumer when they bind).
+  raised to the maximum nor dropped; no sample is recorded. It is still raised to
+  ``min_instances``, and, so that requests are not stranded, to one instance when there is none
+  and requests are known to be stored for the function (instances create the consumer when they
+  bind).
 - **Burst-window breach**: load over a window above the ready capacity yields a
   :class:`Breach` (at most one per ``breach_interval_s``).
 """
@@ -408,13 +409,7 @@ class HorizontalPolicy:
         cur, ready = f.count("starting", "ready"), f.count("ready")
         d = Decision(fn, now_s, cur, ready, cur)
         if f.backlog is None:
-            d.reason = "backlog unknown: holding the current count"
-            if cur == 0 and f.stored > 0 and f.params.max_instances > 0:
-                # Holding at zero would strand these requests; one instance (which binds and so
-                # creates the consumer) is the least that serves them, and never the maximum.
-                d.desired, d.place, d.direction = 1, 1, "out"
-                d.reason = f"backlog unknown, {f.stored} requests stored and no instance: one instance"
-            return d
+            return self._hold(f, d)
         target = f.params.target
         stable_avg = _avg(f.samples, now_s - cfg.stable_window_s)
         panic_avg = _avg(f.samples, now_s - cfg.panic_window)
@@ -427,6 +422,21 @@ class HorizontalPolicy:
         d.desired, d.reason = desired, reason
         d.breach = self._breach(f, now_s, ready, stable_avg, panic_avg)
         self._act(f, d)
+        return d
+
+    @staticmethod
+    def _hold(f: _Function, d: Decision) -> Decision:
+        """Unknown backlog: hold, but never below ``min_instances``, and with requests stored and
+        no instance start one (holding at zero would strand them; the instance's binding creates
+        the consumer). Never more: an unknown backlog is not a large one."""
+        want = max(d.current, f.params.min_instances)
+        d.reason = "backlog unknown: holding the current count"
+        if d.current == 0 and f.stored > 0:
+            want = max(want, 1)
+            d.reason = f"backlog unknown, {f.stored} requests stored and no instance: one instance"
+        want = min(want, f.params.max_instances)
+        if want > d.current:
+            d.desired, d.place, d.direction = want, want - d.current, "out"
         return d
 
     def _kpa(self, f: _Function, d: Decision, now_s: float, stable_avg: float, panic_avg: float,

@@ -74,6 +74,13 @@ def test_unknown_backlog_with_stored_requests_and_no_instance_starts_exactly_one
             assert (d.desired, d.place, d.retire) == (1, 0, [])  # held at one, never the maximum
 
 
+def test_unknown_backlog_still_honours_min_instances():
+    p = policy(mode="eager", params=FunctionParams(target=1.0, min_instances=2, max_instances=8))
+    p.record(FN, 0.5, None)
+    d = p.decide(FN, 0.5)
+    assert (d.desired, d.place) == (2, 2)
+
+
 def test_bad_observations_are_clear_errors():
     p = policy()
     with pytest.raises(ValueError, match="backlog"):
