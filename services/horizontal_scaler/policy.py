@@ -494,6 +494,8 @@ class HorizontalPolicy:
 
     def _breach(self, f: _Function, now_s: float, ready: int, stable_avg: float, panic_avg: float) -> Breach | None:
         cfg = self.config
+        if ready == 0 and not f.backlog:
+            return None  # nothing waiting and nothing to compare: old samples are no burst
         capacity = ready * f.params.target
         panic = panic_avg >= cfg.panic_threshold * capacity and panic_avg > 0
         if not (panic or stable_avg > capacity):

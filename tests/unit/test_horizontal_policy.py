@@ -171,6 +171,7 @@ def test_idle_function_keeps_one_instance_for_the_keep_alive_then_scales_to_zero
     zero = [d for d in ds if d.direction == "zero"]
     assert len(zero) == 1 and 13.0 <= zero[0].now_s <= 13.5
     assert all(n == 0 for t, n in alive if t > 13.5)
+    assert not any(d.breach for d in ds)  # idle: the old load in the windows is no burst
     assert all(s == "draining" for s in p.instances(FN).values())
 
 
