@@ -108,7 +108,8 @@ async def run_bench(events: int, interval_ms: float, telemetry_ms: float, nats_u
     url = nats_url or server.url
     shutdown = asyncio.Event()
     hold = max(1.0, min(interval_ms / 3.0, 500.0))  # the boost must lapse between two stretches
-    scaler = VerticalScaler(NODE, VerticalConfig(pressure_hold_ms=hold))
+    # Release at once between stretches so every stretch finds the instance back at its request.
+    scaler = VerticalScaler(NODE, VerticalConfig(pressure_hold_ms=hold, release_per_s=1000.0))
     service = asyncio.create_task(serve(scaler, url, shutdown=shutdown, install_signals=False))
     nc = None
     try:

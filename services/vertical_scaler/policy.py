@@ -27,7 +27,8 @@ The rules, in order of strength:
    signal, then follows its demand again.
 5. **Work conserving.** An instance that can use more (it waited for tokens, has a queue, or used
    ≥ ``hungry_util`` of its grant) wants its limit (capped by its AIMD ceiling); one that cannot
-   wants ``used × (1 + idle_margin)``, never under its floor. Share nobody can use is left unallocated
+   wants ``used × (1 + idle_margin)``, never under its floor, approached at most
+   ``release_per_s`` quota per second. Share nobody can use is left unallocated
    rather than parked on idle instances, so ``limit − quota`` stays an honest measure of vertical
    headroom for the horizontal scaler.
 6. **Hysteresis.** Only changes of at least ``hysteresis`` are sent (plus any change needed to
@@ -68,6 +69,8 @@ class VerticalConfig:
     Defaults: ``stretch_ratio`` 1.5 matches the node agent's detector (Dilu paper's kernel-cycle
     stretch); ``decrease_factor`` 0.5 and additive recovery are the classic AIMD constants (TCP
     Reno halves its window); ``recovery_per_s`` 0.5 re-grows a fully cut victim in about 2 s;
+    ``release_per_s`` 0.5 lets an instance whose demand fell give its share back over about a
+    second rather than at once (so bursty demand does not flap between limit and use);
     ``hysteresis`` 0.02 keeps telemetry noise (a few percent per window) from producing grants.
     """
 
@@ -79,6 +82,7 @@ class VerticalConfig:
     decrease_factor: float = 0.5
     decrease_interval_ms: float = 100.0
     recovery_per_s: float = 0.5
+    release_per_s: float = 0.5
     be_floor: float = 0.05
     min_quota: float = 0.01
     hungry_util: float = 0.9
@@ -134,6 +138,7 @@ class _Instance:
 class _Gpu:
     instances: dict[str, _Instance] = field(default_factory=dict)
     last_ms: float | None = None
+    dt_ms: float = 0.0  # time since the previous update of this GPU
     last_decrease_ms: float = -math.inf
 
 
@@ -257,17 +262,21 @@ class VerticalPolicy:
             for v in g.instances.values():
                 if v.priority != "latency-sensitive":
                     v.ceiling = min(v.limit, v.ceiling + step)
+        g.dt_ms = max(0.0, now_ms - g.last_ms) if g.last_ms is not None else 0.0
         g.last_ms = now_ms if g.last_ms is None else max(g.last_ms, now_ms)
 
     # ------------------------------------------------------------------ allocation
 
-    def _want(self, inst: _Instance, now_ms: float) -> float:
+    def _want(self, inst: _Instance, now_ms: float, dt_ms: float) -> float:
         cfg = self.config
         floor = inst.floor(cfg)
         if inst.tier(now_ms) == "pressured":
             return inst.limit
         cap = inst.limit if inst.priority == "latency-sensitive" else min(inst.limit, inst.ceiling)
-        want = cap if inst.hungry else inst.used * (1.0 + cfg.idle_margin)
+        if inst.hungry:
+            want = cap
+        else:  # shrink toward use, but at most release_per_s: bursty demand does not flap
+            want = max(inst.used * (1.0 + cfg.idle_margin), inst.granted - cfg.release_per_s * dt_ms / 1000.0)
         return min(max(want, floor), max(cap, floor))
 
     def allocate(self, gpu: int, now_ms: float) -> dict[str, float]:
@@ -285,7 +294,7 @@ class VerticalPolicy:
         alloc = _fit_floors({i.instance_id: i.floor(cfg) for i in insts},
                             {i.instance_id for i in insts if i.priority == "best-effort"}, cfg.min_quota)
         remaining = max(0.0, 1.0 - sum(alloc.values()))
-        want = {i.instance_id: self._want(i, now_ms) for i in insts}
+        want = {i.instance_id: self._want(i, now_ms, g.dt_ms) for i in insts}
         be_request = {i.instance_id: min(want[i.instance_id], max(i.floor(cfg), i.request)) for i in insts}
         for tier, cap in _ORDER:
             members = [i.instance_id for i in insts if i.tier(now_ms) == tier]

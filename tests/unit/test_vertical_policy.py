@@ -66,11 +66,16 @@ def test_idle_share_goes_to_the_instances_that_can_use_it():
     assert node.quota["ls"] == pytest.approx(0.3)
     assert node.quota["tr"] == pytest.approx(0.5)
     assert node.quota["be"] == pytest.approx(0.2)
-    # training stops wanting more: its extra share flows to best-effort, up to be's limit
-    node.report(100.0, tr=dict(used=0.1), be=busy(0.2), ls=dict(used=0.05))
+    # training stops wanting more: its extra share flows to best-effort, up to be's limit,
+    # released gradually (release_per_s 0.5: at most 0.05 per 100 ms window)
+    tr_series = []
+    for k in range(1, 11):
+        node.report(100.0 * k, tr=dict(used=0.1), be=busy(node.quota["be"]), ls=dict(used=0.05))
+        tr_series.append(node.quota["tr"])
+        assert sum(node.quota.values()) <= 1.0 + 1e-9
+    assert tr_series[0] == pytest.approx(0.45)
     assert node.quota["tr"] == pytest.approx(0.3)
     assert node.quota["be"] == pytest.approx(0.4)
-    assert sum(node.quota.values()) <= 1.0 + 1e-9
 
 
 def test_stretch_raises_latency_sensitive_at_once_taking_from_best_effort_then_training():
@@ -143,9 +148,10 @@ def test_recovery_after_pressure_is_gradual_and_additive():
 
 def test_hysteresis_suppresses_small_changes():
     node = Node(VerticalPolicy(VerticalConfig(hysteresis=0.05)), SPECS)
-    node.report(0.0, ls=dict(used=0.2), tr=dict(used=0.2), be=dict(used=0.1))
+    for k in range(20):  # settle under a steady load
+        node.report(100.0 * k, ls=dict(used=0.2), tr=dict(used=0.2), be=dict(used=0.1))
     before = dict(node.quota)
-    grants = node.report(100.0, ls=dict(used=0.21), tr=dict(used=0.21), be=dict(used=0.11))
+    grants = node.report(2000.0, ls=dict(used=0.21), tr=dict(used=0.21), be=dict(used=0.11))
     assert grants == {} and node.quota == before
 
 
