@@ -99,6 +99,8 @@ class Sim:
         self.area, self.arrivals_in_tick = 0.0, 0
         d = self.p.decide(FN, now, headroom=0.0)
         self.decisions.append(d)
+        if self.queue or self.in_flight():
+            assert d.desired >= 1, d  # work waiting never leaves the function without an instance
         for _ in range(d.place):
             self._new(ready_at=self.t + self.start)
         for iid in d.retire:
@@ -205,3 +207,31 @@ def test_case5_scale_in_cancels_starting_instances_and_keeps_the_warm_ones():
     assert sim.failed == 0
     sim.run_until(25_000, lambda t: 0)
     assert len(sim.latency) == sim.arrived
+
+
+# ---------------------------------------------------------------------- no request lost, any load
+
+from hypothesis import given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+
+@settings(max_examples=25, deadline=None)
+@given(rates=st.lists(st.integers(0, 12), min_size=3, max_size=12), start_ms=st.sampled_from([0, 1000, 4000]),
+       mode=st.sampled_from(["lazy", "eager"]), keep_alive=st.sampled_from([1.0, 5.0]))
+def test_any_load_every_request_is_answered_and_bounds_hold(rates, start_ms, mode, keep_alive):
+    """Per-5-s arrival rates (requests/s, 0 = idle gaps that allow scale to zero): every request
+    is answered, instances stay within bounds, and (checked each tick by the simulation) work
+    waiting never leaves the function without an instance."""
+    cfg = HorizontalConfig(mode=mode, stable_window_s=6.0, panic_window_s=1.0, keep_alive_s=keep_alive)
+    p = HorizontalPolicy(cfg)
+    p.add_function(FN, FunctionParams(target=1.0, max_instances=10))
+    sim = Sim(p, service_ms=500, start_ms=start_ms, tick_ms=500, step_ms=50, timeout_ms=10**9)
+
+    def arrivals(t):  # one request every period (rounded to the 50 ms step): about r per second
+        r = rates[min(len(rates) - 1, t // 5000)]
+        return 1 if r and t % max(50, (1000 // r) // 50 * 50) == 0 else 0
+
+    sim.run_until(5000 * len(rates), arrivals)
+    sim.run_until(5000 * len(rates) + 60_000, lambda t: 0)
+    assert len(sim.latency) == sim.arrived and sim.failed == 0
+    assert all(0 <= d.desired <= 10 and d.current + d.place <= 10 for d in sim.decisions)
