@@ -46,7 +46,7 @@ Modes (``VerticalConfig.mode``), the knob a demo baseline selects:
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -317,7 +317,7 @@ class VerticalPolicy:
         grants = []
         for iid in sorted(changes, key=lambda i: (target[i] - g.instances[i].granted, i)):
             inst = g.instances[iid]
-            grants.append(Grant(iid, target[iid], self._reason(inst, target[iid], now_ms)))
+            grants.append(Grant(iid, target[iid], self._reason(g, inst, target[iid], now_ms)))
             inst.granted, inst.sent_ms = target[iid], now_ms
         return grants
 
@@ -341,7 +341,7 @@ class VerticalPolicy:
             effective[i] = target[i]
         return changes
 
-    def _reason(self, inst: _Instance, new: float, now_ms: float) -> str:
+    def _reason(self, g: _Gpu, inst: _Instance, new: float, now_ms: float) -> str:
         mode = self.config.mode
         if mode != "dilu":
             return mode
@@ -350,15 +350,9 @@ class VerticalPolicy:
             return f"pressure: {inst.pressure_cause}"
         if up:
             return "demand" if inst.hungry else "floor"
-        if any(i.tier(now_ms) == "pressured" for i in self._siblings(inst)):
+        if any(i.tier(now_ms) == "pressured" for i in g.instances.values()):
             return "yield to pressure"
         return "release idle share"
-
-    def _siblings(self, inst: _Instance) -> Iterable[_Instance]:
-        for g in self._gpus.values():
-            if g.instances.get(inst.instance_id) is inst:
-                return g.instances.values()
-        return ()
 
 
 def _fit_floors(floors: dict[str, float], best_effort: set[str], min_quota: float) -> dict[str, float]:

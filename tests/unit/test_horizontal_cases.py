@@ -10,7 +10,9 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Callable
 
-import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
 
 from dilu.services.horizontal_scaler.policy import FunctionParams, HorizontalConfig, HorizontalPolicy
 
@@ -210,10 +212,6 @@ def test_case5_scale_in_cancels_starting_instances_and_keeps_the_warm_ones():
 
 
 # ---------------------------------------------------------------------- no request lost, any load
-
-from hypothesis import given, settings  # noqa: E402
-from hypothesis import strategies as st  # noqa: E402
-
 
 @settings(max_examples=25, deadline=None)
 @given(rates=st.lists(st.integers(0, 12), min_size=3, max_size=12), start_ms=st.sampled_from([0, 1000, 4000]),
