@@ -12,7 +12,8 @@ Learns, from the bus:
 On start it rebuilds what it can from JetStream KV (``dilu-functions``, ``dilu-profiles`` and the
 placement table ``dilu-placement``), so a restarted scaler does not forget running instances.
 
-Every tick (``tick_s``), per function (ticks of one function never overlap):
+Every tick (``tick_s``), per function (ticks of one function never overlap; training functions
+have no invocations and are only held at their ``min_instances``):
 
 1. backlog = ``num_pending + num_ack_pending`` of the durable pull consumer ``fn-<function>`` on
    stream ``DILU_INVOKE`` (pending plus in flight, so a long request keeps its instance and a
@@ -112,6 +113,7 @@ class HorizontalScaler:
         self._gpus: dict[tuple[str, int], tuple[float, list[InstanceShare]]] = {}
         self._counts: dict[str, _Counts] = {}
         self._missing: set[str] = set()
+        self._training: set[str] = set()  # training functions: no backlog, held at min_instances
         self._busy: set[str] = set()
         self._backoff: dict[str, tuple[float, float]] = {}  # fn -> (until, current delay)
         self._tasks: set[asyncio.Task] = set()
@@ -160,6 +162,10 @@ class HorizontalScaler:
         return FunctionParams(target=self.target or target, min_instances=lo, max_instances=hi, instance_rps=rps)
 
     def _learn(self, fn: str, spec: FunctionSpec | None = None, profile: Profile | None = None) -> None:
+        if spec is not None and spec.kind == "training":
+            self._training.add(fn)
+        elif spec is not None:
+            self._training.discard(fn)
         old = self.policy.params(fn) if fn in self.policy.functions() else None
         self.policy.add_function(fn, self._params(spec, profile, old))
 
@@ -272,8 +278,11 @@ class HorizontalScaler:
 
     async def tick(self, fn: str, now: float, headroom: float = 0.0) -> Decision:
         """One function's tick: observe its backlog, decide, carry the decision out."""
-        backlog, arrivals = await self._backlog(fn)
-        stored = await self._stored(fn) if backlog is None else 0
+        if fn in self._training:  # no invocations to count: it runs its min_instances
+            backlog, arrivals, stored = None, None, 0
+        else:
+            backlog, arrivals = await self._backlog(fn)
+            stored = await self._stored(fn) if backlog is None else 0
         self.policy.record(fn, now, backlog, arrivals, stored=stored)
         d = self.policy.decide(fn, now, headroom)
         DESIRED.labels(fn).set(d.desired)

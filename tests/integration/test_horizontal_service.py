@@ -185,3 +185,16 @@ async def test_a_long_request_in_flight_keeps_its_instance_past_the_keep_alive(n
     await nc.close()
     shutdown.set()
     await task
+
+
+async def test_training_function_is_held_at_its_min_instances_without_a_backlog(nats_url):
+    nc, js, cluster, scaler, shutdown, task = await setup(nats_url)
+    spec = FunctionSpec(name="train-bert", model="bert", kind="training", priority="training", min_instances=1)
+    await nc.publish(subjects.function_deployed(spec.name), encode(FunctionDeployed(spec=spec)))
+    await until(lambda: any(r.function == spec.name for r in cluster.placed))
+    await asyncio.sleep(1.0)
+    assert [r.count for r in cluster.placed if r.function == spec.name] == [1]
+    assert scaler.backlog_errors == 0 and not any(r.function == spec.name for r in cluster.retired)
+    await nc.close()
+    shutdown.set()
+    await task
