@@ -1,0 +1,42 @@
+"""``python -m dilu.services.horizontal_scaler`` (also ``dilu service horizontal-scaler``)."""
+from __future__ import annotations
+
+import click
+
+from dilu.services.common.runner import run
+
+from .policy import MODES, HorizontalConfig
+from .service import HorizontalScaler
+
+
+@click.command()
+@click.option("--nats-url", default="nats://127.0.0.1:4222", show_default=True, envvar="DILU_NATS_URL")
+@click.option("--mode", type=click.Choice(MODES), default="lazy", show_default=True,
+              help="lazy: scale out once vertical headroom is used (dilu); eager: on load alone (baselines)")
+@click.option("--tick-ms", type=click.FloatRange(10, 60_000), default=500.0, show_default=True)
+@click.option("--stable-window-s", type=click.FloatRange(0.1, 3600), default=60.0, show_default=True)
+@click.option("--panic-window-pct", type=click.FloatRange(1, 100), default=10.0, show_default=True)
+@click.option("--panic-threshold", type=click.FloatRange(1.01, 100), default=2.0, show_default=True,
+              help="panic when the panic estimate reaches this multiple of the ready instances")
+@click.option("--keep-alive-s", type=click.FloatRange(0, 86_400), default=600.0, show_default=True,
+              help="fixed keep-alive while the idle-time histogram is not representative")
+@click.option("--idle-bin-s", type=click.FloatRange(0.1, 3600), default=60.0, show_default=True,
+              help="idle-time histogram bin width (its range is 240 bins)")
+@click.option("--target", type=click.FloatRange(0, 10_000), default=0.0, show_default=True,
+              help="in-flight requests per instance for every function (0: each profile's batch size)")
+@click.option("--headroom-min", type=click.FloatRange(0, 8), default=0.05, show_default=True,
+              help="lazy: vertical headroom (quota) below which it counts as used up")
+@click.option("--metrics-port", type=int, default=0, show_default=True, envvar="DILU_METRICS_PORT")
+@click.option("--log-level", default="info", show_default=True)
+def main(nats_url, mode, tick_ms, stable_window_s, panic_window_pct, panic_threshold, keep_alive_s, idle_bin_s,
+         target, headroom_min, metrics_port, log_level):
+    """Run the horizontal scaler: backlog, burst windows and headroom in, placements and retirements out."""
+    config = HorizontalConfig(mode=mode, stable_window_s=stable_window_s, panic_window_pct=panic_window_pct,
+                              panic_threshold=panic_threshold, keep_alive_s=keep_alive_s, idle_bin_s=idle_bin_s,
+                              idle_range_s=idle_bin_s * 240, headroom_min=headroom_min)
+    scaler = HorizontalScaler(config, tick_s=tick_ms / 1000.0, target=target)
+    run(scaler, nats_url, metrics_port=metrics_port, log_level=log_level)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,567 @@
+"""Horizontal scaling policy: how many instances each function should have (pure).
+
+Time is an argument (seconds on any monotonic clock); nothing here reads a clock or does I/O
+(DESIGN.md section 3), so the live service and the cluster simulator drive the same object.
+
+Per function, every tick the caller :meth:`HorizontalPolicy.record`\\ s the *backlog* (requests
+pending plus in flight: the concurrency Knative measures at its queue proxy) and then asks
+:meth:`HorizontalPolicy.decide`. The decision follows Knative's KPA (serving
+``pkg/autoscaler/scaling/autoscaler.go``), with the corrections the field has taught:
+
+- **Windows.** The stable window (default 60 s) and the panic window (``panic_window_pct`` of it,
+  default 10 %) average the per-tick backlog samples inside them (over the part of the window seen
+  so far, as Knative's bucketed average does). ``desired = ceil(average / target)``, where
+  ``target`` is the in-flight requests one instance is sized for.
+- **Panic.** When the panic estimate reaches ``panic_threshold`` (200 %) of the ready instances,
+  the function panics; panic lasts a stable window after the last time the threshold was met.
+  In panic the count never goes down, and it is ``max(panic, stable, highest so far)``: Knative's
+  plain panic value can sit below the stable estimate (it used 20 where 34 was due). Leaving
+  panic hands over to a stable window that by then covers only the high load, so the scale-up
+  is not undone.
+- **Rates and tolerance.** Knative's max scale-up rate (1000 x ready) and max scale-down rate
+  (halving per decision); outside panic, a change smaller than ``tolerance`` (10 %, the
+  Kubernetes HPA default) of current capacity is ignored, which keeps a steady load from
+  flapping.
+- **Lazy.** In ``lazy`` mode a scale-out waits while the function still has vertical headroom
+  (Σ limit − Σ quota of its instances, realisable on their GPUs; see :func:`vertical_headroom`)
+  of at least ``headroom_min``: the vertical scaler absorbs the burst in milliseconds. If the
+  headroom has not been used after ``lazy_max_hold_s`` (default: one panic window) it is not
+  realisable and the scale-out goes ahead. ``eager`` mode (the horizontal-only baseline) ignores
+  headroom.
+- **Victims.** Scale-in cancels starting instances first (newest first), then retires the ready
+  instance with the lowest busy share (newest on ties), never one already draining: the order of
+  the Kubernetes ReplicaSet controller (not-ready before ready). Retiring drains: the instance
+  stops pulling and finishes its in-flight work.
+- **Keep-alive, pre-warm, zero.** Idle times (backlog 0 → next request) feed an
+  :class:`IdleTimeHistogram`, the hybrid histogram policy of Shahrad et al., "Serverless in the
+  Wild", USENIX ATC 2020. While idle, one instance is kept for the keep-alive window; after it,
+  the function scales to zero (if ``min_instances`` is 0) regardless of the stable window. When
+  the histogram gives a pre-warm window, the function is unloaded once idle and one instance is
+  launched again at the pre-warm time. A backlog with no instance scales from zero at once.
+- **Unknown backlog** (missing consumer, monitoring error): the current count is held, never
+  raised to the maximum nor dropped; no sample is recorded. It is still raised to
+  ``min_instances``, and, so that requests are not stranded, to one instance when there is none
+  and requests are known to be stored for the function (instances create the consumer when they
+  bind).
+- **Burst-window breach**: load over a window above the ready capacity yields a
+  :class:`Breach` (at most one per ``breach_interval_s``).
+"""
+from __future__ import annotations
+
+import math
+from collections import deque
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Literal
+
+Mode = Literal["lazy", "eager"]
+MODES: tuple[str, ...] = ("lazy", "eager")
+InstanceState = Literal["starting", "ready", "draining"]
+_EPS = 1e-9
+
+
+@dataclass(frozen=True)
+class HorizontalConfig:
+    """Knobs of :class:`HorizontalPolicy` (times in seconds; shares 0..1).
+
+    Defaults are Knative's KPA defaults (stable window 60 s, panic window 10 %, panic threshold
+    200 %, max scale-up rate 1000, max scale-down rate 2), the Kubernetes HPA tolerance (0.1), and
+    the hybrid histogram policy of Shahrad et al. (1-minute bins over 4 hours, pre-warm at the
+    5th percentile minus 10 %, keep-alive to the 99th percentile plus 10 %, a histogram is
+    representative when it has enough samples and its bin counts have a coefficient of variation
+    of at least 2; otherwise the fixed 10-minute keep-alive common at providers applies).
+    Compressed-time runs shrink the windows (e.g. stable 6 s, bins 1 s).
+    """
+
+    mode: Mode = "lazy"
+    stable_window_s: float = 60.0
+    panic_window_pct: float = 10.0
+    panic_window_s: float = 0.0  # > 0 overrides panic_window_pct
+    panic_threshold: float = 2.0
+    max_scale_up_rate: float = 1000.0
+    max_scale_down_rate: float = 2.0
+    tolerance: float = 0.1
+    headroom_min: float = 0.05
+    lazy_max_hold_s: float = 0.0  # 0: one panic window
+    keep_alive_s: float = 600.0
+    idle_grace_s: float = 1.0
+    idle_bin_s: float = 60.0
+    idle_range_s: float = 4 * 3600.0
+    prewarm_percentile: float = 5.0
+    keepalive_percentile: float = 99.0
+    histogram_margin: float = 0.10
+    histogram_min_samples: int = 10
+    histogram_cv_min: float = 2.0
+    breach_interval_s: float = 0.0  # 0: one panic window
+
+    def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            raise ValueError(f"horizontal mode {self.mode!r} is not one of {', '.join(MODES)}")
+        if self.stable_window_s <= 0 or self.panic_window <= 0 or self.panic_window > self.stable_window_s:
+            raise ValueError("need 0 < panic window <= stable window")
+        if self.panic_threshold <= 1.0 or self.max_scale_up_rate <= 1.0 or self.max_scale_down_rate <= 1.0:
+            raise ValueError("panic threshold and max scale rates must be > 1")
+
+    @property
+    def panic_window(self) -> float:
+        """Panic window in seconds."""
+        return self.panic_window_s or self.stable_window_s * self.panic_window_pct / 100.0
+
+    @property
+    def lazy_hold(self) -> float:
+        return self.lazy_max_hold_s or self.panic_window
+
+    @property
+    def breach_interval(self) -> float:
+        return self.breach_interval_s or self.panic_window
+
+
+@dataclass
+class FunctionParams:
+    """Per-function sizing: ``target`` in-flight requests per instance (> 0, e.g. its batch size);
+    instance bounds; ``instance_rps``, one instance's capacity in requests/s (0: unknown)."""
+
+    target: float = 1.0
+    min_instances: int = 0
+    max_instances: int = 8
+    instance_rps: float = 0.0
+
+    def __post_init__(self) -> None:
+        if not self.target > 0 or self.min_instances < 0 or self.max_instances < max(1, self.min_instances):
+            raise ValueError(f"need target > 0 and 0 <= min_instances <= max_instances >= 1, got {self}")
+
+
+# ---------------------------------------------------------------------- idle-time histogram
+
+
+@dataclass(frozen=True)
+class IdleWindows:
+    """``prewarm_s``: unload after use and launch again this long after the idle period began
+    (0: stay loaded); ``keep_alive_s``: keep one instance this long (after the pre-warm point);
+    ``representative``: whether the histogram (True) or the fixed fallback (False) gave them."""
+
+    prewarm_s: float
+    keep_alive_s: float
+    representative: bool
+
+
+class IdleTimeHistogram:
+    """Idle-time histogram of one function (Shahrad et al., USENIX ATC 2020, section 4.2).
+
+    Idle times (seconds) fall in bins of ``bin_s`` up to ``range_s``; longer ones are counted
+    out of bounds. :meth:`windows` gives the pre-warm and keep-alive windows from its head and
+    tail percentiles with a safety margin, or the fixed keep-alive when the histogram is not
+    representative (too few samples, bin counts too uniform — CV below ``cv_min`` — or mostly
+    out of bounds, where the paper switches to ARIMA forecasts).
+    """
+
+    def __init__(self, bin_s: float = 60.0, range_s: float = 4 * 3600.0, *, head_pct: float = 5.0,
+                 tail_pct: float = 99.0, margin: float = 0.10, min_samples: int = 10, cv_min: float = 2.0) -> None:
+        if bin_s <= 0 or range_s < bin_s:
+            raise ValueError("need 0 < bin_s <= range_s")
+        self.bin_s, self.head_pct, self.tail_pct = bin_s, head_pct, tail_pct
+        self.margin, self.min_samples, self.cv_min = margin, min_samples, cv_min
+        self.counts = [0] * math.ceil(range_s / bin_s)
+        self.out_of_bounds = 0
+
+    @property
+    def samples(self) -> int:
+        return sum(self.counts) + self.out_of_bounds
+
+    def add(self, idle_s: float) -> None:
+        """Record one idle time (s). Raises ValueError for a negative or non-finite one."""
+        if not (math.isfinite(idle_s) and idle_s >= 0):
+            raise ValueError(f"idle time must be finite and >= 0 s, got {idle_s!r}")
+        b = int(idle_s // self.bin_s)
+        if b < len(self.counts):
+            self.counts[b] += 1
+        else:
+            self.out_of_bounds += 1
+
+    def representative(self) -> bool:
+        n = sum(self.counts)
+        if n < self.min_samples or self.out_of_bounds > n:
+            return False
+        mean = n / len(self.counts)
+        var = sum((c - mean) ** 2 for c in self.counts) / len(self.counts)
+        return math.sqrt(var) / mean >= self.cv_min
+
+    def _percentile_bin(self, pct: float) -> int:
+        need, seen = pct / 100.0 * sum(self.counts), 0
+        for i, c in enumerate(self.counts):
+            seen += c
+            if seen >= need and seen > 0:
+                return i
+        return len(self.counts) - 1
+
+    def windows(self, fallback_keep_alive_s: float) -> IdleWindows:
+        """Pre-warm and keep-alive windows (s), or ``(0, fallback)`` when not representative."""
+        if not self.representative():
+            return IdleWindows(0.0, fallback_keep_alive_s, False)
+        head = self._percentile_bin(self.head_pct) * self.bin_s  # lower edge of the head bin
+        tail = (self._percentile_bin(self.tail_pct) + 1) * self.bin_s  # upper edge of the tail bin
+        prewarm = head * (1.0 - self.margin)
+        return IdleWindows(prewarm, max(self.bin_s, tail * (1.0 + self.margin) - prewarm), True)
+
+
+# ---------------------------------------------------------------------- decisions
+
+
+@dataclass(frozen=True)
+class Breach:
+    """Load over a burst window above ready capacity. ``rate_rps``: arrivals over the window;
+    ``capacity_rps``: ready instances x instance_rps (0 when unknown); ``queue_depth``: backlog."""
+
+    function: str
+    window_s: float
+    rate_rps: float
+    capacity_rps: float
+    queue_depth: int
+    panic: bool
+
+
+@dataclass
+class Decision:
+    """One function's decision at one tick.
+
+    ``current``: instances not draining (starting + ready); ``desired``: the count aimed at;
+    ``place``: new instances to ask the scheduler for; ``retire``: instance ids to cancel or
+    drain (already marked draining in the policy); ``direction``: out, in, zero, prewarm or ""
+    (no change); estimates are instance counts from the stable and panic windows.
+    """
+
+    function: str
+    now_s: float
+    current: int
+    ready: int
+    desired: int
+    stable_estimate: int = 0
+    panic_estimate: int = 0
+    panic: bool = False
+    place: int = 0
+    retire: list[str] = field(default_factory=list)
+    direction: str = ""
+    reason: str = ""
+    breach: Breach | None = None
+
+
+@dataclass
+class _Instance:
+    instance_id: str
+    state: InstanceState
+    since_s: float
+    busy_share: float = 0.0
+    before_drain: InstanceState = "ready"
+
+
+@dataclass
+class _Function:
+    name: str
+    params: FunctionParams
+    histogram: IdleTimeHistogram
+    samples: deque = field(default_factory=deque)  # (t, backlog)
+    arrivals: deque = field(default_factory=deque)  # (t, count)
+    instances: dict[str, _Instance] = field(default_factory=dict)
+    backlog: float | None = None
+    stored: int = 0
+    idle_since: float | None = None
+    active_before: bool = False
+    panic_since: float | None = None
+    panic_last: float | None = None
+    max_panic: int = 0
+    hold_since: float | None = None
+    last_breach: float | None = None
+
+    def count(self, *states: str) -> int:
+        return sum(1 for i in self.instances.values() if i.state in states)
+
+
+def _avg(samples: Iterable[tuple[float, float]], since: float) -> float:
+    vals = [v for t, v in samples if t > since]
+    return sum(vals) / len(vals) if vals else 0.0
+
+
+def _ceil(x: float) -> int:
+    return max(0, math.ceil(x - 1e-9))
+
+
+class HorizontalPolicy:
+    """Instance counts for many functions. Unknown function names raise KeyError naming them."""
+
+    def __init__(self, config: HorizontalConfig | None = None) -> None:
+        self.config = config or HorizontalConfig()
+        self._fns: dict[str, _Function] = {}
+
+    # ------------------------------------------------------------------ functions and instances
+
+    def add_function(self, name: str, params: FunctionParams | None = None) -> None:
+        """Start tracking ``name`` (or update its params, keeping its history)."""
+        if not name:
+            raise ValueError("empty function name")
+        cfg = self.config
+        fn = self._fns.get(name)
+        if fn is None:
+            hist = IdleTimeHistogram(cfg.idle_bin_s, cfg.idle_range_s, head_pct=cfg.prewarm_percentile,
+                                     tail_pct=cfg.keepalive_percentile, margin=cfg.histogram_margin,
+                                     min_samples=cfg.histogram_min_samples, cv_min=cfg.histogram_cv_min)
+            self._fns[name] = _Function(name, params or FunctionParams(), hist)
+        elif params is not None:
+            fn.params = params
+
+    def functions(self) -> list[str]:
+        return list(self._fns)
+
+    def params(self, name: str) -> FunctionParams:
+        return self._fn(name).params
+
+    def _fn(self, name: str) -> _Function:
+        try:
+            return self._fns[name]
+        except KeyError:
+            raise KeyError(f"unknown function {name!r}") from None
+
+    def instance_starting(self, fn: str, instance_id: str, now_s: float) -> None:
+        """A placed or launched instance (cold start under way). Known instances keep their state."""
+        self._fn(fn).instances.setdefault(instance_id, _Instance(instance_id, "starting", now_s))
+
+    def instance_ready(self, fn: str, instance_id: str, now_s: float) -> None:
+        """The instance pulls requests. A draining one stays draining."""
+        f = self._fn(fn)
+        inst = f.instances.get(instance_id)
+        if inst is None:
+            f.instances[instance_id] = _Instance(instance_id, "ready", now_s)
+        elif inst.state == "starting":
+            inst.state, inst.since_s = "ready", now_s
+        else:
+            inst.before_drain = "ready"
+
+    def instance_retired(self, fn: str, instance_id: str) -> None:
+        """The instance is gone (drained, cancelled or crashed). Unknown ids are ignored."""
+        self._fn(fn).instances.pop(instance_id, None)
+
+    def retire_failed(self, fn: str, instance_id: str) -> None:
+        """The scheduler refused to retire ``instance_id``: count it as it was before."""
+        inst = self._fn(fn).instances.get(instance_id)
+        if inst is not None and inst.state == "draining":
+            inst.state = inst.before_drain
+
+    def set_busy(self, fn: str, instance_id: str, busy_share: float) -> None:
+        """Latest busy share (0..1) of an instance, used to pick scale-in victims."""
+        inst = self._fn(fn).instances.get(instance_id)
+        if inst is not None:
+            inst.busy_share = busy_share
+
+    def instances(self, fn: str) -> dict[str, str]:
+        """instance id -> state (starting, ready, draining)."""
+        return {i: inst.state for i, inst in self._fn(fn).instances.items()}
+
+    # ------------------------------------------------------------------ observations
+
+    def record(self, fn: str, now_s: float, backlog: float | None, arrivals: int | None = None,
+               stored: int = 0) -> None:
+        """One tick's observation: ``backlog`` = pending + in-flight requests, instantaneous or
+        averaged over the tick as Knative's queue proxy reports it (None: unknown, e.g. the
+        consumer is missing); ``arrivals``: requests that arrived since the last tick;
+        ``stored``: with an unknown backlog, requests known to be stored for the function anyway
+        (e.g. counted on the stream's subject while its consumer does not exist yet).
+
+        Raises ValueError for a negative backlog, arrival or stored count.
+        """
+        f = self._fn(fn)
+        if stored < 0:
+            raise ValueError(f"{fn}: stored must be >= 0, got {stored}")
+        f.stored = stored if backlog is None else 0
+        if backlog is None:
+            f.backlog = None
+            return
+        if backlog < 0 or (arrivals is not None and arrivals < 0):
+            raise ValueError(f"{fn}: backlog and arrivals must be >= 0, got {backlog}, {arrivals}")
+        f.samples.append((now_s, float(backlog)))
+        if arrivals is not None:
+            f.arrivals.append((now_s, float(arrivals)))
+        horizon = now_s - self.config.stable_window_s
+        for q in (f.samples, f.arrivals):
+            while q and q[0][0] <= horizon:
+                q.popleft()
+        self._track_idle(f, now_s, backlog)
+        f.backlog = backlog
+
+    def _track_idle(self, f: _Function, now_s: float, backlog: float) -> None:
+        if backlog == 0 and f.idle_since is None:
+            f.idle_since = now_s
+        elif backlog > 0:
+            if f.idle_since is not None and f.active_before:
+                f.histogram.add(now_s - f.idle_since)
+            f.idle_since, f.active_before = None, True
+
+    def idle_windows(self, fn: str) -> IdleWindows:
+        """The function's current pre-warm and keep-alive windows."""
+        return self._fn(fn).histogram.windows(self.config.keep_alive_s)
+
+    # ------------------------------------------------------------------ decisions
+
+    def decide(self, fn: str, now_s: float, headroom: float = 0.0) -> Decision:
+        """Decide ``fn``'s instance count now. ``headroom``: its vertical headroom (quota units,
+        Σ over its instances, from :func:`vertical_headroom`). Victims in ``retire`` are marked
+        draining at once; the caller reports new instances with :meth:`instance_starting`.
+        """
+        cfg, f = self.config, self._fn(fn)
+        cur, ready = f.count("starting", "ready"), f.count("ready")
+        d = Decision(fn, now_s, cur, ready, cur)
+        if f.backlog is None:
+            return self._hold(f, d)
+        target = f.params.target
+        stable_avg = _avg(f.samples, now_s - cfg.stable_window_s)
+        panic_avg = _avg(f.samples, now_s - cfg.panic_window)
+        desired, reason = self._kpa(f, d, now_s, stable_avg, panic_avg, target)
+        desired, reason = self._idle(f, now_s, desired, reason)
+        if f.backlog > 0 and desired == 0:
+            desired, reason = 1, "backlog with no instance: scale from zero"
+        desired = min(max(desired, f.params.min_instances), f.params.max_instances)
+        desired, reason = self._lazy(f, now_s, cur, ready, desired, headroom, reason)
+        d.desired, d.reason = desired, reason
+        d.breach = self._breach(f, now_s, ready, stable_avg, panic_avg)
+        self._act(f, d)
+        return d
+
+    @staticmethod
+    def _hold(f: _Function, d: Decision) -> Decision:
+        """Unknown backlog: hold, but never below ``min_instances``, and with requests stored and
+        no instance start one (holding at zero would strand them; the instance's binding creates
+        the consumer). Never more: an unknown backlog is not a large one."""
+        want = max(d.current, f.params.min_instances)
+        d.reason = "backlog unknown: holding the current count"
+        if d.current == 0 and f.stored > 0:
+            want = max(want, 1)
+            d.reason = f"backlog unknown, {f.stored} requests stored and no instance: one instance"
+        want = min(want, f.params.max_instances)
+        if want > d.current:
+            d.desired, d.place, d.direction = want, want - d.current, "out"
+        return d
+
+    def _kpa(self, f: _Function, d: Decision, now_s: float, stable_avg: float, panic_avg: float,
+             target: float) -> tuple[int, str]:
+        cfg = self.config
+        ready_n = max(1, d.ready)
+        max_up = math.ceil(cfg.max_scale_up_rate * ready_n)
+        max_down = math.floor(ready_n / cfg.max_scale_down_rate)
+        dspc = min(max(_ceil(stable_avg / target), max_down if d.ready else 0), max_up)
+        dppc = min(max(_ceil(panic_avg / target), max_down if d.ready else 0), max_up)
+        d.stable_estimate, d.panic_estimate = dspc, dppc
+        if dppc / ready_n >= cfg.panic_threshold:
+            f.panic_since = f.panic_since if f.panic_since is not None else now_s
+            f.panic_last = now_s
+        elif f.panic_last is not None and now_s >= f.panic_last + cfg.stable_window_s:
+            f.panic_since = f.panic_last = None
+            f.max_panic = 0
+        if f.panic_since is not None:
+            d.panic = True
+            f.max_panic = max(f.max_panic, dppc, dspc, d.current)  # never down while panicking
+            return f.max_panic, f"panic: window {panic_avg:.1f} in flight, target {target:g}"
+        desired = dspc
+        if d.current > 0 and desired != d.current:
+            ratio = stable_avg / (d.current * target)
+            if abs(ratio - 1.0) <= cfg.tolerance:
+                return d.current, f"within tolerance ({ratio:.2f} of capacity)"
+        return desired, f"stable: window {stable_avg:.1f} in flight, target {target:g}"
+
+    def _idle(self, f: _Function, now_s: float, desired: int, reason: str) -> tuple[int, str]:
+        """Keep-alive, pre-warm and scale to zero while the function has no backlog."""
+        if f.idle_since is None or f.backlog or not f.active_before:
+            return desired, reason
+        w = f.histogram.windows(self.config.keep_alive_s)
+        idle_for = now_s - f.idle_since
+        if w.prewarm_s > 0 and idle_for < w.prewarm_s:
+            if idle_for >= self.config.idle_grace_s:
+                return 0, f"idle {idle_for:.1f} s: unloaded until pre-warm at {w.prewarm_s:.1f} s"
+            return desired, reason
+        if idle_for >= w.prewarm_s + w.keep_alive_s:
+            return 0, f"idle {idle_for:.1f} s >= keep-alive {w.prewarm_s + w.keep_alive_s:.1f} s"
+        if w.prewarm_s > 0:
+            return 1, f"pre-warmed for idle times ~{w.prewarm_s:.1f} s"
+        return max(desired, 1), reason if desired else f"keep-alive ({w.keep_alive_s:.1f} s)"
+
+    def _lazy(self, f: _Function, now_s: float, cur: int, ready: int, desired: int, headroom: float,
+              reason: str) -> tuple[int, str]:
+        cfg = self.config
+        if cfg.mode != "lazy" or desired <= cur or ready == 0 or headroom < cfg.headroom_min:
+            f.hold_since = None
+            return desired, reason
+        f.hold_since = f.hold_since if f.hold_since is not None else now_s
+        if now_s - f.hold_since < cfg.lazy_hold:
+            return cur, f"lazy: {headroom:.2f} vertical headroom left (wants {desired})"
+        return desired, f"{reason}; headroom {headroom:.2f} unused for {now_s - f.hold_since:.1f} s"
+
+    def _breach(self, f: _Function, now_s: float, ready: int, stable_avg: float, panic_avg: float) -> Breach | None:
+        cfg = self.config
+        if ready == 0 and not f.backlog:
+            return None  # nothing waiting and nothing to compare: old samples are no burst
+        capacity = ready * f.params.target
+        panic = panic_avg >= cfg.panic_threshold * capacity and panic_avg > 0
+        if not (panic or stable_avg > capacity):
+            return None
+        if f.last_breach is not None and now_s - f.last_breach < cfg.breach_interval:
+            return None
+        f.last_breach = now_s
+        window = cfg.panic_window if panic else cfg.stable_window_s
+        seen = [(t, n) for t, n in f.arrivals if t > now_s - window]
+        rate = 0.0
+        if len(seen) >= 2:  # each entry counts arrivals since the previous tick
+            rate = sum(n for _, n in seen[1:]) / (seen[-1][0] - seen[0][0])
+        return Breach(f.name, window, rate, ready * f.params.instance_rps, math.ceil(f.backlog or 0), panic)
+
+    def _act(self, f: _Function, d: Decision) -> None:
+        if d.desired > d.current:
+            d.place = d.desired - d.current
+            d.direction = "prewarm" if d.current == 0 and not f.backlog else "out"
+        elif d.desired < d.current:
+            d.retire = self._victims(f, d.current - d.desired)
+            for iid in d.retire:
+                inst = f.instances[iid]
+                inst.before_drain, inst.state = inst.state, "draining"
+            d.direction = "zero" if d.desired == 0 else "in"
+
+    @staticmethod
+    def _victims(f: _Function, n: int) -> list[str]:
+        """Starting instances first (newest first), then ready ones by busy share, newest first."""
+        live = [i for i in f.instances.values() if i.state != "draining"]
+        live.sort(key=lambda i: (i.state != "starting", i.busy_share if i.state == "ready" else 0.0, -i.since_s))
+        return [i.instance_id for i in live[:n]]
+
+
+# ---------------------------------------------------------------------- vertical headroom
+
+
+@dataclass(frozen=True)
+class InstanceShare:
+    """One instance on one GPU as telemetry reports it (quotas 0..1)."""
+
+    instance_id: str
+    function: str
+    priority: str
+    quota: float
+    request_quota: float
+    limit_quota: float
+
+
+def vertical_headroom(gpus: Mapping[object, Iterable[InstanceShare]]) -> dict[str, float]:
+    """Per function: Σ over its instances of the quota it could still gain, in quota units.
+
+    An instance can grow up to its limit, but only by what its GPU can give: the unallocated
+    share (1 − Σ quotas) plus what lower-priority instances hold above their floors (training
+    above its request; best-effort all of it). ``gpus`` maps a GPU key to its instances.
+    """
+    rank = {"latency-sensitive": 0, "training": 1, "best-effort": 2}
+    out: dict[str, float] = {}
+    for insts in gpus.values():
+        insts = list(insts)
+        free = max(0.0, 1.0 - sum(i.quota for i in insts))
+        for i in insts:
+            r = rank.get(i.priority, 2)
+            reclaimable = sum(
+                (j.quota if j.priority == "best-effort" else max(0.0, j.quota - j.request_quota))
+                for j in insts if rank.get(j.priority, 2) > r
+            )
+            gain = min(max(0.0, i.limit_quota - i.quota), free + reclaimable)
+            out[i.function] = out.get(i.function, 0.0) + gain
+    return out

@@ -1,0 +1,400 @@
+"""The horizontal scaler service: a thin asyncio shell around :class:`HorizontalPolicy`.
+
+Learns, from the bus:
+
+- functions from ``dilu.v1.function.deployed.*`` (FunctionDeployed: instance bounds) and their
+  sizing from ``dilu.v1.profile.ready.*`` (ProfileReady: target in-flight requests per instance =
+  the profiled batch size, instance capacity = profiled throughput);
+- instances from ``dilu.v1.instance.{launched,ready,retired}.*`` and from its own placements;
+- vertical headroom from ``dilu.v1.telemetry.gpu.*.*`` (quota against limit per instance, what
+  each GPU could give; telemetry older than ``telemetry_stale_s`` is ignored).
+
+On start it rebuilds what it can from JetStream KV (``dilu-functions``, ``dilu-profiles`` and the
+placement table ``dilu-placement``), so a restarted scaler does not forget running instances.
+
+Every tick (``tick_s``), per function (ticks of one function never overlap; training functions
+have no invocations and are only held at their ``min_instances``):
+
+1. backlog = ``num_pending + num_ack_pending`` of the durable pull consumer ``fn-<function>`` on
+   stream ``DILU_INVOKE`` (pending plus in flight, so a long request keeps its instance and a
+   request held by a dead instance still counts); a missing consumer or a monitoring error is an
+   *unknown* backlog, counted in ``dilu_backlog_errors`` and logged once per outage, and the
+   policy holds the current count (except that a function with no instance and requests stored
+   on its subject gets one instance: instances create the consumer when they bind);
+2. the policy decides; scale-out asks ``dilu.v1.scheduler.place`` (PlaceRequest -> PlaceReply;
+   after a refusal the function backs off, doubling up to ``place_backoff_max_s``); scale-in asks
+   ``dilu.v1.scheduler.retire`` per victim (RetireRequest -> RetireReply; the scheduler drains
+   it, or cancels a starting one); a refused retirement is counted back;
+3. publishes ScaleDecision on ``dilu.v1.scale.decided.<fn>`` for what was done and
+   BurstWindowBreach on ``dilu.v1.event.burst_window_breach.<fn>``.
+
+Mechanism counters (DESIGN.md section 8): ``dilu_scale_outs`` (instances added),
+``dilu_retirements`` (instances removed, cancellations included), ``dilu_scale_to_zero``.
+
+``--mode`` (what ``dilu demo --policy`` selects): ``lazy`` for dilu (scale out only once the
+vertical headroom is used); ``eager`` for horizontal-only, static-mps and exclusive (scale on load
+alone).
+"""
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass
+
+import msgspec
+import nats.errors
+import nats.js.errors
+from prometheus_client import Counter, Gauge
+
+from dilu.contracts import MalformedEvent, subjects
+from dilu.contracts.events import (
+    BurstWindowBreach,
+    FunctionDeployed,
+    FunctionSpec,
+    GpuTelemetry,
+    InstanceLaunched,
+    InstanceReady,
+    InstanceRetired,
+    Placement,
+    PlaceReply,
+    PlaceRequest,
+    Profile,
+    ProfileReady,
+    RetireReply,
+    RetireRequest,
+    ScaleDecision,
+)
+from dilu.services.common.bus import Bus
+
+from .policy import Decision, FunctionParams, HorizontalConfig, HorizontalPolicy, InstanceShare, vertical_headroom
+
+SCALE_OUTS = Counter("dilu_scale_outs", "Instances added by the horizontal scaler", ["function"])
+RETIREMENTS = Counter("dilu_retirements", "Instances removed (drained or cancelled) by the horizontal scaler", ["function"])
+SCALE_TO_ZERO = Counter("dilu_scale_to_zero", "Times a function was scaled to zero instances", ["function"])
+DECISIONS = Counter("dilu_scale_decisions", "Scale decisions carried out", ["function", "direction"])
+BACKLOG_ERRORS = Counter("dilu_backlog_errors", "Ticks whose backlog could not be read (scale held)", ["function", "kind"])
+PLACE_FAILURES = Counter("dilu_place_failures", "Scale-outs the scheduler refused or did not answer", ["function"])
+BREACHES = Counter("dilu_burst_window_breaches", "Burst windows whose load exceeded capacity", ["function", "panic"])
+DESIRED = Gauge("dilu_desired_instances", "Instances the horizontal scaler aims at", ["function"])
+BACKLOG = Gauge("dilu_backlog", "Requests pending plus in flight", ["function"])
+
+
+def consumer_name(function: str) -> str:
+    """Durable consumer of ``function`` on the invocation stream: ``fn-<token(function)>``."""
+    return f"fn-{subjects.token(function)}"
+
+
+@dataclass
+class _Counts:
+    """Cumulative consumer counters, to turn them into arrivals per tick."""
+
+    delivered: int
+    pending: int
+
+
+class HorizontalScaler:
+    """Service object for :func:`dilu.services.common.runner.serve`.
+
+    ``target`` > 0 overrides every function's in-flight target (otherwise its profiled batch
+    size, 1 before a profile). Times are seconds.
+    """
+
+    name = "horizontal_scaler"
+
+    def __init__(self, config: HorizontalConfig | None = None, *, tick_s: float = 0.5, target: float = 0.0,
+                 request_timeout_s: float = 5.0, telemetry_stale_s: float = 10.0,
+                 place_backoff_max_s: float = 10.0) -> None:
+        if tick_s <= 0 or request_timeout_s <= 0:
+            raise ValueError("tick_s and request_timeout_s must be > 0")
+        self.policy = HorizontalPolicy(config)
+        self.tick_s, self.target, self.timeout = tick_s, target, request_timeout_s
+        self.telemetry_stale_s, self.place_backoff_max_s = telemetry_stale_s, place_backoff_max_s
+        self.bus: Bus | None = None
+        self._gpus: dict[tuple[str, int], tuple[float, list[InstanceShare]]] = {}
+        self._counts: dict[str, _Counts] = {}
+        self._missing: set[str] = set()
+        self._training: set[str] = set()  # training functions: no backlog, held at min_instances
+        self._busy: set[str] = set()
+        self._backoff: dict[str, tuple[float, float]] = {}  # fn -> (until, current delay)
+        self._tasks: set[asyncio.Task] = set()
+        self._loop_task: asyncio.Task | None = None
+        self.backlog_errors = 0
+        self.decisions: list[Decision] = []  # recent decisions carried out (bounded), for inspection
+
+    # ------------------------------------------------------------------ lifecycle
+
+    async def start(self, bus: Bus) -> None:
+        self.bus = bus
+        p = subjects.PREFIX
+        await bus.subscribe(f"{p}.function.deployed.*", FunctionDeployed, self._on_deployed)
+        await bus.subscribe(f"{p}.profile.ready.*", ProfileReady, self._on_profile)
+        await bus.subscribe(f"{p}.instance.launched.*", InstanceLaunched, self._on_launched)
+        await bus.subscribe(f"{p}.instance.ready.*", InstanceReady, self._on_ready)
+        await bus.subscribe(f"{p}.instance.retired.*", InstanceRetired, self._on_retired)
+        await bus.subscribe(f"{p}.telemetry.gpu.*.*", GpuTelemetry, self._on_telemetry)
+        await bus.nc.flush()
+        await self._rebuild()
+        self._loop_task = asyncio.create_task(self._loop(), name="horizontal-scaler-tick")
+
+    async def stop(self) -> None:
+        for t in [self._loop_task, *self._tasks]:
+            if t is not None:
+                t.cancel()
+        await asyncio.gather(*(t for t in [self._loop_task, *self._tasks] if t is not None), return_exceptions=True)
+
+    def ready(self) -> bool:
+        return self._loop_task is not None and not self._loop_task.done()
+
+    @staticmethod
+    def _now() -> float:
+        return time.monotonic()
+
+    # ------------------------------------------------------------------ learning
+
+    def _params(self, spec: FunctionSpec | None, profile: Profile | None, old: FunctionParams | None) -> FunctionParams:
+        target = old.target if old else 1.0
+        rps = old.instance_rps if old else 0.0
+        lo, hi = (old.min_instances, old.max_instances) if old else (0, 8)
+        if spec is not None:
+            lo, hi = spec.min_instances, max(1, spec.max_instances, spec.min_instances)
+        if profile is not None:
+            target, rps = float(max(1, profile.batch_size)), max(0.0, profile.throughput_rps)
+        return FunctionParams(target=self.target or target, min_instances=lo, max_instances=hi, instance_rps=rps)
+
+    def _learn(self, fn: str, spec: FunctionSpec | None = None, profile: Profile | None = None) -> None:
+        if spec is not None and spec.kind == "training":
+            self._training.add(fn)
+        elif spec is not None:
+            self._training.discard(fn)
+        old = self.policy.params(fn) if fn in self.policy.functions() else None
+        self.policy.add_function(fn, self._params(spec, profile, old))
+
+    async def _on_deployed(self, ev: FunctionDeployed, _msg) -> None:
+        self._learn(ev.spec.name, spec=ev.spec)
+
+    async def _on_profile(self, ev: ProfileReady, _msg) -> None:
+        self._learn(ev.profile.function, profile=ev.profile)
+
+    def _known(self, fn: str) -> None:
+        if fn not in self.policy.functions():
+            self._learn(fn)
+
+    async def _on_launched(self, ev: InstanceLaunched, _msg) -> None:
+        self._known(ev.function)
+        self.policy.instance_starting(ev.function, ev.instance_id, self._now())
+
+    async def _on_ready(self, ev: InstanceReady, _msg) -> None:
+        self._known(ev.function)
+        self.policy.instance_ready(ev.function, ev.instance_id, self._now())
+
+    async def _on_retired(self, ev: InstanceRetired, _msg) -> None:
+        if ev.function in self.policy.functions():
+            self.policy.instance_retired(ev.function, ev.instance_id)
+
+    async def _on_telemetry(self, ev: GpuTelemetry, _msg) -> None:
+        shares = [InstanceShare(t.instance_id, t.function, t.priority, t.quota, t.request_quota, t.limit_quota)
+                  for t in ev.instances]
+        self._gpus[(ev.node, ev.gpu)] = (self._now(), shares)
+        for t in ev.instances:
+            if t.function in self.policy.functions():
+                self.policy.set_busy(t.function, t.instance_id, t.busy_share)
+
+    def _headroom(self, now: float) -> dict[str, float]:
+        fresh = {k: shares for k, (at, shares) in self._gpus.items() if now - at <= self.telemetry_stale_s}
+        return vertical_headroom(fresh)
+
+    async def _rebuild(self) -> None:
+        """Functions, profiles and placed instances from JetStream KV (best effort)."""
+        assert self.bus is not None
+        for bucket, kind in ((subjects.FUNCTIONS_BUCKET, "spec"), (subjects.PROFILES_BUCKET, "profile"),
+                             (subjects.PLACEMENT_BUCKET, "placement")):
+            for raw in await self._kv_values(bucket):
+                try:
+                    self._restore(kind, raw)
+                except (MalformedEvent, msgspec.DecodeError, msgspec.ValidationError, ValueError) as exc:
+                    self.bus.log.warning("skipped a stored entry", bucket=bucket, error=str(exc))
+
+    def _restore(self, kind: str, raw: bytes) -> None:
+        if kind == "spec":
+            try:
+                spec = msgspec.json.decode(raw, type=FunctionSpec)
+            except (msgspec.DecodeError, msgspec.ValidationError):
+                spec = msgspec.json.decode(raw, type=FunctionDeployed).spec
+            self._learn(spec.name, spec=spec)
+        elif kind == "profile":
+            prof = msgspec.json.decode(raw, type=Profile)
+            self._learn(prof.function, profile=prof)
+        else:
+            pl = msgspec.json.decode(raw, type=Placement)
+            if not pl.draining:
+                self._known(pl.function)
+                self.policy.instance_ready(pl.function, pl.instance_id, self._now())
+
+    async def _kv_values(self, bucket: str) -> list[bytes]:
+        assert self.bus is not None
+        try:
+            kv = await self.bus.js.key_value(bucket)
+            keys = await kv.keys()
+        except (nats.js.errors.BucketNotFoundError, nats.js.errors.NoKeysError, nats.js.errors.NotFoundError):
+            return []
+        except Exception as exc:  # KV trouble must not stop the scaler from starting
+            self.bus.log.warning("could not read bucket", bucket=bucket, error=repr(exc))
+            return []
+        out = []
+        for key in keys:
+            try:
+                entry = await kv.get(key)
+            except nats.js.errors.KeyNotFoundError:
+                continue
+            if entry.value:
+                out.append(entry.value)
+        return out
+
+    # ------------------------------------------------------------------ ticking
+
+    async def _loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.tick_s)
+            now = self._now()
+            headroom = self._headroom(now)
+            for fn in self.policy.functions():
+                if fn in self._busy:
+                    continue  # its last tick is still talking to the scheduler
+                self._busy.add(fn)
+                task = asyncio.create_task(self._tick_guarded(fn, now, headroom.get(fn, 0.0)))
+                self._tasks.add(task)
+                task.add_done_callback(self._tasks.discard)
+
+    async def _tick_guarded(self, fn: str, now: float, headroom: float) -> None:
+        try:
+            await self.tick(fn, now, headroom)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # one function's trouble must not stop the others
+            assert self.bus is not None
+            self.bus.log.error("tick failed", function=fn, error=repr(exc))
+        finally:
+            self._busy.discard(fn)
+
+    async def tick(self, fn: str, now: float, headroom: float = 0.0) -> Decision:
+        """One function's tick: observe its backlog, decide, carry the decision out."""
+        if fn in self._training:  # no invocations to count: it runs its min_instances
+            backlog, arrivals, stored = None, None, 0
+        else:
+            backlog, arrivals = await self._backlog(fn)
+            stored = await self._stored(fn) if backlog is None else 0
+        self.policy.record(fn, now, backlog, arrivals, stored=stored)
+        d = self.policy.decide(fn, now, headroom)
+        DESIRED.labels(fn).set(d.desired)
+        if d.breach is not None:
+            await self._publish_breach(d)
+        if d.place:
+            await self._place(fn, d, now)
+        if d.retire:
+            await self._retire(fn, d)
+        return d
+
+    async def _backlog(self, fn: str) -> tuple[int | None, int | None]:
+        assert self.bus is not None
+        name = consumer_name(fn)
+        try:
+            info = await self.bus.js.consumer_info(subjects.INVOKE_STREAM, name, timeout=self.timeout)
+        except nats.js.errors.NotFoundError as exc:
+            return self._no_backlog(fn, "missing", f"no consumer {name!r} on {subjects.INVOKE_STREAM}: {exc.description}")
+        except (nats.errors.TimeoutError, nats.errors.NoRespondersError, nats.js.errors.APIError,
+                nats.errors.ConnectionClosedError) as exc:
+            return self._no_backlog(fn, "error", repr(exc))
+        if fn in self._missing:
+            self._missing.discard(fn)
+            self.bus.log.info("backlog readable again", function=fn, consumer=name)
+        pending, in_flight = int(info.num_pending or 0), int(info.num_ack_pending or 0)
+        delivered = int(info.delivered.consumer_seq or 0) if info.delivered else 0
+        prev = self._counts.get(fn)
+        self._counts[fn] = _Counts(delivered, pending)
+        arrivals = max(0, (delivered - prev.delivered) + (pending - prev.pending)) if prev else None
+        BACKLOG.labels(fn).set(pending + in_flight)
+        return pending + in_flight, arrivals
+
+    async def _stored(self, fn: str) -> int:
+        """Requests stored on the stream for ``fn``'s subject (work queue: not yet acknowledged);
+        0 when that cannot be read either."""
+        assert self.bus is not None
+        subject = subjects.invoke(fn)
+        try:
+            info = await self.bus.js.stream_info(subjects.INVOKE_STREAM, subjects_filter=subject)
+        except Exception:  # no stream, no JetStream: nothing known to be stored
+            return 0
+        return int((info.state.subjects or {}).get(subject, 0))
+
+    def _no_backlog(self, fn: str, kind: str, why: str) -> tuple[None, None]:
+        assert self.bus is not None
+        self.backlog_errors += 1
+        BACKLOG_ERRORS.labels(fn, kind).inc()
+        if fn not in self._missing:  # once per outage, not once per tick
+            self._missing.add(fn)
+            self.bus.log.warning("backlog unknown: holding the current scale", function=fn, error=why)
+        self._counts.pop(fn, None)
+        return None, None
+
+    async def _place(self, fn: str, d: Decision, now: float) -> None:
+        assert self.bus is not None
+        until, delay = self._backoff.get(fn, (0.0, 0.0))
+        if now < until:
+            return
+        try:
+            reply = await self.bus.request(subjects.SCHEDULER_PLACE, PlaceRequest(function=fn, count=d.place, reason=d.reason),
+                                           PlaceReply, timeout=self.timeout)
+            error = "" if reply.ok else (reply.error or "refused")
+        except (nats.errors.TimeoutError, nats.errors.NoRespondersError, MalformedEvent) as exc:
+            reply, error = None, repr(exc)
+        placed = [p for p in reply.placements if p.function == fn] if reply is not None and reply.ok else []
+        for p in placed:
+            self.policy.instance_starting(fn, p.instance_id, now)
+        if placed:
+            self._backoff.pop(fn, None)
+            SCALE_OUTS.labels(fn).inc(len(placed))
+            await self._decided(fn, d, d.direction, len(placed))
+        else:
+            PLACE_FAILURES.labels(fn).inc()
+            delay = min(self.place_backoff_max_s, max(self.tick_s, delay * 2))
+            self._backoff[fn] = (now + delay, delay)
+            self.bus.log.warning("scale-out not placed", function=fn, count=d.place, error=error or "no placements")
+
+    async def _retire(self, fn: str, d: Decision) -> None:
+        results = await asyncio.gather(*(self._retire_one(fn, iid, d.reason) for iid in d.retire))
+        done = sum(results)
+        if done:
+            RETIREMENTS.labels(fn).inc(done)
+            zero = d.direction == "zero" and done == len(d.retire)
+            if zero:
+                SCALE_TO_ZERO.labels(fn).inc()
+            await self._decided(fn, d, "zero" if zero else "in", done)
+
+    async def _retire_one(self, fn: str, iid: str, reason: str) -> bool:
+        assert self.bus is not None
+        try:
+            reply = await self.bus.request(subjects.SCHEDULER_RETIRE, RetireRequest(function=fn, instance_id=iid, reason=reason),
+                                           RetireReply, timeout=self.timeout)
+            if reply.ok:
+                return True
+            error = reply.error or "refused"
+        except (nats.errors.TimeoutError, nats.errors.NoRespondersError, MalformedEvent) as exc:
+            error = repr(exc)
+        self.policy.retire_failed(fn, iid)
+        self.bus.log.warning("retirement refused", function=fn, instance=iid, error=error)
+        return False
+
+    async def _decided(self, fn: str, d: Decision, direction: str, count: int) -> None:
+        assert self.bus is not None
+        DECISIONS.labels(fn, direction).inc()
+        self.decisions = (self.decisions + [d])[-200:]
+        await self.bus.publish(subjects.scale_decided(fn), ScaleDecision(
+            function=fn, direction=direction, count=count, current=d.current, desired=d.desired, reason=d.reason))
+
+    async def _publish_breach(self, d: Decision) -> None:
+        assert self.bus is not None and d.breach is not None
+        b = d.breach
+        BREACHES.labels(b.function, str(b.panic).lower()).inc()
+        await self.bus.publish(subjects.burst_window_breach(b.function), BurstWindowBreach(
+            function=b.function, window_s=b.window_s, rate_rps=b.rate_rps, capacity_rps=b.capacity_rps,
+            queue_depth=b.queue_depth, panic=b.panic))

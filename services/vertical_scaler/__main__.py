@@ -1,0 +1,37 @@
+"""``python -m dilu.services.vertical_scaler`` (also ``dilu service vertical-scaler``)."""
+from __future__ import annotations
+
+import click
+
+from dilu.services.common.runner import run
+
+from .policy import MODES, VerticalConfig
+from .service import VerticalScaler
+
+
+@click.command()
+@click.option("--nats-url", default="nats://127.0.0.1:4222", show_default=True, envvar="DILU_NATS_URL")
+@click.option("--node", default="node0", show_default=True, envvar="DILU_NODE")
+@click.option("--mode", type=click.Choice(MODES), default="dilu", show_default=True,
+              help="dilu: adaptive; static: pinned at request; static-limit: pinned at limit; off: no grants")
+@click.option("--hysteresis", type=click.FloatRange(0, 0.5), default=0.02, show_default=True, help="smallest quota change sent")
+@click.option("--pressure-hold-ms", type=click.FloatRange(0, 60_000), default=500.0, show_default=True)
+@click.option("--recovery-per-s", type=click.FloatRange(0.001, 100), default=0.5, show_default=True,
+              help="additive recovery of yielding instances (quota per second)")
+@click.option("--release-per-s", type=click.FloatRange(0.001, 10_000), default=0.5, show_default=True,
+              help="how fast an instance whose demand fell gives share back (quota per second)")
+@click.option("--decrease-factor", type=click.FloatRange(0.01, 0.99), default=0.5, show_default=True)
+@click.option("--be-floor", type=click.FloatRange(0.01, 1), default=0.05, show_default=True)
+@click.option("--metrics-port", type=int, default=0, show_default=True, envvar="DILU_METRICS_PORT")
+@click.option("--log-level", default="info", show_default=True)
+def main(nats_url, node, mode, hysteresis, pressure_hold_ms, recovery_per_s, release_per_s, decrease_factor, be_floor,
+         metrics_port, log_level):
+    """Run the vertical scaler of NODE: telemetry and kernel-cycle stretch in, TokenGrants out."""
+    config = VerticalConfig(mode=mode, hysteresis=hysteresis, pressure_hold_ms=pressure_hold_ms,
+                            recovery_per_s=recovery_per_s, release_per_s=release_per_s,
+                            decrease_factor=decrease_factor, be_floor=be_floor)
+    run(VerticalScaler(node, config), nats_url, metrics_port=metrics_port, log_level=log_level)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,378 @@
+"""Vertical scaling policy: per-GPU quota grants from telemetry and kernel-cycle stretch (pure).
+
+State and time go in, grants come out; nothing here reads a clock, sleeps or touches the network
+(DESIGN.md section 3). Times are milliseconds on any monotonic clock the caller chooses; quotas are
+fractions 0..1 of one GPU's SM-time (DESIGN.md section 2).
+
+The rules, in order of strength:
+
+1. **Floors are sacred.** A latency-sensitive or training instance is never granted less than its
+   request quota; a best-effort instance never less than ``min(limit, be_floor)`` (> 0), so every
+   instance makes progress in every window. Every grant is at least ``min_quota`` (> 0).
+2. **Σ grants on a GPU ≤ 1**, including the grants that hysteresis leaves unsent (the effective
+   set is checked, and withheld decreases are sent when needed). Limits may oversubscribe (Σ limits
+   ≤ γ), grants never do. No grant exceeds the instance's limit quota.
+3. **Pressure first.** A kernel-cycle stretch (``ratio ≥ stretch_ratio``) or SLO pressure
+   (``latency_ms_recent > slo_pressure × slo_ms``) of a latency-sensitive instance raises it to its
+   limit at once; the share comes from best-effort, then training (down to its request), then the
+   extras of other latency-sensitive instances: allocation above the floors runs in tier order
+   pressured-LS → LS → training → best-effort, so lower tiers absorb the shortfall.
+4. **AIMD recovery.** On a pressure signal the ceilings of the GPU's training and best-effort
+   instances are cut multiplicatively (× ``decrease_factor``, at most once per
+   ``decrease_interval_ms``, like TCP's once per round trip); without pressure they recover
+   additively (``recovery_per_s`` quota per second). Additive increase / multiplicative decrease
+   converges to an efficient, fair share: Chiu & Jain, "Analysis of the increase and decrease
+   algorithms for congestion avoidance in computer networks", Computer Networks and ISDN Systems
+   17(1), 1989. A pressured instance stays at its limit for ``pressure_hold_ms`` after its last
+   signal, then follows its demand again.
+5. **Work conserving.** An instance that can use more (it waited for tokens, has a queue, or used
+   ≥ ``hungry_util`` of its grant) wants its limit (capped by its AIMD ceiling); one that cannot
+   wants ``used × (1 + idle_margin)``, never under its floor, approached at most
+   ``release_per_s`` quota per second. Share nobody can use is left unallocated
+   rather than parked on idle instances, so ``limit − quota`` stays an honest measure of vertical
+   headroom for the horizontal scaler.
+6. **Hysteresis.** Only changes of at least ``hysteresis`` are sent (plus any change needed to
+   restore a floor, a limit or Σ ≤ 1); decreases are listed before increases so that a node agent
+   applying them in order never oversubscribes the GPU, even transiently.
+
+Modes (``VerticalConfig.mode``), the knob a demo baseline selects:
+
+- ``dilu``: the adaptive policy above.
+- ``static``: every instance held at its request quota (horizontal-only baseline).
+- ``static-limit``: every instance held at its limit quota, i.e. its fixed MPS width without token
+  pacing (static-MPS baseline). Σ may exceed 1 here: spatial MPS sharing is what that baseline is.
+- ``off``: no grants at all; instances run at the quota they were launched with (exclusive baseline).
+"""
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Literal
+
+from dilu.contracts.events import InstanceTelemetry
+
+Mode = Literal["dilu", "static", "static-limit", "off"]
+MODES: tuple[str, ...] = ("dilu", "static", "static-limit", "off")
+# Allocation above the floors, in order: a pressured latency-sensitive instance up to its limit;
+# best-effort up to its request (guaranteed unless someone is under pressure); then the extras of
+# latency-sensitive, training and best-effort instances up to what they want.
+_ORDER = (("pressured", "want"), ("best-effort", "request"), ("latency-sensitive", "want"),
+          ("training", "want"), ("best-effort", "want"))
+_EPS = 1e-9
+
+
+@dataclass(frozen=True)
+class VerticalConfig:
+    """Knobs of :class:`VerticalPolicy` (quotas are fractions 0..1; times are ms).
+
+    Defaults: ``stretch_ratio`` 1.5 matches the node agent's detector (Dilu paper's kernel-cycle
+    stretch); ``decrease_factor`` 0.5 and additive recovery are the classic AIMD constants (TCP
+    Reno halves its window); ``recovery_per_s`` 0.5 re-grows a fully cut victim in about 2 s;
+    ``release_per_s`` 0.5 lets an instance whose demand fell give its share back over about a
+    second rather than at once (so bursty demand does not flap between limit and use);
+    ``hysteresis`` 0.02 keeps telemetry noise (a few percent per window) from producing grants.
+    """
+
+    mode: Mode = "dilu"
+    hysteresis: float = 0.02
+    stretch_ratio: float = 1.5
+    slo_pressure: float = 0.9
+    pressure_hold_ms: float = 500.0
+    decrease_factor: float = 0.5
+    decrease_interval_ms: float = 100.0
+    recovery_per_s: float = 0.5
+    release_per_s: float = 0.5
+    be_floor: float = 0.05
+    min_quota: float = 0.01
+    hungry_util: float = 0.9
+    idle_margin: float = 0.25
+    settle_ms: float = 250.0
+
+    def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            raise ValueError(f"vertical mode {self.mode!r} is not one of {', '.join(MODES)}")
+        if not 0.0 < self.decrease_factor < 1.0:
+            raise ValueError(f"decrease_factor must be in (0, 1), got {self.decrease_factor}")
+        if not 0.0 < self.min_quota <= self.be_floor <= 1.0:
+            raise ValueError("need 0 < min_quota <= be_floor <= 1")
+
+
+@dataclass(frozen=True)
+class Grant:
+    """One quota change: set ``instance_id`` to ``quota`` (0..1) because of ``reason``."""
+
+    instance_id: str
+    quota: float
+    reason: str
+
+
+@dataclass
+class _Instance:
+    instance_id: str
+    function: str
+    priority: str
+    request: float
+    limit: float
+    width: float
+    granted: float  # the quota in effect as far as we know (last sent, or last reported)
+    sent_ms: float = -math.inf  # when we last sent a grant for it
+    used: float = 0.0  # SM-time share over the last window
+    hungry: bool = False
+    pressure_until_ms: float = -math.inf
+    pressure_cause: str = ""
+    ceiling: float = 1.0  # AIMD ceiling (training and best-effort only)
+
+    def tier(self, now_ms: float) -> str:
+        if self.priority == "latency-sensitive" and now_ms < self.pressure_until_ms:
+            return "pressured"
+        return self.priority
+
+    def floor(self, cfg: VerticalConfig) -> float:
+        if self.priority == "best-effort":
+            return max(cfg.min_quota, min(self.limit, cfg.be_floor))
+        return max(cfg.min_quota, self.request)
+
+
+@dataclass
+class _Gpu:
+    instances: dict[str, _Instance] = field(default_factory=dict)
+    last_ms: float | None = None
+    dt_ms: float = 0.0  # time since the previous update of this GPU
+    last_decrease_ms: float = -math.inf
+
+
+def _check_share(name: str, value: float, instance_id: str) -> float:
+    if not (isinstance(value, (int, float)) and math.isfinite(value) and 0.0 <= value <= 1.0):
+        raise ValueError(f"instance {instance_id!r}: {name} must be a fraction in [0, 1], got {value!r}")
+    return float(value)
+
+
+class VerticalPolicy:
+    """Per-GPU grant computation for one node. Feed it telemetry and stretch events; send its grants.
+
+    ``gpu`` keys are whatever identifies a GPU on the node (its index). Every method returns the
+    grants to send now (possibly empty), decreases first. Malformed telemetry (a share outside
+    [0, 1], NaN, an empty instance id) raises ValueError naming the field; the policy's state is
+    left unchanged by a rejected message.
+    """
+
+    def __init__(self, config: VerticalConfig | None = None) -> None:
+        self.config = config or VerticalConfig()
+        self._gpus: dict[int, _Gpu] = {}
+
+    # ------------------------------------------------------------------ inputs
+
+    def on_telemetry(self, gpu: int, now_ms: float, instances: Sequence[InstanceTelemetry]) -> list[Grant]:
+        """One GPU's telemetry window: the instances listed are all the instances on that GPU.
+
+        Instances absent from the list are forgotten (retired). Returns the grants to send.
+        """
+        parsed = [self._validate(t) for t in instances]
+        g = self._gpus.setdefault(gpu, _Gpu())
+        self._recover(g, now_ms)
+        seen = set()
+        for t in parsed:
+            seen.add(t.instance_id)
+            inst = g.instances.get(t.instance_id)
+            if inst is None:
+                inst = g.instances[t.instance_id] = _Instance(
+                    t.instance_id, t.function, t.priority, 0.0, 0.0, 1.0,
+                    granted=t.quota if t.quota > 0 else t.request_quota)
+            self._update(inst, t, now_ms)
+        for gone in set(g.instances) - seen:
+            del g.instances[gone]
+        return self._rebalance(g, now_ms)
+
+    def on_stretch(self, gpu: int, now_ms: float, instance_id: str, ratio: float) -> list[Grant]:
+        """A kernel-cycle stretch of ``instance_id`` (cycle ``ratio`` x its baseline).
+
+        A stretch under ``stretch_ratio``, of an instance not (yet) seen in telemetry, or of a
+        training or best-effort instance changes nothing (they are the ones that yield).
+        Raises ValueError for a non-finite or negative ratio.
+        """
+        if not (isinstance(ratio, (int, float)) and math.isfinite(ratio) and ratio >= 0):
+            raise ValueError(f"stretch ratio must be a finite number >= 0, got {ratio!r}")
+        g = self._gpus.get(gpu)
+        inst = g.instances.get(instance_id) if g else None
+        if inst is None or ratio < self.config.stretch_ratio or inst.priority != "latency-sensitive":
+            return []
+        self._recover(g, now_ms)
+        self._pressure(g, inst, now_ms, f"stretch x{ratio:.2f}")
+        return self._rebalance(g, now_ms)
+
+    def quotas(self, gpu: int) -> dict[str, float]:
+        """The quota in effect per instance on ``gpu``, as the policy believes it."""
+        g = self._gpus.get(gpu)
+        return {i: inst.granted for i, inst in g.instances.items()} if g else {}
+
+    # ------------------------------------------------------------------ state updates
+
+    def _validate(self, t: InstanceTelemetry) -> InstanceTelemetry:
+        if not t.instance_id:
+            raise ValueError("instance telemetry without an instance_id")
+        for name in ("quota", "request_quota", "limit_quota", "busy_share", "sm_time_share"):
+            _check_share(name, getattr(t, name), t.instance_id)
+        if not (math.isfinite(t.width) and 0.0 < t.width <= 1.0):
+            raise ValueError(f"instance {t.instance_id!r}: width must be in (0, 1], got {t.width!r}")
+        if t.wait_us < 0 or t.queue_depth < 0 or not math.isfinite(t.latency_ms_recent):
+            raise ValueError(f"instance {t.instance_id!r}: negative wait/queue or non-finite latency")
+        return t
+
+    def _update(self, inst: _Instance, t: InstanceTelemetry, now_ms: float) -> None:
+        cfg = self.config
+        inst.function, inst.priority, inst.width = t.function, t.priority, t.width
+        inst.request = t.request_quota
+        inst.limit = max(t.limit_quota, t.request_quota, cfg.min_quota)
+        # Telemetry reports the quota in effect; trust it unless our newer grant is still in flight.
+        if t.quota > 0 and now_ms - inst.sent_ms > cfg.settle_ms:
+            inst.granted = t.quota
+        inst.used = t.sm_time_share
+        inst.hungry = t.wait_us > 0 or t.queue_depth > 0 or inst.used >= cfg.hungry_util * inst.granted
+        if inst.priority == "latency-sensitive" and t.slo_ms > 0 and t.latency_ms_recent > cfg.slo_pressure * t.slo_ms:
+            self._pressure_of(inst, now_ms, f"slo {t.latency_ms_recent:.1f}/{t.slo_ms:.1f} ms")
+        inst.ceiling = min(max(inst.ceiling, inst.floor(cfg)), inst.limit)
+
+    def _pressure_of(self, inst: _Instance, now_ms: float, cause: str) -> None:
+        inst.pressure_until_ms = now_ms + self.config.pressure_hold_ms
+        inst.pressure_cause = cause
+
+    def _pressure(self, g: _Gpu, inst: _Instance, now_ms: float, cause: str) -> None:
+        self._pressure_of(inst, now_ms, cause)
+        self._cut_victims(g, now_ms)
+
+    def _cut_victims(self, g: _Gpu, now_ms: float) -> None:
+        """Multiplicative decrease of the yielding instances' ceilings (once per interval)."""
+        cfg = self.config
+        if now_ms - g.last_decrease_ms < cfg.decrease_interval_ms:
+            return
+        g.last_decrease_ms = now_ms
+        for v in g.instances.values():
+            if v.priority != "latency-sensitive":
+                v.ceiling = max(v.floor(cfg), min(v.ceiling, v.granted) * cfg.decrease_factor)
+
+    def _recover(self, g: _Gpu, now_ms: float) -> None:
+        """Additive increase of the yielding instances' ceilings since the last update."""
+        # Recovery counts only time without pressure on the GPU: congestion still going on is no
+        # reason to give the victims their share back.
+        pressured_until = max((i.pressure_until_ms for i in g.instances.values()), default=-math.inf)
+        start = max(g.last_ms, pressured_until) if g.last_ms is not None else now_ms
+        if now_ms > start:
+            step = self.config.recovery_per_s * (now_ms - start) / 1000.0
+            for v in g.instances.values():
+                if v.priority != "latency-sensitive":
+                    v.ceiling = min(v.limit, v.ceiling + step)
+        g.dt_ms = max(0.0, now_ms - g.last_ms) if g.last_ms is not None else 0.0
+        g.last_ms = now_ms if g.last_ms is None else max(g.last_ms, now_ms)
+
+    # ------------------------------------------------------------------ allocation
+
+    def _want(self, inst: _Instance, now_ms: float, dt_ms: float) -> float:
+        cfg = self.config
+        floor = inst.floor(cfg)
+        if inst.tier(now_ms) == "pressured":
+            return inst.limit
+        cap = inst.limit if inst.priority == "latency-sensitive" else min(inst.limit, inst.ceiling)
+        if inst.hungry:
+            want = cap
+        else:  # shrink toward use, but at most release_per_s: bursty demand does not flap
+            want = max(inst.used * (1.0 + cfg.idle_margin), inst.granted - cfg.release_per_s * dt_ms / 1000.0)
+        return min(max(want, floor), max(cap, floor))
+
+    def allocate(self, gpu: int, now_ms: float) -> dict[str, float]:
+        """The target quota of every instance on ``gpu`` now (before hysteresis). Σ ≤ 1 in every
+        mode but ``static-limit``."""
+        g = self._gpus.get(gpu)
+        return self._allocate(g, now_ms) if g else {}
+
+    def _allocate(self, g: _Gpu, now_ms: float) -> dict[str, float]:
+        cfg, insts = self.config, list(g.instances.values())
+        if cfg.mode == "static":
+            return _fit({i.instance_id: max(cfg.min_quota, i.request) for i in insts})
+        if cfg.mode == "static-limit":
+            return {i.instance_id: i.limit for i in insts}
+        alloc = _fit_floors({i.instance_id: i.floor(cfg) for i in insts},
+                            {i.instance_id for i in insts if i.priority == "best-effort"}, cfg.min_quota)
+        remaining = max(0.0, 1.0 - sum(alloc.values()))
+        want = {i.instance_id: self._want(i, now_ms, g.dt_ms) for i in insts}
+        be_request = {i.instance_id: min(want[i.instance_id], max(i.floor(cfg), i.request)) for i in insts}
+        for tier, cap in _ORDER:
+            members = [i.instance_id for i in insts if i.tier(now_ms) == tier]
+            wants = be_request if cap == "request" else want
+            extra = {m: max(0.0, wants[m] - alloc[m]) for m in members}
+            total = sum(extra.values())
+            if total <= _EPS or remaining <= _EPS:
+                continue
+            share = min(1.0, remaining / total)  # proportional to unmet want within a tier
+            for m, e in extra.items():
+                alloc[m] += e * share
+            remaining = max(0.0, remaining - total * share)
+        return alloc
+
+    def _rebalance(self, g: _Gpu, now_ms: float) -> list[Grant]:
+        if self.config.mode == "off" or not g.instances:
+            return []
+        target = self._allocate(g, now_ms)
+        changes = self._select(g, target)
+        grants = []
+        for iid in sorted(changes, key=lambda i: (target[i] - g.instances[i].granted, i)):
+            inst = g.instances[iid]
+            grants.append(Grant(iid, target[iid], self._reason(g, inst, target[iid], now_ms)))
+            inst.granted, inst.sent_ms = target[iid], now_ms
+        return grants
+
+    def _select(self, g: _Gpu, target: dict[str, float]) -> set[str]:
+        """Changes worth sending: beyond hysteresis, restoring a bound, or needed for Σ ≤ 1."""
+        cfg = self.config
+        changes = set()
+        for iid, inst in g.instances.items():
+            cur, new = inst.granted, target[iid]
+            out_of_bounds = cur < inst.floor(cfg) - _EPS or cur > inst.limit + _EPS
+            if abs(new - cur) >= cfg.hysteresis - _EPS or (out_of_bounds and abs(new - cur) > _EPS):
+                changes.add(iid)
+        if cfg.mode == "static-limit":
+            return changes
+        effective = {i: (target[i] if i in changes else inst.granted) for i, inst in g.instances.items()}
+        withheld = sorted((i for i in g.instances if i not in changes and target[i] < effective[i]),
+                          key=lambda i: target[i] - effective[i])
+        while sum(effective.values()) > 1.0 + _EPS and withheld:
+            i = withheld.pop(0)  # largest withheld decrease first
+            changes.add(i)
+            effective[i] = target[i]
+        return changes
+
+    def _reason(self, g: _Gpu, inst: _Instance, new: float, now_ms: float) -> str:
+        mode = self.config.mode
+        if mode != "dilu":
+            return mode
+        up = new > inst.granted
+        if inst.tier(now_ms) == "pressured" and up:
+            return f"pressure: {inst.pressure_cause}"
+        if up:
+            return "demand" if inst.hungry else "floor"
+        if any(i.tier(now_ms) == "pressured" for i in g.instances.values()):
+            return "yield to pressure"
+        return "release idle share"
+
+
+def _fit_floors(floors: dict[str, float], best_effort: set[str], min_quota: float) -> dict[str, float]:
+    """Floors that sum to at most 1: best-effort floors shrink first (to ``min_quota``), then all
+    scale proportionally (only when the requests on a GPU were over-committed, which the scheduler
+    forbids)."""
+    excess = sum(floors.values()) - 1.0
+    if excess > _EPS and best_effort:
+        room = {i: floors[i] - min_quota for i in best_effort if floors[i] > min_quota}
+        total = sum(room.values())
+        if total > _EPS:
+            take = min(1.0, excess / total)
+            floors = {i: v - room.get(i, 0.0) * take for i, v in floors.items()}
+    return _fit(floors)
+
+
+def _fit(alloc: dict[str, float]) -> dict[str, float]:
+    """Scale ``alloc`` down proportionally when it sums over 1 (only possible when the requests on a
+    GPU were over-committed, which the scheduler forbids)."""
+    total = sum(alloc.values())
+    if total <= 1.0 + _EPS:
+        return alloc
+    return {k: v / total for k, v in alloc.items()}

@@ -1,0 +1,200 @@
+"""The horizontal scaler service against a real nats-server, with a fake scheduler and node agent."""
+from __future__ import annotations
+
+import asyncio
+import itertools
+
+import nats
+import pytest
+from prometheus_client import REGISTRY
+from nats.js.api import AckPolicy, ConsumerConfig, RetentionPolicy, StorageType, StreamConfig
+
+from dilu.contracts import decode, encode, subjects
+from dilu.contracts.events import (
+    BurstWindowBreach,
+    FunctionDeployed,
+    FunctionSpec,
+    InstanceLaunched,
+    InstanceReady,
+    InstanceRetired,
+    Placement,
+    PlaceReply,
+    PlaceRequest,
+    RetireReply,
+    RetireRequest,
+    ScaleDecision,
+)
+from dilu.services.common.runner import serve
+from dilu.services.horizontal_scaler.policy import HorizontalConfig
+from dilu.services.horizontal_scaler.service import HorizontalScaler, consumer_name
+
+pytestmark = pytest.mark.nats
+FN = "resnet.v1"  # a dot: the consumer name and subjects must use the sanitised token
+
+
+class FakeCluster:
+    """Answers place/retire like the scheduler and announces lifecycle events like a node agent."""
+
+    def __init__(self, nc):
+        self.nc = nc
+        self.ids = itertools.count()
+        self.placed: list[PlaceRequest] = []
+        self.retired: list[RetireRequest] = []
+        self.live: dict[str, str] = {}
+        self.decisions: list[ScaleDecision] = []
+        self.breaches: list[BurstWindowBreach] = []
+
+    async def start(self):
+        await self.nc.subscribe(subjects.SCHEDULER_PLACE, cb=self.on_place)
+        await self.nc.subscribe(subjects.SCHEDULER_RETIRE, cb=self.on_retire)
+        await self.nc.subscribe(f"{subjects.PREFIX}.scale.decided.*", cb=self.on_decision)
+        await self.nc.subscribe(f"{subjects.PREFIX}.event.burst_window_breach.*", cb=self.on_breach)
+        await self.nc.flush()
+
+    async def on_place(self, msg):
+        req = decode(msg.data, PlaceRequest)
+        self.placed.append(req)
+        out = []
+        for _ in range(req.count):
+            iid = f"i{next(self.ids)}"
+            out.append(Placement(instance_id=iid, function=req.function, node="n0", gpu=0, request_quota=0.3,
+                                 limit_quota=0.6, width=0.6, memory_bytes=1))
+            self.live[iid] = req.function
+        await self.nc.publish(msg.reply, encode(PlaceReply(ok=True, placements=out)))
+        for p in out:
+            ev = dict(instance_id=p.instance_id, function=p.function, node="n0", gpu=0)
+            await self.nc.publish(subjects.instance_state("launched", "n0"), encode(InstanceLaunched(**ev)))
+            await self.nc.publish(subjects.instance_state("ready", "n0"), encode(InstanceReady(**ev)))
+
+    async def on_retire(self, msg):
+        req = decode(msg.data, RetireRequest)
+        self.retired.append(req)
+        ok = self.live.pop(req.instance_id, None) is not None
+        await self.nc.publish(msg.reply, encode(RetireReply(ok=ok, instance_id=req.instance_id)))
+        if ok:
+            await self.nc.publish(subjects.instance_state("retired", "n0"), encode(InstanceRetired(
+                instance_id=req.instance_id, function=req.function, node="n0", gpu=0)))
+
+    async def on_breach(self, msg):
+        self.breaches.append(decode(msg.data, BurstWindowBreach))
+
+    async def on_decision(self, msg):
+        self.decisions.append(decode(msg.data, ScaleDecision))
+
+
+async def until(pred, timeout=10.0, step=0.05):
+    for _ in range(int(timeout / step)):
+        if pred():
+            return
+        await asyncio.sleep(step)
+    raise AssertionError(f"condition not met within {timeout} s")
+
+
+async def setup(nats_url, with_consumer=True):
+    nc = await nats.connect(nats_url)
+    js = nc.jetstream()
+    await js.add_stream(StreamConfig(name=subjects.INVOKE_STREAM, subjects=[subjects.INVOKE_SUBJECTS],
+                                     retention=RetentionPolicy.WORK_QUEUE, storage=StorageType.MEMORY))
+    if with_consumer:
+        await js.add_consumer(subjects.INVOKE_STREAM, ConsumerConfig(
+            durable_name=consumer_name(FN), filter_subject=subjects.invoke(FN), ack_policy=AckPolicy.EXPLICIT))
+    cluster = FakeCluster(nc)
+    await cluster.start()
+    cfg = HorizontalConfig(mode="lazy", stable_window_s=2.0, panic_window_pct=25.0, keep_alive_s=1.5)
+    scaler = HorizontalScaler(cfg, tick_s=0.1)
+    shutdown = asyncio.Event()
+    task = asyncio.create_task(serve(scaler, nats_url, shutdown=shutdown, install_signals=False))
+    await until(scaler.ready)
+    spec = FunctionSpec(name=FN, model="resnet50", slo_ms=100.0, max_instances=4)
+    await nc.publish(subjects.function_deployed(FN), encode(FunctionDeployed(spec=spec)))
+    await nc.flush()
+    await until(lambda: FN in scaler.policy.functions())
+    return nc, js, cluster, scaler, shutdown, task
+
+
+def counter(name: str) -> float:
+    return REGISTRY.get_sample_value(f"{name}_total", {"function": FN}) or 0.0
+
+
+async def test_burst_scales_out_then_idle_function_scales_to_zero_after_keep_alive(nats_url):
+    before = {n: counter(n) for n in ("dilu_scale_outs", "dilu_retirements", "dilu_scale_to_zero")}
+    nc, js, cluster, scaler, shutdown, task = await setup(nats_url)
+    await asyncio.sleep(0.5)
+    assert cluster.placed == []  # nothing queued, never invoked: no instance
+    for k in range(6):
+        await js.publish(subjects.invoke(FN), b"req-%d" % k)
+    await until(lambda: len(cluster.live) >= 2)
+    out = [d for d in cluster.decisions if d.direction == "out"]
+    assert out and all(r.function == FN for r in cluster.placed)
+    assert len(cluster.live) <= 4  # the function's max_instances
+    assert cluster.breaches and cluster.breaches[0].function == FN and cluster.breaches[0].queue_depth >= 1
+
+    # the instances serve everything: pull and acknowledge
+    sub = await js.pull_subscribe(subjects.invoke(FN), durable=consumer_name(FN), stream=subjects.INVOKE_STREAM)
+    msgs = await sub.fetch(6, timeout=5)
+    for m in msgs:
+        await m.ack()
+    served_at = asyncio.get_running_loop().time()
+    await until(lambda: not cluster.live, timeout=15.0)
+    gone_at = asyncio.get_running_loop().time()
+    assert gone_at - served_at >= 1.5 - 0.2  # not before the keep-alive
+    assert any(d.direction == "zero" for d in cluster.decisions)
+    assert {r.instance_id for r in cluster.retired} == {f"i{k}" for k in range(sum(r.count for r in cluster.placed))}
+    await until(lambda: not scaler.policy.instances(FN))  # the retired events arrived
+    added = sum(r.count for r in cluster.placed)
+    assert counter("dilu_scale_outs") - before["dilu_scale_outs"] == added
+    assert counter("dilu_retirements") - before["dilu_retirements"] == added
+    assert counter("dilu_scale_to_zero") - before["dilu_scale_to_zero"] == 1
+    await nc.close()
+    shutdown.set()
+    await task
+
+
+async def test_missing_consumer_holds_the_scale_and_never_goes_to_max(nats_url):
+    nc, js, cluster, scaler, shutdown, task = await setup(nats_url, with_consumer=False)
+    for k in range(20):  # requests stored while the function's consumer does not exist
+        await js.publish(subjects.invoke(FN), b"x")
+    await until(lambda: scaler.backlog_errors >= 8)
+    # one instance, so the stored requests are not stranded (its binding creates the consumer) ...
+    assert [r.count for r in cluster.placed] == [1] and cluster.retired == []
+    errors = scaler.backlog_errors
+    await until(lambda: scaler.backlog_errors >= errors + 5)
+    assert [r.count for r in cluster.placed] == [1]  # ... and then held: never the maximum
+    # the consumer appears: the backlog is read again and the function scales on it, up to its max
+    await js.add_consumer(subjects.INVOKE_STREAM, ConsumerConfig(
+        durable_name=consumer_name(FN), filter_subject=subjects.invoke(FN), ack_policy=AckPolicy.EXPLICIT))
+    await until(lambda: len(cluster.live) == 4)
+    await asyncio.sleep(0.5)
+    assert len(cluster.live) == 4
+    await nc.close()
+    shutdown.set()
+    await task
+
+
+async def test_a_long_request_in_flight_keeps_its_instance_past_the_keep_alive(nats_url):
+    nc, js, cluster, scaler, shutdown, task = await setup(nats_url)
+    await js.publish(subjects.invoke(FN), b"slow")
+    await until(lambda: cluster.live)
+    sub = await js.pull_subscribe(subjects.invoke(FN), durable=consumer_name(FN), stream=subjects.INVOKE_STREAM)
+    (msg,) = await sub.fetch(1, timeout=5)  # in flight (unacknowledged) for 3 s, keep-alive 1.5 s
+    await asyncio.sleep(3.0)
+    assert cluster.retired == [] and cluster.live
+    await msg.ack()
+    await until(lambda: not cluster.live, timeout=10.0)
+    assert any(d.direction == "zero" for d in cluster.decisions)
+    await nc.close()
+    shutdown.set()
+    await task
+
+
+async def test_training_function_is_held_at_its_min_instances_without_a_backlog(nats_url):
+    nc, js, cluster, scaler, shutdown, task = await setup(nats_url)
+    spec = FunctionSpec(name="train-bert", model="bert", kind="training", priority="training", min_instances=1)
+    await nc.publish(subjects.function_deployed(spec.name), encode(FunctionDeployed(spec=spec)))
+    await until(lambda: any(r.function == spec.name for r in cluster.placed))
+    await asyncio.sleep(1.0)
+    assert [r.count for r in cluster.placed if r.function == spec.name] == [1]
+    assert scaler.backlog_errors == 0 and not any(r.function == spec.name for r in cluster.retired)
+    await nc.close()
+    shutdown.set()
+    await task

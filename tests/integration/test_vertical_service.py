@@ -1,0 +1,105 @@
+"""The vertical scaler service against a real nats-server: telemetry and stretch in, grants out."""
+from __future__ import annotations
+
+import asyncio
+import time
+
+import nats
+import pytest
+
+from dilu.contracts import decode, encode, subjects
+from dilu.contracts.events import GpuTelemetry, InstanceTelemetry, KernelCycleStretch, TokenGrant
+from dilu.services.common.runner import serve
+from dilu.services.vertical_scaler.bench import run_bench
+from dilu.services.vertical_scaler.policy import VerticalConfig
+from dilu.services.vertical_scaler.service import VerticalScaler
+
+pytestmark = pytest.mark.nats
+NODE = "node0"
+
+
+def telemetry(quota: dict[str, float]) -> GpuTelemetry:
+    specs = {"ls": ("latency-sensitive", 0.3, 0.7, 0.05, 0), "be": ("best-effort", 0.2, 0.6, None, 3000)}
+    rows = []
+    for iid, (prio, req, lim, used, wait) in specs.items():
+        q = quota[iid]
+        rows.append(InstanceTelemetry(instance_id=iid, function=f"fn-{iid}", priority=prio, quota=q, request_quota=req,
+                                      limit_quota=lim, width=lim, sm_time_share=q if used is None else used,
+                                      busy_share=0.5, wait_us=wait))
+    return GpuTelemetry(node=NODE, gpu=1, window_ms=100.0, instances=rows)
+
+
+async def start(url: str, config: VerticalConfig | None = None):
+    scaler = VerticalScaler(NODE, config)
+    shutdown = asyncio.Event()
+    task = asyncio.create_task(serve(scaler, url, shutdown=shutdown, install_signals=False))
+    for _ in range(500):
+        if scaler.ready():
+            break
+        assert not task.done(), task
+        await asyncio.sleep(0.01)
+    return scaler, shutdown, task
+
+
+async def next_grants(queue: asyncio.Queue, n: int = 1, timeout: float = 5.0) -> list[TokenGrant]:
+    return [await asyncio.wait_for(queue.get(), timeout) for _ in range(n)]
+
+
+async def test_telemetry_and_stretch_produce_grants_with_cause_and_increasing_epochs(nats_url):
+    scaler, shutdown, task = await start(nats_url)
+    nc = await nats.connect(nats_url)
+    grants: asyncio.Queue = asyncio.Queue()
+
+    async def on_grant(msg):
+        assert msg.subject == subjects.grant_issued(NODE, 1)
+        await grants.put(decode(msg.data, TokenGrant))
+
+    await nc.subscribe(f"{subjects.PREFIX}.grant.issued.{NODE}.*", cb=on_grant)
+    quota = {"ls": 0.3, "be": 0.2}
+    tel = telemetry(quota)
+    tel.ts_ns = time.time_ns()
+    await nc.publish(subjects.telemetry_gpu(NODE, 1), encode(tel))
+    (g,) = await next_grants(grants)  # best-effort is hungry and the GPU has room: up to its limit
+    assert (g.instance_id, g.quota, g.cause_ns) == ("be", pytest.approx(0.6), tel.ts_ns)
+    quota["be"] = g.quota
+
+    # malformed input is rejected and counted; the service carries on
+    await nc.publish(subjects.kernel_cycle_stretch(NODE, 1), b'{"node": 7}')
+    detected = time.time_ns()
+    await nc.publish(subjects.kernel_cycle_stretch(NODE, 1), encode(KernelCycleStretch(
+        node=NODE, gpu=1, instance_id="ls", ratio=2.5, detected_ns=detected)))
+    down, up = await next_grants(grants, 2)
+    assert (down.instance_id, up.instance_id) == ("be", "ls")  # the decrease goes out first
+    assert up.quota == pytest.approx(0.7) and up.cause_ns == detected == down.cause_ns
+    assert down.quota + up.quota <= 1.0 + 1e-9
+    assert g.epoch < down.epoch < up.epoch
+    assert "stretch" in up.reason
+    assert scaler.bus.malformed == 1 and scaler.grants_sent == 3
+    await nc.close()
+    shutdown.set()
+    await task
+
+
+async def test_off_mode_sends_nothing(nats_url):
+    scaler, shutdown, task = await start(nats_url, VerticalConfig(mode="off"))
+    nc = await nats.connect(nats_url)
+    got = []
+    async def on_grant(msg):
+        got.append(msg)
+
+    await nc.subscribe(f"{subjects.PREFIX}.grant.issued.>", cb=on_grant)
+    await nc.publish(subjects.telemetry_gpu(NODE, 1), encode(telemetry({"ls": 0.3, "be": 0.2})))
+    await nc.publish(subjects.kernel_cycle_stretch(NODE, 1), encode(KernelCycleStretch(
+        node=NODE, gpu=1, instance_id="ls", ratio=2.5)))
+    await nc.flush()
+    await asyncio.sleep(0.3)
+    assert got == [] and scaler.bus.handler_errors == 0
+    await nc.close()
+    shutdown.set()
+    await task
+
+
+async def test_bench_measures_every_reaction(nats_url):
+    result = await run_bench(events=20, interval_ms=20.0, telemetry_ms=5.0, nats_url=nats_url)
+    assert result["samples"] == 20 and result["missed"] == 0
+    assert 0 < result["reaction_ms_p50"] <= result["reaction_ms_p99"] <= result["reaction_ms_max"]

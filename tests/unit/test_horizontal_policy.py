@@ -1,0 +1,291 @@
+"""Horizontal scaling policy: windows, lazy scale-out, keep-alive, pre-warm, zero; fake clock (s)."""
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from dilu.services.horizontal_scaler.policy import (
+    FunctionParams,
+    HorizontalConfig,
+    HorizontalPolicy,
+    IdleTimeHistogram,
+    IdleWindows,
+    InstanceShare,
+    vertical_headroom,
+)
+
+FN = "f"
+
+
+def policy(**kw) -> HorizontalPolicy:
+    params = kw.pop("params", FunctionParams(target=1.0, max_instances=20))
+    p = HorizontalPolicy(HorizontalConfig(**{"stable_window_s": 6.0, "panic_window_s": 1.0, **kw}))
+    p.add_function(FN, params)
+    return p
+
+
+def feed(p, t0, t1, backlog, tick=0.5, headroom=0.0):
+    """Record ``backlog`` every tick in (t0, t1] and decide; returns the decisions."""
+    out, t = [], t0
+    while t < t1 - 1e-9:
+        t = round(t + tick, 6)
+        p.record(FN, t, backlog(t) if callable(backlog) else backlog, 1)
+        out.append(p.decide(FN, t, headroom))
+    return out
+
+
+def ready(p, n, t=0.0):
+    for k in range(n):
+        p.instance_ready(FN, f"w{k}", t)
+
+
+# ---------------------------------------------------------------------- from zero, unknown backlog
+
+
+def test_backlog_with_no_instance_scales_from_zero_within_one_tick():
+    p = policy()
+    feed(p, 0.0, 5.0, 0)
+    p.record(FN, 5.5, 1)  # one request left unacknowledged by an instance that died
+    d = p.decide(FN, 5.5)
+    assert d.current == 0 and d.place >= 1 and d.direction == "out"
+
+
+def test_unknown_backlog_holds_the_current_count():
+    p = policy(mode="eager")
+    ready(p, 3)
+    for t in (0.5, 1.0, 1.5, 2.0):
+        p.record(FN, t, None)  # consumer missing or misnamed
+        d = p.decide(FN, t)
+        assert (d.desired, d.place, d.retire) == (3, 0, [])
+        assert "unknown" in d.reason
+    assert p.instances(FN) == {"w0": "ready", "w1": "ready", "w2": "ready"}
+
+
+def test_unknown_backlog_with_stored_requests_and_no_instance_starts_exactly_one():
+    p = policy(mode="eager")
+    for t in (0.5, 1.0, 1.5):
+        p.record(FN, t, None, stored=40)
+        d = p.decide(FN, t)
+        if t == 0.5:
+            assert (d.desired, d.place) == (1, 1)
+            p.instance_starting(FN, "only", t)
+        else:
+            assert (d.desired, d.place, d.retire) == (1, 0, [])  # held at one, never the maximum
+
+
+def test_unknown_backlog_still_honours_min_instances():
+    p = policy(mode="eager", params=FunctionParams(target=1.0, min_instances=2, max_instances=8))
+    p.record(FN, 0.5, None)
+    d = p.decide(FN, 0.5)
+    assert (d.desired, d.place) == (2, 2)
+
+
+def test_bad_observations_are_clear_errors():
+    p = policy()
+    with pytest.raises(ValueError, match="backlog"):
+        p.record(FN, 1.0, -1)
+    with pytest.raises(KeyError, match="nope"):
+        p.record("nope", 1.0, 1)
+    with pytest.raises(ValueError, match="mode"):
+        HorizontalConfig(mode="sometimes")
+    with pytest.raises(ValueError, match="panic window"):
+        HorizontalConfig(stable_window_s=5.0, panic_window_s=10.0)
+    with pytest.raises(ValueError, match="target"):
+        FunctionParams(target=0.0)
+
+
+# ---------------------------------------------------------------------- lazy versus eager
+
+
+def test_lazy_waits_for_vertical_headroom_eager_does_not():
+    for mode, headroom, expect_place in (("lazy", 0.4, False), ("lazy", 0.0, True), ("eager", 0.4, True)):
+        p = policy(mode=mode, panic_window_s=3.0)
+        ready(p, 2)
+        ds = feed(p, 0.0, 2.0, 8, headroom=headroom)
+        assert any(d.place for d in ds) == expect_place, (mode, headroom)
+        if not expect_place:
+            assert "lazy" in ds[-1].reason
+
+
+def test_lazy_gives_up_on_headroom_that_is_never_used():
+    p = policy(mode="lazy", panic_window_s=2.0)
+    ready(p, 2)
+    ds = feed(p, 0.0, 5.0, 8, headroom=0.4)
+    first = next(d for d in ds if d.place)
+    assert 2.0 <= first.now_s <= 3.0  # after one panic window of holding
+    assert "unused" in first.reason
+
+
+# ---------------------------------------------------------------------- scale in and victims
+
+
+def test_scale_in_only_after_the_stable_window_stays_low_and_picks_idle_newest_first():
+    p = policy(mode="eager", stable_window_s=6.0, panic_window_s=1.0, keep_alive_s=1000.0)
+    ready(p, 2)
+    p.instance_ready(FN, "busy", 0.0)
+    p.instance_ready(FN, "new", 1.0)
+    p.instance_starting(FN, "cold", 2.0)
+    ds = feed(p, 0.0, 3.0, 5)
+    assert not any(d.retire for d in ds)
+    p.set_busy(FN, "busy", 0.9)
+    p.set_busy(FN, "w0", 0.2)
+    p.set_busy(FN, "w1", 0.1)
+    ds = feed(p, 3.0, 20.0, 1)
+    retired = [(d.now_s, i) for d in ds for i in d.retire]
+    assert retired and retired[0][0] > 3.0 + 0.5  # not on the first low sample
+    live_at = {d.now_s: d.current - len(d.retire) for d in ds}
+    assert live_at[4.0] >= 4 and live_at[5.0] >= 3  # down gradually, as the stable window empties
+    assert live_at[20.0] == 1
+    order = [i for _, i in retired]
+    assert order[0] == "cold"  # starting first
+    assert order.index("new") < order.index("w1") < order.index("w0")  # idle newest first
+    assert "busy" not in order  # the busy one keeps serving (target 1 in flight: 1 instance left)
+    assert p.instances(FN)["busy"] == "ready"
+
+
+def test_failed_retirement_is_counted_back():
+    p = policy(mode="eager", keep_alive_s=0.5)
+    ready(p, 2)
+    feed(p, 0.0, 1.0, 1)
+    ds = feed(p, 1.0, 10.0, 0)
+    victims = [i for d in ds for i in d.retire]
+    assert victims
+    p.retire_failed(FN, victims[0])
+    assert p.instances(FN)[victims[0]] == "ready"
+
+
+# ---------------------------------------------------------------------- keep-alive, pre-warm, zero
+
+
+def test_idle_function_keeps_one_instance_for_the_keep_alive_then_scales_to_zero():
+    p = policy(mode="eager", keep_alive_s=10.0)
+    ds = feed(p, 0.0, 3.0, 2)  # activity: scales out from zero
+    assert sum(d.place for d in ds) >= 2
+    for d in ds:
+        for _ in range(d.place):
+            p.instance_ready(FN, f"n{d.now_s}-{_}", d.now_s)
+    ds = feed(p, 3.0, 20.0, 0)
+    alive = [(d.now_s, d.desired) for d in ds]
+    assert all(n >= 1 for t, n in alive if t < 3.0 + 10.0)
+    zero = [d for d in ds if d.direction == "zero"]
+    assert len(zero) == 1 and 13.0 <= zero[0].now_s <= 13.5
+    assert all(n == 0 for t, n in alive if t > 13.5)
+    assert not any(d.breach for d in ds)  # idle: the old load in the windows is no burst
+    assert all(s == "draining" for s in p.instances(FN).values())
+
+
+def test_a_long_request_keeps_its_instance_past_the_keep_alive():
+    p = policy(mode="eager", keep_alive_s=10.0)
+    ready(p, 1)
+    ds = feed(p, 0.0, 60.0, 1)  # one request in flight for 60 s: backlog 1 throughout
+    assert not any(d.retire for d in ds)
+
+
+def test_histogram_windows_follow_the_head_and_tail_percentiles():
+    h = IdleTimeHistogram(bin_s=1.0, range_s=120.0, min_samples=10)
+    for k in range(40):
+        h.add(30.0 + (k % 3) * 0.4)  # idle times 30.0 .. 30.8 s
+    w = h.windows(fallback_keep_alive_s=600.0)
+    assert w.representative
+    assert w.prewarm_s == pytest.approx(30.0 * 0.9)
+    assert w.keep_alive_s == pytest.approx(31.0 * 1.1 - 27.0)
+
+
+def test_histogram_falls_back_to_the_fixed_keep_alive_when_not_representative():
+    few = IdleTimeHistogram(bin_s=1.0, range_s=120.0, min_samples=10)
+    for _ in range(5):
+        few.add(30.0)
+    flat = IdleTimeHistogram(bin_s=1.0, range_s=120.0, min_samples=10)
+    for k in range(240):
+        flat.add(k % 120 + 0.5)  # uniform over the range: CV 0
+    far = IdleTimeHistogram(bin_s=1.0, range_s=120.0, min_samples=10)
+    for _ in range(20):
+        far.add(1000.0)
+    for h in (few, flat, far):
+        assert h.windows(77.0) == IdleWindows(0.0, 77.0, False)
+    with pytest.raises(ValueError):
+        few.add(-1.0)
+
+
+def test_prewarm_unloads_after_use_and_loads_again_before_the_expected_arrival():
+    p = policy(mode="eager", idle_bin_s=1.0, idle_range_s=120.0, histogram_min_samples=5, keep_alive_s=600.0,
+               idle_grace_s=1.0)
+    ready(p, 1)
+    t = 0.0
+    for _ in range(8):  # a function invoked every ~20 s: busy 1 s, idle 20 s
+        feed(p, t, t + 1.0, 1)
+        feed(p, t + 1.0, t + 21.0, 0)
+        t += 21.0
+        for iid, state in p.instances(FN).items():
+            if state == "draining":
+                p.instance_retired(FN, iid)
+        if not p.instances(FN):
+            p.instance_ready(FN, f"r{t}", t)
+    w = p.idle_windows(FN)
+    assert w.representative and w.prewarm_s == pytest.approx(18.0)
+    feed(p, t, t + 1.0, 1)
+    ds = feed(p, t + 1.0, t + 21.0, 0)
+    zero = next(d for d in ds if d.direction == "zero")
+    assert zero.now_s - (t + 1.0) <= 1.5  # unloaded right after use (after the grace)
+    p.instance_retired(FN, zero.retire[0])
+    warm = next(d for d in ds if d.direction == "prewarm")
+    assert warm.place == 1 and 18.0 <= warm.now_s - (t + 1.0) <= 19.0  # back before the ~20 s arrival
+
+
+def test_never_invoked_function_is_not_prewarmed():
+    p = policy(mode="eager", keep_alive_s=5.0)
+    ds = feed(p, 0.0, 30.0, 0)
+    assert not any(d.place for d in ds)
+
+
+# ---------------------------------------------------------------------- burst-window breach
+
+
+def test_breach_when_load_exceeds_capacity_at_most_once_per_interval():
+    p = policy(mode="lazy", params=FunctionParams(target=2.0, max_instances=20, instance_rps=4.0))
+    ready(p, 2)
+    quiet = feed(p, 0.0, 3.0, 3, headroom=0.5)  # 3 in flight < 2 x 2: no breach
+    assert not any(d.breach for d in quiet)
+    hot = feed(p, 3.0, 6.0, 12, headroom=0.5)
+    breaches = [d.breach for d in hot if d.breach]
+    assert 2 <= len(breaches) <= 4  # one per panic window (1 s) over 3 s
+    b = next(b for b in breaches if b.panic)
+    assert b.window_s == 1.0 and b.capacity_rps == 8.0 and b.queue_depth == 12
+    assert b.rate_rps == pytest.approx(2.0)  # 1 arrival per 0.5 s tick
+
+
+# ---------------------------------------------------------------------- vertical headroom
+
+
+def test_vertical_headroom_counts_only_what_the_gpu_can_give():
+    gpus = {
+        0: [InstanceShare("a", "f", "latency-sensitive", 0.3, 0.3, 0.6),
+            InstanceShare("b", "g", "best-effort", 0.2, 0.2, 0.4),
+            InstanceShare("c", "h", "training", 0.5, 0.3, 0.6)],
+        1: [InstanceShare("d", "f", "latency-sensitive", 0.6, 0.3, 0.6)],
+    }
+    h = vertical_headroom(gpus)
+    assert h["f"] == pytest.approx(0.3)  # a: up to its limit, from be (0.2) + training above request (0.2)
+    assert h["h"] == pytest.approx(0.1)  # training: GPU full, up to its limit from best-effort
+    assert h["g"] == pytest.approx(0.0)
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.lists(st.tuples(st.floats(0, 50), st.booleans()), min_size=1, max_size=60),
+       st.integers(1, 10))
+def test_desired_stays_within_bounds_and_unknown_never_scales(samples, max_n):
+    p = policy(mode="eager", params=FunctionParams(target=1.0, max_instances=max_n))
+    t = 0.0
+    for backlog, known in samples:
+        t += 0.5
+        before = sum(1 for s in p.instances(FN).values() if s != "draining")
+        p.record(FN, t, backlog if known else None)
+        d = p.decide(FN, t)
+        assert 0 <= d.desired <= max_n
+        if not known:
+            assert d.desired == before and not d.place and not d.retire
+        if known and backlog >= 1:
+            assert d.desired >= 1
+        for k in range(d.place):
+            p.instance_starting(FN, f"i{t}-{k}", t)
