@@ -142,8 +142,8 @@ class _Machine:
         self._pending = None
         self._learn(trial, m)
 
-    def _learn(self, trial: Trial, m: Measurement) -> None:  # pragma: no cover - overridden
-        pass
+    def _learn(self, trial: Trial, m: Measurement) -> None:
+        """Hook for subclasses that update their state as each measurement arrives."""
 
 
 class TrainingSearch(_Machine):
@@ -164,17 +164,17 @@ class TrainingSearch(_Machine):
         self, grid_quotas: Sequence[float], batch: int = 1, threshold: float = 0.98, limit_threshold: float = 1.0
     ) -> None:
         super().__init__()
-        (self.quotas,) = _axes(grid_quotas) if grid_quotas and isinstance(grid_quotas[0], (int, float)) else (None,)
-        if self.quotas is None:
+        axes = _axes(grid_quotas)
+        if len(axes) != 1:
             raise ValueError("TrainingSearch takes one quota axis (a flat list of fractions)")
+        self.quotas = axes[0]
         if not 0 < threshold <= limit_threshold <= 1:
             raise ValueError(f"need 0 < threshold ≤ limit_threshold ≤ 1, got {threshold}, {limit_threshold}")
         self.batch = batch
         self.thresholds = (threshold, limit_threshold)
         self._phase = 0  # 0: request, 1: limit, 2: done
         self._lo, self._hi = -1, len(self.quotas) - 1
-        self._found: list[int] = []
-        self._full: float | None = None
+        self._found: list[int] = []  # request index, then limit index
 
     def _trial(self, i: int) -> Trial:
         return Trial((self.quotas[i],), self.batch)
@@ -209,9 +209,6 @@ class TrainingSearch(_Machine):
         else:
             self._lo = mid
 
-    def _learn(self, trial: Trial, m: Measurement) -> None:
-        pass  # next_trial consults the cache and steps the bounds
-
     def result(self) -> ProfileResult:
         """Raises RuntimeError before the search finished."""
         if self._phase < 2:
@@ -245,6 +242,10 @@ class InferenceSearch(_Machine):
     the full GPU (binary search over batches, latency assumed to grow with batch); the limit quota
     is the smallest setting along the SM axis (other axes at full) at which the burst batch meets
     the SLO (binary search, latency assumed to fall with quota). The limit is never below the request.
+
+    ``max_trials`` (optional) caps phase 1; phase 2 adds at most ⌈log2(batches + 1)⌉ +
+    ⌈log2(SM steps)⌉ trials, fewer when earlier measurements already imply the answer under the
+    monotone model (more quota or a smaller batch never raises latency).
 
     Raises NoFeasibleSetting from :meth:`result` when no measured setting met the SLO.
     """

@@ -41,6 +41,8 @@ from .surface import SurfaceBackend
 TRIALS = Counter("dilu_profiler_trials", "Measurements the profiler made", ["backend"])
 PROFILES = Counter("dilu_profiler_profiles", "Profiles produced", ["source"])  # search | cache
 FAILURES = Counter("dilu_profiler_failures", "Profiles that could not be produced", ["reason"])
+for _label in ("node", "surface"):  # export 0 before the first trial, so dashboards see the series
+    TRIALS.labels(_label)
 
 QUOTA_GRID = tuple(round(0.1 * i, 1) for i in range(1, 11))  # the A100 MPS grid: 10 % .. 100 %
 BATCH_GRID = (1, 2, 4, 8, 16, 32)

@@ -90,6 +90,8 @@ def replay(path: str | Path, nodes: int = 1000, gpus_per_node: int = 4, gpu_memo
             span += dt
         last_t = t
         if action == "start":
+            if name in cluster.instances:
+                raise WorkloadError(f"{path}: instance {name!r} started twice")
             t0 = time.perf_counter_ns()
             try:
                 gpus = cluster.choose(d)

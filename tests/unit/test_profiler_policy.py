@@ -251,3 +251,33 @@ def test_cli_profile_writes_choice_and_optimum(tmp_path):
     assert data["trials"] * 3 <= data["optimum"]["trials"]
     r = CliRunner().invoke(profile, ["--surface", str(path), "--slo-ms", "0.001"])
     assert r.exit_code != 0 and "no grid point meets" in r.output
+
+
+@given(
+    alpha=st.floats(0.2, 1.0), beta=st.floats(0.3, 1.0), slo_factor=st.floats(1.0, 20.0),
+    noise=st.lists(st.floats(-0.1, 0.1), min_size=60, max_size=60),
+)
+@settings(max_examples=150, deadline=None)
+def test_inference_search_always_terminates_with_a_measured_slo_meeting_best(alpha, beta, slo_factor, noise):
+    """On any noisy power-law surface: ends, never repeats a trial, answers the best measured
+    SLO-meeting point, and a limit setting whose burst batch was measured or implied to meet the SLO."""
+    quotas = [round(0.1 * i, 1) for i in range(1, 11)]
+    batches = [1, 2, 4, 8, 16, 32]
+
+    def answer(t):
+        i = quotas.index(t.setting[0]) * 6 + batches.index(t.batch)
+        lat = 10 * t.batch**alpha / t.quota**beta * (1 + noise[i])
+        return Measurement(latency_ms=lat, throughput_rps=t.batch / lat * 1000)
+
+    slo = 10 * slo_factor
+    search = InferenceSearch(batches, quotas, slo)
+    try:
+        res, proposed = drive(search, answer)
+    except NoFeasibleSetting:
+        assert all(answer(Trial((q,), b)).latency_ms > slo for q in quotas for b in batches[:1] if q == 1.0)
+        return
+    assert len(proposed) <= 60
+    ok = [t for t in proposed if answer(t).latency_ms <= slo]
+    best = max(answer(t).throughput_rps / t.quota for t in ok)
+    assert res.te == pytest.approx(best)
+    assert res.limit_quota >= res.request_quota and res.burst_batch in batches
