@@ -21,6 +21,8 @@
  *   - DILU_FAKE_DEFAULT_US (default 100).
  * Width: CUDA_MPS_ACTIVE_THREAD_PERCENTAGE (percent, default 100), read at cuInit.
  * SMs: DILU_FAKE_GPU_SMS (default 108); the first process to create the GPU segment fixes it.
+ * Queue depth: DILU_FAKE_QUEUE_DEPTH ops per stream (default 1024); a launch into a full stream
+ * waits, as with a real driver's push buffer.
  */
 #define _GNU_SOURCE
 #include <errno.h>
@@ -366,6 +368,7 @@ struct stream {
     pthread_cond_t cv;
     struct op *head, *tail;
     int running, stop;
+    long depth; /* ops queued */
     uint64_t last_end;
     struct graph *capture;
     struct stream *next_in_ctx;
@@ -383,6 +386,7 @@ static int g_inited;
 static struct ctx *g_primary;
 static struct kfunc *g_funcs;
 static double g_default_us = 100.0;
+static long g_queue_depth = 1024; /* DILU_FAKE_QUEUE_DEPTH */
 static __thread struct ctx *t_ctx;
 
 static void *worker(void *arg)
@@ -396,6 +400,7 @@ static void *worker(void *arg)
         if (!s->head && s->stop)
             break;
         struct op *op = s->head;
+        s->depth--;
         s->head = op->next;
         if (!s->head)
             s->tail = NULL;
@@ -464,6 +469,10 @@ static struct stream *resolve(CUstream h)
 
 static void enqueue(struct stream *s, struct op *op)
 {
+    /* like a real push buffer: a full queue makes the launch wait (g_mu is held by callers) */
+    while (s->depth >= g_queue_depth)
+        pthread_cond_wait(&g_done, &g_mu);
+    s->depth++;
     op->submit_ns = now_ns();
     op->next = NULL;
     if (s->tail)
@@ -497,6 +506,9 @@ static void init_once(void)
     const char *d = getenv("DILU_FAKE_DEFAULT_US");
     if (d && atof(d) > 0)
         g_default_us = atof(d);
+    const char *q = getenv("DILU_FAKE_QUEUE_DEPTH");
+    if (q && atol(q) > 0)
+        g_queue_depth = atol(q);
     g_pid = (uint32_t)getpid();
     if (!g_gpu)
         gpu_open();

@@ -137,6 +137,7 @@ static void *lookup_wrapper(void *real)
 struct cost {
     uintptr_t key; /* CUfunction or CUgraphExec */
     double us;     /* EWMA of measured busy µs */
+    double first[3];
     uint32_t samples, pending;
     uint64_t launches;
 };
@@ -154,7 +155,7 @@ static struct {
     pthread_mutex_t mu;
     /* configuration */
     uint64_t width_ppm, request_ppm, min_ppm;
-    double burst_us, default_cost_us, cycle_gap_ns;
+    double burst_us, default_cost_us, cycle_gap_ns, max_gap_us;
     uint32_t sample_every;
     const char *cb_path;
     /* control block */
@@ -340,6 +341,31 @@ static struct cost *cost_of(uintptr_t key)
     return NULL; /* table crowded: the caller uses the global estimate */
 }
 
+static double median3(double a, double b, double c)
+{
+    return a > b ? (b > c ? b : (a > c ? c : a)) : (a > c ? a : (b > c ? c : b));
+}
+
+/* Folds one measured duration into the key's estimate; returns the value to charge for it.
+ * The first three samples give their median (a host hiccup inflates one, not the estimate);
+ * later ones move an EWMA (1/8), each clamped to [est/2, 2 est] so an outlier moves it a little
+ * while a real change still gets there in a few samples. */
+static double learn(struct cost *c, double us)
+{
+    if (c->samples < 3) {
+        c->first[c->samples++] = us;
+        c->us = c->samples == 1 ? us
+              : c->samples == 2 ? fmin(c->first[0], c->first[1])
+                                : median3(c->first[0], c->first[1], c->first[2]);
+        return us < 2.0 * c->us ? us : 2.0 * c->us;
+    }
+    double lo = c->us / 2.0, hi = c->us * 2.0;
+    us = us < lo ? lo : us > hi ? hi : us;
+    c->us += (us - c->us) / 8.0;
+    c->samples++;
+    return us;
+}
+
 /* Collects finished timing samples: EWMA per key, true-up of the tokens. Under S.mu. */
 static void poll_samples(uint64_t now)
 {
@@ -361,13 +387,15 @@ static void poll_samples(uint64_t now)
              * kernel starts only after the launch call arrives: that host gap is not GPU-busy
              * time. Two start events recorded back to back measure about the same gap (zero when
              * the stream was busy: both are stamped when earlier work ends), so subtract it. */
-            double us = ((double)ms - (gap_ms > 0.0f ? (double)gap_ms : 0.0)) * 1000.0;
-            if (us < 0.0)
-                us = 0.0;
-            if (c) {
-                c->us = c->samples == 0 ? us : c->us + (us - c->us) / 8.0;
-                c->samples++;
+            double gap_us = gap_ms > 0.0f ? (double)gap_ms * 1000.0 : 0.0;
+            double us = (double)ms * 1000.0 - gap_us;
+            if (gap_us > S.max_gap_us || us <= 0.0) { /* host preempted between the records */
+                if (c && c->pending)
+                    c->pending--;
+                goto drop;
             }
+            if (c)
+                us = learn(c, us);
             S.global_cost_us += (us - S.global_cost_us) / 16.0;
             double fix = us - s->charged_us; /* true-up: charge what the launch really used */
             S.tokens -= fix;
@@ -378,6 +406,7 @@ static void poll_samples(uint64_t now)
         }
         if (c && c->pending)
             c->pending--;
+    drop:
         r_event_destroy(s->start0);
         r_event_destroy(s->start);
         r_event_destroy(s->end);
@@ -409,14 +438,15 @@ static int admit(uintptr_t key, double *charged)
     refresh_grant(now);
     refill(now);
     poll_samples(now);
-    if (S.rate >= 1.0) { /* q >= w: the kernels may keep the device busy all the time */
-        if (S.tokens < -S.burst_us)
-            S.tokens = -S.burst_us;
-    } else if (S.tokens < 0.0) {
+    /* q >= w: the kernels may keep the device busy all the time, so let the launches run up
+     * to a burst ahead (estimation error must not idle the device); the debt still bounds the
+     * queued work, which keeps a later, lower grant quick to take effect */
+    double floor_us = S.rate >= 1.0 ? -S.burst_us : 0.0;
+    if (S.tokens < floor_us) {
         uint64_t t0 = now;
         S.throttled++;
-        while (S.tokens < 0.0) {
-            double need_ns = -S.tokens / S.rate * 1000.0 + 1000.0;
+        while (S.tokens < (floor_us = S.rate >= 1.0 ? -S.burst_us : 0.0)) {
+            double need_ns = (floor_us - S.tokens) / S.rate * 1000.0 + 1000.0;
             int64_t wait = need_ns > 1e9 ? 1000000000ll : (int64_t)need_ns; /* re-check each s */
             struct dilu_cb *cb = S.cb;
             uint32_t epoch = cb ? dilu_load_u32(&cb->grant_epoch) : 0;
@@ -447,7 +477,7 @@ static int admit(uintptr_t key, double *charged)
     int sample = 0;
     if (c) {
         c->launches++;
-        sample = (c->samples + c->pending < 4 || c->launches % S.sample_every == 0) &&
+        sample = (c->samples + c->pending < 3 || c->launches % S.sample_every == 0) &&
                  S.npending < MAX_PENDING && r_event_create;
         if (sample)
             c->pending++;
@@ -637,6 +667,9 @@ static void init(void)
     S.burst_us = env_f("DILU_BURST_US", 2000.0);
     S.cycle_gap_ns = env_f("DILU_CYCLE_GAP_US", 1000.0) * 1000.0;
     S.default_cost_us = env_f("DILU_DEFAULT_COST_US", 100.0);
+    /* two back-to-back event records land within a few µs; a wider gap means the host thread
+     * was preempted in between and the sample says nothing about the kernel */
+    S.max_gap_us = env_f("DILU_SAMPLE_MAX_GAP_US", 20.0);
     S.global_cost_us = S.default_cost_us;
     double every = env_f("DILU_SAMPLE_EVERY", 128.0);
     S.sample_every = every >= 1.0 ? (uint32_t)every : 128;
