@@ -68,6 +68,26 @@ class Demand:
             raise ValueError(f"{self.function}: bad memory {self.memory_bytes} or gpus {self.gpus}")
 
 
+ALLOCATIONS = ("dilu", "static-mps", "exclusive")
+
+
+def allocation_quotas(allocation: str, request_quota: float, limit_quota: float) -> tuple[float, float]:
+    """(request, limit) quotas an instance is placed with under an allocation policy.
+
+    ``dilu``: the profile's request and limit (limit >= request; the instance bursts between them
+    through tokens). ``static-mps``: a fixed slice at the request quota, no burst (FaST-GShare-like
+    static MPS partitions). ``exclusive``: a whole GPU per instance (request = limit = 1).
+    Raises ValueError for an unknown allocation.
+    """
+    if allocation == "dilu":
+        return request_quota, max(limit_quota, request_quota)
+    if allocation == "static-mps":
+        return request_quota, request_quota
+    if allocation == "exclusive":
+        return 1.0, 1.0
+    raise ValueError(f"unknown allocation {allocation!r}; choose from {', '.join(ALLOCATIONS)}")
+
+
 @dataclass(frozen=True)
 class Slot:
     """One GPU: ``node`` name and ``gpu`` index on that node."""

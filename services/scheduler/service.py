@@ -48,7 +48,7 @@ from dilu.contracts.events import (
 )
 
 from ..common.bus import Bus
-from .policy import Cluster, Demand, NoCapacity, Slot
+from .policy import Cluster, Demand, NoCapacity, Slot, allocation_quotas
 
 GB = 10**9
 PLACEMENTS = Counter("dilu_scheduler_placements", "Instances placed", ["function"])
@@ -82,7 +82,9 @@ class SchedulerService:
     name = "scheduler"
 
     def __init__(self, nodes: list[str], gpus: int = 4, gpu_memory_bytes: int = 40 * GB, gamma: float = 1.5,
-                 defrag_interval_s: float = 0.0) -> None:
+                 defrag_interval_s: float = 0.0, allocation: str = "dilu") -> None:
+        allocation_quotas(allocation, 0.5, 0.5)  # reject an unknown allocation at start
+        self.allocation = allocation
         self.defrag_interval_s = defrag_interval_s
         self._defrag_task: asyncio.Task | None = None
         self.cluster_args = (list(nodes), gpus, gpu_memory_bytes, gamma)
@@ -227,8 +229,8 @@ class SchedulerService:
             if profile is None:
                 return self._refuse(PlaceReply, "no-profile",
                                     f"function {req.function!r} has no profile yet; retry after its ProfileReady")
-            demand = Demand(function=spec.name, request_quota=profile.request_quota,
-                            limit_quota=max(profile.limit_quota, profile.request_quota),
+            request, limit = allocation_quotas(self.allocation, profile.request_quota, profile.limit_quota)
+            demand = Demand(function=spec.name, request_quota=request, limit_quota=limit,
                             memory_bytes=spec.memory_bytes, kind=spec.kind)
             placed: list[Placement] = []
             for _ in range(req.count):
