@@ -20,7 +20,10 @@ setup(
     package_dir=package_dir,
     package_data={
         "dilu.interceptor": ["*.h", "*.c", "Makefile"],
-        "dilu.loadgen": ["data/**/*", "data/*"],
+        "dilu.loadgen": ["data/*/*", "data/*"],
         "dilu.contracts": ["schema/*.json"],
+        "dilu.services.common": ["surfaces/*/*.csv", "surfaces/*.md"],
+        "dilu.services.profiler": ["surfaces/*/*.csv", "surfaces/*.md"],
+        "dilu.services.scheduler": ["workloads/*.txt", "workloads/*.md"],
     },
 )

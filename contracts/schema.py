@@ -5,6 +5,7 @@ checked-in schema drifted from the types (a test runs the same comparison).
 """
 from __future__ import annotations
 
+import inspect
 import json
 import sys
 from pathlib import Path
@@ -16,11 +17,21 @@ from .events import EVENT_TYPES
 SCHEMA_DIR = Path(__file__).parent / "schema"
 
 
+def _clean(node):
+    """Descriptions through ``inspect.cleandoc``: msgspec versions differ in how they dedent
+    docstrings, and the checked-in schema must not depend on which one is installed."""
+    if isinstance(node, dict):
+        return {k: inspect.cleandoc(v) if k == "description" and isinstance(v, str) else _clean(v) for k, v in node.items()}
+    if isinstance(node, list):
+        return [_clean(v) for v in node]
+    return node
+
+
 def schemas() -> dict[str, str]:
     """File name -> JSON Schema text (sorted keys, 2-space indent, trailing newline)."""
     out = {}
     for kind in EVENT_TYPES:
-        doc = msgspec.json.schema(kind)
+        doc = _clean(msgspec.json.schema(kind))
         out[f"{kind.__name__}.json"] = json.dumps(doc, indent=2, sort_keys=True) + "\n"
     return out
 
