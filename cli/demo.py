@@ -90,6 +90,13 @@ def build_plan(opts: RunOptions, run_id: str):
     return plan, chosen
 
 
+def scaler_windows(speedup: float) -> list[str]:
+    """Horizontal-scaler windows on the compressed timescale: the trace-time defaults (stable
+    window 60 s, keep-alive 10 min, idle-histogram bins of 1 min) divided by ``speedup``."""
+    return ["--stable-window-s", f"{max(1.0, 60.0 / speedup):g}", "--keep-alive-s", f"{600.0 / speedup:g}",
+            "--idle-bin-s", f"{max(0.1, 60.0 / speedup):g}"]
+
+
 def run_facts(facts: dict) -> report.RunFacts:
     """The cluster's scraped counters (:func:`cluster_facts`) as the report's RunFacts."""
     per_fn = {fn: report.FunctionFacts(instance_launches=f.get("instance_launches", 0),
@@ -145,7 +152,8 @@ async def run_once(opts: RunOptions, policy: str, console: Console, stop: asynci
     log_dir = Path(opts.log_dir or tempfile.mkdtemp(prefix="dilu-logs-")) / policy
     console.print(f"[bold]policy {policy}[/bold]: {len(plan.functions)} functions carrying "
                   f"{plan.share:.1%} of the span's {plan.span_invocations} invocations; logs in {log_dir}")
-    cluster = Cluster(log_dir=log_dir, policy=policy, gpus=opts.gpus, nats_url=opts.nats_url)
+    cluster = Cluster(log_dir=log_dir, policy=policy, gpus=opts.gpus, nats_url=opts.nats_url,
+                      extra_args={"horizontal_scaler": scaler_windows(opts.speedup)})
     await asyncio.to_thread(cluster.start)
     try:
         result, specs = await _replay(opts, cluster, plan, chosen, console, stop)

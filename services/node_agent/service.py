@@ -48,6 +48,8 @@ REACTION_MS = Gauge("dilu_vertical_reaction_ms", "Stretch detected -> grant writ
 
 READY_TIMEOUT_S = 180.0
 DRAIN_TIMEOUT_S = 25.0
+MAX_RESTARTS = 3
+RESTART_DELAY_S = 1.0
 
 
 @dataclass
@@ -110,6 +112,7 @@ class NodeAgent:
         self._trial_lock = asyncio.Lock()
         self._started = False
         self._reaction = HdrHistogram(1, 60_000_000, 3)  # µs
+        self._restarts: dict[str, int] = {}
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -254,6 +257,19 @@ class NodeAgent:
         if inst.state != "draining" and not self._stopping:
             self.log.warning("instance exited unexpectedly", instance=p.instance_id, exit_code=code)
             await self._finish(inst, "crashed", code)
+            await self._relaunch(p)
+
+    async def _relaunch(self, p: ev.Placement) -> None:
+        """A crashed instance keeps its placement: launch it again (the table still says so),
+        at most ``MAX_RESTARTS`` times, after ``RESTART_DELAY_S``."""
+        n = self._restarts.get(p.instance_id, 0) + 1
+        self._restarts[p.instance_id] = n
+        if n > MAX_RESTARTS:
+            self.log.error("instance keeps crashing; not relaunched", instance=p.instance_id, restarts=n - 1)
+            return
+        await asyncio.sleep(RESTART_DELAY_S)
+        if not self._stopping and p.instance_id not in self.instances:
+            await self._launch(p)
 
     async def _retire(self, inst: ManagedInstance, reason: str) -> None:
         """Drain: SIGTERM (the instance finishes its batch and stops pulling), SIGKILL after
