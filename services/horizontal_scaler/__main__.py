@@ -26,14 +26,17 @@ from .service import HorizontalScaler
               help="in-flight requests per instance for every function (0: each profile's batch size)")
 @click.option("--headroom-min", type=click.FloatRange(0, 8), default=0.05, show_default=True,
               help="lazy: vertical headroom (quota) below which it counts as used up")
+@click.option("--lazy-max-hold-s", type=click.FloatRange(0, 3600), default=0.0, show_default=True,
+              help="lazy: scale out anyway after headroom stayed unused this long (0: one panic window)")
 @click.option("--metrics-port", type=int, default=0, show_default=True, envvar="DILU_METRICS_PORT")
 @click.option("--log-level", default="info", show_default=True)
 def main(nats_url, mode, tick_ms, stable_window_s, panic_window_pct, panic_threshold, keep_alive_s, idle_bin_s,
-         target, headroom_min, metrics_port, log_level):
+         target, headroom_min, lazy_max_hold_s, metrics_port, log_level):
     """Run the horizontal scaler: backlog, burst windows and headroom in, placements and retirements out."""
     config = HorizontalConfig(mode=mode, stable_window_s=stable_window_s, panic_window_pct=panic_window_pct,
                               panic_threshold=panic_threshold, keep_alive_s=keep_alive_s, idle_bin_s=idle_bin_s,
-                              idle_range_s=idle_bin_s * 240, headroom_min=headroom_min)
+                              idle_range_s=idle_bin_s * 240, headroom_min=headroom_min,
+                              lazy_max_hold_s=lazy_max_hold_s)
     scaler = HorizontalScaler(config, tick_s=tick_ms / 1000.0, target=target)
     run(scaler, nats_url, metrics_port=metrics_port, log_level=log_level)
 

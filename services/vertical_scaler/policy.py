@@ -15,8 +15,10 @@ The rules, in order of strength:
 3. **Pressure first.** A kernel-cycle stretch (``ratio ≥ stretch_ratio``) or SLO pressure
    (``latency_ms_recent > slo_pressure × slo_ms``) of a latency-sensitive instance raises it to its
    limit at once; the share comes from best-effort, then training (down to its request), then the
-   extras of other latency-sensitive instances: allocation above the floors runs in tier order
-   pressured-LS → LS → training → best-effort, so lower tiers absorb the shortfall.
+   extras of other latency-sensitive instances: allocation above the floors runs in the order
+   pressured LS (to its limit) → best-effort (to its request) → LS → training → best-effort (their
+   wants), so lower tiers absorb the shortfall, and best-effort goes below its request only for
+   an instance under pressure.
 4. **AIMD recovery.** On a pressure signal the ceilings of the GPU's training and best-effort
    instances are cut multiplicatively (× ``decrease_factor``, at most once per
    ``decrease_interval_ms``, like TCP's once per round trip); without pressure they recover
