@@ -20,9 +20,13 @@ def configure(service: str, level: str = "info") -> structlog.stdlib.BoundLogger
         ],
         wrapper_class=structlog.make_filtering_bound_logger(lvl),
         logger_factory=structlog.WriteLoggerFactory(file=sys.stderr),
-        cache_logger_on_first_use=True,
+        # loggers bound before configure() (e.g. in a service's constructor) must follow it
+        cache_logger_on_first_use=False,
     )
     return structlog.get_logger().bind(service=service)
+
+
+configure("dilu")  # JSON from the first line on, even for loggers made before a service configures
 
 
 def get(service: str = "") -> structlog.stdlib.BoundLogger:

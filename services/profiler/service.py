@@ -95,16 +95,32 @@ class _SurfaceAsync:
         return m
 
 
+# A live request waits for the batch ahead of it before its own batch runs, so a setting is
+# accepted when its batch latency fits half the SLO (the usual batching budget, e.g. Clipper,
+# NSDI 2017; INFless, ASPLOS 2022). ``dilu profile --surface`` searches the SLO itself.
+QUEUEING_BUDGET = 0.5
+# The limit quota is where the burst batch gets this fraction of its full-GPU throughput: beyond
+# the knee more SMs buy little, below it a burst is slowed by its own quota.
+LIMIT_KNEE = 0.9
+
+
 def search_for(spec: FunctionSpec, stop_threshold: float = 0.15):
     """The search for ``spec``: training -> TrainingSearch at its largest batch; inference ->
-    InferenceSearch at the spec's SLO (default: 5 × batch-1 full-GPU latency). Batches up to
-    ``spec.max_batch``. Raises KeyError for an unknown model."""
+    InferenceSearch with batch latency within ``QUEUEING_BUDGET`` x the spec's SLO (default SLO:
+    5 × batch-1 full-GPU latency). Batches up to ``spec.max_batch``. Raises KeyError for an
+    unknown model."""
     models.model(spec.model)
     batches = [b for b in BATCH_GRID if b <= max(1, spec.max_batch)]
     if spec.kind == "training":
         return TrainingSearch(QUOTA_GRID, batch=batches[-1])
     slo = spec.slo_ms or models.default_slo_ms(spec.model)
-    return InferenceSearch(batches, QUOTA_GRID, slo, stop_threshold=stop_threshold)
+    return InferenceSearch(batches, QUOTA_GRID, slo * QUEUEING_BUDGET, stop_threshold=stop_threshold)
+
+
+def knee_search_for(burst_batch: int) -> TrainingSearch:
+    """The binary search for the limit knee: the smallest quota at which ``burst_batch`` reaches
+    ``LIMIT_KNEE`` x its full-GPU throughput (the training search's rule, reused)."""
+    return TrainingSearch(QUOTA_GRID, batch=max(1, burst_batch), threshold=LIMIT_KNEE, limit_threshold=LIMIT_KNEE)
 
 
 def cache_key(spec: FunctionSpec) -> tuple:
@@ -205,7 +221,14 @@ class ProfilerService:
             backend = NodeTrialBackend(self.bus, self.node, spec.model, self.repeats, self.trial_timeout_s)
         while (trial := search.next_trial()) is not None:
             search.record(trial, await backend.run(trial))
-        self.trials += backend.trials
         result = search.result()
+        limit = result.limit_quota
+        if spec.kind == "inference":  # room to burst vertically: up to the burst batch's knee
+            knee = knee_search_for(result.burst_batch or result.batch_size)
+            while (trial := knee.next_trial()) is not None:
+                knee.record(trial, await backend.run(trial))
+            limit = max(limit, knee.result().request_quota)
+        self.trials += backend.trials
         name = "surface" if self.backend == "surface" else "emulated"
-        return msgspec.structs.replace(result.to_profile(spec.name, name), trials=backend.trials)
+        return msgspec.structs.replace(result.to_profile(spec.name, name), trials=backend.trials,
+                                       limit_quota=max(limit, result.request_quota))
