@@ -23,7 +23,11 @@ from dilu.services.common.natsserver import EmbeddedNats, free_port
 STOP_TIMEOUT_S = 28.0
 READY_TIMEOUT_S = 90.0
 
-# --policy -> the knobs of each service it sets (README "Policies" explains them)
+# --policy -> the knobs of each service it sets:
+# dilu            placement by request/limit, tokens resized by the vertical scaler, lazy horizontal
+# horizontal-only same placement, quotas fixed at the request, horizontal scaling on load alone
+# static-mps      fixed MPS-like slices at the request quota (no bursting), horizontal on load
+# exclusive       a whole GPU per instance, no token pacing, horizontal on load
 POLICIES: dict[str, dict[str, list[str]]] = {
     "dilu": {
         "vertical_scaler": ["--mode", "dilu"],
@@ -38,13 +42,13 @@ POLICIES: dict[str, dict[str, list[str]]] = {
         "node_agent": ["--initial-grant", "request"],
     },
     "static-mps": {
-        "vertical_scaler": ["--mode", "static"],
+        "vertical_scaler": ["--mode", "static-limit"],
         "horizontal_scaler": ["--mode", "eager"],
         "scheduler": ["--policy", "static-mps"],
         "node_agent": ["--initial-grant", "request"],
     },
     "exclusive": {
-        "vertical_scaler": ["--mode", "static"],
+        "vertical_scaler": ["--mode", "off"],
         "horizontal_scaler": ["--mode", "eager"],
         "scheduler": ["--policy", "exclusive"],
         "node_agent": ["--initial-grant", "limit"],

@@ -132,7 +132,7 @@ def catalogue_capacity(
     batches: Iterable[int] = (1, 2, 4, 8, 16, 32),
     queueing_factor: float = 2.0,
 ) -> Callable[[str], float]:
-    """``capacity_rps(model)`` from a model catalogue such as ``dilu.services.profiler.models``:
+    """``capacity_rps(model)`` from a model catalogue such as ``dilu.services.common.models``:
     ``latency_ms(model, batch, sm_fraction)`` (request latency in ms of a batch alone on a GPU at
     SM share ``sm_fraction`` 0..1) and ``default_slo_ms(model)``.
 

@@ -16,12 +16,11 @@ Documented constants (the sources of the defaults):
 """
 from __future__ import annotations
 
+import bisect
 import csv
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
-
-import numpy as np
 
 SURFACES = Path(__file__).parent / "surfaces"
 MEMORY_FIXED_BYTES = int(1.5 * 2**30)
@@ -59,31 +58,44 @@ def spec(model: str) -> ModelSpec:
 
 
 @lru_cache(maxsize=None)
-def _grid(model: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(batches, widths 0..1, step latency ms [batch x width]) from the model's surface CSV."""
+def _grid(model: str) -> tuple[tuple[float, ...], tuple[float, ...], dict[tuple[float, float], float]]:
+    """(batches, widths 0..1, {(batch, width): step latency ms}) from the model's surface CSV.
+
+    Plain Python (no numpy): instances import this, and their start is part of every cold start.
+    """
     path = SURFACES / spec(model).surface
-    rows = list(csv.DictReader(path.open()))
-    batches = np.array(sorted({float(r["batch"]) for r in rows}))
-    widths = np.array(sorted({float(r["sm_percent"]) / 100.0 for r in rows}))
-    lat = np.full((len(batches), len(widths)), np.nan)
-    for r in rows:
-        i = int(np.searchsorted(batches, float(r["batch"])))
-        j = int(np.searchsorted(widths, float(r["sm_percent"]) / 100.0))
-        lat[i, j] = float(r["latency_s"]) * 1000.0
-    if np.isnan(lat).any():
+    table: dict[tuple[float, float], float] = {}
+    for r in csv.DictReader(path.open()):
+        table[(float(r["batch"]), round(float(r["sm_percent"]) / 100.0, 6))] = float(r["latency_s"]) * 1000.0
+    batches = tuple(sorted({b for b, _ in table}))
+    widths = tuple(sorted({w for _, w in table}))
+    if len(table) != len(batches) * len(widths):
         raise ValueError(f"{path}: surface has holes (every batch x sm_percent must be measured)")
-    return batches, widths, lat
+    return batches, widths, table
+
+
+def _bracket(axis: tuple[float, ...], x: float) -> tuple[float, float, float]:
+    """Grid values (lo, hi) around ``x`` (clamped to the axis) and the weight of ``hi``."""
+    x = min(max(x, axis[0]), axis[-1])
+    j = min(bisect.bisect_left(axis, x), len(axis) - 1)
+    if axis[j] == x or j == 0:
+        return axis[j], axis[j], 0.0
+    lo, hi = axis[j - 1], axis[j]
+    return lo, hi, (x - lo) / (hi - lo)
 
 
 def step_latency_ms(model: str, batch: int, width: float) -> float:
-    """Latency (ms) of one step of a batch of ``batch`` at SM width ``width`` (0 < width <= 1)."""
+    """Latency (ms) of one step of a batch of ``batch`` at SM width ``width`` (0 < width <= 1):
+    bilinear in (batch, width) on the measured grid, scaled outside it as the module doc says.
+    Raises ValueError for batch < 1 or width outside (0, 1]; KeyError for an unknown model."""
     if batch < 1 or not 0 < width <= 1.0 + 1e-9:
         raise ValueError(f"batch must be >= 1 and width in (0, 1], got batch={batch} width={width}")
-    batches, widths, lat = _grid(model)
-    w = min(max(width, widths[0]), widths[-1])
-    b = min(float(batch), batches[-1])
-    per_b = np.array([np.interp(w, widths, lat[i]) for i in range(len(batches))])
-    value = float(np.interp(b, batches, per_b))
+    batches, widths, table = _grid(model)
+    b0, b1, wb = _bracket(batches, float(batch))
+    s0, s1, ws = _bracket(widths, width)
+    low = table[(b0, s0)] * (1 - ws) + table[(b0, s1)] * ws
+    high = table[(b1, s0)] * (1 - ws) + table[(b1, s1)] * ws
+    value = low * (1 - wb) + high * wb
     if batch > batches[-1]:
         value *= batch / batches[-1]
     if width < widths[0]:
@@ -104,6 +116,11 @@ def throughput_rps(model: str, batch: int, width: float) -> float:
 def default_slo_ms(model: str) -> float:
     """5 x the request latency at batch 1 on a full GPU."""
     return DEFAULT_SLO_FACTOR * latency_ms(model, 1, 1.0)
+
+
+def model(name: str) -> ModelSpec:
+    """Alias of :func:`spec` (the profiler's name for it)."""
+    return spec(name)
 
 
 def weight_bytes(model: str) -> int:

@@ -28,6 +28,8 @@ from .service import HorizontalScaler
               help="lazy: vertical headroom (quota) below which it counts as used up")
 @click.option("--lazy-max-hold-s", type=click.FloatRange(0, 3600), default=0.0, show_default=True,
               help="lazy: scale out anyway after headroom stayed unused this long (0: one panic window)")
+@click.option("--max-scale-up-rate", type=click.FloatRange(1.01, 10_000), default=1000.0, show_default=True,
+              help="at most this many times the ready instances per decision (Knative's max-scale-up-rate)")
 @click.option("--metrics-port", type=int, default=0, show_default=True, envvar="DILU_METRICS_PORT")
 @click.option("--log-level", default="info", show_default=True)
 def main(nats_url, mode, tick_ms, stable_window_s, panic_window_pct, panic_threshold, keep_alive_s, idle_bin_s,

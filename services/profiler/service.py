@@ -34,9 +34,9 @@ from dilu.contracts.events import (
 )
 
 from ..common.bus import Bus
-from . import models
+from dilu.services.common import models
 from .policy import InferenceSearch, Measurement, NoFeasibleSetting, TrainingSearch, Trial
-from .surface import SurfaceBackend
+from .surface import SurfaceBackend, model_surface
 
 TRIALS = Counter("dilu_profiler_trials", "Measurements the profiler made", ["backend"])
 PROFILES = Counter("dilu_profiler_profiles", "Profiles produced", ["source"])  # search | cache
@@ -82,7 +82,7 @@ class _SurfaceAsync:
     """The recorded-surface backend behind the same async interface."""
 
     def __init__(self, model: str) -> None:
-        self.inner = SurfaceBackend(models.surface(model))
+        self.inner = SurfaceBackend(model_surface(model))
 
     @property
     def trials(self) -> int:

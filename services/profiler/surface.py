@@ -19,11 +19,14 @@ import csv
 import math
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from functools import lru_cache
 from pathlib import Path
+
+from dilu.services.common import models
 
 from .policy import Measurement, Trial
 
-SURFACES_DIR = Path(__file__).parent / "surfaces"
+SURFACES_DIR = models.SURFACES  # the measured files, shared with the emulated GPU
 A100_HEADER = ("batch", "sm_percent", "latency_s", "throughput_rps")
 V100_HEADER = ("batch", "sm_percent", "time_quota_percent", "latency_ms")
 
@@ -177,3 +180,11 @@ def run_search(search, backend: SurfaceBackend):
 def iter_surfaces(paths: Iterable[Path] | None = None) -> Iterable[Surface]:
     for p in paths if paths is not None else surface_files():
         yield load_surface(p)
+
+
+@lru_cache(maxsize=None)
+def model_surface(name: str) -> Surface:
+    """A catalogue model's A100 surface as request latency (a generative model's request is
+    ``steps_per_request`` decode steps). Raises KeyError for an unknown model."""
+    info = models.spec(name)
+    return load_surface(SURFACES_DIR / info.surface, tokens_per_request=info.steps_per_request)

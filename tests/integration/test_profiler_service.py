@@ -21,7 +21,7 @@ from dilu.contracts.events import (
     TrialRequest,
 )
 from dilu.services.common.runner import serve
-from dilu.services.profiler import models
+from dilu.services.common import models
 from dilu.services.profiler.service import ProfilerService
 
 pytestmark = pytest.mark.nats

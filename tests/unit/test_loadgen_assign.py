@@ -103,7 +103,7 @@ def test_catalogue_capacity_plugs_a_latency_model_in():
 
 
 def test_catalogue_capacity_with_the_platform_catalogue_when_present():
-    models = pytest.importorskip("dilu.services.profiler.models")
+    from dilu.services.common import models
     cap = catalogue_capacity(models.latency_ms, models.default_slo_ms)
     got = {m: cap(m) for m in MODELS}
     # the A100 surfaces: the 7B LLM serves tens of requests/s, ResNet152 hundreds

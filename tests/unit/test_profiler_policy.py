@@ -10,7 +10,7 @@ from click.testing import CliRunner
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dilu.services.profiler import models
+from dilu.services.common import models
 from dilu.services.profiler.cli import profile
 from dilu.services.profiler.policy import (
     InferenceSearch,
