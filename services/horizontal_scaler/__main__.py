@@ -33,12 +33,12 @@ from .service import HorizontalScaler
 @click.option("--metrics-port", type=int, default=0, show_default=True, envvar="DILU_METRICS_PORT")
 @click.option("--log-level", default="info", show_default=True)
 def main(nats_url, mode, tick_ms, stable_window_s, panic_window_pct, panic_threshold, keep_alive_s, idle_bin_s,
-         target, headroom_min, lazy_max_hold_s, metrics_port, log_level):
+         target, headroom_min, lazy_max_hold_s, max_scale_up_rate, metrics_port, log_level):
     """Run the horizontal scaler: backlog, burst windows and headroom in, placements and retirements out."""
     config = HorizontalConfig(mode=mode, stable_window_s=stable_window_s, panic_window_pct=panic_window_pct,
                               panic_threshold=panic_threshold, keep_alive_s=keep_alive_s, idle_bin_s=idle_bin_s,
                               idle_range_s=idle_bin_s * 240, headroom_min=headroom_min,
-                              lazy_max_hold_s=lazy_max_hold_s)
+                              lazy_max_hold_s=lazy_max_hold_s, max_scale_up_rate=max_scale_up_rate)
     scaler = HorizontalScaler(config, tick_s=tick_ms / 1000.0, target=target)
     run(scaler, nats_url, metrics_port=metrics_port, log_level=log_level)
 
