@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import json
 import signal
+import sys
 import tempfile
 import time
 import uuid
@@ -168,6 +169,12 @@ async def run_once(opts: RunOptions, policy: str, console: Console, stop: asynci
     return report.build_report(result.records, meta, run_facts(facts), info).to_dict()
 
 
+def make_console() -> Console:
+    """A terminal's own width; 200 columns when writing to a file or pipe (rich's 80 would fold
+    the report's columns into unreadable stubs)."""
+    return Console() if sys.stdout.isatty() else Console(width=200)
+
+
 def _install_stop(stop: asyncio.Event, console: Console) -> None:
     loop = asyncio.get_running_loop()
 
@@ -187,7 +194,7 @@ def _install_stop(stop: asyncio.Event, console: Console) -> None:
 def demo(json_path, policy, **kw) -> None:
     """Run the whole platform on a real trace and print the report."""
     opts = RunOptions(**kw)
-    console = Console()
+    console = make_console()
 
     async def main() -> dict:
         stop = asyncio.Event()
@@ -212,7 +219,7 @@ def compare(json_path, policies, **kw) -> None:
     if bad or not names:
         raise click.BadParameter(f"unknown policies {bad}; choose from {', '.join(POLICIES)}", param_hint="--policies")
     opts = RunOptions(**kw)
-    console = Console()
+    console = make_console()
 
     async def main() -> dict:
         stop = asyncio.Event()
