@@ -104,5 +104,7 @@ def cluster_facts(cluster: Cluster) -> dict:
         "scale_outs": int(_sum(hs, "dilu_scale_outs")),
         "retirements": int(_sum(hs, "dilu_retirements")),
         "scale_to_zero": int(_sum(hs, "dilu_scale_to_zero")),
+        "vertical_reaction_ms_p50": node.get('dilu_vertical_reaction_ms{quantile=0.5}', 0.0),
+        "vertical_reaction_ms_p99": node.get('dilu_vertical_reaction_ms{quantile=0.99}', 0.0),
     }
     return {"gpu": gpu, "per_function": per_function, "mechanism": mechanism}

@@ -74,6 +74,8 @@ class Mechanism(msgspec.Struct, kw_only=True):
     scale_outs: int = 0
     retirements: int = 0
     scale_to_zero: int = 0
+    vertical_reaction_ms_p50: float = 0.0  # stretch detected -> grant in the control block
+    vertical_reaction_ms_p99: float = 0.0
 
 
 class RunFacts(msgspec.Struct, kw_only=True):
@@ -342,12 +344,13 @@ def render(report: Report, console: Console) -> None:
     t, m = report.totals, report.mechanism
     gpu = Table(title="GPUs and mechanism", show_header=True)
     for name in ("active GPU·s", "alloc. frag.", "idle frag.", "profiler trials", "grant changes",
-                 "token wait ms", "scale-outs", "retirements", "scale to zero"):
+                 "token wait ms", "scale-outs", "retirements", "scale to zero", "reaction p50/p99 ms"):
         gpu.add_column(name, justify="right")
     gpu.add_row(
         f"{t.active_gpu_seconds:,.1f}", _pct(t.allocation_fragmentation), _pct(t.idle_fragmentation),
         f"{m.profiler_trials:,}", f"{m.grant_changes:,}", f"{m.token_wait_ms:,.1f}", f"{m.scale_outs:,}",
         f"{m.retirements:,}", f"{m.scale_to_zero:,}",
+        f"{m.vertical_reaction_ms_p50:.1f} / {m.vertical_reaction_ms_p99:.1f}",
     )
     console.print(gpu)
 
@@ -376,6 +379,7 @@ _COMPARE_ROWS: list[tuple[str, object, object, str | None]] = [
     ("scale-outs", lambda r: r.mechanism.scale_outs, "{:,}", None),
     ("retirements", lambda r: r.mechanism.retirements, "{:,}", None),
     ("scale to zero", lambda r: r.mechanism.scale_to_zero, "{:,}", None),
+    ("vertical reaction p99 ms", lambda r: r.mechanism.vertical_reaction_ms_p99, "{:,.1f}", None),
     ("wall s", lambda r: r.run.wall_s, "{:,.1f}", None),
     ("late sends", lambda r: r.run.late_sends, "{:,}", None),
 ]
