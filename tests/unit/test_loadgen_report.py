@@ -82,7 +82,8 @@ def test_json_has_the_specified_shape_and_round_trips(tmp_path):
     assert set(d["totals"]) == keys | {"active_gpu_seconds", "allocation_fragmentation", "idle_fragmentation"}
     assert set(d["functions"][0]) == keys | {"name", "model", "slo_ms"}
     assert set(d["totals"]["latency_ms"]) == {"p50", "p99", "p999"}
-    assert set(d["mechanism"]) == {"profiler_trials", "grant_changes", "token_wait_ms", "scale_outs", "retirements", "scale_to_zero"}
+    assert set(d["mechanism"]) == {"profiler_trials", "grant_changes", "token_wait_ms", "scale_outs", "retirements",
+                                   "scale_to_zero", "vertical_reaction_ms_p50", "vertical_reaction_ms_p99"}
     path = tmp_path / "r.json"
     write_report(r, path)
     assert json.loads(path.read_text()) == d
