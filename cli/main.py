@@ -46,3 +46,5 @@ def main() -> None:
 @main.group(cls=LazyGroup, lazy=BENCHES)
 def bench() -> None:
     """Benchmarks; each writes its figures as JSON (--json PATH)."""
+if __name__ == "__main__":
+    main()
