@@ -15,8 +15,9 @@
  * slices), and width-1 processes take turns kernel by kernel, as a GPU time-slices contexts
  * without MPS; either way, while the widths of the processes with work sum to W > 1 each one
  * progresses about W times slower (DESIGN.md section 7). Kernels of one process running at once
- * share its width. Events recorded just before a launch are stamped when that launch gets the
- * device (the stream's commands run together in its turn). Start and end times are computed
+ * share its width. An event recorded on an idle stream just before a launch is stamped when that
+ * launch gets the device (the stream's commands run together in its turn); one recorded behind
+ * earlier work is stamped when that work ends. Start and end times are computed
  * exactly on that clock, so tests read shares from the timeline, not from sleeps; the worker
  * also sleeps (real time) until the computed end so callers see real latency.
  *
@@ -526,8 +527,15 @@ static void *worker(void *arg)
                 }
                 ndeferred = 0;
             }
-            op->ev->time_ns = desired;
-            deferred[ndeferred++] = op->ev;
+            if (op->submit_ns <= s->last_end && !ndeferred) {
+                /* recorded behind earlier work: stamped as that work ends */
+                op->ev->time_ns = desired;
+                op->ev->recorded = 1;
+                op->ev->pending--;
+            } else { /* recorded on an idle stream: waits for its turn with the next launch */
+                op->ev->time_ns = desired;
+                deferred[ndeferred++] = op->ev;
+            }
         } else { /* OP_WAIT: the stream waits for the event's work */
             for (int i = 0; i < ndeferred; i++) {
                 deferred[i]->time_ns = desired;
