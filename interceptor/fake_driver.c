@@ -8,9 +8,16 @@
  * device shared by every process that names the same emulated GPU (env DILU_FAKE_GPU): a POSIX
  * shared-memory segment holds the set of running kernels and a ring of completed-kernel records
  * (pid, context, stream, start and end in CLOCK_MONOTONIC ns, width). The segment advances a
- * virtual clock under a process-shared robust mutex: while the widths of the processes with a
- * kernel running sum to W > 1, each kernel progresses W times slower (DESIGN.md section 7), and
- * kernels of one process running at once share its width. Start and end times are computed
+ * virtual clock under a process-shared robust mutex. Contention: a process holds its width
+ * (CUDA_MPS_ACTIVE_THREAD_PERCENTAGE, default 100 %) while it has kernels running; a kernel
+ * starts when its width fits beside the widths held by the other processes, otherwise it waits,
+ * first come first served. Processes whose widths sum to <= 1 therefore run side by side (MPS
+ * slices), and width-1 processes take turns kernel by kernel, as a GPU time-slices contexts
+ * without MPS; either way, while the widths of the processes with work sum to W > 1 each one
+ * progresses about W times slower (DESIGN.md section 7). Kernels of one process running at once
+ * share its width. An event recorded on an idle stream just before a launch is stamped when that
+ * launch gets the device (the stream's commands run together in its turn); one recorded behind
+ * earlier work is stamped when that work ends. Start and end times are computed
  * exactly on that clock, so tests read shares from the timeline, not from sleeps; the worker
  * also sleeps (real time) until the computed end so callers see real latency.
  *
@@ -48,7 +55,7 @@
 /* ------------------------------------------------------------------ shared virtual device */
 
 #define GPU_MAGIC 0x3155504745464c44ULL /* "DLFEGPU1" */
-#define GPU_VERSION 1u
+#define GPU_VERSION 2u
 #define GPU_SLOTS 4096
 #define GPU_RING (1u << 19)
 
@@ -63,8 +70,9 @@ struct gpu_rec { /* one completed kernel; seq = index + 1 once complete (written
     uint64_t func;
 };
 
-struct gpu_slot { /* one running kernel */
+struct gpu_slot { /* one kernel, waiting for width or running */
     uint32_t used, done;
+    uint32_t waiting, skip;
     uint32_t pid, width_ppm;
     uint64_t gen;
     uint64_t ctx, stream, func;
@@ -190,40 +198,87 @@ static void gpu_record(struct gpu_slot *s)
     __atomic_store_n(&r->seq, i + 1, __ATOMIC_RELEASE);
 }
 
-/* Progress rate of running slot i (solo-ns per ns): 1 / (max(1, W) * kernels of its process). */
+static int running(const struct gpu_slot *s) { return s->used && !s->done && !s->waiting; }
+
+/* Progress rate of running slot i (solo-ns per ns): kernels of one process running at once share
+ * its width, so each gets 1 / (its process's running kernels). Admission (below) keeps the widths
+ * of the processes running at once within the device, so nothing else slows a kernel down. */
 static void gpu_rates(double *rate)
 {
     struct gpu_shm *g = g_gpu;
-    double W = 0.0;
     uint32_t hw = g->slot_hw;
-    static __thread uint32_t counted[GPU_SLOTS];
     for (uint32_t i = 0; i < hw; i++) {
-        struct gpu_slot *s = &g->slots[i];
         rate[i] = 0.0;
-        if (!s->used || s->done)
+        if (!running(&g->slots[i]))
             continue;
-        uint32_t same = 0, first = 1;
-        for (uint32_t j = 0; j < hw; j++) {
-            struct gpu_slot *t = &g->slots[j];
-            if (t->used && !t->done && t->pid == s->pid) {
-                same++;
-                if (j < i)
-                    first = 0;
-            }
-        }
-        counted[i] = same;
-        if (first)
-            W += s->width_ppm / 1e6;
-    }
-    double slow = W > 1.0 ? W : 1.0;
-    for (uint32_t i = 0; i < hw; i++) {
-        struct gpu_slot *s = &g->slots[i];
-        if (s->used && !s->done)
-            rate[i] = 1.0 / (slow * counted[i]);
+        uint32_t same = 0;
+        for (uint32_t j = 0; j < hw; j++)
+            same += running(&g->slots[j]) && g->slots[j].pid == g->slots[i].pid;
+        rate[i] = 1.0 / same;
     }
 }
 
-/* Advances the virtual clock to t (never backwards), completing kernels exactly on the way. */
+/* May a kernel of `pid` with `width_ppm` start now? Yes when its process already runs (its
+ * width is held), or when its width fits beside the widths of the processes running. */
+static int gpu_fits(uint32_t pid, uint32_t width_ppm, int *same_running)
+{
+    struct gpu_shm *g = g_gpu;
+    uint64_t held = 0;
+    uint32_t hw = g->slot_hw;
+    *same_running = 0;
+    for (uint32_t i = 0; i < hw; i++) {
+        const struct gpu_slot *s = &g->slots[i];
+        if (!running(s))
+            continue;
+        if (s->pid == pid) {
+            *same_running = 1;
+            return 1;
+        }
+        int first = 1; /* count each process once */
+        for (uint32_t j = 0; j < i; j++)
+            if (running(&g->slots[j]) && g->slots[j].pid == s->pid) {
+                first = 0;
+                break;
+            }
+        if (first)
+            held += s->width_ppm;
+    }
+    return held + width_ppm <= 1000000u;
+}
+
+/* Starts waiting kernels at virtual time t, first come first served: a kernel whose width does
+ * not fit blocks the ones behind it (so a wide kernel is not starved), except kernels of a
+ * process already running, which hold their width anyway. */
+static void gpu_admit(uint64_t t)
+{
+    struct gpu_shm *g = g_gpu;
+    uint32_t hw = g->slot_hw;
+    int blocked = 0;
+    for (;;) {
+        int best = -1;
+        for (uint32_t i = 0; i < hw; i++) {
+            const struct gpu_slot *s = &g->slots[i];
+            if (s->used && s->waiting && !s->skip && (best < 0 || s->gen < g->slots[best].gen))
+                best = (int)i;
+        }
+        if (best < 0)
+            break;
+        struct gpu_slot *s = &g->slots[best];
+        int same;
+        if (gpu_fits(s->pid, s->width_ppm, &same) && (same || !blocked)) {
+            s->waiting = 0;
+            s->start_ns = t;
+        } else {
+            blocked = 1;
+            s->skip = 1; /* looked at in this pass */
+        }
+    }
+    for (uint32_t i = 0; i < hw; i++)
+        g->slots[i].skip = 0;
+}
+
+/* Advances the virtual clock to t (never backwards), completing kernels exactly on the way and
+ * starting waiting ones as width frees up. */
 static void gpu_advance(uint64_t t)
 {
     struct gpu_shm *g = g_gpu;
@@ -246,8 +301,6 @@ static void gpu_advance(uint64_t t)
         int completes = min_dt <= span;
         double dt = completes ? min_dt : span;
         uint64_t step = (uint64_t)ceil(dt);
-        if (step == 0)
-            step = completes ? 0 : 1;
         for (uint32_t i = 0; i < hw; i++) {
             if (rate[i] <= 0.0)
                 continue;
@@ -261,6 +314,8 @@ static void gpu_advance(uint64_t t)
             }
         }
         g->sim_now += step;
+        if (completes)
+            gpu_admit(g->sim_now);
     }
 }
 
@@ -271,8 +326,8 @@ static int gpu_alloc(void)
     struct gpu_shm *g = g_gpu;
     for (uint32_t i = 0; i < GPU_SLOTS; i++) {
         struct gpu_slot *s = &g->slots[i];
-        /* a finished slot whose owner died is never collected: reclaim it */
-        if (s->used && s->done && !pid_alive(s->pid))
+        /* a slot whose owner died is never collected: reclaim it (and let waiters in) */
+        if (s->used && (s->done || s->waiting) && !pid_alive(s->pid))
             s->used = 0;
         if (!s->used) {
             if (i >= g->slot_hw)
@@ -283,12 +338,14 @@ static int gpu_alloc(void)
     return -1;
 }
 
-/* Runs one kernel of dur_ns solo work that may start at `desired` (virtual ns); returns its end. */
-static uint64_t gpu_run(uint64_t desired, double dur_ns, uint64_t ctx, uint64_t stream, uint64_t func)
+/* Runs one kernel of dur_ns solo work that may start at `desired` (virtual ns); sets *start and
+ * returns its end. The caller's thread sleeps (real time) until the kernel's end. */
+static uint64_t gpu_run(uint64_t desired, double dur_ns, uint64_t ctx, uint64_t stream, uint64_t func,
+                        uint64_t *start)
 {
     if (!g_gpu) { /* no device segment: run alone, unrecorded */
-        uint64_t start = desired > now_ns() ? desired : now_ns();
-        uint64_t end = start + (uint64_t)dur_ns;
+        *start = desired > now_ns() ? desired : now_ns();
+        uint64_t end = *start + (uint64_t)dur_ns;
         sleep_until(end);
         return end;
     }
@@ -299,34 +356,44 @@ static uint64_t gpu_run(uint64_t desired, double dur_ns, uint64_t ctx, uint64_t 
     if (idx < 0) {
         gpu_unlock();
         fprintf(stderr, "fake libcuda: emulated GPU has no free kernel slot\n");
-        uint64_t end = now_ns() + (uint64_t)dur_ns;
+        *start = now_ns();
+        uint64_t end = *start + (uint64_t)dur_ns;
         sleep_until(end);
         return end;
     }
     struct gpu_slot *s = &g_gpu->slots[idx];
     uint64_t gen = ++g_gpu->slot_gen;
-    *s = (struct gpu_slot){.used = 1, .pid = g_pid, .width_ppm = g_width_ppm, .gen = gen,
-                           .ctx = ctx, .stream = stream, .func = func,
-                           .remaining_ns = dur_ns > 1.0 ? dur_ns : 1.0,
-                           .start_ns = g_gpu->sim_now};
+    *s = (struct gpu_slot){.used = 1, .waiting = 1, .pid = g_pid, .width_ppm = g_width_ppm,
+                           .gen = gen, .ctx = ctx, .stream = stream, .func = func,
+                           .remaining_ns = dur_ns > 1.0 ? dur_ns : 1.0};
+    gpu_admit(g_gpu->sim_now);
     for (;;) {
-        if (s->gen != gen) { /* reclaimed (should not happen while we live) */
+        if (s->gen != gen) { /* reclaimed (cannot happen while we live) */
             gpu_unlock();
-            return now_ns();
+            *start = now_ns();
+            return *start;
         }
         if (s->done) {
             uint64_t end = s->end_ns;
+            *start = s->start_ns;
             s->used = 0;
             gpu_unlock();
             return end;
         }
         gpu_rates(rate);
-        uint64_t projected = g_gpu->sim_now + (uint64_t)ceil(s->remaining_ns / rate[idx]);
+        /* running: until its own end; waiting: until the next end of any kernel */
+        double wait = INFINITY;
+        for (uint32_t i = 0; i < g_gpu->slot_hw; i++)
+            if (rate[i] > 0.0 && (s->waiting || (int)i == idx))
+                wait = fmin(wait, g_gpu->slots[i].remaining_ns / rate[i]);
+        uint64_t projected = g_gpu->sim_now + (wait == INFINITY ? 1000000ull : (uint64_t)ceil(wait));
         gpu_unlock();
         sleep_until(projected);
         gpu_lock();
         uint64_t t = now_ns();
         gpu_advance(t < projected ? t : projected);
+        if (s->waiting)
+            gpu_admit(g_gpu->sim_now);
     }
 }
 
@@ -387,18 +454,48 @@ static struct ctx *g_primary;
 static struct kfunc *g_funcs;
 static double g_default_us = 100.0;
 static long g_queue_depth = 1024; /* DILU_FAKE_QUEUE_DEPTH */
+#define EVENT_JOIN_NS 200000L     /* 200 µs: how long an event waits for a launch behind it */
 static __thread struct ctx *t_ctx;
 
 static void *worker(void *arg)
 {
     struct stream *s = arg;
     prctl(PR_SET_TIMERSLACK, 1UL, 0, 0, 0); /* µs kernels need µs wake-ups */
+    struct event *deferred[16];
+    int ndeferred = 0;
     pthread_mutex_lock(&g_mu);
     for (;;) {
-        while (!s->head && !s->stop)
-            pthread_cond_wait(&s->cv, &g_mu);
-        if (!s->head && s->stop)
-            break;
+        while (!s->head && !s->stop) {
+            if (ndeferred) { /* give a launch that follows the events a moment to arrive */
+                struct timespec ts;
+                clock_gettime(CLOCK_REALTIME, &ts);
+                ts.tv_nsec += EVENT_JOIN_NS;
+                if (ts.tv_nsec >= 1000000000L) {
+                    ts.tv_sec++;
+                    ts.tv_nsec -= 1000000000L;
+                }
+                if (pthread_cond_timedwait(&s->cv, &g_mu, &ts) == ETIMEDOUT && !s->head)
+                    break;
+            } else {
+                pthread_cond_wait(&s->cv, &g_mu);
+            }
+        }
+        if (!s->head) {
+            if (ndeferred) { /* no launch followed: the events complete at the stream's time */
+                for (int i = 0; i < ndeferred; i++) {
+                    deferred[i]->time_ns = s->last_end > deferred[i]->time_ns ? s->last_end : deferred[i]->time_ns;
+                    deferred[i]->recorded = 1;
+                    deferred[i]->pending--;
+                }
+                ndeferred = 0;
+                s->running = 0;
+                pthread_cond_broadcast(&g_done);
+                continue;
+            }
+            if (s->stop)
+                break;
+            continue;
+        }
         struct op *op = s->head;
         s->depth--;
         s->head = op->next;
@@ -408,21 +505,50 @@ static void *worker(void *arg)
         uint64_t desired = op->submit_ns > s->last_end ? op->submit_ns : s->last_end;
         if (op->kind == OP_KERNEL) {
             pthread_mutex_unlock(&g_mu);
+            uint64_t start;
             uint64_t end = gpu_run(desired, op->dur_ns, (uint64_t)(uintptr_t)s->ctx,
-                                   (uint64_t)(uintptr_t)s, op->func);
+                                   (uint64_t)(uintptr_t)s, op->func, &start);
             pthread_mutex_lock(&g_mu);
             s->last_end = end;
+            /* events recorded just before a launch are stamped when the launch gets the device,
+             * as on a GPU that time-slices contexts: the stream's commands run in its slice */
+            for (int i = 0; i < ndeferred; i++) {
+                deferred[i]->time_ns = start;
+                deferred[i]->recorded = 1;
+                deferred[i]->pending--;
+            }
+            ndeferred = 0;
         } else if (op->kind == OP_EVENT) {
-            op->ev->time_ns = desired;
-            op->ev->recorded = 1;
-            op->ev->pending--;
+            if (ndeferred == 16) { /* flush: a long run of events */
+                for (int i = 0; i < ndeferred; i++) {
+                    deferred[i]->time_ns = desired;
+                    deferred[i]->recorded = 1;
+                    deferred[i]->pending--;
+                }
+                ndeferred = 0;
+            }
+            if (op->submit_ns <= s->last_end && !ndeferred) {
+                /* recorded behind earlier work: stamped as that work ends */
+                op->ev->time_ns = desired;
+                op->ev->recorded = 1;
+                op->ev->pending--;
+            } else { /* recorded on an idle stream: waits for its turn with the next launch */
+                op->ev->time_ns = desired;
+                deferred[ndeferred++] = op->ev;
+            }
         } else { /* OP_WAIT: the stream waits for the event's work */
+            for (int i = 0; i < ndeferred; i++) {
+                deferred[i]->time_ns = desired;
+                deferred[i]->recorded = 1;
+                deferred[i]->pending--;
+            }
+            ndeferred = 0;
             while (op->ev->pending > 0)
                 pthread_cond_wait(&g_done, &g_mu);
             if (op->ev->time_ns > s->last_end)
                 s->last_end = op->ev->time_ns;
         }
-        s->running = 0;
+        s->running = ndeferred > 0;
         free(op);
         pthread_cond_broadcast(&g_done);
     }

@@ -13,9 +13,11 @@
  * Throttling: tokens are µs of GPU-busy time, refilled at q/w per µs of wall time (q: quota in
  * effect, w: width), capped at DILU_BURST_US. A launch goes when the balance is >= 0 and is charged
  * its estimated cost; otherwise it sleeps on the grant-epoch futex for exactly the time the
- * refill needs (a new grant wakes it early). Cost per CUfunction (or CUgraphExec) is an EWMA of
- * sampled launches timed with events (never on a capturing stream); each sampled launch is also
- * trued up (charged measured - estimated), and the first launches of every key are all sampled.
+ * refill needs (a new grant wakes it early). The cost of a launch is estimated per key (a
+ * CUfunction with its launch geometry, or a CUgraphExec) from launches timed with events, never
+ * on a capturing stream: every launch until 3 samples, then every DILU_SAMPLE_EVERY-th and at
+ * least every 20 ms. The estimate is the least recent sample (see learn(): it meters SM-time,
+ * not time stretched by other processes); the first samples are trued up.
  *
  * Fail safe: with no usable control block the rate is the last grant seen, or before any
  * DILU_REQUEST_QUOTA; a quota is never below DILU_MIN_QUOTA so no wait is unbounded. A stale
@@ -23,7 +25,7 @@
  *
  * Environment: DILU_CB (control block path), DILU_REQUEST_QUOTA (fraction), DILU_WIDTH or
  * CUDA_MPS_ACTIVE_THREAD_PERCENTAGE (width when there is no block), DILU_MIN_QUOTA (default
- * 0.01), DILU_BURST_US (2000), DILU_CYCLE_GAP_US (1000), DILU_DEFAULT_COST_US (100),
+ * 0.01), DILU_BURST_US (2000), DILU_MIN_WAIT_US (200), DILU_CYCLE_GAP_US (1000), DILU_DEFAULT_COST_US (100),
  * DILU_SAMPLE_EVERY (128), DILU_REAL_LIBCUDA (path of the real driver), DILU_INTERCEPT_DEBUG.
  */
 #define _GNU_SOURCE
@@ -136,10 +138,11 @@ static void *lookup_wrapper(void *real)
 
 struct cost {
     uintptr_t key; /* CUfunction or CUgraphExec */
-    double us;     /* EWMA of measured busy µs */
-    double first[3];
+    double us;     /* estimate: the least of the recent samples (see learn) */
+    double recent[8];
     uint32_t samples, pending;
     uint64_t launches;
+    uint64_t last_sample_ns;
 };
 
 #define COST_SLOTS 8192
@@ -155,7 +158,7 @@ static struct {
     pthread_mutex_t mu;
     /* configuration */
     uint64_t width_ppm, request_ppm, min_ppm;
-    double burst_us, default_cost_us, cycle_gap_ns, max_gap_us;
+    double burst_us, default_cost_us, cycle_gap_ns, max_gap_us, min_wait_us;
     uint32_t sample_every;
     const char *cb_path;
     /* control block */
@@ -341,29 +344,25 @@ static struct cost *cost_of(uintptr_t key)
     return NULL; /* table crowded: the caller uses the global estimate */
 }
 
-static double median3(double a, double b, double c)
-{
-    return a > b ? (b > c ? b : (a > c ? c : a)) : (a > c ? a : (b > c ? c : b));
-}
-
-/* Folds one measured duration into the key's estimate; returns the value to charge for it.
- * The first three samples give their median (a host hiccup inflates one, not the estimate);
- * later ones move an EWMA (1/8), each clamped to [est/2, 2 est] so an outlier moves it a little
- * while a real change still gets there in a few samples. */
+/* Folds one measured duration into the key's estimate; returns the true-up to charge for it.
+ *
+ * The estimate is the least of the last 8 samples of the key (a key is a CUfunction with its
+ * launch geometry, or a graph): a kernel stretched by another process sharing the SMs did not
+ * use more SM-time than alone (it got fewer SMs for longer), and host hiccups only ever inflate
+ * a timing. Charging the uncontended duration therefore meters SM-time, so each instance gets
+ * work in proportion to its quota whatever it shares the device with; a kernel that really
+ * became slower raises the estimate once all 8 recent samples say so. Only the first samples
+ * are trued up (the launches charged the default before the key was known). */
 static double learn(struct cost *c, double us)
 {
-    if (c->samples < 3) {
-        c->first[c->samples++] = us;
-        c->us = c->samples == 1 ? us
-              : c->samples == 2 ? fmin(c->first[0], c->first[1])
-                                : median3(c->first[0], c->first[1], c->first[2]);
-        return us < 2.0 * c->us ? us : 2.0 * c->us;
-    }
-    double lo = c->us / 2.0, hi = c->us * 2.0;
-    us = us < lo ? lo : us > hi ? hi : us;
-    c->us += (us - c->us) / 8.0;
+    uint32_t n = c->samples < 8 ? c->samples + 1 : 8;
+    c->recent[c->samples % 8] = us;
     c->samples++;
-    return us;
+    double least = c->recent[0];
+    for (uint32_t i = 1; i < n; i++)
+        least = fmin(least, c->recent[i]);
+    c->us = least;
+    return c->samples <= 3 ? us : -1.0;
 }
 
 /* Collects finished timing samples: EWMA per key, true-up of the tokens. Under S.mu. */
@@ -394,14 +393,15 @@ static void poll_samples(uint64_t now)
                     c->pending--;
                 goto drop;
             }
-            if (c)
-                us = learn(c, us);
+            double charge = c ? learn(c, us) : -1.0;
             S.global_cost_us += (us - S.global_cost_us) / 16.0;
-            double fix = us - s->charged_us; /* true-up: charge what the launch really used */
-            S.tokens -= fix;
-            if (S.tokens > S.burst_us)
-                S.tokens = S.burst_us;
-            S.busy_us += fix;
+            if (charge >= 0.0) { /* true-up: charge what the launch really used */
+                double fix = charge - s->charged_us;
+                S.tokens -= fix;
+                if (S.tokens > S.burst_us)
+                    S.tokens = S.burst_us;
+                S.busy_us += fix;
+            }
             S.samples++;
         }
         if (c && c->pending)
@@ -445,8 +445,17 @@ static int admit(uintptr_t key, double *charged)
     if (S.tokens < floor_us) {
         uint64_t t0 = now;
         S.throttled++;
-        while (S.tokens < (floor_us = S.rate >= 1.0 ? -S.burst_us : 0.0)) {
-            double need_ns = (floor_us - S.tokens) / S.rate * 1000.0 + 1000.0;
+        /* wait until the balance covers this launch, and at least DILU_MIN_WAIT_US of refill:
+         * same rate, fewer wake-ups for short kernels (a few launches go per wake-up) */
+        struct cost *c0 = cost_of(key);
+        double want = c0 ? c0->us : S.global_cost_us;
+        if (want < S.min_wait_us * S.rate)
+            want = S.min_wait_us * S.rate;
+        if (want > S.burst_us)
+            want = S.burst_us;
+        double target;
+        while (S.tokens < (target = S.rate >= 1.0 ? -S.burst_us : want)) {
+            double need_ns = (target - S.tokens) / S.rate * 1000.0 + 1000.0;
             int64_t wait = need_ns > 1e9 ? 1000000000ll : (int64_t)need_ns; /* re-check each s */
             struct dilu_cb *cb = S.cb;
             uint32_t epoch = cb ? dilu_load_u32(&cb->grant_epoch) : 0;
@@ -477,10 +486,14 @@ static int admit(uintptr_t key, double *charged)
     int sample = 0;
     if (c) {
         c->launches++;
-        sample = (c->samples + c->pending < 3 || c->launches % S.sample_every == 0) &&
+        /* all launches until 3 samples, then every sample_every-th, and at least every 20 ms */
+        sample = (c->samples + c->pending < 3 || c->launches % S.sample_every == 0 ||
+                  (now - c->last_sample_ns > 20000000ull && !c->pending)) &&
                  S.npending < MAX_PENDING && r_event_create;
-        if (sample)
+        if (sample) {
             c->pending++;
+            c->last_sample_ns = now;
+        }
     }
     publish();
     return sample;
@@ -665,6 +678,7 @@ static void init(void)
     if (S.min_ppm == 0)
         S.min_ppm = 1;
     S.burst_us = env_f("DILU_BURST_US", 2000.0);
+    S.min_wait_us = env_f("DILU_MIN_WAIT_US", 200.0);
     S.cycle_gap_ns = env_f("DILU_CYCLE_GAP_US", 1000.0) * 1000.0;
     S.default_cost_us = env_f("DILU_DEFAULT_COST_US", 100.0);
     /* two back-to-back event records land within a few µs; a wider gap means the host thread
@@ -694,6 +708,18 @@ __attribute__((constructor)) static void on_load(void) { resolve_real_dlsym(); }
 
 /* ------------------------------------------------------------------ wrappers */
 
+/* One cost key per kernel and launch geometry: the same CUfunction launched over a bigger grid
+ * is a different amount of work. Never 0 (0 marks a free slot). */
+static inline uintptr_t geometry_key(CUfunction f, unsigned gx, unsigned gy, unsigned gz,
+                                     unsigned bx, unsigned by, unsigned bz, unsigned sh)
+{
+    uint64_t h = (uint64_t)(uintptr_t)f;
+    uint64_t g[7] = {gx, gy, gz, bx, by, bz, sh};
+    for (int i = 0; i < 7; i++)
+        h = (h ^ g[i]) * 0x100000001B3ull;
+    return (uintptr_t)(h ? h : 1);
+}
+
 static CUresult do_launch(int i, CUfunction f, unsigned gx, unsigned gy, unsigned gz, unsigned bx,
                           unsigned by, unsigned bz, unsigned sh, CUstream h, void **p, void **e)
 {
@@ -702,7 +728,7 @@ static CUresult do_launch(int i, CUfunction f, unsigned gx, unsigned gy, unsigne
     if (!real)
         return CUDA_ERROR_NOT_INITIALIZED;
     struct timing t;
-    before_launch((uintptr_t)f, h, g_slot[i].ptsz, &t);
+    before_launch(geometry_key(f, gx, gy, gz, bx, by, bz, sh), h, g_slot[i].ptsz, &t);
     CUresult r = real(f, gx, gy, gz, bx, by, bz, sh, h, p, e);
     after_launch(&t, r);
     return r;
@@ -717,7 +743,9 @@ static CUresult do_launch_ex(int i, const CUlaunchConfig *cfg, CUfunction f, voi
     if (!cfg)
         return real(cfg, f, p, e);
     struct timing t;
-    before_launch((uintptr_t)f, cfg->hStream, g_slot[i].ptsz, &t);
+    before_launch(geometry_key(f, cfg->gridDimX, cfg->gridDimY, cfg->gridDimZ, cfg->blockDimX,
+                               cfg->blockDimY, cfg->blockDimZ, cfg->sharedMemBytes),
+                  cfg->hStream, g_slot[i].ptsz, &t);
     CUresult r = real(cfg, f, p, e);
     after_launch(&t, r);
     return r;
@@ -731,7 +759,7 @@ static CUresult do_coop(int i, CUfunction f, unsigned gx, unsigned gy, unsigned 
     if (!real)
         return CUDA_ERROR_NOT_INITIALIZED;
     struct timing t;
-    before_launch((uintptr_t)f, h, g_slot[i].ptsz, &t);
+    before_launch(geometry_key(f, gx, gy, gz, bx, by, bz, sh), h, g_slot[i].ptsz, &t);
     CUresult r = real(f, gx, gy, gz, bx, by, bz, sh, h, p);
     after_launch(&t, r);
     return r;

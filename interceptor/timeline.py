@@ -20,7 +20,7 @@ import numpy as np
 
 SHM_DIR = Path("/dev/shm")
 GPU_MAGIC = 0x3155504745464C44
-GPU_VERSION = 1
+GPU_VERSION = 2
 _HEADER = struct.Struct("<QIIQQQQQ")  # magic, version, sms, ring_offset, ring_cap, rec_size, head, sim_now
 RECORD = np.dtype([("seq", "<u8"), ("pid", "<u4"), ("width_ppm", "<u4"), ("ctx", "<u8"),
                    ("stream", "<u8"), ("start_ns", "<u8"), ("end_ns", "<u8"), ("func", "<u8")])
@@ -140,13 +140,58 @@ def busy_share(records, pid: int | None, t0: int, t1: int) -> float:
     return busy_ns(records, pid, t0, t1) / (t1 - t0) if t1 > t0 else 0.0
 
 
-def sm_time_share(records, pid: int, t0: int, t1: int) -> float:
-    """SM-time share of ``pid`` over [t0, t1): its busy share x its width."""
+def _union(a: np.ndarray, t0: int, t1: int) -> tuple[np.ndarray, np.ndarray]:
+    """Merged busy intervals (starts, ends) of the kernels in ``a``, clipped to [t0, t1)."""
+    s = np.clip(a["start_ns"].astype(np.int64), t0, t1)
+    e = np.clip(a["end_ns"].astype(np.int64), t0, t1)
+    keep = e > s
+    s, e = s[keep], e[keep]
+    if len(s) == 0:
+        return s, e
+    order = np.argsort(s, kind="stable")
+    s, e = s[order], np.maximum.accumulate(e[order])
+    new = np.concatenate(([True], s[1:] > e[:-1]))
+    starts = s[new]
+    ends = np.maximum.reduceat(e, np.flatnonzero(new))
+    return starts, ends
+
+
+def sm_time_shares(records, t0: int, t1: int) -> dict[int, float]:
+    """SM-time share 0..1 of every process over [t0, t1): the fraction of all SMs x time it got.
+
+    While a process is busy alone (or the widths busy at once sum to W <= 1) it holds its width w,
+    so this is busy share x width (DESIGN.md section 2). While the widths busy at once sum to
+    W > 1 the SMs are shared and each gets w / W (the fake driver's contention model, DESIGN.md
+    section 7), so the shares of all processes never sum above 1.
+    """
     a = _as_array(records)
-    a = a[a["pid"] == pid]
-    if len(a) == 0:
-        return 0.0
-    return busy_share(a, pid, t0, t1) * float(a["width_ppm"][-1]) / 1e6
+    if t1 <= t0 or len(a) == 0:
+        return {}
+    unions: dict[int, tuple[np.ndarray, np.ndarray, float]] = {}
+    for pid in np.unique(a["pid"]):
+        mine = a[a["pid"] == pid]
+        starts, ends = _union(mine, t0, t1)
+        unions[int(pid)] = (starts, ends, float(mine["width_ppm"][-1]) / 1e6)
+    points = np.unique(np.concatenate([np.concatenate((u[0], u[1])) for u in unions.values()]
+                                      + [np.array([t0, t1], dtype=np.int64)]))
+    seg = np.diff(points).astype(np.float64)
+    busy_of: dict[int, np.ndarray] = {}
+    total_w = np.zeros(len(seg))
+    for pid, (starts, ends, w) in unions.items():
+        delta = np.zeros(len(points), dtype=np.int64)
+        np.add.at(delta, np.searchsorted(points, starts), 1)
+        np.add.at(delta, np.searchsorted(points, ends), -1)
+        on = np.cumsum(delta)[:-1] > 0
+        busy_of[pid] = on
+        total_w += on * w
+    scale = 1.0 / np.maximum(1.0, total_w)
+    return {pid: float((seg * on * unions[pid][2] * scale).sum()) / (t1 - t0)
+            for pid, on in busy_of.items()}
+
+
+def sm_time_share(records, pid: int, t0: int, t1: int) -> float:
+    """SM-time share of ``pid`` over [t0, t1) (see sm_time_shares); 0.0 if it ran nothing."""
+    return sm_time_shares(records, t0, t1).get(pid, 0.0)
 
 
 def window_shares(records, pid: int, t0: int, t1: int, window_ns: int) -> list[float]:

@@ -82,13 +82,15 @@ def spawn(env: dict[str, str], *args: str) -> subprocess.Popen:
 
 
 def finish(proc: subprocess.Popen, timeout: float = 60) -> dict:
-    out, err = proc.communicate(timeout=timeout)
+    """Waits for dilu_launch and returns its JSON summary; kills it if it overruns."""
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.communicate()
+        raise
     assert proc.returncode == 0, f"dilu_launch failed ({proc.returncode}): {err}"
     return json.loads(out.strip().splitlines()[-1])
-
-
-def python_env(env: dict[str, str]) -> dict[str, str]:
-    return env
 
 
 PYTHON = sys.executable
