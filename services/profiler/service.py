@@ -101,7 +101,7 @@ class _SurfaceAsync:
 QUEUEING_BUDGET = 0.5
 # The limit quota is where the burst batch gets this fraction of its full-GPU throughput: beyond
 # the knee more SMs buy little, below it a burst is slowed by its own quota.
-LIMIT_KNEE = 0.9
+LIMIT_KNEE = 0.8
 
 
 def search_for(spec: FunctionSpec, stop_threshold: float = 0.15):
