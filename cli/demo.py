@@ -29,7 +29,7 @@ from dilu.services.common.invoke import InvokeClient
 from dilu.services.common.workqueue import ensure_consumer, ensure_stream
 
 from .cluster import POLICIES, Cluster
-from .deploy import cluster_facts, deploy, function_spec
+from .deploy import cluster_facts, cpu_function_spec, deploy, function_spec, operator_profile
 
 DRAIN_GRACE_S = 20.0  # after the last send, how long answers may still arrive
 REQUEST_TIMEOUT_MIN_S = 30.0  # a request unanswered this long (or 10 x its SLO) counts as timed out
@@ -115,11 +115,17 @@ async def _replay(opts: RunOptions, cluster: Cluster, plan, chosen: dict[str, st
     js = nc.jetstream()
     try:
         await ensure_stream(js)
-        specs = [function_spec(f.name, chosen[f.name]) for f in plan.functions]
+        if opts.gpus == "cpu":  # a CPU node runs the real torch handler; there is no GPU to profile on
+            specs = [cpu_function_spec(f.name) for f in plan.functions]
+            given = {s.name: operator_profile(s.name, len(specs)) for s in specs}
+            console.print(f"[dim]deploying {len(specs)} torch CNN functions on the CPU node[/dim]")
+        else:
+            specs = [function_spec(f.name, chosen[f.name]) for f in plan.functions]
+            given = None
+            console.print(f"[dim]deploying {len(specs)} functions; the profiler measures them on the emulated GPUs[/dim]")
         for spec in specs:
             await ensure_consumer(js, spec.name)
-        console.print(f"[dim]deploying {len(specs)} functions; the profiler measures them on the emulated GPUs[/dim]")
-        await deploy(nc, specs)
+        await deploy(nc, specs, given=given)
         client = InvokeClient(nc, js)
         await client.start()
         timeouts = {s.name: max(REQUEST_TIMEOUT_MIN_S, 10 * s.slo_ms / 1000.0) for s in specs}

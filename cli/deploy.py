@@ -22,8 +22,26 @@ def function_spec(name: str, model: str, *, handler: str = "", max_instances: in
     )
 
 
-async def deploy(nc, specs: list[ev.FunctionSpec], timeout_s: float = PROFILE_TIMEOUT_S) -> dict[str, ev.Profile]:
-    """Publish FunctionDeployed for each spec and wait for every ProfileReady.
+CPU_HANDLER = "dilu.services.node_agent.handlers.torch_cnn"
+CPU_SLO_MS = 2000.0  # a small CNN on one CPU thread: ~10 ms a batch, plus queueing on 2 cores
+
+
+def cpu_function_spec(name: str) -> ev.FunctionSpec:
+    """A function for a CPU node (``--gpus cpu``): the real torch CNN handler."""
+    return ev.FunctionSpec(name=name, model="torch_cnn", slo_ms=CPU_SLO_MS, memory_bytes=2**28,
+                           handler=CPU_HANDLER, max_batch=4, max_instances=2)
+
+
+def operator_profile(name: str, functions: int) -> ev.Profile:
+    """A CPU node has no GPU to profile on: the operator's profile shares the node evenly."""
+    share = max(0.01, round(1.0 / max(1, functions), 4))
+    return ev.Profile(function=name, request_quota=share, limit_quota=1.0, batch_size=4, backend="operator")
+
+
+async def deploy(nc, specs: list[ev.FunctionSpec], timeout_s: float = PROFILE_TIMEOUT_S,
+                 given: dict[str, ev.Profile] | None = None) -> dict[str, ev.Profile]:
+    """Publish FunctionDeployed for each spec and wait for every ProfileReady (``given``:
+    ones the operator supplies, published as ready instead of waiting for the profiler).
 
     Raises TimeoutError naming the functions still without a profile.
     """
@@ -45,6 +63,8 @@ async def deploy(nc, specs: list[ev.FunctionSpec], timeout_s: float = PROFILE_TI
     try:
         for spec in specs:
             await nc.publish(subjects.function_deployed(spec.name), encode(ev.FunctionDeployed(spec=spec)))
+        for profile in (given or {}).values():
+            await nc.publish(subjects.profile_ready(profile.function), encode(ev.ProfileReady(profile=profile)))
         await nc.flush()
         try:
             await asyncio.wait_for(done.wait(), timeout=timeout_s)

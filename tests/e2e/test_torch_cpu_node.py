@@ -8,6 +8,7 @@ import nats
 import pytest
 
 from dilu.cli.cluster import Cluster
+from dilu.cli.deploy import cpu_function_spec, deploy, operator_profile
 from dilu.contracts import encode, subjects
 from dilu.contracts import events as ev
 from dilu.services.common.invoke import InvokeClient
@@ -24,13 +25,8 @@ async def test_torch_handler_serves_real_inferences(tmp_path):
         js = nc.jetstream()
         await ensure_stream(js)
         await ensure_consumer(js, "cnn")
-        spec = ev.FunctionSpec(name="cnn", model="tiny_cnn", slo_ms=2000, memory_bytes=2**28,
-                               handler="dilu.services.node_agent.handlers.torch_cnn", max_batch=4)
-        await nc.publish(subjects.function_deployed("cnn"), encode(ev.FunctionDeployed(spec=spec)))
         # a CPU node has no GPU to profile on: the operator supplies the profile
-        profile = ev.Profile(function="cnn", request_quota=0.5, limit_quota=1.0, batch_size=4, backend="operator")
-        await nc.publish(subjects.profile_ready("cnn"), encode(ev.ProfileReady(profile=profile)))
-        await nc.flush()
+        await deploy(nc, [cpu_function_spec("cnn")], given={"cnn": operator_profile("cnn", 2)})
         await asyncio.sleep(0.5)
         reply = await nc.request(subjects.SCHEDULER_PLACE, encode(ev.PlaceRequest(function="cnn")), timeout=10)
         assert b'"ok":true' in reply.data, reply.data
