@@ -34,8 +34,8 @@ def cpu_function_spec(name: str) -> ev.FunctionSpec:
 
 def operator_profile(name: str, functions: int) -> ev.Profile:
     """A CPU node has no GPU to profile on: the operator's profile shares the node evenly."""
-    share = max(0.01, round(1.0 / max(1, functions), 4))
-    return ev.Profile(function=name, request_quota=share, limit_quota=1.0, batch_size=4, backend="operator")
+    share = max(0.01, int(10_000 / max(1, functions)) / 10_000)  # rounded down: n shares fit in 1
+    return ev.Profile(function=name, request_quota=share, limit_quota=share, batch_size=4, backend="operator")
 
 
 async def deploy(nc, specs: list[ev.FunctionSpec], timeout_s: float = PROFILE_TIMEOUT_S,
