@@ -7,6 +7,7 @@ SIGINT and SIGTERM (or the injectable ``shutdown`` event, for tests) stop it: ``
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
 from typing import Protocol
@@ -67,3 +68,24 @@ def run(service: Service, nats_url: str, *, metrics_port: int = 0, log_level: st
     """Blocking entry point for ``python -m dilu.services.<name>``: uvloop + :func:`serve`."""
     dlog.configure(service.name, log_level)
     uvloop.run(serve(service, nats_url, metrics_port=metrics_port))
+
+
+@contextlib.asynccontextmanager
+async def running(service: Service, nats_url: str, *, ready_timeout_s: float = 5.0):
+    """Run ``service`` in a task of the current loop (tests, benches, embedding): yields once it
+    says ready, stops and drains it on exit. Raises TimeoutError if it is not ready in time."""
+    stop = asyncio.Event()
+    task = asyncio.create_task(serve(service, nats_url, shutdown=stop, install_signals=False))
+    deadline = asyncio.get_running_loop().time() + ready_timeout_s
+    while not service.ready():
+        if task.done():
+            task.result()  # re-raise what stopped it
+        if asyncio.get_running_loop().time() > deadline:
+            stop.set()
+            raise TimeoutError(f"{service.name} not ready within {ready_timeout_s} s")
+        await asyncio.sleep(0.02)
+    try:
+        yield service
+    finally:
+        stop.set()
+        await asyncio.wait_for(task, 30)

@@ -20,27 +20,11 @@ from dilu.contracts.events import (
     TrialReply,
     TrialRequest,
 )
-from dilu.services.common.runner import serve
+from dilu.services.common.runner import running
 from dilu.services.common import models
 from dilu.services.profiler.service import ProfilerService
 
 pytestmark = pytest.mark.nats
-
-
-@contextlib.asynccontextmanager
-async def running(service, url):
-    stop = asyncio.Event()
-    task = asyncio.create_task(serve(service, url, shutdown=stop, install_signals=False))
-    for _ in range(200):
-        if service.ready():
-            break
-        await asyncio.sleep(0.02)
-    assert service.ready()
-    try:
-        yield service
-    finally:
-        stop.set()
-        await asyncio.wait_for(task, 20)
 
 
 @contextlib.asynccontextmanager

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import contextlib
 
 import msgspec
 import nats
@@ -23,26 +22,10 @@ from dilu.contracts.events import (
     RetireReply,
     RetireRequest,
 )
-from dilu.services.common.runner import serve
+from dilu.services.common.runner import running
 from dilu.services.scheduler.service import GB, SchedulerService
 
 pytestmark = pytest.mark.nats
-
-
-@contextlib.asynccontextmanager
-async def running(service, url):
-    stop = asyncio.Event()
-    task = asyncio.create_task(serve(service, url, shutdown=stop, install_signals=False))
-    for _ in range(250):
-        if service.ready():
-            break
-        await asyncio.sleep(0.02)
-    assert service.ready()
-    try:
-        yield service
-    finally:
-        stop.set()
-        await asyncio.wait_for(task, 20)
 
 
 async def deploy(nc, svc, name, request=0.5, limit=0.5, memory=4 * GB, profile=True):
