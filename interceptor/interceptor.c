@@ -17,7 +17,8 @@
  * CUfunction with its launch geometry, or a CUgraphExec) from launches timed with events, never
  * on a capturing stream: every launch until 3 samples, then every DILU_SAMPLE_EVERY-th and at
  * least every 20 ms. The estimate is the least recent sample (see learn(): it meters SM-time,
- * not time stretched by other processes); the first samples are trued up.
+ * not time stretched by other processes). Launches of a key not measured yet are charged the
+ * default, all timed, and trued up when their timing arrives.
  *
  * Fail safe: with no usable control block the rate is the last grant seen, or before any
  * DILU_REQUEST_QUOTA; a quota is never below DILU_MIN_QUOTA so no wait is unbounded. A stale
@@ -152,6 +153,7 @@ struct sample {
     uintptr_t key;
     CUevent start0, start, end; /* start0 - start: the record-to-record gap (see poll_samples) */
     double charged_us;
+    int provisional; /* charged before the key had any sample: true it up */
 };
 
 static struct {
@@ -344,16 +346,15 @@ static struct cost *cost_of(uintptr_t key)
     return NULL; /* table crowded: the caller uses the global estimate */
 }
 
-/* Folds one measured duration into the key's estimate; returns the true-up to charge for it.
+/* Folds one measured duration into the key's estimate.
  *
  * The estimate is the least of the last 8 samples of the key (a key is a CUfunction with its
  * launch geometry, or a graph): a kernel stretched by another process sharing the SMs did not
  * use more SM-time than alone (it got fewer SMs for longer), and host hiccups only ever inflate
  * a timing. Charging the uncontended duration therefore meters SM-time, so each instance gets
  * work in proportion to its quota whatever it shares the device with; a kernel that really
- * became slower raises the estimate once all 8 recent samples say so. Only the first samples
- * are trued up (the launches charged the default before the key was known). */
-static double learn(struct cost *c, double us)
+ * became slower raises the estimate once all 8 recent samples say so. */
+static void learn(struct cost *c, double us)
 {
     uint32_t n = c->samples < 8 ? c->samples + 1 : 8;
     c->recent[c->samples % 8] = us;
@@ -362,7 +363,7 @@ static double learn(struct cost *c, double us)
     for (uint32_t i = 1; i < n; i++)
         least = fmin(least, c->recent[i]);
     c->us = least;
-    return c->samples <= 3 ? us : -1.0;
+    return us;
 }
 
 /* Collects finished timing samples: EWMA per key, true-up of the tokens. Under S.mu. */
@@ -393,10 +394,11 @@ static void poll_samples(uint64_t now)
                     c->pending--;
                 goto drop;
             }
-            double charge = c ? learn(c, us) : -1.0;
+            if (c)
+                learn(c, us);
             S.global_cost_us += (us - S.global_cost_us) / 16.0;
-            if (charge >= 0.0) { /* true-up: charge what the launch really used */
-                double fix = charge - s->charged_us;
+            if (s->provisional) { /* true-up: charge what the launch really used */
+                double fix = us - s->charged_us;
                 S.tokens -= fix;
                 if (S.tokens > S.burst_us)
                     S.tokens = S.burst_us;
@@ -431,7 +433,7 @@ static void note_cycle(uint64_t arrival)
 }
 
 /* Waits for tokens, charges the launch; returns 1 if this launch should be timed. Under S.mu. */
-static int admit(uintptr_t key, double *charged)
+static int admit(uintptr_t key, double *charged, int *provisional)
 {
     uint64_t now = dilu_now_ns();
     note_cycle(now);
@@ -451,8 +453,8 @@ static int admit(uintptr_t key, double *charged)
         double want = c0 ? c0->us : S.global_cost_us;
         if (want < S.min_wait_us * S.rate)
             want = S.min_wait_us * S.rate;
-        if (want > S.burst_us)
-            want = S.burst_us;
+        if (want > S.burst_us / 2) /* leave room under the cap for an oversleep's refill */
+            want = S.burst_us / 2;
         double target;
         while (S.tokens < (target = S.rate >= 1.0 ? -S.burst_us : want)) {
             double need_ns = (target - S.tokens) / S.rate * 1000.0 + 1000.0;
@@ -483,11 +485,13 @@ static int admit(uintptr_t key, double *charged)
     S.last_launch_ns = now;
     S.last_cost_us = cost;
     *charged = cost;
+    *provisional = !c || c->samples == 0;
     int sample = 0;
     if (c) {
         c->launches++;
-        /* all launches until 3 samples, then every sample_every-th, and at least every 20 ms */
-        sample = (c->samples + c->pending < 3 || c->launches % S.sample_every == 0 ||
+        /* every launch while the key has no sample yet (each one is trued up), then until 3
+         * samples, then every sample_every-th and at least every 20 ms */
+        sample = (c->samples == 0 || c->samples + c->pending < 3 || c->launches % S.sample_every == 0 ||
                   (now - c->last_sample_ns > 20000000ull && !c->pending)) &&
                  S.npending < MAX_PENDING && r_event_create;
         if (sample) {
@@ -515,6 +519,7 @@ struct timing {
     CUevent start0, start, end;
     uintptr_t key;
     double charged;
+    int provisional;
     int ptsz;
     CUstream stream;
 };
@@ -527,7 +532,7 @@ static int before_launch(uintptr_t key, CUstream h, int ptsz, struct timing *t)
     if (!g_ready || capturing(h, ptsz))
         return 0;
     pthread_mutex_lock(&S.mu);
-    int sample = admit(key, &t->charged);
+    int sample = admit(key, &t->charged, &t->provisional);
     pthread_mutex_unlock(&S.mu);
     if (sample) {
         CUresult (*rec)(CUevent, CUstream) = ptsz && r_event_record_ptsz ? r_event_record_ptsz : r_event_record;
@@ -564,7 +569,7 @@ static void after_launch(struct timing *t, CUresult r)
     int ok = r == CUDA_SUCCESS && rec(t->end, t->stream) == CUDA_SUCCESS;
     pthread_mutex_lock(&S.mu);
     if (ok && S.npending < MAX_PENDING) {
-        S.pending[S.npending++] = (struct sample){t->key, t->start0, t->start, t->end, t->charged};
+        S.pending[S.npending++] = (struct sample){t->key, t->start0, t->start, t->end, t->charged, t->provisional};
     } else {
         struct cost *c = cost_of(t->key);
         if (c && c->pending)
