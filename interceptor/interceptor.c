@@ -371,6 +371,10 @@ static void poll_samples(uint64_t now)
 {
     if (!S.npending || now < S.next_poll_ns)
         return;
+    /* querying events while any stream captures a graph (global capture mode) would invalidate
+     * the capture: collect later */
+    if (__atomic_load_n(&g_capturing, __ATOMIC_ACQUIRE))
+        return;
     S.next_poll_ns = now + 100000ull;
     for (int i = 0; i < S.npending;) {
         struct sample *s = &S.pending[i];
