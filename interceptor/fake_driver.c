@@ -455,6 +455,7 @@ static struct ctx *g_primary;
 static struct kfunc *g_funcs;
 static double g_default_us = 100.0;
 static long g_queue_depth = 1024; /* DILU_FAKE_QUEUE_DEPTH */
+static int g_event_join = 1;      /* DILU_FAKE_EVENT_JOIN=0: events stamped when reached */
 static int g_null_launch;         /* DILU_FAKE_NULL_LAUNCH=1: launches return at once, run nothing */
 #define EVENT_JOIN_NS 200000L     /* 200 µs: how long an event waits for a launch behind it */
 static __thread struct ctx *t_ctx;
@@ -529,7 +530,7 @@ static void *worker(void *arg)
                 }
                 ndeferred = 0;
             }
-            if (op->submit_ns <= s->last_end && !ndeferred) {
+            if (!g_event_join || (op->submit_ns <= s->last_end && !ndeferred)) {
                 /* recorded behind earlier work: stamped as that work ends */
                 op->ev->time_ns = desired;
                 op->ev->recorded = 1;
@@ -634,6 +635,8 @@ static void init_once(void)
     const char *d = getenv("DILU_FAKE_DEFAULT_US");
     if (d && atof(d) > 0)
         g_default_us = atof(d);
+    const char *ej = getenv("DILU_FAKE_EVENT_JOIN");
+    g_event_join = !(ej && *ej == '0');
     const char *nl = getenv("DILU_FAKE_NULL_LAUNCH");
     g_null_launch = nl && *nl == '1';
     const char *q = getenv("DILU_FAKE_QUEUE_DEPTH");

@@ -66,7 +66,7 @@ typedef CUresult (*end_fn)(CUstream, CUgraph *);
 
 /* ------------------------------------------------------------------ hook slots */
 
-enum kind { K_LAUNCH, K_LAUNCH_EX, K_COOP, K_GRAPH, K_GPA, K_GPA2, K_BEGIN, K_BEGIN2, K_END };
+enum kind { K_LAUNCH, K_LAUNCH_EX, K_COOP, K_GRAPH, K_GPA, K_GPA2, K_BEGIN, K_BEGIN2, K_END, K_SYNC };
 
 struct slot {
     const char *name; /* exported driver symbol */
@@ -77,7 +77,7 @@ struct slot {
     void *wrapper;
 };
 
-#define NPRIMARY 16
+#define NPRIMARY 20
 #define NSLOTS (2 * NPRIMARY) /* slot i + NPRIMARY: an alternative real pointer of slot i */
 
 static struct slot g_slot[NSLOTS] = {
@@ -97,6 +97,11 @@ static struct slot g_slot[NSLOTS] = {
     {"cuStreamBeginCapture_v2_ptsz", "cuStreamBeginCapture", K_BEGIN2, 1, 0, 0},
     {"cuStreamEndCapture", "cuStreamEndCapture", K_END, 0, 0, 0},
     {"cuStreamEndCapture_ptsz", "cuStreamEndCapture", K_END, 1, 0, 0},
+    /* synchronisations: their return marks the end of the GPU work of a kernel-launch cycle */
+    {"cuStreamSynchronize", "cuStreamSynchronize", K_SYNC, 0, 0, 0},
+    {"cuStreamSynchronize_ptsz", "cuStreamSynchronize", K_SYNC, 1, 0, 0},
+    {"cuCtxSynchronize", "cuCtxSynchronize", K_SYNC, 0, 0, 0},
+    {"cuEventSynchronize", "cuEventSynchronize", K_SYNC, 0, 0, 0},
 };
 
 /* real driver entry points used for calibration */
@@ -183,7 +188,7 @@ static struct {
     uint64_t launches, throttled, samples, flags;
     double busy_us, wait_us;
     uint64_t cycles, last_cycle_us, baseline_cycle_us;
-    uint64_t cycle_start_ns, last_launch_ns;
+    uint64_t cycle_start_ns, last_launch_ns, sync_ns, work_end_ns;
     double last_cost_us;
     uint64_t applied_epoch, applied_ns;
 } S = {.mu = PTHREAD_MUTEX_INITIALIZER};
@@ -363,7 +368,6 @@ static void learn(struct cost *c, double us)
     for (uint32_t i = 1; i < n; i++)
         least = fmin(least, c->recent[i]);
     c->us = least;
-    return us;
 }
 
 /* Collects finished timing samples: EWMA per key, true-up of the tokens. Under S.mu. */
@@ -420,16 +424,31 @@ static void poll_samples(uint64_t now)
     }
 }
 
+/* A kernel-launch cycle is the GPU activity between idle gaps. Its end is the return of a
+ * synchronisation that followed its last launch (the GPU had finished it: this includes any
+ * time spent behind other processes' kernels, which is what kernel-cycle stretch looks for), or,
+ * for an application that never synchronises, the estimated end of its queued work. */
+static uint64_t cycle_end(void)
+{
+    if (S.sync_ns > S.last_launch_ns)
+        return S.sync_ns;
+    uint64_t est = S.last_launch_ns + (uint64_t)(S.last_cost_us * 1000.0);
+    return S.work_end_ns > est ? S.work_end_ns : est;
+}
+
 static void note_cycle(uint64_t arrival)
 {
-    if (S.last_launch_ns && arrival - S.last_launch_ns > (uint64_t)S.cycle_gap_ns) {
-        uint64_t span_us = (S.last_launch_ns - S.cycle_start_ns) / 1000 + (uint64_t)S.last_cost_us;
+    uint64_t end = S.last_launch_ns ? cycle_end() : 0;
+    if (S.last_launch_ns && arrival > end && arrival - end > (uint64_t)S.cycle_gap_ns) {
+        uint64_t span_us = (end - S.cycle_start_ns) / 1000;
         S.cycles++;
         S.last_cycle_us = span_us;
         if (S.baseline_cycle_us == 0 || span_us < S.baseline_cycle_us)
             S.baseline_cycle_us = span_us;
-        else /* drift up slowly so a permanently longer workload re-baselines */
-            S.baseline_cycle_us += (span_us - S.baseline_cycle_us) / 256;
+        else /* drift up over about a minute, so a lasting change of workload re-baselines while
+              * a contention episode still reads as stretch */
+            S.baseline_cycle_us += (uint64_t)((double)(span_us - S.baseline_cycle_us) *
+                                              fmin(1.0, (double)(arrival - S.cycle_start_ns) / 60e9));
         S.cycle_start_ns = arrival;
     }
     if (!S.cycle_start_ns)
@@ -488,6 +507,8 @@ static int admit(uintptr_t key, double *charged, int *provisional)
     S.launches++;
     S.last_launch_ns = now;
     S.last_cost_us = cost;
+    /* the queued work's estimated end: launches run back to back behind earlier ones */
+    S.work_end_ns = (S.work_end_ns > now ? S.work_end_ns : now) + (uint64_t)(cost * 1000.0);
     *charged = cost;
     *provisional = !c || c->samples == 0;
     int sample = 0;
@@ -843,10 +864,35 @@ static CUresult do_end(int i, CUstream h, CUgraph *g)
     return r;
 }
 
+static void note_sync(CUresult r)
+{
+    if (r != CUDA_SUCCESS || !__atomic_load_n(&g_ready, __ATOMIC_ACQUIRE))
+        return;
+    pthread_mutex_lock(&S.mu);
+    S.sync_ns = dilu_now_ns();
+    pthread_mutex_unlock(&S.mu);
+}
+
+static CUresult do_sync(int i, void *arg)
+{
+    ensure_init();
+    void *real = g_slot[i].real;
+    if (!real)
+        return CUDA_ERROR_NOT_INITIALIZED;
+    CUresult r;
+    if (strcmp(g_slot[i].name, "cuCtxSynchronize") == 0)
+        r = ((CUresult(*)(void))real)();
+    else
+        r = ((CUresult(*)(void *))real)(arg);
+    note_sync(r);
+    return r;
+}
+
 #define LAUNCH_ARGS CUfunction f, unsigned gx, unsigned gy, unsigned gz, unsigned bx, unsigned by, \
                     unsigned bz, unsigned sh, CUstream h
 #define WRAPPERS(I, VIS, LAUNCH, LAUNCH_PTSZ, EX, EX_PTSZ, COOP, COOP_PTSZ, GRAPH, GRAPH_PTSZ, GPA,  \
-                 GPA2, BEGIN, BEGIN2, BEGIN_PTSZ, BEGIN2_PTSZ, END, END_PTSZ)                          \
+                 GPA2, BEGIN, BEGIN2, BEGIN_PTSZ, BEGIN2_PTSZ, END, END_PTSZ, SYNC_S, SYNC_S_PTSZ,   \
+                 SYNC_CTX, SYNC_EV)                                                                  \
     VIS CUresult LAUNCH(LAUNCH_ARGS, void **p, void **e) { return do_launch(I + 0, f, gx, gy, gz, bx, by, bz, sh, h, p, e); } \
     VIS CUresult LAUNCH_PTSZ(LAUNCH_ARGS, void **p, void **e) { return do_launch(I + 1, f, gx, gy, gz, bx, by, bz, sh, h, p, e); } \
     VIS CUresult EX(const CUlaunchConfig *c, CUfunction f, void **p, void **e) { return do_launch_ex(I + 2, c, f, p, e); } \
@@ -862,18 +908,24 @@ static CUresult do_end(int i, CUstream h, CUgraph *g)
     VIS CUresult BEGIN_PTSZ(CUstream h) { return do_begin(I + 12, h, 0); }                            \
     VIS CUresult BEGIN2_PTSZ(CUstream h, int m) { return do_begin(I + 13, h, m); }                    \
     VIS CUresult END(CUstream h, CUgraph *g) { return do_end(I + 14, h, g); }                         \
-    VIS CUresult END_PTSZ(CUstream h, CUgraph *g) { return do_end(I + 15, h, g); }
+    VIS CUresult END_PTSZ(CUstream h, CUgraph *g) { return do_end(I + 15, h, g); }                  \
+    VIS CUresult SYNC_S(CUstream h) { return do_sync(I + 16, h); }                                   \
+    VIS CUresult SYNC_S_PTSZ(CUstream h) { return do_sync(I + 17, h); }                              \
+    VIS CUresult SYNC_CTX(void) { return do_sync(I + 18, NULL); }                                   \
+    VIS CUresult SYNC_EV(CUevent e) { return do_sync(I + 19, e); }
 
 /* primary slots: the exported driver names */
 WRAPPERS(0, API, cuLaunchKernel, cuLaunchKernel_ptsz, cuLaunchKernelEx, cuLaunchKernelEx_ptsz,
          cuLaunchCooperativeKernel, cuLaunchCooperativeKernel_ptsz, cuGraphLaunch, cuGraphLaunch_ptsz,
          cuGetProcAddress, cuGetProcAddress_v2, cuStreamBeginCapture, cuStreamBeginCapture_v2,
          cuStreamBeginCapture_ptsz, cuStreamBeginCapture_v2_ptsz, cuStreamEndCapture,
-         cuStreamEndCapture_ptsz)
+         cuStreamEndCapture_ptsz, cuStreamSynchronize, cuStreamSynchronize_ptsz, cuCtxSynchronize,
+         cuEventSynchronize)
 /* alternative slots: entry points the driver hands out that differ from its exports */
 WRAPPERS(NPRIMARY, static, alt_launch, alt_launch_ptsz, alt_ex, alt_ex_ptsz, alt_coop, alt_coop_ptsz,
          alt_graph, alt_graph_ptsz, alt_gpa, alt_gpa2, alt_begin, alt_begin2, alt_begin_ptsz,
-         alt_begin2_ptsz, alt_end, alt_end_ptsz)
+         alt_begin2_ptsz, alt_end, alt_end_ptsz, alt_sync_s, alt_sync_s_ptsz, alt_sync_ctx,
+         alt_sync_ev)
 
 static void *wrapper_for(int i)
 {
@@ -882,10 +934,11 @@ static void *wrapper_for(int i)
         cuLaunchCooperativeKernel, cuLaunchCooperativeKernel_ptsz, cuGraphLaunch, cuGraphLaunch_ptsz,
         cuGetProcAddress, cuGetProcAddress_v2, cuStreamBeginCapture, cuStreamBeginCapture_v2,
         cuStreamBeginCapture_ptsz, cuStreamBeginCapture_v2_ptsz, cuStreamEndCapture,
-        cuStreamEndCapture_ptsz,
+        cuStreamEndCapture_ptsz, cuStreamSynchronize, cuStreamSynchronize_ptsz, cuCtxSynchronize,
+        cuEventSynchronize,
         alt_launch, alt_launch_ptsz, alt_ex, alt_ex_ptsz, alt_coop, alt_coop_ptsz, alt_graph,
         alt_graph_ptsz, alt_gpa, alt_gpa2, alt_begin, alt_begin2, alt_begin_ptsz, alt_begin2_ptsz,
-        alt_end, alt_end_ptsz,
+        alt_end, alt_end_ptsz, alt_sync_s, alt_sync_s_ptsz, alt_sync_ctx, alt_sync_ev,
     };
     return table[i];
 }
