@@ -199,6 +199,8 @@ static void gpu_record(struct gpu_slot *s)
     __atomic_store_n(&r->seq, i + 1, __ATOMIC_RELEASE);
 }
 
+static int pid_alive(uint32_t pid) { return kill((pid_t)pid, 0) == 0 || errno != ESRCH; }
+
 static int running(const struct gpu_slot *s) { return s->used && !s->done && !s->waiting; }
 
 /* Progress rate of running slot i (solo-ns per ns): kernels of one process running at once share
@@ -266,7 +268,12 @@ static void gpu_admit(uint64_t t)
             break;
         struct gpu_slot *s = &g->slots[best];
         int same;
-        if (gpu_fits(s->pid, s->width_ppm, &same) && (same || !blocked)) {
+        int fits = gpu_fits(s->pid, s->width_ppm, &same);
+        if (!fits && !blocked && !pid_alive(s->pid)) {
+            s->used = 0; /* its process died waiting: it must not hold the line */
+            continue;
+        }
+        if (fits && (same || !blocked)) {
             s->waiting = 0;
             s->start_ns = t;
         } else {
@@ -319,8 +326,6 @@ static void gpu_advance(uint64_t t)
             gpu_admit(g->sim_now);
     }
 }
-
-static int pid_alive(uint32_t pid) { return kill((pid_t)pid, 0) == 0 || errno != ESRCH; }
 
 static int gpu_alloc(void)
 {

@@ -634,6 +634,7 @@ static void resolve_real_dlsym(void)
 }
 
 static void *wrapper_for(int i); /* defined with the wrappers below */
+static void init_body(void);
 
 static void discover_alternatives(void)
 {
@@ -668,7 +669,16 @@ static void discover_alternatives(void)
     }
 }
 
+static __thread int t_in_init; /* the driver's own start-up may call dlsym: leave it alone */
+
 static void init(void)
+{
+    t_in_init = 1;
+    init_body();
+    t_in_init = 0;
+}
+
+static void init_body(void)
 {
     resolve_real_dlsym();
     g_debug = getenv("DILU_INTERCEPT_DEBUG") != NULL;
@@ -952,7 +962,7 @@ API void *dlsym(void *handle, const char *name)
     if (!real_dlsym)
         return NULL;
     void *p = real_dlsym(handle, name);
-    if (!p || name[0] != 'c' || name[1] != 'u')
+    if (!p || name[0] != 'c' || name[1] != 'u' || t_in_init)
         return p;
     if (!__atomic_load_n(&g_ready, __ATOMIC_ACQUIRE)) {
         const char *path = getenv("DILU_REAL_LIBCUDA");
