@@ -133,34 +133,41 @@ class ControlBlock:
             os.close(fd)
         block = cls(path, mm)
         cb = block._cb
-        if cb.magic != mod.lib.DILU_CB_MAGIC:
+        magic, version, got = int(cb.magic), int(cb.layout_version), int(cb.size)
+        if magic != mod.lib.DILU_CB_MAGIC:
             block.close()
-            raise ControlBlockError(f"{path}: bad magic {cb.magic:#x}")
-        if cb.layout_version != mod.lib.DILU_CB_LAYOUT_VERSION or cb.size != need:
-            version, got = cb.layout_version, cb.size
+            raise ControlBlockError(f"{path}: bad magic {magic:#x}")
+        if version != mod.lib.DILU_CB_LAYOUT_VERSION or got != need:
             block.close()
             raise ControlBlockError(
                 f"{path}: layout version {version} size {got}, expected "
                 f"{mod.lib.DILU_CB_LAYOUT_VERSION} size {need}")
         return block
 
+    def _live(self):
+        if self._cb is None:  # a NULL block would crash the C helpers
+            raise ControlBlockError(f"{self.path}: control block is closed")
+        return self._cb
+
     def write_grant(self, quota: float) -> int:
-        """Publishes a new quota (fraction 0..1) and wakes throttled launches; returns the epoch."""
-        return int(self._lib.dilu_cb_write_grant(self._cb, _ppm(quota, "quota")))
+        """Publishes a new quota (fraction 0..1) and wakes throttled launches; returns the epoch.
+        Raises ValueError for a quota outside [0, 1], ControlBlockError once closed."""
+        q = _ppm(quota, "quota")
+        return int(self._lib.dilu_cb_write_grant(self._live(), q))
 
     def heartbeat(self) -> None:
         """Marks the agent alive (the interceptor treats an old heartbeat as stale)."""
-        self._lib.dilu_cb_heartbeat(self._cb)
+        self._lib.dilu_cb_heartbeat(self._live())
 
     def set_runtime(self, ready: bool, requests: int, latency_us_ewma: int, queue_depth: int) -> None:
         """Writes the instance runtime's fields (one writer: the instance process)."""
-        self._lib.dilu_cb_set_runtime(self._cb, int(bool(ready)), int(requests),
+        self._lib.dilu_cb_set_runtime(self._live(), int(bool(ready)), int(requests),
                                       int(latency_us_ewma), int(queue_depth))
 
     def snapshot(self) -> CbSnapshot:
         """A consistent copy of the block's grant, telemetry and runtime fields."""
         o = self._out
-        self._lib.dilu_cb_snapshot(self._cb, o)
+        self._lib.dilu_cb_snapshot(self._live(), o)
         return CbSnapshot(
             instance_id=self._ffi.string(o.instance_id).decode(errors="replace"),
             launches=o.t_launches, throttled=o.t_throttled, busy_us=o.t_busy_us,

@@ -29,7 +29,8 @@
  * Width: CUDA_MPS_ACTIVE_THREAD_PERCENTAGE (percent, default 100), read at cuInit.
  * SMs: DILU_FAKE_GPU_SMS (default 108); the first process to create the GPU segment fixes it.
  * Queue depth: DILU_FAKE_QUEUE_DEPTH ops per stream (default 1024); a launch into a full stream
- * waits, as with a real driver's push buffer.
+ * waits, as with a real driver's push buffer. DILU_FAKE_NULL_LAUNCH=1 makes launches return at
+ * once without running (to measure what a caller of the driver adds per launch).
  */
 #define _GNU_SOURCE
 #include <errno.h>
@@ -198,6 +199,8 @@ static void gpu_record(struct gpu_slot *s)
     __atomic_store_n(&r->seq, i + 1, __ATOMIC_RELEASE);
 }
 
+static int pid_alive(uint32_t pid) { return kill((pid_t)pid, 0) == 0 || errno != ESRCH; }
+
 static int running(const struct gpu_slot *s) { return s->used && !s->done && !s->waiting; }
 
 /* Progress rate of running slot i (solo-ns per ns): kernels of one process running at once share
@@ -265,7 +268,12 @@ static void gpu_admit(uint64_t t)
             break;
         struct gpu_slot *s = &g->slots[best];
         int same;
-        if (gpu_fits(s->pid, s->width_ppm, &same) && (same || !blocked)) {
+        int fits = gpu_fits(s->pid, s->width_ppm, &same);
+        if (!fits && !blocked && !pid_alive(s->pid)) {
+            s->used = 0; /* its process died waiting: it must not hold the line */
+            continue;
+        }
+        if (fits && (same || !blocked)) {
             s->waiting = 0;
             s->start_ns = t;
         } else {
@@ -318,8 +326,6 @@ static void gpu_advance(uint64_t t)
             gpu_admit(g->sim_now);
     }
 }
-
-static int pid_alive(uint32_t pid) { return kill((pid_t)pid, 0) == 0 || errno != ESRCH; }
 
 static int gpu_alloc(void)
 {
@@ -454,6 +460,8 @@ static struct ctx *g_primary;
 static struct kfunc *g_funcs;
 static double g_default_us = 100.0;
 static long g_queue_depth = 1024; /* DILU_FAKE_QUEUE_DEPTH */
+static int g_event_join = 1;      /* DILU_FAKE_EVENT_JOIN=0: events stamped when reached */
+static int g_null_launch;         /* DILU_FAKE_NULL_LAUNCH=1: launches return at once, run nothing */
 #define EVENT_JOIN_NS 200000L     /* 200 µs: how long an event waits for a launch behind it */
 static __thread struct ctx *t_ctx;
 
@@ -527,7 +535,7 @@ static void *worker(void *arg)
                 }
                 ndeferred = 0;
             }
-            if (op->submit_ns <= s->last_end && !ndeferred) {
+            if (!g_event_join || (op->submit_ns <= s->last_end && !ndeferred)) {
                 /* recorded behind earlier work: stamped as that work ends */
                 op->ev->time_ns = desired;
                 op->ev->recorded = 1;
@@ -632,6 +640,10 @@ static void init_once(void)
     const char *d = getenv("DILU_FAKE_DEFAULT_US");
     if (d && atof(d) > 0)
         g_default_us = atof(d);
+    const char *ej = getenv("DILU_FAKE_EVENT_JOIN");
+    g_event_join = !(ej && *ej == '0');
+    const char *nl = getenv("DILU_FAKE_NULL_LAUNCH");
+    g_null_launch = nl && *nl == '1';
     const char *q = getenv("DILU_FAKE_QUEUE_DEPTH");
     if (q && atol(q) > 0)
         g_queue_depth = atol(q);
@@ -676,6 +688,8 @@ static CUresult launch(CUfunction f, CUstream h, void **params)
     if (!f)
         return CUDA_ERROR_INVALID_HANDLE;
     double ns = kernel_ns(f, params);
+    if (g_null_launch) /* overhead benchmarks: a driver whose launch costs nothing */
+        return CUDA_SUCCESS;
     pthread_mutex_lock(&g_mu);
     struct stream *s = resolve(h);
     if (s->capture) {
@@ -1111,7 +1125,10 @@ API CUresult cuEventRecord(CUevent e, CUstream h)
         return CUDA_ERROR_INVALID_HANDLE;
     pthread_mutex_lock(&g_mu);
     struct stream *s = resolve(h);
-    if (!s->capture) {
+    if (g_null_launch) { /* nothing runs: the event is reached at once */
+        ev->time_ns = now_ns();
+        ev->recorded = 1;
+    } else if (!s->capture) {
         struct op *op = calloc(1, sizeof *op);
         op->kind = OP_EVENT;
         op->ev = ev;

@@ -17,7 +17,8 @@
  * CUfunction with its launch geometry, or a CUgraphExec) from launches timed with events, never
  * on a capturing stream: every launch until 3 samples, then every DILU_SAMPLE_EVERY-th and at
  * least every 20 ms. The estimate is the least recent sample (see learn(): it meters SM-time,
- * not time stretched by other processes); the first samples are trued up.
+ * not time stretched by other processes). Launches of a key not measured yet are charged the
+ * default, all timed, and trued up when their timing arrives.
  *
  * Fail safe: with no usable control block the rate is the last grant seen, or before any
  * DILU_REQUEST_QUOTA; a quota is never below DILU_MIN_QUOTA so no wait is unbounded. A stale
@@ -65,7 +66,7 @@ typedef CUresult (*end_fn)(CUstream, CUgraph *);
 
 /* ------------------------------------------------------------------ hook slots */
 
-enum kind { K_LAUNCH, K_LAUNCH_EX, K_COOP, K_GRAPH, K_GPA, K_GPA2, K_BEGIN, K_BEGIN2, K_END };
+enum kind { K_LAUNCH, K_LAUNCH_EX, K_COOP, K_GRAPH, K_GPA, K_GPA2, K_BEGIN, K_BEGIN2, K_END, K_SYNC };
 
 struct slot {
     const char *name; /* exported driver symbol */
@@ -76,7 +77,7 @@ struct slot {
     void *wrapper;
 };
 
-#define NPRIMARY 16
+#define NPRIMARY 20
 #define NSLOTS (2 * NPRIMARY) /* slot i + NPRIMARY: an alternative real pointer of slot i */
 
 static struct slot g_slot[NSLOTS] = {
@@ -96,6 +97,11 @@ static struct slot g_slot[NSLOTS] = {
     {"cuStreamBeginCapture_v2_ptsz", "cuStreamBeginCapture", K_BEGIN2, 1, 0, 0},
     {"cuStreamEndCapture", "cuStreamEndCapture", K_END, 0, 0, 0},
     {"cuStreamEndCapture_ptsz", "cuStreamEndCapture", K_END, 1, 0, 0},
+    /* synchronisations: their return marks the end of the GPU work of a kernel-launch cycle */
+    {"cuStreamSynchronize", "cuStreamSynchronize", K_SYNC, 0, 0, 0},
+    {"cuStreamSynchronize_ptsz", "cuStreamSynchronize", K_SYNC, 1, 0, 0},
+    {"cuCtxSynchronize", "cuCtxSynchronize", K_SYNC, 0, 0, 0},
+    {"cuEventSynchronize", "cuEventSynchronize", K_SYNC, 0, 0, 0},
 };
 
 /* real driver entry points used for calibration */
@@ -152,6 +158,7 @@ struct sample {
     uintptr_t key;
     CUevent start0, start, end; /* start0 - start: the record-to-record gap (see poll_samples) */
     double charged_us;
+    int provisional; /* charged before the key had any sample: true it up */
 };
 
 static struct {
@@ -181,7 +188,7 @@ static struct {
     uint64_t launches, throttled, samples, flags;
     double busy_us, wait_us;
     uint64_t cycles, last_cycle_us, baseline_cycle_us;
-    uint64_t cycle_start_ns, last_launch_ns;
+    uint64_t cycle_start_ns, last_launch_ns, sync_ns, work_end_ns;
     double last_cost_us;
     uint64_t applied_epoch, applied_ns;
 } S = {.mu = PTHREAD_MUTEX_INITIALIZER};
@@ -344,16 +351,15 @@ static struct cost *cost_of(uintptr_t key)
     return NULL; /* table crowded: the caller uses the global estimate */
 }
 
-/* Folds one measured duration into the key's estimate; returns the true-up to charge for it.
+/* Folds one measured duration into the key's estimate.
  *
  * The estimate is the least of the last 8 samples of the key (a key is a CUfunction with its
  * launch geometry, or a graph): a kernel stretched by another process sharing the SMs did not
  * use more SM-time than alone (it got fewer SMs for longer), and host hiccups only ever inflate
  * a timing. Charging the uncontended duration therefore meters SM-time, so each instance gets
  * work in proportion to its quota whatever it shares the device with; a kernel that really
- * became slower raises the estimate once all 8 recent samples say so. Only the first samples
- * are trued up (the launches charged the default before the key was known). */
-static double learn(struct cost *c, double us)
+ * became slower raises the estimate once all 8 recent samples say so. */
+static void learn(struct cost *c, double us)
 {
     uint32_t n = c->samples < 8 ? c->samples + 1 : 8;
     c->recent[c->samples % 8] = us;
@@ -362,13 +368,16 @@ static double learn(struct cost *c, double us)
     for (uint32_t i = 1; i < n; i++)
         least = fmin(least, c->recent[i]);
     c->us = least;
-    return c->samples <= 3 ? us : -1.0;
 }
 
 /* Collects finished timing samples: EWMA per key, true-up of the tokens. Under S.mu. */
 static void poll_samples(uint64_t now)
 {
     if (!S.npending || now < S.next_poll_ns)
+        return;
+    /* querying events while any stream captures a graph (global capture mode) would invalidate
+     * the capture: collect later */
+    if (__atomic_load_n(&g_capturing, __ATOMIC_ACQUIRE))
         return;
     S.next_poll_ns = now + 100000ull;
     for (int i = 0; i < S.npending;) {
@@ -393,10 +402,11 @@ static void poll_samples(uint64_t now)
                     c->pending--;
                 goto drop;
             }
-            double charge = c ? learn(c, us) : -1.0;
+            if (c)
+                learn(c, us);
             S.global_cost_us += (us - S.global_cost_us) / 16.0;
-            if (charge >= 0.0) { /* true-up: charge what the launch really used */
-                double fix = charge - s->charged_us;
+            if (s->provisional) { /* true-up: charge what the launch really used */
+                double fix = us - s->charged_us;
                 S.tokens -= fix;
                 if (S.tokens > S.burst_us)
                     S.tokens = S.burst_us;
@@ -414,16 +424,31 @@ static void poll_samples(uint64_t now)
     }
 }
 
+/* A kernel-launch cycle is the GPU activity between idle gaps. Its end is the return of a
+ * synchronisation that followed its last launch (the GPU had finished it: this includes any
+ * time spent behind other processes' kernels, which is what kernel-cycle stretch looks for), or,
+ * for an application that never synchronises, the estimated end of its queued work. */
+static uint64_t cycle_end(void)
+{
+    if (S.sync_ns > S.last_launch_ns)
+        return S.sync_ns;
+    uint64_t est = S.last_launch_ns + (uint64_t)(S.last_cost_us * 1000.0);
+    return S.work_end_ns > est ? S.work_end_ns : est;
+}
+
 static void note_cycle(uint64_t arrival)
 {
-    if (S.last_launch_ns && arrival - S.last_launch_ns > (uint64_t)S.cycle_gap_ns) {
-        uint64_t span_us = (S.last_launch_ns - S.cycle_start_ns) / 1000 + (uint64_t)S.last_cost_us;
+    uint64_t end = S.last_launch_ns ? cycle_end() : 0;
+    if (S.last_launch_ns && arrival > end && arrival - end > (uint64_t)S.cycle_gap_ns) {
+        uint64_t span_us = (end - S.cycle_start_ns) / 1000;
         S.cycles++;
         S.last_cycle_us = span_us;
         if (S.baseline_cycle_us == 0 || span_us < S.baseline_cycle_us)
             S.baseline_cycle_us = span_us;
-        else /* drift up slowly so a permanently longer workload re-baselines */
-            S.baseline_cycle_us += (span_us - S.baseline_cycle_us) / 256;
+        else /* drift up over about a minute, so a lasting change of workload re-baselines while
+              * a contention episode still reads as stretch */
+            S.baseline_cycle_us += (uint64_t)((double)(span_us - S.baseline_cycle_us) *
+                                              fmin(1.0, (double)(arrival - S.cycle_start_ns) / 60e9));
         S.cycle_start_ns = arrival;
     }
     if (!S.cycle_start_ns)
@@ -431,7 +456,7 @@ static void note_cycle(uint64_t arrival)
 }
 
 /* Waits for tokens, charges the launch; returns 1 if this launch should be timed. Under S.mu. */
-static int admit(uintptr_t key, double *charged)
+static int admit(uintptr_t key, double *charged, int *provisional)
 {
     uint64_t now = dilu_now_ns();
     note_cycle(now);
@@ -451,8 +476,8 @@ static int admit(uintptr_t key, double *charged)
         double want = c0 ? c0->us : S.global_cost_us;
         if (want < S.min_wait_us * S.rate)
             want = S.min_wait_us * S.rate;
-        if (want > S.burst_us)
-            want = S.burst_us;
+        if (want > S.burst_us / 2) /* leave room under the cap for an oversleep's refill */
+            want = S.burst_us / 2;
         double target;
         while (S.tokens < (target = S.rate >= 1.0 ? -S.burst_us : want)) {
             double need_ns = (target - S.tokens) / S.rate * 1000.0 + 1000.0;
@@ -482,12 +507,16 @@ static int admit(uintptr_t key, double *charged)
     S.launches++;
     S.last_launch_ns = now;
     S.last_cost_us = cost;
+    /* the queued work's estimated end: launches run back to back behind earlier ones */
+    S.work_end_ns = (S.work_end_ns > now ? S.work_end_ns : now) + (uint64_t)(cost * 1000.0);
     *charged = cost;
+    *provisional = !c || c->samples == 0;
     int sample = 0;
     if (c) {
         c->launches++;
-        /* all launches until 3 samples, then every sample_every-th, and at least every 20 ms */
-        sample = (c->samples + c->pending < 3 || c->launches % S.sample_every == 0 ||
+        /* every launch while the key has no sample yet (each one is trued up), then until 3
+         * samples, then every sample_every-th and at least every 20 ms */
+        sample = (c->samples == 0 || c->samples + c->pending < 3 || c->launches % S.sample_every == 0 ||
                   (now - c->last_sample_ns > 20000000ull && !c->pending)) &&
                  S.npending < MAX_PENDING && r_event_create;
         if (sample) {
@@ -515,6 +544,7 @@ struct timing {
     CUevent start0, start, end;
     uintptr_t key;
     double charged;
+    int provisional;
     int ptsz;
     CUstream stream;
 };
@@ -527,7 +557,7 @@ static int before_launch(uintptr_t key, CUstream h, int ptsz, struct timing *t)
     if (!g_ready || capturing(h, ptsz))
         return 0;
     pthread_mutex_lock(&S.mu);
-    int sample = admit(key, &t->charged);
+    int sample = admit(key, &t->charged, &t->provisional);
     pthread_mutex_unlock(&S.mu);
     if (sample) {
         CUresult (*rec)(CUevent, CUstream) = ptsz && r_event_record_ptsz ? r_event_record_ptsz : r_event_record;
@@ -564,7 +594,7 @@ static void after_launch(struct timing *t, CUresult r)
     int ok = r == CUDA_SUCCESS && rec(t->end, t->stream) == CUDA_SUCCESS;
     pthread_mutex_lock(&S.mu);
     if (ok && S.npending < MAX_PENDING) {
-        S.pending[S.npending++] = (struct sample){t->key, t->start0, t->start, t->end, t->charged};
+        S.pending[S.npending++] = (struct sample){t->key, t->start0, t->start, t->end, t->charged, t->provisional};
     } else {
         struct cost *c = cost_of(t->key);
         if (c && c->pending)
@@ -604,6 +634,7 @@ static void resolve_real_dlsym(void)
 }
 
 static void *wrapper_for(int i); /* defined with the wrappers below */
+static void init_body(void);
 
 static void discover_alternatives(void)
 {
@@ -638,7 +669,16 @@ static void discover_alternatives(void)
     }
 }
 
+static __thread int t_in_init; /* the driver's own start-up may call dlsym: leave it alone */
+
 static void init(void)
+{
+    t_in_init = 1;
+    init_body();
+    t_in_init = 0;
+}
+
+static void init_body(void)
 {
     resolve_real_dlsym();
     g_debug = getenv("DILU_INTERCEPT_DEBUG") != NULL;
@@ -834,10 +874,35 @@ static CUresult do_end(int i, CUstream h, CUgraph *g)
     return r;
 }
 
+static void note_sync(CUresult r)
+{
+    if (r != CUDA_SUCCESS || !__atomic_load_n(&g_ready, __ATOMIC_ACQUIRE))
+        return;
+    pthread_mutex_lock(&S.mu);
+    S.sync_ns = dilu_now_ns();
+    pthread_mutex_unlock(&S.mu);
+}
+
+static CUresult do_sync(int i, void *arg)
+{
+    ensure_init();
+    void *real = g_slot[i].real;
+    if (!real)
+        return CUDA_ERROR_NOT_INITIALIZED;
+    CUresult r;
+    if (strcmp(g_slot[i].name, "cuCtxSynchronize") == 0)
+        r = ((CUresult(*)(void))real)();
+    else
+        r = ((CUresult(*)(void *))real)(arg);
+    note_sync(r);
+    return r;
+}
+
 #define LAUNCH_ARGS CUfunction f, unsigned gx, unsigned gy, unsigned gz, unsigned bx, unsigned by, \
                     unsigned bz, unsigned sh, CUstream h
 #define WRAPPERS(I, VIS, LAUNCH, LAUNCH_PTSZ, EX, EX_PTSZ, COOP, COOP_PTSZ, GRAPH, GRAPH_PTSZ, GPA,  \
-                 GPA2, BEGIN, BEGIN2, BEGIN_PTSZ, BEGIN2_PTSZ, END, END_PTSZ)                          \
+                 GPA2, BEGIN, BEGIN2, BEGIN_PTSZ, BEGIN2_PTSZ, END, END_PTSZ, SYNC_S, SYNC_S_PTSZ,   \
+                 SYNC_CTX, SYNC_EV)                                                                  \
     VIS CUresult LAUNCH(LAUNCH_ARGS, void **p, void **e) { return do_launch(I + 0, f, gx, gy, gz, bx, by, bz, sh, h, p, e); } \
     VIS CUresult LAUNCH_PTSZ(LAUNCH_ARGS, void **p, void **e) { return do_launch(I + 1, f, gx, gy, gz, bx, by, bz, sh, h, p, e); } \
     VIS CUresult EX(const CUlaunchConfig *c, CUfunction f, void **p, void **e) { return do_launch_ex(I + 2, c, f, p, e); } \
@@ -853,18 +918,24 @@ static CUresult do_end(int i, CUstream h, CUgraph *g)
     VIS CUresult BEGIN_PTSZ(CUstream h) { return do_begin(I + 12, h, 0); }                            \
     VIS CUresult BEGIN2_PTSZ(CUstream h, int m) { return do_begin(I + 13, h, m); }                    \
     VIS CUresult END(CUstream h, CUgraph *g) { return do_end(I + 14, h, g); }                         \
-    VIS CUresult END_PTSZ(CUstream h, CUgraph *g) { return do_end(I + 15, h, g); }
+    VIS CUresult END_PTSZ(CUstream h, CUgraph *g) { return do_end(I + 15, h, g); }                  \
+    VIS CUresult SYNC_S(CUstream h) { return do_sync(I + 16, h); }                                   \
+    VIS CUresult SYNC_S_PTSZ(CUstream h) { return do_sync(I + 17, h); }                              \
+    VIS CUresult SYNC_CTX(void) { return do_sync(I + 18, NULL); }                                   \
+    VIS CUresult SYNC_EV(CUevent e) { return do_sync(I + 19, e); }
 
 /* primary slots: the exported driver names */
 WRAPPERS(0, API, cuLaunchKernel, cuLaunchKernel_ptsz, cuLaunchKernelEx, cuLaunchKernelEx_ptsz,
          cuLaunchCooperativeKernel, cuLaunchCooperativeKernel_ptsz, cuGraphLaunch, cuGraphLaunch_ptsz,
          cuGetProcAddress, cuGetProcAddress_v2, cuStreamBeginCapture, cuStreamBeginCapture_v2,
          cuStreamBeginCapture_ptsz, cuStreamBeginCapture_v2_ptsz, cuStreamEndCapture,
-         cuStreamEndCapture_ptsz)
+         cuStreamEndCapture_ptsz, cuStreamSynchronize, cuStreamSynchronize_ptsz, cuCtxSynchronize,
+         cuEventSynchronize)
 /* alternative slots: entry points the driver hands out that differ from its exports */
 WRAPPERS(NPRIMARY, static, alt_launch, alt_launch_ptsz, alt_ex, alt_ex_ptsz, alt_coop, alt_coop_ptsz,
          alt_graph, alt_graph_ptsz, alt_gpa, alt_gpa2, alt_begin, alt_begin2, alt_begin_ptsz,
-         alt_begin2_ptsz, alt_end, alt_end_ptsz)
+         alt_begin2_ptsz, alt_end, alt_end_ptsz, alt_sync_s, alt_sync_s_ptsz, alt_sync_ctx,
+         alt_sync_ev)
 
 static void *wrapper_for(int i)
 {
@@ -873,10 +944,11 @@ static void *wrapper_for(int i)
         cuLaunchCooperativeKernel, cuLaunchCooperativeKernel_ptsz, cuGraphLaunch, cuGraphLaunch_ptsz,
         cuGetProcAddress, cuGetProcAddress_v2, cuStreamBeginCapture, cuStreamBeginCapture_v2,
         cuStreamBeginCapture_ptsz, cuStreamBeginCapture_v2_ptsz, cuStreamEndCapture,
-        cuStreamEndCapture_ptsz,
+        cuStreamEndCapture_ptsz, cuStreamSynchronize, cuStreamSynchronize_ptsz, cuCtxSynchronize,
+        cuEventSynchronize,
         alt_launch, alt_launch_ptsz, alt_ex, alt_ex_ptsz, alt_coop, alt_coop_ptsz, alt_graph,
         alt_graph_ptsz, alt_gpa, alt_gpa2, alt_begin, alt_begin2, alt_begin_ptsz, alt_begin2_ptsz,
-        alt_end, alt_end_ptsz,
+        alt_end, alt_end_ptsz, alt_sync_s, alt_sync_s_ptsz, alt_sync_ctx, alt_sync_ev,
     };
     return table[i];
 }
@@ -890,7 +962,7 @@ API void *dlsym(void *handle, const char *name)
     if (!real_dlsym)
         return NULL;
     void *p = real_dlsym(handle, name);
-    if (!p || name[0] != 'c' || name[1] != 'u')
+    if (!p || name[0] != 'c' || name[1] != 'u' || t_in_init)
         return p;
     if (!__atomic_load_n(&g_ready, __ATOMIC_ACQUIRE)) {
         const char *path = getenv("DILU_REAL_LIBCUDA");

@@ -1,7 +1,8 @@
 /* dilu_launch: a small driver-API program that launches kernels through one chosen path, for the
  * interceptor's tests and benchmark (no interpreter start-up in the way).
  *
- *   dilu_launch [-m MODE] [-k KERNEL] [-n COUNT] [-t SECONDS] [-s SYNC_EVERY] [-g GRAPH_LEN] [-f]
+ *   dilu_launch [-m MODE] [-k KERNEL] [-n COUNT] [-t SECONDS] [-s SYNC_EVERY] [-g GRAPH_LEN]
+ *               [-p PAUSE_US] [-f] [-b]
  *
  * MODE: direct (linked cuLaunchKernel, default), ptsz (linked cuLaunchKernel_ptsz), dlsym
  * (dlopen + dlsym), gpa0 / gpa2 (cuGetProcAddress_v2 with flags 0 / 2), gpa4 (4-argument
@@ -9,6 +10,7 @@
  * GRAPH_LEN kernels into a graph, then launches the graph; COUNT counts graph launches).
  * KERNEL: a fake-driver kernel name, e.g. k_50 (50 µs). Launches COUNT times, or for SECONDS
  * (when -t is given), synchronising every SYNC_EVERY launches (0: only at the end).
+ * -p PAUSE_US: sleep that long after each synchronisation (idle gaps between launch cycles).
  * -f: fork after the first half; parent and child each run the second half.
  * -b: overhead mode, prints the mean ns per launch call of the timed loop.
  * Prints one JSON line: pid, mode, launches, start_ns, first_launch_ns, end_ns, errors.
@@ -71,7 +73,8 @@ int main(int argc, char **argv)
     long count = 1000, sync_every = 0, graph_len = 10;
     double seconds = -1.0;
     int do_fork = 0, bench = 0, c;
-    while ((c = getopt(argc, argv, "m:k:n:t:s:g:fb")) != -1) {
+    long pause_us = 0;
+    while ((c = getopt(argc, argv, "m:k:n:t:s:g:p:fb")) != -1) {
         switch (c) {
         case 'm': mode = optarg; break;
         case 'k': kernel = optarg; break;
@@ -81,9 +84,10 @@ int main(int argc, char **argv)
         case 'g': graph_len = atol(optarg); break;
         case 'f': do_fork = 1; break;
         case 'b': bench = 1; break;
+        case 'p': pause_us = atol(optarg); break;
         default:
             fprintf(stderr, "usage: dilu_launch [-m MODE] [-k KERNEL] [-n COUNT] [-t SECONDS] "
-                            "[-s SYNC_EVERY] [-g GRAPH_LEN] [-f] [-b]\n");
+                            "[-s SYNC_EVERY] [-g GRAPH_LEN] [-p PAUSE_US] [-f] [-b]\n");
             return 1;
         }
     }
@@ -156,8 +160,11 @@ int main(int argc, char **argv)
         if (!first_ns)
             first_ns = now_ns();
         done++;
-        if (sync_every > 0 && done % sync_every == 0)
+        if (sync_every > 0 && done % sync_every == 0) {
             CHECK(cuCtxSynchronize());
+            if (pause_us > 0) /* host-side think time: an idle gap between cycles */
+                usleep((useconds_t)pause_us);
+        }
     }
     unsigned long long loop_ns = now_ns() - loop_start;
     CHECK(cuCtxSynchronize());

@@ -156,3 +156,19 @@ def test_not_ready_answers(gpu):
     assert (idle_stream, idle_event) == ("True", "True")
     # read on the device clock: the kernel's 30 ms plus the host's time between the two calls
     assert 30.0 <= float(ms) < 40.0
+
+
+def test_a_process_killed_mid_run_does_not_stall_the_device(agent, gpu):
+    import signal
+    a = agent.block(request_quota=1.0)
+    b = agent.block(request_quota=1.0)
+    doomed = spawn(launch_env(a.path, gpu), "-k", "k_300", "-t", "5")
+    survivor = spawn(launch_env(b.path, gpu), "-k", "k_300", "-t", "1.5")
+    time.sleep(0.5)
+    doomed.send_signal(signal.SIGKILL)
+    doomed.communicate()
+    t_kill = time.monotonic_ns()
+    out = finish(survivor, timeout=30)
+    recs = timeline.read_array(gpu)
+    # the survivor kept the device busy after the kill, with the width the dead one held freed
+    assert timeline.busy_share(recs, out["pid"], t_kill + SEC // 10, timeline.span(recs, out["pid"])[1]) > 0.9

@@ -1,0 +1,33 @@
+"""Kernel-launch cycle telemetry: count, last span and baseline span, and their stretch when
+another process contends for the device (the signal the node agent turns into
+KernelCycleStretch)."""
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from conftest import finish, launch_env, spawn
+
+pytestmark = pytest.mark.native
+
+
+def test_cycles_are_counted_and_stretch_under_contention(agent, gpu):
+    cb = agent.block(request_quota=1.0)
+    # batches of 10 x 200 µs kernels, a synchronisation, then 3 ms of host think time
+    proc = spawn(launch_env(cb.path, gpu), "-k", "k_200", "-s", "10", "-p", "3000", "-t", "2.4")
+    time.sleep(1.0)
+    alone = cb.snapshot()
+    assert alone.cycles >= 20
+    assert alone.baseline_cycle_us == pytest.approx(2000, rel=0.15)
+    assert alone.last_cycle_us <= 1.4 * alone.baseline_cycle_us
+    # a saturating width-1 neighbour: our kernels now take turns with its kernels
+    rival = agent.block(request_quota=1.0)
+    other = spawn(launch_env(rival.path, gpu), "-k", "k_200", "-t", "1.2")
+    time.sleep(0.6)
+    contended = cb.snapshot()
+    finish(other)
+    finish(proc)
+    assert contended.cycles > alone.cycles
+    assert contended.last_cycle_us >= 1.5 * contended.baseline_cycle_us
+    assert contended.baseline_cycle_us == pytest.approx(alone.baseline_cycle_us, rel=0.15)
