@@ -311,6 +311,15 @@ class HorizontalPolicy:
     def functions(self) -> list[str]:
         return list(self._fns)
 
+    def surplus_donor(self, starving: str) -> str | None:
+        """The function that should give up one instance so that ``starving`` (which has none
+        and found no room) gets its first: the one with the most ready instances, at least 2
+        (a first instance serves requests no other instance can; a third does not). Ties: name.
+        None when no function has a surplus."""
+        best = sorted(((f.count("ready"), name) for name, f in self._fns.items() if name != starving),
+                      key=lambda c: (-c[0], c[1]))
+        return best[0][1] if best and best[0][0] >= 2 else None
+
     def params(self, name: str) -> FunctionParams:
         return self._fn(name).params
 

@@ -73,6 +73,7 @@ RETIREMENTS = Counter("dilu_retirements", "Instances removed (drained or cancell
 SCALE_TO_ZERO = Counter("dilu_scale_to_zero", "Times a function was scaled to zero instances", ["function"])
 DECISIONS = Counter("dilu_scale_decisions", "Scale decisions carried out", ["function", "direction"])
 BACKLOG_ERRORS = Counter("dilu_backlog_errors", "Ticks whose backlog could not be read (scale held)", ["function", "kind"])
+PREEMPTIONS = Counter("dilu_preemptions", "Surplus instances retired so a starved function gets its first", ["function"])
 PLACE_FAILURES = Counter("dilu_place_failures", "Scale-outs the scheduler refused or did not answer", ["function"])
 BREACHES = Counter("dilu_burst_window_breaches", "Burst windows whose load exceeded capacity", ["function", "panic"])
 DESIRED = Gauge("dilu_desired_instances", "Instances the horizontal scaler aims at", ["function"])
@@ -359,6 +360,27 @@ class HorizontalScaler:
             delay = min(self.place_backoff_max_s, max(self.tick_s, delay * 2))
             self._backoff[fn] = (now + delay, delay)
             self.bus.log.warning("scale-out not placed", function=fn, count=d.place, error=error or "no placements")
+            if d.current == 0:
+                await self._make_room(fn)
+
+    async def _make_room(self, fn: str) -> None:
+        """``fn`` has no instance and no GPU can take one: retire one surplus instance of the
+        function holding the most, so its queue is not starved (the scheduler picks the victim)."""
+        donor = self.policy.surplus_donor(fn)
+        if donor is None:
+            return
+        assert self.bus is not None
+        try:
+            reply = await self.bus.request(subjects.SCHEDULER_RETIRE, RetireRequest(
+                function=donor, reason=f"room for the first instance of {fn}"), RetireReply, timeout=self.timeout)
+        except (nats.errors.TimeoutError, nats.errors.NoRespondersError, MalformedEvent) as exc:
+            self.bus.log.warning("could not make room", function=fn, donor=donor, error=repr(exc))
+            return
+        if reply.ok:
+            PREEMPTIONS.labels(donor).inc()
+            RETIREMENTS.labels(donor).inc()
+            self.bus.log.info("surplus instance retired to make room", function=fn, donor=donor,
+                              instance=reply.instance_id)
 
     async def _retire(self, fn: str, d: Decision) -> None:
         results = await asyncio.gather(*(self._retire_one(fn, iid, d.reason) for iid in d.retire))

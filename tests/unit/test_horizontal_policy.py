@@ -289,3 +289,19 @@ def test_desired_stays_within_bounds_and_unknown_never_scales(samples, max_n):
             assert d.desired >= 1
         for k in range(d.place):
             p.instance_starting(FN, f"i{t}-{k}", t)
+
+
+def test_surplus_donor_is_the_function_with_most_ready_instances():
+    from dilu.services.horizontal_scaler.policy import HorizontalPolicy
+
+    pol = HorizontalPolicy()
+    for name in ("a", "b", "starved"):
+        pol.add_function(name)
+    pol.instance_starting("a", "a1", 0.0)
+    pol.instance_ready("a", "a1", 1.0)
+    assert pol.surplus_donor("starved") is None  # a single instance is never a surplus
+    for i in range(2, 4):
+        pol.instance_starting("b", f"b{i}", 0.0)
+        pol.instance_ready("b", f"b{i}", 1.0)
+    pol.instance_starting("a", "a2", 2.0)  # starting instances do not count: they serve nothing yet
+    assert pol.surplus_donor("starved") == "b"
