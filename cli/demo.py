@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import signal
 import sys
 import tempfile
@@ -24,6 +25,7 @@ import uvloop
 from rich.console import Console
 
 from dilu.loadgen import arrivals, assign, generator, report, trace
+from dilu.services.common import logging as dlog
 from dilu.services.common import models
 from dilu.services.common.invoke import InvokeClient
 from dilu.services.common.workqueue import ensure_consumer, ensure_stream
@@ -63,16 +65,34 @@ def _functions(value: str) -> int | str:
     return k
 
 
+def _gpus(value: str) -> str:
+    if value == "cpu":
+        return value
+    try:
+        n = int(value)
+    except ValueError:
+        raise click.BadParameter(f"expected a GPU count or 'cpu', got {value!r}") from None
+    if not 1 <= n <= 64:
+        raise click.BadParameter(f"GPU count must be 1..64, got {n}")
+    return str(n)
+
+
+def _finite(_ctx, param, value: float) -> float:
+    if not math.isfinite(value):
+        raise click.BadParameter(f"must be a finite number, got {value}", param=param)
+    return value
+
+
 def run_options(f):
     """The options of a run, shared by ``demo`` and ``compare``."""
     opts = [
-        click.option("--duration", type=click.FloatRange(min=1), default=120.0, show_default=True, help="wall-clock seconds of replay"),
-        click.option("--speedup", type=click.FloatRange(min=0.01), default=10.0, show_default=True, help="trace seconds per wall second (arrivals only)"),
+        click.option("--duration", type=click.FloatRange(min=1), default=120.0, show_default=True, callback=_finite, help="wall-clock seconds of replay"),
+        click.option("--speedup", type=click.FloatRange(min=0.01, max=1000), default=10.0, show_default=True, callback=_finite, help="trace seconds per wall second (arrivals only)"),
         click.option("--seed", type=click.IntRange(min=0), default=1, show_default=True),
         click.option("--trace", "trace_dir", type=click.Path(exists=True, file_okay=False), default=None, help="trace directory in the Azure Functions 2019 format (default: the bundled 100-function sample)"),
         click.option("--start-minute", type=int, default=None, help="trace minute to begin at (default: the first)"),
         click.option("--functions", type=str, default="16", show_default=True, callback=lambda c, p, v: _functions(v), help="K busiest functions of the span, or 'all'"),
-        click.option("--gpus", default="4", show_default=True, help="emulated A100 40 GB GPUs on the node, or 'cpu'"),
+        click.option("--gpus", default="4", show_default=True, callback=lambda c, p, v: _gpus(v), help="emulated A100 40 GB GPUs on the node (1..64), or 'cpu'"),
         click.option("--nats-url", default=None, help="use a running NATS server instead of starting one"),
         click.option("--log-dir", default=None, type=click.Path(file_okay=False), help="where the services' JSON logs go (default: a temp dir)"),
     ]
@@ -125,7 +145,8 @@ async def _replay(opts: RunOptions, cluster: Cluster, plan, chosen: dict[str, st
             console.print(f"[dim]deploying {len(specs)} functions; the profiler measures them on the emulated GPUs[/dim]")
         for spec in specs:
             await ensure_consumer(js, spec.name)
-        await deploy(nc, specs, given=given)
+        if not await _unless_stopped(deploy(nc, specs, given=given), stop):
+            raise Interrupted("stopped while deploying and profiling: nothing was offered")
         client = InvokeClient(nc, js)
         await client.start()
         timeouts = {s.name: max(REQUEST_TIMEOUT_MIN_S, 10 * s.slo_ms / 1000.0) for s in specs}
@@ -149,6 +170,24 @@ async def _replay(opts: RunOptions, cluster: Cluster, plan, chosen: dict[str, st
         await nc.drain()
 
 
+class Interrupted(RuntimeError):
+    """Ctrl-C before the replay began."""
+
+
+async def _unless_stopped(work, stop: asyncio.Event) -> bool:
+    """Await ``work`` unless ``stop`` is set first (then cancel it); True when it finished."""
+    task = asyncio.ensure_future(work)
+    stopper = asyncio.ensure_future(stop.wait())
+    done, _ = await asyncio.wait({task, stopper}, return_when=asyncio.FIRST_COMPLETED)
+    stopper.cancel()
+    if task in done:
+        task.result()
+        return True
+    task.cancel()
+    await asyncio.gather(task, return_exceptions=True)
+    return False
+
+
 async def _stop_on(stop: asyncio.Event, gen) -> None:
     await stop.wait()
     gen.stop()
@@ -161,6 +200,9 @@ async def run_once(opts: RunOptions, policy: str, console: Console, stop: asynci
     log_dir = Path(opts.log_dir or tempfile.mkdtemp(prefix="dilu-logs-")) / policy
     console.print(f"[bold]policy {policy}[/bold]: {len(plan.functions)} functions carrying "
                   f"{plan.share:.1%} of the span's {plan.span_invocations} invocations; logs in {log_dir}")
+    log_dir.mkdir(parents=True, exist_ok=True)
+    # the load generator's own log lines (e.g. each request NATS refused) go beside the services'
+    dlog.configure("loadgen", stream=(log_dir / "loadgen.log").open("a", buffering=1))
     cluster = Cluster(log_dir=log_dir, policy=policy, gpus=opts.gpus, nats_url=opts.nats_url,
                       extra_args={"horizontal_scaler": scaler_windows(opts.speedup)})
     await asyncio.to_thread(cluster.start)
@@ -173,6 +215,15 @@ async def run_once(opts: RunOptions, policy: str, console: Console, stop: asynci
     gpus = 0 if opts.gpus == "cpu" else int(opts.gpus)
     info = report.run_info(plan, result, policy=policy, gpus=gpus)
     return report.build_report(result.records, meta, run_facts(facts), info).to_dict()
+
+
+def _run_or_explain(main):
+    """Run the async ``main``; a user's mistake (bad trace, start minute, a service that would
+    not start, functions never profiled) ends with its message, not a traceback."""
+    try:
+        return uvloop.run(main())
+    except (trace.TraceError, ValueError, RuntimeError, TimeoutError, OSError) as exc:
+        raise click.ClickException(str(exc)) from None
 
 
 def make_console() -> Console:
@@ -207,7 +258,7 @@ def demo(json_path, policy, **kw) -> None:
         _install_stop(stop, console)
         return await run_once(opts, policy, console, stop)
 
-    rep = uvloop.run(main())
+    rep = _run_or_explain(main)
     report.render(report.Report.from_dict(rep), console)
     if json_path:
         Path(json_path).write_text(json.dumps(rep, indent=2))
@@ -237,7 +288,7 @@ def compare(json_path, policies, **kw) -> None:
             out[name] = await run_once(opts, name, console, stop)
         return out
 
-    results = uvloop.run(main())
+    results = _run_or_explain(main)
     report.render_compare({k: report.Report.from_dict(v) for k, v in results.items()}, console)
     if json_path:
         Path(json_path).write_text(json.dumps({"policies": results}, indent=2))

@@ -69,9 +69,11 @@ class Bus:
 
     # ---------------------------------------------------------------- receive
 
-    def _reject(self, msg: Msg, reason: str, *, error: bool = False) -> None:
+    def _reject(self, msg: Msg, pattern: str, reason: str, *, error: bool = False) -> None:
+        """Log and count a rejected message. Metrics are labelled by the subscription
+        ``pattern``, never the concrete subject: a sender must not create time series at will."""
         counter = HANDLER_ERRORS if error else MALFORMED
-        counter.labels(self.service, msg.subject).inc()
+        counter.labels(self.service, pattern).inc()
         if error:
             self.handler_errors += 1
         else:
@@ -85,13 +87,13 @@ class Bus:
             try:
                 event = decode(msg.data, kind)
             except MalformedEvent as exc:
-                self._reject(msg, str(exc))
+                self._reject(msg, subject, str(exc))
                 return
             try:
                 await handler(event, msg)
                 MESSAGES.labels(self.service, subject).inc()
             except Exception as exc:  # a bad message must never stop the service
-                self._reject(msg, f"{type(exc).__name__}: {exc}", error=True)
+                self._reject(msg, subject, f"{type(exc).__name__}: {exc}", error=True)
 
         return await self._subscribe(subject, queue, cb)
 
@@ -105,13 +107,13 @@ class Bus:
             try:
                 event = decode(msg.data, kind)
             except MalformedEvent as exc:
-                self._reject(msg, str(exc))
+                self._reject(msg, subject, str(exc))
                 await self._answer_error(msg, str(exc))
                 return
             try:
                 reply = await handler(event, msg)
             except Exception as exc:
-                self._reject(msg, f"{type(exc).__name__}: {exc}", error=True)
+                self._reject(msg, subject, f"{type(exc).__name__}: {exc}", error=True)
                 await self._answer_error(msg, f"{type(exc).__name__}: {exc}")
                 return
             MESSAGES.labels(self.service, subject).inc()

@@ -7,8 +7,9 @@ import sys
 import structlog
 
 
-def configure(service: str, level: str = "info") -> structlog.stdlib.BoundLogger:
-    """Configure structlog for JSON lines on stderr and return a logger bound to ``service``."""
+def configure(service: str, level: str = "info", stream=None) -> structlog.stdlib.BoundLogger:
+    """Configure structlog for JSON lines on ``stream`` (default stderr) and return a logger
+    bound to ``service``."""
     lvl = getattr(logging, level.upper(), logging.INFO)
     structlog.configure(
         processors=[
@@ -19,7 +20,7 @@ def configure(service: str, level: str = "info") -> structlog.stdlib.BoundLogger
             structlog.processors.JSONRenderer(),
         ],
         wrapper_class=structlog.make_filtering_bound_logger(lvl),
-        logger_factory=structlog.WriteLoggerFactory(file=sys.stderr),
+        logger_factory=structlog.WriteLoggerFactory(file=stream or sys.stderr),
         # loggers bound before configure() (e.g. in a service's constructor) must follow it
         cache_logger_on_first_use=False,
     )

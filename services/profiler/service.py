@@ -158,7 +158,10 @@ class ProfilerService:
         self._ready = True
 
     async def stop(self) -> None:
+        """Searches still running are cancelled (a partial profile is never stored)."""
         self._ready = False
+        for task in self._tasks:
+            task.cancel()
         if self._tasks:
             await asyncio.gather(*self._tasks, return_exceptions=True)
 
