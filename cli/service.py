@@ -15,9 +15,16 @@ SERVICES = {
 
 
 @click.command(context_settings={"ignore_unknown_options": True, "allow_extra_args": True, "help_option_names": []})
-@click.argument("name", type=click.Choice(sorted(SERVICES)))
+@click.argument("name", required=False)
 @click.pass_context
-def service(ctx: click.Context, name: str) -> None:
-    """Run service NAME; its own options follow (``dilu service NAME --help``)."""
-    module = importlib.import_module(f"dilu.services.{SERVICES[name]}.__main__")
-    module.main(args=ctx.args, prog_name=f"dilu service {name}")
+def service(ctx: click.Context, name: str | None) -> None:
+    """Run service NAME (profiler, scheduler, vertical-scaler, horizontal-scaler, node-agent;
+    underscores work too); its own options follow: ``dilu service NAME --help``."""
+    if name in (None, "--help", "-h"):
+        click.echo(ctx.get_help())
+        return
+    key = name.replace("_", "-")
+    if key not in SERVICES:
+        raise click.BadParameter(f"{name!r} is not a service; choose from {', '.join(sorted(SERVICES))}", param_hint="NAME")
+    module = importlib.import_module(f"dilu.services.{SERVICES[key]}.__main__")
+    module.main(args=ctx.args, prog_name=f"dilu service {key}")

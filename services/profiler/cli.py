@@ -52,8 +52,8 @@ def profile_surface(path: Path, slo_ms: float, stop_threshold: float = 0.15) -> 
 @click.command("profile")
 @click.option("--surface", "surface_path", type=click.Path(exists=True, dir_okay=False, path_type=Path),
               help="Surface CSV (a100-mps or v100-sm-quota format). Without it: every shipped surface.")
-@click.option("--slo-ms", type=float, help="Latency SLO in ms. Default: 2, 3 and 5 × batch-1 full-GPU latency.")
-@click.option("--stop-threshold", type=float, default=0.15, show_default=True,
+@click.option("--slo-ms", type=click.FloatRange(min=0, min_open=True, max=1e7), help="Latency SLO in ms. Default: 2, 3 and 5 × batch-1 full-GPU latency.")
+@click.option("--stop-threshold", type=click.FloatRange(min=0, max=1), default=0.15, show_default=True,
               help="Relative TE margin below the best within which the search keeps growing.")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False, path_type=Path), help="Write the results here.")
 def profile(surface_path: Path | None, slo_ms: float | None, stop_threshold: float, json_path: Path | None) -> None:

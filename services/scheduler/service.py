@@ -51,6 +51,7 @@ from ..common.bus import Bus
 from .policy import Cluster, Demand, NoCapacity, Slot, allocation_quotas
 
 GB = 10**9
+MAX_PLACE_COUNT = 64  # instances one request may ask for (a whole rack of GPUs at most)
 PLACEMENTS = Counter("dilu_scheduler_placements", "Instances placed", ["function"])
 RETIREMENTS = Counter("dilu_scheduler_retirements", "Instances marked draining", ["function"])
 REFUSALS = Counter("dilu_scheduler_refusals", "Place/retire requests answered ok=false", ["reason"])
@@ -219,8 +220,8 @@ class SchedulerService:
     # ------------------------------------------------------------------ requests
 
     async def _on_place(self, req: PlaceRequest, _msg) -> PlaceReply:
-        if req.count < 1:
-            return self._refuse(PlaceReply, "bad-count", f"count must be ≥ 1, got {req.count}")
+        if req.count < 1 or req.count > MAX_PLACE_COUNT:
+            return self._refuse(PlaceReply, "bad-count", f"count must be 1..{MAX_PLACE_COUNT}, got {req.count}")
         async with self.lock:
             spec = await self._spec_for(req.function)
             if spec is None:
