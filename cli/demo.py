@@ -140,7 +140,7 @@ async def _replay(opts: RunOptions, cluster: Cluster, plan, chosen: dict[str, st
             given = {s.name: operator_profile(s.name, len(specs)) for s in specs}
             console.print(f"[dim]deploying {len(specs)} torch CNN functions on the CPU node[/dim]")
         else:
-            specs = [function_spec(f.name, chosen[f.name]) for f in plan.functions]
+            specs = [function_spec(f.name, chosen[f.name], peak_rps=f.peak_rps) for f in plan.functions]
             given = None
             console.print(f"[dim]deploying {len(specs)} functions; the profiler measures them on the emulated GPUs[/dim]")
         for spec in specs:

@@ -12,13 +12,31 @@ from .cluster import Cluster
 PROFILE_TIMEOUT_S = 150.0
 
 
-def function_spec(name: str, model: str, *, handler: str = "", max_instances: int = 8) -> ev.FunctionSpec:
-    """A deployable spec for an emulated model with the catalogue's defaults
-    (SLO 5 x batch-1 latency on a full GPU, memory and cold start from :mod:`models`)."""
+BATCHES = (1, 2, 4, 8, 16, 32)
+
+
+def fillable_batch(peak_rps: float | None, slo_ms: float) -> int:
+    """The largest batch the function's load can fill while a request still meets its SLO:
+    arrivals in half the SLO at twice the peak minute's mean rate (bursts inside a minute),
+    rounded up to the batch grid (1..32). A bigger batch never fills in time, so profiling it
+    would size the quota for load that never comes. Unknown load: 32."""
+    if peak_rps is None:
+        return BATCHES[-1]
+    need = 2 * peak_rps * slo_ms / 2 / 1000.0
+    return next((b for b in BATCHES if b >= need), BATCHES[-1])
+
+
+def function_spec(name: str, model: str, *, peak_rps: float | None = None, handler: str = "",
+                  max_instances: int = 8) -> ev.FunctionSpec:
+    """A deployable spec for an emulated model with the catalogue's defaults (SLO 5 x batch-1
+    latency on a full GPU, memory and cold start from :mod:`models`); ``peak_rps`` (requests/s)
+    bounds the batch size (:func:`fillable_batch`)."""
+    slo_ms = models.default_slo_ms(model)
     return ev.FunctionSpec(
-        name=name, model=model, kind="inference", slo_ms=models.default_slo_ms(model),
+        name=name, model=model, kind="inference", slo_ms=slo_ms,
         memory_bytes=models.memory_bytes(model), cold_start_ms=models.cold_start_ms(model),
         handler=handler or "dilu.services.node_agent.handlers.emulated", max_instances=max_instances,
+        max_batch=fillable_batch(peak_rps, slo_ms),
     )
 
 

@@ -276,6 +276,16 @@ class _Function:
         return sum(1 for i in self.instances.values() if i.state in states)
 
 
+def concurrency_target(batch: int, batch_latency_ms: float, slo_ms: float) -> float:
+    """Requests in flight one instance holds and still meets the SLO (the KPA target): its
+    batch times the batches that run back to back within the SLO (Little's law). Without a
+    latency or SLO: the batch size."""
+    b = max(1, batch)
+    if batch_latency_ms <= 0 or slo_ms <= 0:
+        return float(b)
+    return float(b * max(1, math.floor(slo_ms / batch_latency_ms)))
+
+
 def _avg(samples: Iterable[tuple[float, float]], since: float) -> float:
     vals = [v for t, v in samples if t > since]
     return sum(vals) / len(vals) if vals else 0.0

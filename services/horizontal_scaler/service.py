@@ -66,7 +66,8 @@ from dilu.contracts.events import (
 )
 from dilu.services.common.bus import Bus
 
-from .policy import Decision, FunctionParams, HorizontalConfig, HorizontalPolicy, InstanceShare, vertical_headroom
+from .policy import (Decision, FunctionParams, HorizontalConfig, HorizontalPolicy, InstanceShare, concurrency_target,
+                     vertical_headroom)
 
 SCALE_OUTS = Counter("dilu_scale_outs", "Instances added by the horizontal scaler", ["function"])
 RETIREMENTS = Counter("dilu_retirements", "Instances removed (drained or cancelled) by the horizontal scaler", ["function"])
@@ -115,6 +116,8 @@ class HorizontalScaler:
         self._counts: dict[str, _Counts] = {}
         self._missing: set[str] = set()
         self._training: set[str] = set()  # training functions: no backlog, held at min_instances
+        self._slo_ms: dict[str, float] = {}
+        self._profiles: dict[str, Profile] = {}
         self._busy: set[str] = set()
         self._backoff: dict[str, tuple[float, float]] = {}  # fn -> (until, current delay)
         self._tasks: set[asyncio.Task] = set()
@@ -158,11 +161,19 @@ class HorizontalScaler:
         lo, hi = (old.min_instances, old.max_instances) if old else (0, 8)
         if spec is not None:
             lo, hi = spec.min_instances, max(1, spec.max_instances, spec.min_instances)
+        if spec is not None:
+            self._slo_ms[spec.name] = spec.slo_ms
         if profile is not None:
-            target, rps = float(max(1, profile.batch_size)), max(0.0, profile.throughput_rps)
+            slo = self._slo_ms.get(profile.function, 0.0)
+            target = concurrency_target(profile.batch_size, profile.latency_ms, slo)
+            rps = max(0.0, profile.throughput_rps)
         return FunctionParams(target=self.target or target, min_instances=lo, max_instances=hi, instance_rps=rps)
 
     def _learn(self, fn: str, spec: FunctionSpec | None = None, profile: Profile | None = None) -> None:
+        if profile is None and spec is not None and fn in self._profiles:
+            profile = self._profiles[fn]  # a redeploy (new SLO) re-derives the target
+        if profile is not None:
+            self._profiles[fn] = profile
         if spec is not None and spec.kind == "training":
             self._training.add(fn)
         elif spec is not None:

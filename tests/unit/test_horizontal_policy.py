@@ -305,3 +305,12 @@ def test_surplus_donor_is_the_function_with_most_ready_instances():
         pol.instance_ready("b", f"b{i}", 1.0)
     pol.instance_starting("a", "a2", 2.0)  # starting instances do not count: they serve nothing yet
     assert pol.surplus_donor("starved") == "b"
+
+
+def test_concurrency_target_is_what_one_instance_serves_within_the_slo():
+    from dilu.services.horizontal_scaler.policy import concurrency_target
+
+    assert concurrency_target(1, 16.0, 81.0) == 5.0   # five batches of one back to back
+    assert concurrency_target(8, 2200.0, 4900.0) == 16.0
+    assert concurrency_target(4, 90.0, 80.0) == 4.0   # never below one batch
+    assert concurrency_target(4, 0.0, 80.0) == 4.0    # unknown latency: the batch
