@@ -16,7 +16,7 @@
  * refill needs (a new grant wakes it early). The cost of a launch is estimated per key (a
  * CUfunction with its launch geometry, or a CUgraphExec) from launches timed with events, never
  * on a capturing stream: every launch until 3 samples, then every DILU_SAMPLE_EVERY-th and at
- * least every 20 ms. The estimate is the least recent sample (see learn(): it meters SM-time,
+ * least every DILU_SAMPLE_FLOOR_MS (250). The estimate is the least recent sample (see learn(): it meters SM-time,
  * not time stretched by other processes). Launches of a key not measured yet are charged the
  * default, all timed, and trued up when their timing arrives.
  *
@@ -167,6 +167,7 @@ static struct {
     uint64_t width_ppm, request_ppm, min_ppm;
     double burst_us, default_cost_us, cycle_gap_ns, max_gap_us, min_wait_us;
     uint32_t sample_every;
+    uint64_t sample_floor_ns;
     const char *cb_path;
     /* control block */
     struct dilu_cb *cb;
@@ -515,9 +516,9 @@ static int admit(uintptr_t key, double *charged, int *provisional)
     if (c) {
         c->launches++;
         /* every launch while the key has no sample yet (each one is trued up), then until 3
-         * samples, then every sample_every-th and at least every 20 ms */
+         * samples, then every sample_every-th and at least every DILU_SAMPLE_FLOOR_MS */
         sample = (c->samples == 0 || c->samples + c->pending < 3 || c->launches % S.sample_every == 0 ||
-                  (now - c->last_sample_ns > 20000000ull && !c->pending)) &&
+                  (now - c->last_sample_ns > S.sample_floor_ns && !c->pending)) &&
                  S.npending < MAX_PENDING && r_event_create;
         if (sample) {
             c->pending++;
@@ -546,6 +547,7 @@ struct timing {
     double charged;
     int provisional;
     int ptsz;
+    uint64_t host0_ns; /* host clock before the start events: a slow launch call spoils a sample */
     CUstream stream;
 };
 
@@ -562,6 +564,7 @@ static int before_launch(uintptr_t key, CUstream h, int ptsz, struct timing *t)
     if (sample) {
         CUresult (*rec)(CUevent, CUstream) = ptsz && r_event_record_ptsz ? r_event_record_ptsz : r_event_record;
         t->start0 = t->start = t->end = NULL;
+        t->host0_ns = dilu_now_ns();
         if (r_event_create(&t->start0, 0) == CUDA_SUCCESS && r_event_create(&t->start, 0) == CUDA_SUCCESS &&
             r_event_create(&t->end, 0) == CUDA_SUCCESS && rec(t->start0, h) == CUDA_SUCCESS &&
             rec(t->start, h) == CUDA_SUCCESS) {
@@ -591,7 +594,10 @@ static void after_launch(struct timing *t, CUresult r)
     if (!t->on)
         return;
     CUresult (*rec)(CUevent, CUstream) = t->ptsz && r_event_record_ptsz ? r_event_record_ptsz : r_event_record;
-    int ok = r == CUDA_SUCCESS && rec(t->end, t->stream) == CUDA_SUCCESS;
+    /* the host was preempted between the start events and the launch: on an idle stream that
+     * delay would read as kernel time, so the sample is dropped */
+    int quick = dilu_now_ns() - t->host0_ns <= (uint64_t)(S.max_gap_us * 1000.0);
+    int ok = quick && r == CUDA_SUCCESS && rec(t->end, t->stream) == CUDA_SUCCESS;
     pthread_mutex_lock(&S.mu);
     if (ok && S.npending < MAX_PENDING) {
         S.pending[S.npending++] = (struct sample){t->key, t->start0, t->start, t->end, t->charged, t->provisional};
@@ -681,7 +687,8 @@ static void init(void)
 static void init_body(void)
 {
     resolve_real_dlsym();
-    g_debug = getenv("DILU_INTERCEPT_DEBUG") != NULL;
+    const char *dbg = getenv("DILU_INTERCEPT_DEBUG");
+    g_debug = dbg && *dbg && *dbg != '0';
     const char *path = getenv("DILU_REAL_LIBCUDA");
     g_cuda = dlopen(path && *path ? path : "libcuda.so.1", RTLD_NOW | RTLD_GLOBAL);
     if (!g_cuda || !real_dlsym) {
@@ -727,6 +734,7 @@ static void init_body(void)
     S.global_cost_us = S.default_cost_us;
     double every = env_f("DILU_SAMPLE_EVERY", 128.0);
     S.sample_every = every >= 1.0 ? (uint32_t)every : 128;
+    S.sample_floor_ns = (uint64_t)(env_f("DILU_SAMPLE_FLOOR_MS", 250.0) * 1e6);
     set_rate(S.request_ppm);
     S.refill_ns = dilu_now_ns();
     try_open_block(S.refill_ns);

@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from conftest import PYTHON, finish, launch_env, spawn
+from native_helpers import PYTHON, finish, launch_env, spawn
 from dilu.interceptor import timeline
 
 pytestmark = pytest.mark.native
