@@ -22,7 +22,8 @@
  *
  * Fail safe: with no usable control block the rate is the last grant seen, or before any
  * DILU_REQUEST_QUOTA; a quota is never below DILU_MIN_QUOTA so no wait is unbounded. A stale
- * heartbeat only raises a telemetry flag (the block's last grant stays in force). Fork safe.
+ * heartbeat only raises a telemetry flag (the block's last grant stays in force). Fork safe: the
+ * bucket, counters and lock are in a MAP_SHARED page, so a forked child shares the quota.
  *
  * Environment: DILU_CB (control block path), DILU_REQUEST_QUOTA (fraction), DILU_WIDTH or
  * CUDA_MPS_ACTIVE_THREAD_PERCENTAGE (width when there is no block), DILU_MIN_QUOTA (default
@@ -161,8 +162,20 @@ struct sample {
     int provisional; /* charged before the key had any sample: true it up */
 };
 
+/* The token bucket and the counters, in a MAP_SHARED page made at start-up: a forked child
+ * draws on the same bucket as its parent (the instance's quota holds for the whole process
+ * tree) and its launches count in the telemetry the parent publishes. */
+struct shared {
+    pthread_mutex_t mu; /* process-shared, robust; guards this page and S */
+    double tokens;      /* µs */
+    uint64_t refill_ns;
+    uint64_t launches, throttled;
+    double busy_us, wait_us;
+};
+static struct shared *SH;
+static int g_sh_private; /* the shared page could not be made: SH is process-local */
+
 static struct {
-    pthread_mutex_t mu;
     /* configuration */
     uint64_t width_ppm, request_ppm, min_ppm;
     double burst_us, default_cost_us, cycle_gap_ns, max_gap_us, min_wait_us;
@@ -172,13 +185,12 @@ static struct {
     /* control block */
     struct dilu_cb *cb;
     int writer; /* this process owns the telemetry fields */
+    int forked; /* a forked child of the writer (shares its bucket and counters) */
     uint64_t next_open_ns;
     uint64_t next_stale_check_ns;
     /* token bucket */
     uint64_t quota_ppm; /* in effect (floored) */
     double rate;        /* µs of busy time per µs of wall time */
-    double tokens;      /* µs */
-    uint64_t refill_ns;
     /* costs and calibration */
     struct cost costs[COST_SLOTS];
     struct sample pending[MAX_PENDING];
@@ -186,13 +198,36 @@ static struct {
     uint64_t next_poll_ns;
     double global_cost_us;
     /* telemetry (mirrored into the block) */
-    uint64_t launches, throttled, samples, flags;
-    double busy_us, wait_us;
+    uint64_t samples, flags;
     uint64_t cycles, last_cycle_us, baseline_cycle_us;
     uint64_t cycle_start_ns, last_launch_ns, sync_ns, work_end_ns;
     double last_cost_us;
     uint64_t applied_epoch, applied_ns;
-} S = {.mu = PTHREAD_MUTEX_INITIALIZER};
+} S;
+
+static void lock(void)
+{
+    if (pthread_mutex_lock(&SH->mu) == EOWNERDEAD) /* a process of the tree died holding it */
+        pthread_mutex_consistent(&SH->mu);
+}
+
+static void unlock(void) { pthread_mutex_unlock(&SH->mu); }
+
+static void make_shared(void)
+{
+    static struct shared fallback;
+    void *p = mmap(NULL, sizeof(struct shared), PROT_READ | PROT_WRITE, MAP_SHARED | MAP_ANONYMOUS, -1, 0);
+    SH = p == MAP_FAILED ? &fallback : p;
+    g_sh_private = SH == &fallback;
+    pthread_mutexattr_t a;
+    pthread_mutexattr_init(&a);
+    if (SH != &fallback) {
+        pthread_mutexattr_setpshared(&a, PTHREAD_PROCESS_SHARED);
+        pthread_mutexattr_setrobust(&a, PTHREAD_MUTEX_ROBUST);
+    }
+    pthread_mutex_init(&SH->mu, &a);
+    pthread_mutexattr_destroy(&a);
+}
 
 static double env_f(const char *name, double dflt)
 {
@@ -225,20 +260,35 @@ static void set_rate(uint64_t quota_ppm)
     S.rate = (double)quota_ppm / (double)(S.width_ppm ? S.width_ppm : DILU_PPM);
 }
 
+/* Writes the telemetry into the block. Always under the lock, which every process of the tree
+ * shares, so there is one writer at a time; a forked child writes only the shared counters (its
+ * own cycles and grant bookkeeping would overwrite the parent's). */
 static void publish(void)
 {
     struct dilu_cb *cb = S.cb;
-    if (!cb || !S.writer)
+    if (!cb)
         return;
+    if (!S.writer) {
+        if (!S.forked)
+            return;
+        dilu_seq_write_begin(&cb->t_seq);
+        cb->t_launches = SH->launches;
+        cb->t_throttled = SH->throttled;
+        cb->t_busy_us = (uint64_t)(SH->busy_us > 0 ? SH->busy_us : 0);
+        cb->t_wait_us = (uint64_t)SH->wait_us;
+        cb->t_tokens_us = (int64_t)SH->tokens;
+        dilu_seq_write_end(&cb->t_seq);
+        return;
+    }
     dilu_seq_write_begin(&cb->t_seq);
-    cb->t_launches = S.launches;
-    cb->t_throttled = S.throttled;
-    cb->t_busy_us = (uint64_t)(S.busy_us > 0 ? S.busy_us : 0);
-    cb->t_wait_us = (uint64_t)S.wait_us;
+    cb->t_launches = SH->launches;
+    cb->t_throttled = SH->throttled;
+    cb->t_busy_us = (uint64_t)(SH->busy_us > 0 ? SH->busy_us : 0);
+    cb->t_wait_us = (uint64_t)SH->wait_us;
     cb->t_cycles = S.cycles;
     cb->t_last_cycle_us = S.last_cycle_us;
     cb->t_baseline_cycle_us = S.baseline_cycle_us;
-    cb->t_tokens_us = (int64_t)S.tokens;
+    cb->t_tokens_us = (int64_t)SH->tokens;
     cb->t_last_launch_ns = S.last_launch_ns;
     cb->t_applied_epoch = S.applied_epoch;
     cb->t_applied_ns = S.applied_ns;
@@ -250,7 +300,7 @@ static void publish(void)
 
 static int pid_alive(pid_t pid) { return pid > 0 && (kill(pid, 0) == 0 || errno != ESRCH); }
 
-/* Maps DILU_CB if it is a valid block; called under S.mu. */
+/* Maps DILU_CB if it is a valid block; called under the lock. */
 static void try_open_block(uint64_t now)
 {
     if (S.cb || !S.cb_path || now < S.next_open_ns)
@@ -280,10 +330,10 @@ static void try_open_block(uint64_t now)
     S.writer = owner == 0 || owner == getpid() || !pid_alive(owner);
     if (S.writer) { /* continue the block's counters so they stay monotonic */
         cb->t_pid = (uint64_t)getpid();
-        S.launches += cb->t_launches;
-        S.throttled += cb->t_throttled;
-        S.busy_us += (double)cb->t_busy_us;
-        S.wait_us += (double)cb->t_wait_us;
+        SH->launches += cb->t_launches;
+        SH->throttled += cb->t_throttled;
+        SH->busy_us += (double)cb->t_busy_us;
+        SH->wait_us += (double)cb->t_wait_us;
         S.cycles += cb->t_cycles;
         S.samples += cb->t_samples;
     }
@@ -297,7 +347,7 @@ static void try_open_block(uint64_t now)
                 getpid(), S.cb_path, q / 1e6, w / 1e6, S.writer);
 }
 
-/* Applies a new grant if the epoch moved; checks the heartbeat now and then. Under S.mu. */
+/* Applies a new grant if the epoch moved; checks the heartbeat now and then. Under the lock. */
 static void refresh_grant(uint64_t now)
 {
     struct dilu_cb *cb = S.cb;
@@ -328,12 +378,12 @@ static void refresh_grant(uint64_t now)
 
 static void refill(uint64_t now)
 {
-    if (now > S.refill_ns) {
-        S.tokens += (double)(now - S.refill_ns) / 1000.0 * S.rate;
-        if (S.tokens > S.burst_us)
-            S.tokens = S.burst_us;
+    if (now > SH->refill_ns) {
+        SH->tokens += (double)(now - SH->refill_ns) / 1000.0 * S.rate;
+        if (SH->tokens > S.burst_us)
+            SH->tokens = S.burst_us;
     }
-    S.refill_ns = now;
+    SH->refill_ns = now;
 }
 
 static struct cost *cost_of(uintptr_t key)
@@ -371,7 +421,7 @@ static void learn(struct cost *c, double us)
     c->us = least;
 }
 
-/* Collects finished timing samples: EWMA per key, true-up of the tokens. Under S.mu. */
+/* Collects finished timing samples: EWMA per key, true-up of the tokens. Under the lock. */
 static void poll_samples(uint64_t now)
 {
     if (!S.npending || now < S.next_poll_ns)
@@ -408,10 +458,10 @@ static void poll_samples(uint64_t now)
             S.global_cost_us += (us - S.global_cost_us) / 16.0;
             if (s->provisional) { /* true-up: charge what the launch really used */
                 double fix = us - s->charged_us;
-                S.tokens -= fix;
-                if (S.tokens > S.burst_us)
-                    S.tokens = S.burst_us;
-                S.busy_us += fix;
+                SH->tokens -= fix;
+                if (SH->tokens > S.burst_us)
+                    SH->tokens = S.burst_us;
+                SH->busy_us += fix;
             }
             S.samples++;
         }
@@ -456,7 +506,7 @@ static void note_cycle(uint64_t arrival)
         S.cycle_start_ns = arrival;
 }
 
-/* Waits for tokens, charges the launch; returns 1 if this launch should be timed. Under S.mu. */
+/* Waits for tokens, charges the launch; returns 1 if this launch should be timed. Under the lock. */
 static int admit(uintptr_t key, double *charged, int *provisional)
 {
     uint64_t now = dilu_now_ns();
@@ -468,9 +518,9 @@ static int admit(uintptr_t key, double *charged, int *provisional)
      * to a burst ahead (estimation error must not idle the device); the debt still bounds the
      * queued work, which keeps a later, lower grant quick to take effect */
     double floor_us = S.rate >= 1.0 ? -S.burst_us : 0.0;
-    if (S.tokens < floor_us) {
+    if (SH->tokens < floor_us) {
         uint64_t t0 = now;
-        S.throttled++;
+        SH->throttled++;
         /* wait until the balance covers this launch, and at least DILU_MIN_WAIT_US of refill:
          * same rate, fewer wake-ups for short kernels (a few launches go per wake-up) */
         struct cost *c0 = cost_of(key);
@@ -480,32 +530,32 @@ static int admit(uintptr_t key, double *charged, int *provisional)
         if (want > S.burst_us / 2) /* leave room under the cap for an oversleep's refill */
             want = S.burst_us / 2;
         double target;
-        while (S.tokens < (target = S.rate >= 1.0 ? -S.burst_us : want)) {
-            double need_ns = (target - S.tokens) / S.rate * 1000.0 + 1000.0;
+        while (SH->tokens < (target = S.rate >= 1.0 ? -S.burst_us : want)) {
+            double need_ns = (target - SH->tokens) / S.rate * 1000.0 + 1000.0;
             int64_t wait = need_ns > 1e9 ? 1000000000ll : (int64_t)need_ns; /* re-check each s */
             struct dilu_cb *cb = S.cb;
             uint32_t epoch = cb ? dilu_load_u32(&cb->grant_epoch) : 0;
             publish();
-            pthread_mutex_unlock(&S.mu);
+            unlock();
             if (cb) /* a new grant (epoch bump) wakes us at once */
                 dilu_futex_wait(&cb->grant_epoch, epoch, wait);
             else {
                 struct timespec ts = {wait / 1000000000ll, wait % 1000000000ll};
                 nanosleep(&ts, NULL);
             }
-            pthread_mutex_lock(&S.mu);
+            lock();
             now = dilu_now_ns();
             refresh_grant(now);
             refill(now);
             poll_samples(now);
         }
-        S.wait_us += (double)(now - t0) / 1000.0;
+        SH->wait_us += (double)(now - t0) / 1000.0;
     }
     struct cost *c = cost_of(key);
     double cost = c ? c->us : S.global_cost_us;
-    S.tokens -= cost;
-    S.busy_us += cost;
-    S.launches++;
+    SH->tokens -= cost;
+    SH->busy_us += cost;
+    SH->launches++;
     S.last_launch_ns = now;
     S.last_cost_us = cost;
     /* the queued work's estimated end: launches run back to back behind earlier ones */
@@ -558,9 +608,9 @@ static int before_launch(uintptr_t key, CUstream h, int ptsz, struct timing *t)
     t->on = 0;
     if (!g_ready || capturing(h, ptsz))
         return 0;
-    pthread_mutex_lock(&S.mu);
+    lock();
     int sample = admit(key, &t->charged, &t->provisional);
-    pthread_mutex_unlock(&S.mu);
+    unlock();
     if (sample) {
         CUresult (*rec)(CUevent, CUstream) = ptsz && r_event_record_ptsz ? r_event_record_ptsz : r_event_record;
         t->start0 = t->start = t->end = NULL;
@@ -580,11 +630,11 @@ static int before_launch(uintptr_t key, CUstream h, int ptsz, struct timing *t)
             r_event_destroy(t->start);
         if (t->end)
             r_event_destroy(t->end);
-        pthread_mutex_lock(&S.mu); /* could not time it: release the reservation */
+        lock(); /* could not time it: release the reservation */
         struct cost *c = cost_of(key);
         if (c && c->pending)
             c->pending--;
-        pthread_mutex_unlock(&S.mu);
+        unlock();
     }
     return 1;
 }
@@ -598,7 +648,7 @@ static void after_launch(struct timing *t, CUresult r)
      * delay would read as kernel time, so the sample is dropped */
     int quick = dilu_now_ns() - t->host0_ns <= (uint64_t)(S.max_gap_us * 1000.0);
     int ok = quick && r == CUDA_SUCCESS && rec(t->end, t->stream) == CUDA_SUCCESS;
-    pthread_mutex_lock(&S.mu);
+    lock();
     if (ok && S.npending < MAX_PENDING) {
         S.pending[S.npending++] = (struct sample){t->key, t->start0, t->start, t->end, t->charged, t->provisional};
     } else {
@@ -609,25 +659,26 @@ static void after_launch(struct timing *t, CUresult r)
         r_event_destroy(t->start);
         r_event_destroy(t->end);
     }
-    pthread_mutex_unlock(&S.mu);
+    unlock();
 }
 
 /* ------------------------------------------------------------------ init and fork */
 
-static void atfork_prepare(void) { pthread_mutex_lock(&S.mu); }
-static void atfork_parent(void) { pthread_mutex_unlock(&S.mu); }
+static void atfork_prepare(void) { lock(); }
+static void atfork_parent(void) { unlock(); }
 
 static void atfork_child(void)
 {
-    /* the child has one thread and its own GPU context (if any): own bucket at the same grant,
-     * no telemetry writes (the block's fields have one writer: the parent), no stale samples */
-    pthread_mutex_init(&S.mu, NULL);
+    /* The child shares the bucket and counters (the page is MAP_SHARED; the parent's handler
+     * releases the lock it took in prepare). It does not write the block (one writer: the
+     * parent) and drops the parent's pending timings (their events belong to the parent). */
+    if (g_sh_private) /* no shared page: a private copy of a lock held at fork */
+        pthread_mutex_init(&SH->mu, NULL);
+    S.forked = S.writer && !g_sh_private;
     S.writer = 0;
     S.npending = 0;
     for (int i = 0; i < COST_SLOTS; i++)
         S.costs[i].pending = 0;
-    S.tokens = 0.0;
-    S.refill_ns = dilu_now_ns();
 }
 
 static void resolve_real_dlsym(void)
@@ -735,9 +786,10 @@ static void init_body(void)
     double every = env_f("DILU_SAMPLE_EVERY", 128.0);
     S.sample_every = every >= 1.0 ? (uint32_t)every : 128;
     S.sample_floor_ns = (uint64_t)(env_f("DILU_SAMPLE_FLOOR_MS", 250.0) * 1e6);
+    make_shared();
     set_rate(S.request_ppm);
-    S.refill_ns = dilu_now_ns();
-    try_open_block(S.refill_ns);
+    SH->refill_ns = dilu_now_ns();
+    try_open_block(SH->refill_ns);
     pthread_atfork(atfork_prepare, atfork_parent, atfork_child);
     discover_alternatives();
     __atomic_store_n(&g_ready, 1, __ATOMIC_RELEASE);
@@ -886,9 +938,9 @@ static void note_sync(CUresult r)
 {
     if (r != CUDA_SUCCESS || !__atomic_load_n(&g_ready, __ATOMIC_ACQUIRE))
         return;
-    pthread_mutex_lock(&S.mu);
+    lock();
     S.sync_ns = dilu_now_ns();
-    pthread_mutex_unlock(&S.mu);
+    unlock();
 }
 
 static CUresult do_sync(int i, void *arg)
