@@ -114,6 +114,8 @@ static CUresult (*r_event_query)(CUevent);
 static CUresult (*r_event_elapsed)(float *, CUevent, CUevent);
 static CUresult (*r_is_capturing)(CUstream, int *);
 static CUresult (*r_is_capturing_ptsz)(CUstream, int *);
+static CUresult (*r_stream_query)(CUstream);
+static CUresult (*r_stream_query_ptsz)(CUstream);
 
 static void *(*real_dlsym)(void *, const char *);
 static void *g_cuda;
@@ -160,6 +162,7 @@ struct sample {
     CUevent start0, start, end; /* start0 - start: the record-to-record gap (see poll_samples) */
     double charged_us;
     int provisional; /* charged before the key had any sample: true it up */
+    int busy;        /* the stream still had work when the start events were recorded */
 };
 
 /* The token bucket and the counters, in a MAP_SHARED page made at start-up: a forked child
@@ -178,7 +181,7 @@ static int g_sh_private; /* the shared page could not be made: SH is process-loc
 static struct {
     /* configuration */
     uint64_t width_ppm, request_ppm, min_ppm;
-    double burst_us, default_cost_us, cycle_gap_ns, max_gap_us, min_wait_us;
+    double burst_us, default_cost_us, cycle_gap_ns, max_gap_us, max_host_us, min_wait_us;
     uint32_t sample_every;
     uint64_t sample_floor_ns;
     const char *cb_path;
@@ -453,8 +456,14 @@ static void poll_samples(uint64_t now)
                     c->pending--;
                 goto drop;
             }
-            if (c)
+            /* Behind earlier work the start events are stamped when that work ends, and another
+             * process's kernels may run before ours: such a timing can only be too long, so once
+             * the key is known it is used only when it is shorter than the estimate. */
+            if (c && !(s->busy && c->samples >= 3 && us >= c->us))
                 learn(c, us);
+            if (g_debug > 1)
+                fprintf(stderr, "dilu interceptor: pid %d sample %.1f us (gap %.1f) est %.1f%s\n",
+                        getpid(), us, gap_us, c ? c->us : -1.0, s->provisional ? " provisional" : "");
             S.global_cost_us += (us - S.global_cost_us) / 16.0;
             if (s->provisional) { /* true-up: charge what the launch really used */
                 double fix = us - s->charged_us;
@@ -590,6 +599,13 @@ static int capturing(CUstream h, int ptsz)
     return 0;
 }
 
+/* Does the stream still have work queued? (Asked on timed launches only.) */
+static int stream_busy(CUstream h, int ptsz)
+{
+    CUresult (*q)(CUstream) = ptsz && r_stream_query_ptsz ? r_stream_query_ptsz : r_stream_query;
+    return q ? q(h) == CUDA_ERROR_NOT_READY : 1;
+}
+
 struct timing {
     int on;
     CUevent start0, start, end;
@@ -598,6 +614,7 @@ struct timing {
     int provisional;
     int ptsz;
     uint64_t host0_ns; /* host clock before the start events: a slow launch call spoils a sample */
+    int busy;
     CUstream stream;
 };
 
@@ -614,10 +631,10 @@ static int before_launch(uintptr_t key, CUstream h, int ptsz, struct timing *t)
     if (sample) {
         CUresult (*rec)(CUevent, CUstream) = ptsz && r_event_record_ptsz ? r_event_record_ptsz : r_event_record;
         t->start0 = t->start = t->end = NULL;
-        t->host0_ns = dilu_now_ns();
         if (r_event_create(&t->start0, 0) == CUDA_SUCCESS && r_event_create(&t->start, 0) == CUDA_SUCCESS &&
-            r_event_create(&t->end, 0) == CUDA_SUCCESS && rec(t->start0, h) == CUDA_SUCCESS &&
-            rec(t->start, h) == CUDA_SUCCESS) {
+            r_event_create(&t->end, 0) == CUDA_SUCCESS &&
+            ((t->busy = stream_busy(h, ptsz)), (t->host0_ns = dilu_now_ns())) &&
+            rec(t->start0, h) == CUDA_SUCCESS && rec(t->start, h) == CUDA_SUCCESS) {
             t->on = 1;
             t->key = key;
             t->ptsz = ptsz;
@@ -646,11 +663,11 @@ static void after_launch(struct timing *t, CUresult r)
     CUresult (*rec)(CUevent, CUstream) = t->ptsz && r_event_record_ptsz ? r_event_record_ptsz : r_event_record;
     /* the host was preempted between the start events and the launch: on an idle stream that
      * delay would read as kernel time, so the sample is dropped */
-    int quick = dilu_now_ns() - t->host0_ns <= (uint64_t)(S.max_gap_us * 1000.0);
+    int quick = dilu_now_ns() - t->host0_ns <= (uint64_t)(S.max_host_us * 1000.0);
     int ok = quick && r == CUDA_SUCCESS && rec(t->end, t->stream) == CUDA_SUCCESS;
     lock();
     if (ok && S.npending < MAX_PENDING) {
-        S.pending[S.npending++] = (struct sample){t->key, t->start0, t->start, t->end, t->charged, t->provisional};
+        S.pending[S.npending++] = (struct sample){t->key, t->start0, t->start, t->end, t->charged, t->provisional, t->busy};
     } else {
         struct cost *c = cost_of(t->key);
         if (c && c->pending)
@@ -739,7 +756,7 @@ static void init_body(void)
 {
     resolve_real_dlsym();
     const char *dbg = getenv("DILU_INTERCEPT_DEBUG");
-    g_debug = dbg && *dbg && *dbg != '0';
+    g_debug = dbg && *dbg && *dbg != '0' ? (*dbg == '2' ? 2 : 1) : 0;
     const char *path = getenv("DILU_REAL_LIBCUDA");
     g_cuda = dlopen(path && *path ? path : "libcuda.so.1", RTLD_NOW | RTLD_GLOBAL);
     if (!g_cuda || !real_dlsym) {
@@ -761,6 +778,8 @@ static void init_body(void)
         REAL(r_event_elapsed, "cuEventElapsedTime_v2");
     REAL(r_is_capturing, "cuStreamIsCapturing");
     REAL(r_is_capturing_ptsz, "cuStreamIsCapturing_ptsz");
+    REAL(r_stream_query, "cuStreamQuery");
+    REAL(r_stream_query_ptsz, "cuStreamQuery_ptsz");
 #undef REAL
     if (!r_event_destroy || !r_event_record || !r_event_query || !r_event_elapsed)
         r_event_create = NULL; /* cannot calibrate: estimates stay at their defaults */
@@ -782,6 +801,9 @@ static void init_body(void)
     /* two back-to-back event records land within a few µs; a wider gap means the host thread
      * was preempted in between and the sample says nothing about the kernel */
     S.max_gap_us = env_f("DILU_SAMPLE_MAX_GAP_US", 20.0);
+    /* from the first start event to the launch call's return: longer means the thread was
+     * preempted and, on an idle stream, the delay would read as kernel time */
+    S.max_host_us = env_f("DILU_SAMPLE_MAX_HOST_US", 100.0);
     S.global_cost_us = S.default_cost_us;
     double every = env_f("DILU_SAMPLE_EVERY", 128.0);
     S.sample_every = every >= 1.0 ? (uint32_t)every : 128;

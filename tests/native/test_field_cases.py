@@ -53,7 +53,10 @@ def test_pair_at_03_and_07_completes_kernels_in_ratio(agent, gpu):
     t1 = min(timeline.span(recs, oa["pid"])[1], timeline.span(recs, ob["pid"])[1])
     ka = timeline.kernels_completed(recs, oa["pid"], t0, t1)
     kb = timeline.kernels_completed(recs, ob["pid"], t0, t1)
-    assert kb / ka == pytest.approx(0.7 / 0.3, abs=0.25), (ka, kb)
+    sa, sb = a.snapshot(), b.snapshot()
+    assert kb / ka == pytest.approx(0.7 / 0.3, abs=0.25), (
+        ka, kb, sa.busy_us / sa.launches, sb.busy_us / sb.launches, sa.samples, sa.wait_us,
+        timeline.sm_time_shares(recs, t0, t1))
 
 
 @pytest.mark.parametrize("n,p99_limit_s", [(8, 1.0), (32, 5.0), (64, 5.0)])
