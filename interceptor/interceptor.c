@@ -539,7 +539,9 @@ static int admit(uintptr_t key, double *charged, int *provisional)
         if (want > S.burst_us / 2) /* leave room under the cap for an oversleep's refill */
             want = S.burst_us / 2;
         double target;
-        while (SH->tokens < (target = S.rate >= 1.0 ? -S.burst_us : want)) {
+        /* q >= w: wait only until a wake-up quantum of run-ahead is back */
+        double ahead = fmin(S.min_wait_us * S.rate, S.burst_us / 2);
+        while (SH->tokens < (target = S.rate >= 1.0 ? -S.burst_us + ahead : want)) {
             double need_ns = (target - SH->tokens) / S.rate * 1000.0 + 1000.0;
             int64_t wait = need_ns > 1e9 ? 1000000000ll : (int64_t)need_ns; /* re-check each s */
             struct dilu_cb *cb = S.cb;
