@@ -580,7 +580,10 @@ static int admit(uintptr_t key, double *charged, int *provisional)
          * samples, then every sample_every-th and at least every DILU_SAMPLE_FLOOR_MS */
         sample = (c->samples == 0 || c->samples + c->pending < 3 || c->launches % S.sample_every == 0 ||
                   (now - c->last_sample_ns > S.sample_floor_ns && !c->pending)) &&
-                 S.npending < MAX_PENDING && r_event_create;
+                 S.npending < MAX_PENDING && r_event_create &&
+                 /* no stream queries while a graph is captured anywhere in the process: in
+                  * global capture mode they would invalidate the capture */
+                 !__atomic_load_n(&g_capturing, __ATOMIC_ACQUIRE);
         if (sample) {
             c->pending++;
             c->last_sample_ns = now;
