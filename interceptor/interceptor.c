@@ -16,13 +16,14 @@
  * refill needs (a new grant wakes it early). The cost of a launch is estimated per key (a
  * CUfunction with its launch geometry, or a CUgraphExec) from launches timed with events, never
  * on a capturing stream: every launch until 3 samples, then every DILU_SAMPLE_EVERY-th and at
- * least every 20 ms. The estimate is the least recent sample (see learn(): it meters SM-time,
+ * least every DILU_SAMPLE_FLOOR_MS (250). The estimate is the least recent sample (see learn(): it meters SM-time,
  * not time stretched by other processes). Launches of a key not measured yet are charged the
  * default, all timed, and trued up when their timing arrives.
  *
  * Fail safe: with no usable control block the rate is the last grant seen, or before any
  * DILU_REQUEST_QUOTA; a quota is never below DILU_MIN_QUOTA so no wait is unbounded. A stale
- * heartbeat only raises a telemetry flag (the block's last grant stays in force). Fork safe.
+ * heartbeat only raises a telemetry flag (the block's last grant stays in force). Fork safe: the
+ * bucket, counters and lock are in a MAP_SHARED page, so a forked child shares the quota.
  *
  * Environment: DILU_CB (control block path), DILU_REQUEST_QUOTA (fraction), DILU_WIDTH or
  * CUDA_MPS_ACTIVE_THREAD_PERCENTAGE (width when there is no block), DILU_MIN_QUOTA (default
@@ -113,6 +114,8 @@ static CUresult (*r_event_query)(CUevent);
 static CUresult (*r_event_elapsed)(float *, CUevent, CUevent);
 static CUresult (*r_is_capturing)(CUstream, int *);
 static CUresult (*r_is_capturing_ptsz)(CUstream, int *);
+static CUresult (*r_stream_query)(CUstream);
+static CUresult (*r_stream_query_ptsz)(CUstream);
 
 static void *(*real_dlsym)(void *, const char *);
 static void *g_cuda;
@@ -159,25 +162,38 @@ struct sample {
     CUevent start0, start, end; /* start0 - start: the record-to-record gap (see poll_samples) */
     double charged_us;
     int provisional; /* charged before the key had any sample: true it up */
+    int busy;        /* the stream still had work when the start events were recorded */
 };
 
+/* The token bucket and the counters, in a MAP_SHARED page made at start-up: a forked child
+ * draws on the same bucket as its parent (the instance's quota holds for the whole process
+ * tree) and its launches count in the telemetry the parent publishes. */
+struct shared {
+    pthread_mutex_t mu; /* process-shared, robust; guards this page and S */
+    double tokens;      /* µs */
+    uint64_t refill_ns;
+    uint64_t launches, throttled;
+    double busy_us, wait_us;
+};
+static struct shared *SH;
+static int g_sh_private; /* the shared page could not be made: SH is process-local */
+
 static struct {
-    pthread_mutex_t mu;
     /* configuration */
     uint64_t width_ppm, request_ppm, min_ppm;
-    double burst_us, default_cost_us, cycle_gap_ns, max_gap_us, min_wait_us;
+    double burst_us, default_cost_us, cycle_gap_ns, max_gap_us, max_host_us, min_wait_us;
     uint32_t sample_every;
+    uint64_t sample_floor_ns;
     const char *cb_path;
     /* control block */
     struct dilu_cb *cb;
     int writer; /* this process owns the telemetry fields */
+    int forked; /* a forked child of the writer (shares its bucket and counters) */
     uint64_t next_open_ns;
     uint64_t next_stale_check_ns;
     /* token bucket */
     uint64_t quota_ppm; /* in effect (floored) */
     double rate;        /* µs of busy time per µs of wall time */
-    double tokens;      /* µs */
-    uint64_t refill_ns;
     /* costs and calibration */
     struct cost costs[COST_SLOTS];
     struct sample pending[MAX_PENDING];
@@ -185,13 +201,36 @@ static struct {
     uint64_t next_poll_ns;
     double global_cost_us;
     /* telemetry (mirrored into the block) */
-    uint64_t launches, throttled, samples, flags;
-    double busy_us, wait_us;
+    uint64_t samples, flags;
     uint64_t cycles, last_cycle_us, baseline_cycle_us;
     uint64_t cycle_start_ns, last_launch_ns, sync_ns, work_end_ns;
     double last_cost_us;
     uint64_t applied_epoch, applied_ns;
-} S = {.mu = PTHREAD_MUTEX_INITIALIZER};
+} S;
+
+static void lock(void)
+{
+    if (pthread_mutex_lock(&SH->mu) == EOWNERDEAD) /* a process of the tree died holding it */
+        pthread_mutex_consistent(&SH->mu);
+}
+
+static void unlock(void) { pthread_mutex_unlock(&SH->mu); }
+
+static void make_shared(void)
+{
+    static struct shared fallback;
+    void *p = mmap(NULL, sizeof(struct shared), PROT_READ | PROT_WRITE, MAP_SHARED | MAP_ANONYMOUS, -1, 0);
+    SH = p == MAP_FAILED ? &fallback : p;
+    g_sh_private = SH == &fallback;
+    pthread_mutexattr_t a;
+    pthread_mutexattr_init(&a);
+    if (SH != &fallback) {
+        pthread_mutexattr_setpshared(&a, PTHREAD_PROCESS_SHARED);
+        pthread_mutexattr_setrobust(&a, PTHREAD_MUTEX_ROBUST);
+    }
+    pthread_mutex_init(&SH->mu, &a);
+    pthread_mutexattr_destroy(&a);
+}
 
 static double env_f(const char *name, double dflt)
 {
@@ -224,20 +263,35 @@ static void set_rate(uint64_t quota_ppm)
     S.rate = (double)quota_ppm / (double)(S.width_ppm ? S.width_ppm : DILU_PPM);
 }
 
+/* Writes the telemetry into the block. Always under the lock, which every process of the tree
+ * shares, so there is one writer at a time; a forked child writes only the shared counters (its
+ * own cycles and grant bookkeeping would overwrite the parent's). */
 static void publish(void)
 {
     struct dilu_cb *cb = S.cb;
-    if (!cb || !S.writer)
+    if (!cb)
         return;
+    if (!S.writer) {
+        if (!S.forked)
+            return;
+        dilu_seq_write_begin(&cb->t_seq);
+        cb->t_launches = SH->launches;
+        cb->t_throttled = SH->throttled;
+        cb->t_busy_us = (uint64_t)(SH->busy_us > 0 ? SH->busy_us : 0);
+        cb->t_wait_us = (uint64_t)SH->wait_us;
+        cb->t_tokens_us = (int64_t)SH->tokens;
+        dilu_seq_write_end(&cb->t_seq);
+        return;
+    }
     dilu_seq_write_begin(&cb->t_seq);
-    cb->t_launches = S.launches;
-    cb->t_throttled = S.throttled;
-    cb->t_busy_us = (uint64_t)(S.busy_us > 0 ? S.busy_us : 0);
-    cb->t_wait_us = (uint64_t)S.wait_us;
+    cb->t_launches = SH->launches;
+    cb->t_throttled = SH->throttled;
+    cb->t_busy_us = (uint64_t)(SH->busy_us > 0 ? SH->busy_us : 0);
+    cb->t_wait_us = (uint64_t)SH->wait_us;
     cb->t_cycles = S.cycles;
     cb->t_last_cycle_us = S.last_cycle_us;
     cb->t_baseline_cycle_us = S.baseline_cycle_us;
-    cb->t_tokens_us = (int64_t)S.tokens;
+    cb->t_tokens_us = (int64_t)SH->tokens;
     cb->t_last_launch_ns = S.last_launch_ns;
     cb->t_applied_epoch = S.applied_epoch;
     cb->t_applied_ns = S.applied_ns;
@@ -249,7 +303,7 @@ static void publish(void)
 
 static int pid_alive(pid_t pid) { return pid > 0 && (kill(pid, 0) == 0 || errno != ESRCH); }
 
-/* Maps DILU_CB if it is a valid block; called under S.mu. */
+/* Maps DILU_CB if it is a valid block; called under the lock. */
 static void try_open_block(uint64_t now)
 {
     if (S.cb || !S.cb_path || now < S.next_open_ns)
@@ -279,10 +333,10 @@ static void try_open_block(uint64_t now)
     S.writer = owner == 0 || owner == getpid() || !pid_alive(owner);
     if (S.writer) { /* continue the block's counters so they stay monotonic */
         cb->t_pid = (uint64_t)getpid();
-        S.launches += cb->t_launches;
-        S.throttled += cb->t_throttled;
-        S.busy_us += (double)cb->t_busy_us;
-        S.wait_us += (double)cb->t_wait_us;
+        SH->launches += cb->t_launches;
+        SH->throttled += cb->t_throttled;
+        SH->busy_us += (double)cb->t_busy_us;
+        SH->wait_us += (double)cb->t_wait_us;
         S.cycles += cb->t_cycles;
         S.samples += cb->t_samples;
     }
@@ -296,7 +350,7 @@ static void try_open_block(uint64_t now)
                 getpid(), S.cb_path, q / 1e6, w / 1e6, S.writer);
 }
 
-/* Applies a new grant if the epoch moved; checks the heartbeat now and then. Under S.mu. */
+/* Applies a new grant if the epoch moved; checks the heartbeat now and then. Under the lock. */
 static void refresh_grant(uint64_t now)
 {
     struct dilu_cb *cb = S.cb;
@@ -327,12 +381,12 @@ static void refresh_grant(uint64_t now)
 
 static void refill(uint64_t now)
 {
-    if (now > S.refill_ns) {
-        S.tokens += (double)(now - S.refill_ns) / 1000.0 * S.rate;
-        if (S.tokens > S.burst_us)
-            S.tokens = S.burst_us;
+    if (now > SH->refill_ns) {
+        SH->tokens += (double)(now - SH->refill_ns) / 1000.0 * S.rate;
+        if (SH->tokens > S.burst_us)
+            SH->tokens = S.burst_us;
     }
-    S.refill_ns = now;
+    SH->refill_ns = now;
 }
 
 static struct cost *cost_of(uintptr_t key)
@@ -370,7 +424,7 @@ static void learn(struct cost *c, double us)
     c->us = least;
 }
 
-/* Collects finished timing samples: EWMA per key, true-up of the tokens. Under S.mu. */
+/* Collects finished timing samples: EWMA per key, true-up of the tokens. Under the lock. */
 static void poll_samples(uint64_t now)
 {
     if (!S.npending || now < S.next_poll_ns)
@@ -402,15 +456,21 @@ static void poll_samples(uint64_t now)
                     c->pending--;
                 goto drop;
             }
-            if (c)
+            /* Behind earlier work the start events are stamped when that work ends, and another
+             * process's kernels may run before ours: such a timing can only be too long, so once
+             * the key is known it is used only when it is shorter than the estimate. */
+            if (c && !(s->busy && c->samples >= 3 && us >= c->us))
                 learn(c, us);
+            if (g_debug > 1)
+                fprintf(stderr, "dilu interceptor: pid %d sample %.1f us (gap %.1f) est %.1f%s\n",
+                        getpid(), us, gap_us, c ? c->us : -1.0, s->provisional ? " provisional" : "");
             S.global_cost_us += (us - S.global_cost_us) / 16.0;
             if (s->provisional) { /* true-up: charge what the launch really used */
                 double fix = us - s->charged_us;
-                S.tokens -= fix;
-                if (S.tokens > S.burst_us)
-                    S.tokens = S.burst_us;
-                S.busy_us += fix;
+                SH->tokens -= fix;
+                if (SH->tokens > S.burst_us)
+                    SH->tokens = S.burst_us;
+                SH->busy_us += fix;
             }
             S.samples++;
         }
@@ -455,7 +515,7 @@ static void note_cycle(uint64_t arrival)
         S.cycle_start_ns = arrival;
 }
 
-/* Waits for tokens, charges the launch; returns 1 if this launch should be timed. Under S.mu. */
+/* Waits for tokens, charges the launch; returns 1 if this launch should be timed. Under the lock. */
 static int admit(uintptr_t key, double *charged, int *provisional)
 {
     uint64_t now = dilu_now_ns();
@@ -467,9 +527,9 @@ static int admit(uintptr_t key, double *charged, int *provisional)
      * to a burst ahead (estimation error must not idle the device); the debt still bounds the
      * queued work, which keeps a later, lower grant quick to take effect */
     double floor_us = S.rate >= 1.0 ? -S.burst_us : 0.0;
-    if (S.tokens < floor_us) {
+    if (SH->tokens < floor_us) {
         uint64_t t0 = now;
-        S.throttled++;
+        SH->throttled++;
         /* wait until the balance covers this launch, and at least DILU_MIN_WAIT_US of refill:
          * same rate, fewer wake-ups for short kernels (a few launches go per wake-up) */
         struct cost *c0 = cost_of(key);
@@ -479,32 +539,34 @@ static int admit(uintptr_t key, double *charged, int *provisional)
         if (want > S.burst_us / 2) /* leave room under the cap for an oversleep's refill */
             want = S.burst_us / 2;
         double target;
-        while (S.tokens < (target = S.rate >= 1.0 ? -S.burst_us : want)) {
-            double need_ns = (target - S.tokens) / S.rate * 1000.0 + 1000.0;
+        /* q >= w: wait only until a wake-up quantum of run-ahead is back */
+        double ahead = fmin(S.min_wait_us * S.rate, S.burst_us / 2);
+        while (SH->tokens < (target = S.rate >= 1.0 ? -S.burst_us + ahead : want)) {
+            double need_ns = (target - SH->tokens) / S.rate * 1000.0 + 1000.0;
             int64_t wait = need_ns > 1e9 ? 1000000000ll : (int64_t)need_ns; /* re-check each s */
             struct dilu_cb *cb = S.cb;
             uint32_t epoch = cb ? dilu_load_u32(&cb->grant_epoch) : 0;
             publish();
-            pthread_mutex_unlock(&S.mu);
+            unlock();
             if (cb) /* a new grant (epoch bump) wakes us at once */
                 dilu_futex_wait(&cb->grant_epoch, epoch, wait);
             else {
                 struct timespec ts = {wait / 1000000000ll, wait % 1000000000ll};
                 nanosleep(&ts, NULL);
             }
-            pthread_mutex_lock(&S.mu);
+            lock();
             now = dilu_now_ns();
             refresh_grant(now);
             refill(now);
             poll_samples(now);
         }
-        S.wait_us += (double)(now - t0) / 1000.0;
+        SH->wait_us += (double)(now - t0) / 1000.0;
     }
     struct cost *c = cost_of(key);
     double cost = c ? c->us : S.global_cost_us;
-    S.tokens -= cost;
-    S.busy_us += cost;
-    S.launches++;
+    SH->tokens -= cost;
+    SH->busy_us += cost;
+    SH->launches++;
     S.last_launch_ns = now;
     S.last_cost_us = cost;
     /* the queued work's estimated end: launches run back to back behind earlier ones */
@@ -515,10 +577,13 @@ static int admit(uintptr_t key, double *charged, int *provisional)
     if (c) {
         c->launches++;
         /* every launch while the key has no sample yet (each one is trued up), then until 3
-         * samples, then every sample_every-th and at least every 20 ms */
+         * samples, then every sample_every-th and at least every DILU_SAMPLE_FLOOR_MS */
         sample = (c->samples == 0 || c->samples + c->pending < 3 || c->launches % S.sample_every == 0 ||
-                  (now - c->last_sample_ns > 20000000ull && !c->pending)) &&
-                 S.npending < MAX_PENDING && r_event_create;
+                  (now - c->last_sample_ns > S.sample_floor_ns && !c->pending)) &&
+                 S.npending < MAX_PENDING && r_event_create &&
+                 /* no stream queries while a graph is captured anywhere in the process: in
+                  * global capture mode they would invalidate the capture */
+                 !__atomic_load_n(&g_capturing, __ATOMIC_ACQUIRE);
         if (sample) {
             c->pending++;
             c->last_sample_ns = now;
@@ -539,6 +604,13 @@ static int capturing(CUstream h, int ptsz)
     return 0;
 }
 
+/* Does the stream still have work queued? (Asked on timed launches only.) */
+static int stream_busy(CUstream h, int ptsz)
+{
+    CUresult (*q)(CUstream) = ptsz && r_stream_query_ptsz ? r_stream_query_ptsz : r_stream_query;
+    return q ? q(h) == CUDA_ERROR_NOT_READY : 1;
+}
+
 struct timing {
     int on;
     CUevent start0, start, end;
@@ -546,6 +618,8 @@ struct timing {
     double charged;
     int provisional;
     int ptsz;
+    uint64_t host0_ns; /* host clock before the start events: a slow launch call spoils a sample */
+    int busy;
     CUstream stream;
 };
 
@@ -556,15 +630,16 @@ static int before_launch(uintptr_t key, CUstream h, int ptsz, struct timing *t)
     t->on = 0;
     if (!g_ready || capturing(h, ptsz))
         return 0;
-    pthread_mutex_lock(&S.mu);
+    lock();
     int sample = admit(key, &t->charged, &t->provisional);
-    pthread_mutex_unlock(&S.mu);
+    unlock();
     if (sample) {
         CUresult (*rec)(CUevent, CUstream) = ptsz && r_event_record_ptsz ? r_event_record_ptsz : r_event_record;
         t->start0 = t->start = t->end = NULL;
         if (r_event_create(&t->start0, 0) == CUDA_SUCCESS && r_event_create(&t->start, 0) == CUDA_SUCCESS &&
-            r_event_create(&t->end, 0) == CUDA_SUCCESS && rec(t->start0, h) == CUDA_SUCCESS &&
-            rec(t->start, h) == CUDA_SUCCESS) {
+            r_event_create(&t->end, 0) == CUDA_SUCCESS &&
+            ((t->busy = stream_busy(h, ptsz)), (t->host0_ns = dilu_now_ns())) &&
+            rec(t->start0, h) == CUDA_SUCCESS && rec(t->start, h) == CUDA_SUCCESS) {
             t->on = 1;
             t->key = key;
             t->ptsz = ptsz;
@@ -577,11 +652,11 @@ static int before_launch(uintptr_t key, CUstream h, int ptsz, struct timing *t)
             r_event_destroy(t->start);
         if (t->end)
             r_event_destroy(t->end);
-        pthread_mutex_lock(&S.mu); /* could not time it: release the reservation */
+        lock(); /* could not time it: release the reservation */
         struct cost *c = cost_of(key);
         if (c && c->pending)
             c->pending--;
-        pthread_mutex_unlock(&S.mu);
+        unlock();
     }
     return 1;
 }
@@ -591,10 +666,13 @@ static void after_launch(struct timing *t, CUresult r)
     if (!t->on)
         return;
     CUresult (*rec)(CUevent, CUstream) = t->ptsz && r_event_record_ptsz ? r_event_record_ptsz : r_event_record;
-    int ok = r == CUDA_SUCCESS && rec(t->end, t->stream) == CUDA_SUCCESS;
-    pthread_mutex_lock(&S.mu);
+    /* the host was preempted between the start events and the launch: on an idle stream that
+     * delay would read as kernel time, so the sample is dropped */
+    int quick = dilu_now_ns() - t->host0_ns <= (uint64_t)(S.max_host_us * 1000.0);
+    int ok = quick && r == CUDA_SUCCESS && rec(t->end, t->stream) == CUDA_SUCCESS;
+    lock();
     if (ok && S.npending < MAX_PENDING) {
-        S.pending[S.npending++] = (struct sample){t->key, t->start0, t->start, t->end, t->charged, t->provisional};
+        S.pending[S.npending++] = (struct sample){t->key, t->start0, t->start, t->end, t->charged, t->provisional, t->busy};
     } else {
         struct cost *c = cost_of(t->key);
         if (c && c->pending)
@@ -603,25 +681,26 @@ static void after_launch(struct timing *t, CUresult r)
         r_event_destroy(t->start);
         r_event_destroy(t->end);
     }
-    pthread_mutex_unlock(&S.mu);
+    unlock();
 }
 
 /* ------------------------------------------------------------------ init and fork */
 
-static void atfork_prepare(void) { pthread_mutex_lock(&S.mu); }
-static void atfork_parent(void) { pthread_mutex_unlock(&S.mu); }
+static void atfork_prepare(void) { lock(); }
+static void atfork_parent(void) { unlock(); }
 
 static void atfork_child(void)
 {
-    /* the child has one thread and its own GPU context (if any): own bucket at the same grant,
-     * no telemetry writes (the block's fields have one writer: the parent), no stale samples */
-    pthread_mutex_init(&S.mu, NULL);
+    /* The child shares the bucket and counters (the page is MAP_SHARED; the parent's handler
+     * releases the lock it took in prepare). It does not write the block (one writer: the
+     * parent) and drops the parent's pending timings (their events belong to the parent). */
+    if (g_sh_private) /* no shared page: a private copy of a lock held at fork */
+        pthread_mutex_init(&SH->mu, NULL);
+    S.forked = S.writer && !g_sh_private;
     S.writer = 0;
     S.npending = 0;
     for (int i = 0; i < COST_SLOTS; i++)
         S.costs[i].pending = 0;
-    S.tokens = 0.0;
-    S.refill_ns = dilu_now_ns();
 }
 
 static void resolve_real_dlsym(void)
@@ -681,7 +760,8 @@ static void init(void)
 static void init_body(void)
 {
     resolve_real_dlsym();
-    g_debug = getenv("DILU_INTERCEPT_DEBUG") != NULL;
+    const char *dbg = getenv("DILU_INTERCEPT_DEBUG");
+    g_debug = dbg && *dbg && *dbg != '0' ? (*dbg == '2' ? 2 : 1) : 0;
     const char *path = getenv("DILU_REAL_LIBCUDA");
     g_cuda = dlopen(path && *path ? path : "libcuda.so.1", RTLD_NOW | RTLD_GLOBAL);
     if (!g_cuda || !real_dlsym) {
@@ -703,6 +783,8 @@ static void init_body(void)
         REAL(r_event_elapsed, "cuEventElapsedTime_v2");
     REAL(r_is_capturing, "cuStreamIsCapturing");
     REAL(r_is_capturing_ptsz, "cuStreamIsCapturing_ptsz");
+    REAL(r_stream_query, "cuStreamQuery");
+    REAL(r_stream_query_ptsz, "cuStreamQuery_ptsz");
 #undef REAL
     if (!r_event_destroy || !r_event_record || !r_event_query || !r_event_elapsed)
         r_event_create = NULL; /* cannot calibrate: estimates stay at their defaults */
@@ -724,12 +806,17 @@ static void init_body(void)
     /* two back-to-back event records land within a few µs; a wider gap means the host thread
      * was preempted in between and the sample says nothing about the kernel */
     S.max_gap_us = env_f("DILU_SAMPLE_MAX_GAP_US", 20.0);
+    /* from the first start event to the launch call's return: longer means the thread was
+     * preempted and, on an idle stream, the delay would read as kernel time */
+    S.max_host_us = env_f("DILU_SAMPLE_MAX_HOST_US", 100.0);
     S.global_cost_us = S.default_cost_us;
     double every = env_f("DILU_SAMPLE_EVERY", 128.0);
     S.sample_every = every >= 1.0 ? (uint32_t)every : 128;
+    S.sample_floor_ns = (uint64_t)(env_f("DILU_SAMPLE_FLOOR_MS", 250.0) * 1e6);
+    make_shared();
     set_rate(S.request_ppm);
-    S.refill_ns = dilu_now_ns();
-    try_open_block(S.refill_ns);
+    SH->refill_ns = dilu_now_ns();
+    try_open_block(SH->refill_ns);
     pthread_atfork(atfork_prepare, atfork_parent, atfork_child);
     discover_alternatives();
     __atomic_store_n(&g_ready, 1, __ATOMIC_RELEASE);
@@ -878,9 +965,9 @@ static void note_sync(CUresult r)
 {
     if (r != CUDA_SUCCESS || !__atomic_load_n(&g_ready, __ATOMIC_ACQUIRE))
         return;
-    pthread_mutex_lock(&S.mu);
+    lock();
     S.sync_ns = dilu_now_ns();
-    pthread_mutex_unlock(&S.mu);
+    unlock();
 }
 
 static CUresult do_sync(int i, void *arg)

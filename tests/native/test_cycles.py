@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from conftest import finish, launch_env, spawn
+from native_helpers import finish, launch_env, spawn
 
 pytestmark = pytest.mark.native
 

@@ -12,7 +12,7 @@ import time
 import numpy as np
 import pytest
 
-from conftest import finish, launch_env, spawn
+from native_helpers import finish, launch_env, spawn
 from dilu.interceptor import timeline
 
 pytestmark = pytest.mark.native
@@ -22,22 +22,18 @@ SEC = 1_000_000_000
 
 def test_steadiness_does_not_depend_on_device_size(agent):
     """One width-1 process at quota 0.5, 50 µs kernels back to back without syncing, on GPUs of
-    20, 80 and 188 SMs at once (60 s scaled to 2.5 s, 1 s windows to 0.5 s): every window
-    0.50 +- 0.05."""
+    20, 80 and 188 SMs (60 s scaled to 2 s, 1 s windows to 0.5 s): every window 0.50 +- 0.05."""
     gpus = {sms: f"steady-{sms}-{time.monotonic_ns()}" for sms in (20, 80, 188)}
     try:
-        procs = {}
-        for sms, name in gpus.items():
+        for sms, name in gpus.items():  # one after the other: 10k launches/s each is host work
             cb = agent.block(request_quota=0.5)
-            procs[sms] = spawn(launch_env(cb.path, name, request_quota=0.5, sms=sms),
-                               "-k", "k_50", "-t", "2.5")
-        for sms, proc in procs.items():
-            out = finish(proc)
+            out = finish(spawn(launch_env(cb.path, name, request_quota=0.5, sms=sms),
+                               "-k", "k_50", "-t", "2.0"))
             assert timeline.info(gpus[sms]).sms == sms
             recs = timeline.read_array(gpus[sms])
             t0, t1 = timeline.span(recs, out["pid"])
             got = timeline.window_shares(recs, out["pid"], t0 + SEC // 10, t1, SEC // 2)
-            assert len(got) >= 4
+            assert len(got) >= 3
             assert all(abs(s - 0.5) <= 0.05 for s in got), (sms, got)
     finally:
         for name in gpus.values():
@@ -45,19 +41,22 @@ def test_steadiness_does_not_depend_on_device_size(agent):
 
 
 def test_pair_at_03_and_07_completes_kernels_in_ratio(agent, gpu):
-    """Two width-1 processes at 0.3 and 0.7 on one GPU, 50 µs kernels: completed-kernel ratio
-    2.33 +- 0.25 over their common run."""
+    """Two width-1 processes at 0.3 and 0.7 on one GPU (200 µs kernels, to keep the host's launch
+    rate modest on a loaded machine): completed-kernel ratio 2.33 +- 0.25 over their common run."""
     a = agent.block(request_quota=0.3)
     b = agent.block(request_quota=0.7)
-    pa = spawn(launch_env(a.path, gpu, request_quota=0.3), "-k", "k_50", "-t", "2.5")
-    pb = spawn(launch_env(b.path, gpu, request_quota=0.7), "-k", "k_50", "-t", "2.5")
+    pa = spawn(launch_env(a.path, gpu, request_quota=0.3), "-k", "k_200", "-t", "2.5")
+    pb = spawn(launch_env(b.path, gpu, request_quota=0.7), "-k", "k_200", "-t", "2.5")
     oa, ob = finish(pa), finish(pb)
     recs = timeline.read_array(gpu)
     t0 = max(timeline.span(recs, oa["pid"])[0], timeline.span(recs, ob["pid"])[0]) + SEC // 5
     t1 = min(timeline.span(recs, oa["pid"])[1], timeline.span(recs, ob["pid"])[1])
     ka = timeline.kernels_completed(recs, oa["pid"], t0, t1)
     kb = timeline.kernels_completed(recs, ob["pid"], t0, t1)
-    assert kb / ka == pytest.approx(0.7 / 0.3, abs=0.25), (ka, kb)
+    sa, sb = a.snapshot(), b.snapshot()
+    assert kb / ka == pytest.approx(0.7 / 0.3, abs=0.25), (
+        ka, kb, sa.busy_us / sa.launches, sb.busy_us / sb.launches, sa.samples, sa.wait_us,
+        timeline.sm_time_shares(recs, t0, t1))
 
 
 @pytest.mark.parametrize("n,p99_limit_s", [(8, 1.0), (32, 5.0), (64, 5.0)])

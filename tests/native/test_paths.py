@@ -8,7 +8,7 @@ import subprocess
 
 import pytest
 
-from conftest import PYTHON, finish, launch_env, spawn
+from native_helpers import PYTHON, finish, launch_env, spawn
 from dilu.interceptor import timeline
 
 pytestmark = pytest.mark.native
