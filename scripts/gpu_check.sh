@@ -125,14 +125,16 @@ def main():
 main()
 PY
 
-run() { # label quota(or none) model mode
+run() { # quota (or none) model mode; a failed run is reported and skipped
     local quota="$1" model="$2" mode="$3" out
     if [ "$quota" = none ]; then
-        out=$(env -u LD_PRELOAD "$PY" "$WORK/run_model.py" "$model" "$mode" "$SECONDS_PER_RUN")
+        out=$(env -u LD_PRELOAD "$PY" "$WORK/run_model.py" "$model" "$mode" "$SECONDS_PER_RUN") ||
+            { echo "  quota=$quota FAILED"; return 0; }
     else
         out=$(LD_PRELOAD="$WORK/libdilu_intercept.so" DILU_REQUEST_QUOTA="$quota" DILU_WIDTH=1 \
               DILU_INTERCEPT_DEBUG="${DILU_INTERCEPT_DEBUG:-}" \
-              "$PY" "$WORK/run_model.py" "$model" "$mode" "$SECONDS_PER_RUN")
+              "$PY" "$WORK/run_model.py" "$model" "$mode" "$SECONDS_PER_RUN") ||
+            { echo "  quota=$quota FAILED"; return 0; }
     fi
     echo "$quota $(echo "$out" | tail -n 1)" >> "$WORK/results.txt"
     echo "  quota=$quota $out"
@@ -164,11 +166,12 @@ for line in open(sys.argv[1]):
 base = {(m, mo): v for m, mo, q, v in rows if q == "none"}
 print(f"{'model':10} {'mode':6} {'quota':>6} {'items/s':>10} {'vs none':>8} {'expected':>8}")
 for m, mo, q, v in rows:
-    rel = v / base[(m, mo)]
+    rel = f"{v / base[(m, mo)]:8.3f}" if (m, mo) in base else "       -"
     exp = "1.00" if q == "none" else f"{float(q):.2f}"
-    print(f"{m:10} {mo:6} {q:>6} {v:10.1f} {rel:8.3f} {exp:>8}")
+    print(f"{m:10} {mo:6} {q:>6} {v:10.1f} {rel} {exp:>8}")
 print()
 for (m, mo), b in base.items():
-    full = next(v for mm, mmo, q, v in rows if (mm, mmo, q) == (m, mo, "1.0"))
-    print(f"overhead at quota 1.0, {m} {mo}: {100 * (1 - full / b):+.2f} % throughput")
+    full = [v for mm, mmo, q, v in rows if (mm, mmo, q) == (m, mo, "1.0")]
+    if full:
+        print(f"overhead at quota 1.0, {m} {mo}: {100 * (1 - full[0] / b):+.2f} % throughput")
 PY

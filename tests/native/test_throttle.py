@@ -15,7 +15,8 @@ pytestmark = pytest.mark.native
 SEC = 1_000_000_000
 
 
-def shares(gpu: str, pid: int, window_s: float, skip_s: float = 0.1) -> list[float]:
+def shares(gpu: str, pid: int, window_s: float, skip_s: float = 0.2) -> list[float]:
+    """Busy shares of ``pid`` in windows of window_s, past the first skip_s (process start-up)."""
     recs = timeline.read_array(gpu)
     t0, t1 = timeline.span(recs, pid)
     return timeline.window_shares(recs, pid, t0 + int(skip_s * SEC), t1, int(window_s * SEC))
@@ -62,7 +63,7 @@ def test_grant_changed_at_run_time_reaches_the_enforcer(agent, gpu):
 
 def test_no_block_runs_at_request_quota(gpu):
     env = launch_env("/dev/shm/dilu-cb-does-not-exist", gpu, request_quota=0.3)
-    out = finish(spawn(env, "-k", "k_100", "-t", "1.2"))
+    out = finish(spawn(env, "-k", "k_100", "-t", "1.4"))
     got = shares(gpu, out["pid"], 0.5)
     assert got and all(abs(s - 0.3) <= 0.05 for s in got), got
 
@@ -70,7 +71,7 @@ def test_no_block_runs_at_request_quota(gpu):
 def test_invalid_block_runs_at_request_quota_with_a_clear_error(gpu, tmp_path):
     bad = tmp_path / "cb"
     bad.write_bytes(b"not a control block" * 100)
-    proc = spawn(launch_env(str(bad), gpu, request_quota=0.4), "-k", "k_100", "-t", "1.2")
+    proc = spawn(launch_env(str(bad), gpu, request_quota=0.4), "-k", "k_100", "-t", "1.4")
     out, err = proc.communicate(timeout=60)
     assert proc.returncode == 0
     assert "not a control block" in err
@@ -82,7 +83,7 @@ def test_invalid_block_runs_at_request_quota_with_a_clear_error(gpu, tmp_path):
 def test_stale_block_keeps_the_last_grant(agent, gpu):
     cb = agent.block(request_quota=0.2, stale_after_ms=50, heartbeat=False)
     cb.write_grant(0.45)  # the agent's last word; it then goes silent
-    out = finish(spawn(launch_env(cb.path, gpu, request_quota=0.2), "-k", "k_100", "-t", "1.2"))
+    out = finish(spawn(launch_env(cb.path, gpu, request_quota=0.2), "-k", "k_100", "-t", "1.4"))
     got = shares(gpu, out["pid"], 0.5)
     assert got and all(abs(s - 0.45) <= 0.05 for s in got), got
     assert cb.snapshot().stale
