@@ -19,7 +19,7 @@ setup(
     packages=packages,
     package_dir=package_dir,
     package_data={
-        "dilu.interceptor": ["*.h", "*.c", "Makefile"],
+        "dilu.interceptor": ["*.h", "*.c", "tools/*.c", "README.md"],
         "dilu.loadgen": ["data/*/*", "data/*"],
         "dilu.contracts": ["schema/*.json"],
         "dilu.services.common": ["surfaces/*/*.csv", "surfaces/*.md"],
