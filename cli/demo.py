@@ -30,6 +30,8 @@ from dilu.services.common import models
 from dilu.services.common.invoke import InvokeClient
 from dilu.services.common.workqueue import ensure_consumer, ensure_stream
 
+from dilu.services.node_agent.__main__ import parse_gpus
+
 from .cluster import POLICIES, Cluster
 from .deploy import cluster_facts, cpu_function_spec, deploy, function_spec, operator_profile
 
@@ -66,15 +68,9 @@ def _functions(value: str) -> int | str:
 
 
 def _gpus(value: str) -> str:
-    if value == "cpu":
-        return value
-    try:
-        n = int(value)
-    except ValueError:
-        raise click.BadParameter(f"expected a GPU count or 'cpu', got {value!r}") from None
-    if not 1 <= n <= 64:
-        raise click.BadParameter(f"GPU count must be 1..64, got {n}")
-    return str(n)
+    """The node agent's own ``--gpus`` rule, checked before anything starts."""
+    n = parse_gpus(value)
+    return "cpu" if n == 0 else str(n)
 
 
 def _finite(_ctx, param, value: float) -> float:

@@ -8,7 +8,9 @@ from dilu.services.common.runner import run
 from .service import NodeAgent
 
 
-def _gpus(value: str) -> int:
+def parse_gpus(value: str) -> int:
+    """``--gpus``: a count 1..64 of emulated GPUs, or ``cpu`` (returned as 0). Raises
+    click.BadParameter otherwise."""
     if value == "cpu":
         return 0
     try:
@@ -33,7 +35,7 @@ def _gpus(value: str) -> int:
 @click.option("--log-level", default="info", show_default=True)
 def main(nats_url, node, gpus, gpu_memory_gb, sms, sample_ms, telemetry_ms, initial_grant, metrics_port, log_level):
     """Run the node agent: instances on this node's GPUs, telemetry, grants."""
-    agent = NodeAgent(node=node, gpus=_gpus(gpus), gpu_memory_gb=gpu_memory_gb, sms=sms, sample_ms=sample_ms,
+    agent = NodeAgent(node=node, gpus=parse_gpus(gpus), gpu_memory_gb=gpu_memory_gb, sms=sms, sample_ms=sample_ms,
                       telemetry_ms=telemetry_ms, initial_grant=initial_grant, nats_url=nats_url)
     run(agent, nats_url, metrics_port=metrics_port, log_level=log_level)
 
