@@ -420,6 +420,8 @@ class HorizontalScaler:
     async def _decided(self, fn: str, d: Decision, direction: str, count: int) -> None:
         assert self.bus is not None
         DECISIONS.labels(fn, direction).inc()
+        self.bus.log.info("scale decided", function=fn, direction=direction, count=count, current=d.current,
+                          desired=d.desired, reason=d.reason)
         self.decisions = (self.decisions + [d])[-200:]
         await self.bus.publish(subjects.scale_decided(fn), ScaleDecision(
             function=fn, direction=direction, count=count, current=d.current, desired=d.desired, reason=d.reason))
