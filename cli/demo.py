@@ -110,10 +110,13 @@ def build_plan(opts: RunOptions, run_id: str):
 def scaler_windows(speedup: float) -> list[str]:
     """Horizontal-scaler settings for a replay: the trace-time windows (stable window 60 s,
     keep-alive 10 min, idle-histogram bins of 1 min) divided by ``speedup``, since arrivals are
-    compressed; and at most doubling the ready instances per decision, since cold starts stay
-    real time (seconds) and panic mode would otherwise launch the maximum while the first start."""
+    compressed; at most doubling the ready instances per decision, since cold starts stay real
+    time (seconds) and panic mode would otherwise launch the maximum while the first starts; and a
+    scale-down delay of two stable windows, so a function hovering near one instance's capacity
+    does not flap 1 -> 2 -> 1 and pay a cold start each time."""
     return ["--stable-window-s", f"{max(1.0, 60.0 / speedup):g}", "--keep-alive-s", f"{600.0 / speedup:g}",
-            "--idle-bin-s", f"{max(0.1, 60.0 / speedup):g}", "--max-scale-up-rate", "2"]
+            "--idle-bin-s", f"{max(0.1, 60.0 / speedup):g}", "--max-scale-up-rate", "2",
+            "--scale-down-delay-s", f"{max(1.0, 120.0 / speedup):g}"]
 
 
 def run_facts(facts: dict) -> report.RunFacts:

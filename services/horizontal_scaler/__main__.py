@@ -30,15 +30,18 @@ from .service import HorizontalScaler
               help="lazy: scale out anyway after headroom stayed unused this long (0: one panic window)")
 @click.option("--max-scale-up-rate", type=click.FloatRange(1.01, 10_000), default=1000.0, show_default=True,
               help="at most this many times the ready instances per decision (Knative's max-scale-up-rate)")
+@click.option("--scale-down-delay-s", type=click.FloatRange(0, 3600), default=0.0, show_default=True,
+              help="no scale-in to a non-zero count this long after a scale-out (Knative's scale-down-delay)")
 @click.option("--metrics-port", type=int, default=0, show_default=True, envvar="DILU_METRICS_PORT")
 @click.option("--log-level", default="info", show_default=True)
 def main(nats_url, mode, tick_ms, stable_window_s, panic_window_pct, panic_threshold, keep_alive_s, idle_bin_s,
-         target, headroom_min, lazy_max_hold_s, max_scale_up_rate, metrics_port, log_level):
+         target, headroom_min, lazy_max_hold_s, max_scale_up_rate, scale_down_delay_s, metrics_port, log_level):
     """Run the horizontal scaler: backlog, burst windows and headroom in, placements and retirements out."""
     config = HorizontalConfig(mode=mode, stable_window_s=stable_window_s, panic_window_pct=panic_window_pct,
                               panic_threshold=panic_threshold, keep_alive_s=keep_alive_s, idle_bin_s=idle_bin_s,
                               idle_range_s=idle_bin_s * 240, headroom_min=headroom_min,
-                              lazy_max_hold_s=lazy_max_hold_s, max_scale_up_rate=max_scale_up_rate)
+                              lazy_max_hold_s=lazy_max_hold_s, max_scale_up_rate=max_scale_up_rate,
+                              scale_down_delay_s=scale_down_delay_s)
     scaler = HorizontalScaler(config, tick_s=tick_ms / 1000.0, target=target)
     run(scaler, nats_url, metrics_port=metrics_port, log_level=log_level)
 

@@ -80,6 +80,7 @@ class HorizontalConfig:
     panic_threshold: float = 2.0
     max_scale_up_rate: float = 1000.0
     max_scale_down_rate: float = 2.0
+    scale_down_delay_s: float = 0.0  # Knative's default; > 0 damps 1 -> 2 -> 1 flapping
     tolerance: float = 0.1
     headroom_min: float = 0.05
     lazy_max_hold_s: float = 0.0  # 0: one panic window
@@ -271,6 +272,7 @@ class _Function:
     max_panic: int = 0
     hold_since: float | None = None
     last_breach: float | None = None
+    last_out_s: float | None = None
 
     def count(self, *states: str) -> int:
         return sum(1 for i in self.instances.values() if i.state in states)
@@ -438,6 +440,7 @@ class HorizontalPolicy:
             desired, reason = 1, "backlog with no instance: scale from zero"
         desired = min(max(desired, f.params.min_instances), f.params.max_instances)
         desired, reason = self._lazy(f, now_s, cur, ready, desired, headroom, reason)
+        desired, reason = self._scale_down_delay(f, now_s, cur, desired, reason)
         d.desired, d.reason = desired, reason
         d.breach = self._breach(f, now_s, ready, stable_avg, panic_avg)
         self._act(f, d)
@@ -529,8 +532,19 @@ class HorizontalPolicy:
             rate = sum(n for _, n in seen[1:]) / (seen[-1][0] - seen[0][0])
         return Breach(f.name, window, rate, ready * f.params.instance_rps, math.ceil(f.backlog or 0), panic)
 
+    def _scale_down_delay(self, f: _Function, now_s: float, cur: int, desired: int, reason: str) -> tuple[int, str]:
+        """Knative's scale-down-delay: no scale-in to a non-zero count within
+        ``scale_down_delay_s`` of the last scale-out. Load that just needed one more instance
+        tends to return, and every 1 -> 2 -> 1 flap costs a cold start. Scale to zero is the
+        keep-alive's business and is not delayed here."""
+        since = now_s - f.last_out_s if f.last_out_s is not None else math.inf
+        if 0 < desired < cur and since < self.config.scale_down_delay_s:
+            return cur, f"scale-down delay: last scale-out {since:.1f} s ago (wants {desired})"
+        return desired, reason
+
     def _act(self, f: _Function, d: Decision) -> None:
         if d.desired > d.current:
+            f.last_out_s = d.now_s
             d.place = d.desired - d.current
             d.direction = "prewarm" if d.current == 0 and not f.backlog else "out"
         elif d.desired < d.current:

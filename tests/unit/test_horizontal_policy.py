@@ -314,3 +314,31 @@ def test_concurrency_target_is_what_one_instance_serves_within_the_slo():
     assert concurrency_target(8, 2200.0, 4900.0) == 16.0
     assert concurrency_target(4, 90.0, 80.0) == 4.0   # never below one batch
     assert concurrency_target(4, 0.0, 80.0) == 4.0    # unknown latency: the batch
+
+
+def test_scale_down_delay_holds_a_fresh_scale_out():
+    from dilu.services.horizontal_scaler.policy import FunctionParams, HorizontalConfig, HorizontalPolicy
+
+    def run(delay):
+        pol = HorizontalPolicy(HorizontalConfig(stable_window_s=6, keep_alive_s=600, scale_down_delay_s=delay))
+        pol.add_function("f", FunctionParams(target=1))
+        pol.instance_starting("f", "i0", 0.0)
+        pol.instance_ready("f", "i0", 0.0)
+        counts = []
+        for t in range(0, 30):
+            backlog = 4 if t < 3 else 1  # a short burst, then one instance's worth
+            pol.record("f", float(t), backlog)
+            d = pol.decide("f", float(t))
+            for k in range(d.place):
+                pol.instance_starting("f", f"i{t}-{k}", float(t))
+                pol.instance_ready("f", f"i{t}-{k}", float(t))
+            for iid in d.retire:
+                pol.instance_retired("f", iid)
+            counts.append(d.desired)
+        return counts
+
+    eager_in, delayed = run(0.0), run(20.0)
+    first_out = next(t for t, c in enumerate(delayed) if c > 1)
+    # with the delay nothing is retired within 20 s of the scale-out; without it, it is
+    assert min(delayed[first_out:first_out + 19]) == max(delayed[first_out:first_out + 19])
+    assert min(eager_in[first_out:first_out + 19]) < max(eager_in[first_out:first_out + 19])
