@@ -14,7 +14,6 @@ import math
 import signal
 import sys
 import tempfile
-import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path

@@ -44,28 +44,17 @@ def _block(request_quota: float, width: float = 1.0) -> ControlBlock:
 
 
 def _run(env: dict[str, str], *args: str, timeout: float = 120) -> dict:
-    proc = subprocess.run([str(native.launch_program()), *args], env=env, capture_output=True,
-                          text=True, timeout=timeout)
-    if proc.returncode != 0:
-        raise click.ClickException(f"dilu_launch {' '.join(args)} failed: {proc.stderr.strip()}")
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    return _finish(native.spawn_launch(env, *args), timeout)
 
 
-def _spawn(env: dict[str, str], *args: str) -> subprocess.Popen:
-    return subprocess.Popen([str(native.launch_program()), *args], env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+_spawn = native.spawn_launch
 
 
 def _finish(proc: subprocess.Popen, timeout: float = 120) -> dict:
     try:
-        out, err = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.communicate()
-        raise
-    if proc.returncode != 0:
-        raise click.ClickException(f"dilu_launch failed: {err.strip()}")
-    return json.loads(out.strip().splitlines()[-1])
+        return native.finish_launch(proc, timeout)
+    except native.LaunchFailed as exc:
+        raise click.ClickException(str(exc)) from None
 
 
 def fast_path(rounds: int = 5, launches: int = 1_000_000) -> dict:

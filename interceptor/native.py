@@ -7,7 +7,9 @@ launches metered and throttled through its control block.
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
+import subprocess
 from functools import lru_cache
 from pathlib import Path
 
@@ -46,6 +48,31 @@ def launch_program() -> Path:
     if not path.exists():
         build()
     return path
+
+
+class LaunchFailed(RuntimeError):
+    """``dilu_launch`` exited non-zero; the message carries its stderr."""
+
+
+def spawn_launch(env: dict[str, str], *args: str) -> subprocess.Popen:
+    """Start the ``dilu_launch`` test program (a C process calling the driver API) under ``env``;
+    its last stdout line is a JSON summary (see tools/)."""
+    return subprocess.Popen([str(launch_program()), *args], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def finish_launch(proc: subprocess.Popen, timeout: float = 120) -> dict:
+    """Wait for a :func:`spawn_launch` process and return its JSON summary. Kills it and re-raises
+    ``subprocess.TimeoutExpired`` past ``timeout`` s; raises LaunchFailed on a non-zero exit."""
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.communicate()
+        raise
+    if proc.returncode != 0:
+        raise LaunchFailed(f"dilu_launch {' '.join(map(str, proc.args[1:]))} failed ({proc.returncode}): {err.strip()}")
+    return json.loads(out.strip().splitlines()[-1])
 
 
 @lru_cache(maxsize=1)

@@ -135,39 +135,33 @@ class LatencyMs(msgspec.Struct, kw_only=True):
     p999: float | None = None
 
 
-class FunctionReport(msgspec.Struct, kw_only=True):
+class Figures(msgspec.Struct, kw_only=True):
+    """The request and cost figures a function and the whole run both have (module docstring)."""
+
+    offered: int
+    completed: int
+    dropped: int
+    failed: int
+    timed_out: int
+    goodput_rps: float
+    slo_violation_rate: float
+    latency_ms: LatencyMs
+    cold_start_requests: int
+    instance_launches: int
+    quota_seconds: float
+
+
+class FunctionReport(Figures, kw_only=True):
     """One function's figures (see the module docstring for each definition)."""
 
     name: str
     model: str
     slo_ms: float
-    offered: int
-    completed: int
-    dropped: int
-    failed: int
-    timed_out: int
-    goodput_rps: float
-    slo_violation_rate: float
-    latency_ms: LatencyMs
-    cold_start_requests: int
-    instance_launches: int
-    quota_seconds: float
 
 
-class Totals(msgspec.Struct, kw_only=True):
+class Totals(Figures, kw_only=True):
     """The whole run's figures: the per-function ones over all requests, plus GPU properties."""
 
-    offered: int
-    completed: int
-    dropped: int
-    failed: int
-    timed_out: int
-    goodput_rps: float
-    slo_violation_rate: float
-    latency_ms: LatencyMs
-    cold_start_requests: int
-    instance_launches: int
-    quota_seconds: float
     active_gpu_seconds: float
     allocation_fragmentation: float
     idle_fragmentation: float

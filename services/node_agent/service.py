@@ -73,6 +73,7 @@ class ManagedInstance:
     launched_ns: int = 0
     last: Counters | None = None
     window_start: Counters | None = None
+    snap: object | None = None  # the control block's last snapshot (CbSnapshot)
     tasks: list[asyncio.Task] = field(default_factory=list)
 
 
@@ -333,7 +334,7 @@ class NodeAgent:
     def _counters(self, inst: ManagedInstance, now_ns: int) -> Counters | None:
         if inst.cb is None:
             return None
-        s = inst.cb.snapshot()
+        s = inst.snap = inst.cb.snapshot()
         return Counters(at_ns=now_ns, busy_us=s.busy_us, wait_us=s.wait_us, launches=s.launches,
                         cycles=s.cycles, last_cycle_us=s.last_cycle_us, baseline_cycle_us=s.baseline_cycle_us)
 
@@ -381,7 +382,7 @@ class NodeAgent:
             if inst.last is not None and inst.window_start is not None:
                 use = window_use(inst.window_start, inst.last)
                 use_share, wait_us = use.busy_share, use.wait_us
-                snap = inst.cb.snapshot() if inst.cb is not None else None
+                snap = inst.snap  # the latest sample's snapshot: no second read of the block
                 tel = ev.InstanceTelemetry(
                     instance_id=p.instance_id, function=p.function, priority=p.priority, quota=inst.quota,
                     request_quota=p.request_quota, limit_quota=p.limit_quota, width=p.width,

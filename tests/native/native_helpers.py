@@ -6,7 +6,6 @@ Shares are always read from the emulated GPU's virtual timeline (dilu.intercepto
 """
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
@@ -75,22 +74,12 @@ def launch_env(cb_path: str, gpu: str, *, width: float = 1.0, request_quota: flo
     return env
 
 
-def spawn(env: dict[str, str], *args: str) -> subprocess.Popen:
-    """Starts dilu_launch with ``args`` under ``env``; stdout is its JSON summary."""
-    return subprocess.Popen([str(native.launch_program()), *args], env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+spawn = native.spawn_launch
 
 
 def finish(proc: subprocess.Popen, timeout: float = 60) -> dict:
-    """Waits for dilu_launch and returns its JSON summary; kills it if it overruns."""
-    try:
-        out, err = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.communicate()
-        raise
-    assert proc.returncode == 0, f"dilu_launch failed ({proc.returncode}): {err}"
-    return json.loads(out.strip().splitlines()[-1])
+    """Waits for dilu_launch and returns its JSON summary (fails the test on a non-zero exit)."""
+    return native.finish_launch(proc, timeout)
 
 
 PYTHON = sys.executable
