@@ -127,7 +127,9 @@ async def test_stream_with_other_limits_is_updated_and_an_incompatible_one_refus
     await ensure_stream(js, max_age_s=60)
     assert (await js.stream_info(subj.INVOKE_STREAM)).config.max_age == pytest.approx(60)
     await js.delete_stream(subj.INVOKE_STREAM)
-    await js.add_stream(name=subj.INVOKE_STREAM, subjects=[subj.INVOKE_SUBJECTS], retention="limits")
+    # in memory: re-creating a just-deleted file store can race the server's removal of its directory
+    await js.add_stream(name=subj.INVOKE_STREAM, subjects=[subj.INVOKE_SUBJECTS], retention="limits",
+                        storage="memory")
     with pytest.raises(nats.js.errors.APIError):
         await ensure_stream(js)  # a limits stream would never delete served requests
 
