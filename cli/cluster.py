@@ -25,7 +25,9 @@ READY_TIMEOUT_S = 90.0
 
 # --policy -> the knobs of each service it sets:
 # dilu            placement by request/limit, tokens resized by the vertical scaler, lazy horizontal
-# horizontal-only same placement, quotas fixed at the request, horizontal scaling on load alone
+# horizontal-only dilu with the vertical dimension off: quotas fixed at the request and placed by
+#                 it alone (reserving limits an instance never bursts to would only strand GPUs),
+#                 horizontal scaling on load alone. In effect the static-mps configuration.
 # static-mps      fixed MPS-like slices at the request quota (no bursting), horizontal on load
 # exclusive       a whole GPU per instance, no token pacing, horizontal on load
 POLICIES: dict[str, dict[str, list[str]]] = {
@@ -38,7 +40,7 @@ POLICIES: dict[str, dict[str, list[str]]] = {
     "horizontal-only": {
         "vertical_scaler": ["--mode", "static"],
         "horizontal_scaler": ["--mode", "eager"],
-        "scheduler": ["--policy", "dilu"],
+        "scheduler": ["--policy", "static-mps"],
         "node_agent": ["--initial-grant", "request"],
     },
     "static-mps": {

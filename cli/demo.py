@@ -32,9 +32,11 @@ from dilu.services.common.workqueue import ensure_consumer, ensure_stream
 from dilu.services.node_agent.__main__ import parse_gpus
 
 from .cluster import POLICIES, Cluster
-from .deploy import cluster_facts, cpu_function_spec, deploy, function_spec, operator_profile
+from .deploy import (WarmWatch, cluster_facts, cpu_function_spec, deploy, function_spec, operator_profile,
+                     profile_all)
 
 DRAIN_GRACE_S = 20.0  # after the last send, how long answers may still arrive
+WARM_UP_TIMEOUT_S = 30.0  # longest wait for the functions' initial instances before the replay
 REQUEST_TIMEOUT_MIN_S = 30.0  # a request unanswered this long (or 10 x its SLO) counts as timed out
 
 
@@ -143,8 +145,17 @@ async def _replay(opts: RunOptions, cluster: Cluster, plan, chosen: dict[str, st
             console.print(f"[dim]deploying {len(specs)} functions; the profiler measures them on the emulated GPUs[/dim]")
         for spec in specs:
             await ensure_consumer(js, spec.name)
+        if given is None and not await _unless_stopped(profile_all(nc, specs), stop):
+            raise Interrupted("stopped while profiling: nothing was offered")
+        warm = await WarmWatch({s.name for s in specs}).start(nc)
         if not await _unless_stopped(deploy(nc, specs, given=given), stop):
-            raise Interrupted("stopped while deploying and profiling: nothing was offered")
+            raise Interrupted("stopped while deploying: nothing was offered")
+        # each function's initial instance (the horizontal scaler's initial scale) starts before
+        # the replay, as on a platform where functions are deployed ahead of their traffic
+        cold = await warm.wait(WARM_UP_TIMEOUT_S)
+        if cold:
+            console.print(f"[yellow]{len(cold)} of {len(specs)} functions have no warm instance after "
+                          f"{WARM_UP_TIMEOUT_S:.0f} s; their first requests start them[/yellow]")
         client = InvokeClient(nc, js)
         await client.start()
         timeouts = {s.name: max(REQUEST_TIMEOUT_MIN_S, 10 * s.slo_ms / 1000.0) for s in specs}

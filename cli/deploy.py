@@ -56,6 +56,67 @@ def operator_profile(name: str, functions: int) -> ev.Profile:
     return ev.Profile(function=name, request_quota=share, limit_quota=share, batch_size=4, backend="operator")
 
 
+class WarmWatch:
+    """Counts the functions that have had an instance ready since it started (subscribe before
+    deploying, so no InstanceReady is missed)."""
+
+    def __init__(self, names: set[str]) -> None:
+        self.wanted, self.warm = set(names), set()
+        self._changed = asyncio.Event()
+        self._sub = None
+
+    async def start(self, nc) -> "WarmWatch":
+        async def on_ready(msg) -> None:
+            try:
+                fn = decode(msg.data, ev.InstanceReady).function
+            except Exception:  # the agent's own malformed-event counters cover this
+                return
+            if fn in self.wanted:
+                self.warm.add(fn)
+                self._changed.set()
+
+        self._sub = await nc.subscribe(f"{subjects.PREFIX}.instance.ready.*", cb=on_ready)
+        return self
+
+    async def wait(self, timeout_s: float) -> set[str]:
+        """Wait until every function is warm or ``timeout_s`` passed; returns those still cold
+        (e.g. ones no GPU could take). Unsubscribes."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        try:
+            while not self.wanted <= self.warm and (left := deadline - loop.time()) > 0:
+                self._changed.clear()
+                try:
+                    await asyncio.wait_for(self._changed.wait(), timeout=left)
+                except asyncio.TimeoutError:
+                    break
+        finally:
+            if self._sub is not None:
+                await self._sub.unsubscribe()
+        return self.wanted - self.warm
+
+
+async def profile_all(nc, specs: list[ev.FunctionSpec], timeout_s: float = PROFILE_TIMEOUT_S) -> dict[str, ev.Profile]:
+    """Profile every spec through the profiler's request-reply endpoint, concurrently, before
+    deploying them (so that their initial instances start together, not as each profile lands).
+
+    Raises TimeoutError naming the functions without an answer, RuntimeError with the profiler's
+    reasons for those it could not profile.
+    """
+    async def one(spec: ev.FunctionSpec) -> ev.ProfileReply:
+        msg = await nc.request(subjects.PROFILER_PROFILE, encode(ev.ProfileRequest(spec=spec)), timeout=timeout_s)
+        return decode(msg.data, ev.ProfileReply)
+
+    replies = await asyncio.gather(*(one(s) for s in specs), return_exceptions=True)
+    late = [s.name for s, r in zip(specs, replies) if isinstance(r, Exception)]
+    if late:
+        raise TimeoutError(f"no profile after {timeout_s:.0f} s for: {', '.join(sorted(late))}")
+    failed = [f"{s.name}: {r.error}" for s, r in zip(specs, replies) if not r.ok or r.profile is None]
+    if failed:
+        raise RuntimeError("profiling failed for " + "; ".join(failed))
+    return {s.name: r.profile for s, r in zip(specs, replies)}
+
+
 async def deploy(nc, specs: list[ev.FunctionSpec], timeout_s: float = PROFILE_TIMEOUT_S,
                  given: dict[str, ev.Profile] | None = None) -> dict[str, ev.Profile]:
     """Publish FunctionDeployed for each spec and wait for every ProfileReady (``given``:

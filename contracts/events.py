@@ -61,8 +61,11 @@ class Profile(msgspec.Struct, kw_only=True):
     ``request_quota``: the guaranteed share (0..1) at which the function meets its SLO at
     ``batch_size``; ``limit_quota``: the share at which its burst batch (largest batch that
     still meets the SLO) runs; ``te``: throughput per quota (requests/s per unit of GPU) at
-    the request setting; ``trials``: measurements the search made; ``backend``: what was
-    measured (``surface``, ``emulated``, ``fake-driver``, ``gpu``).
+    the request setting; ``throughput_rps``/``latency_ms`` (p99): measured at the request
+    setting; ``limit_throughput_rps``/``limit_latency_ms``: at the burst batch and the limit
+    quota, i.e. an instance scaled up vertically (0: not measured); ``trials``: measurements the
+    search made; ``backend``: what was measured (``surface``, ``emulated``, ``fake-driver``,
+    ``gpu``).
     """
 
     function: str
@@ -73,6 +76,8 @@ class Profile(msgspec.Struct, kw_only=True):
     te: float = 0.0
     throughput_rps: float = 0.0
     latency_ms: float = 0.0
+    limit_throughput_rps: float = 0.0
+    limit_latency_ms: float = 0.0
     trials: int = 0
     backend: str = "surface"
 
@@ -127,7 +132,8 @@ class Placement(msgspec.Struct, kw_only=True):
     """One instance placed on one GPU. Quotas are fractions 0..1 of that GPU's SM-time.
 
     ``width`` is the SM fraction the instance's kernels may occupy (the MPS active-thread
-    percentage on a real GPU), fixed at launch; by default its limit quota.
+    percentage on a real GPU), fixed at launch; by default its limit quota. ``batch_size``: the
+    largest batch the instance pulls (it takes what is queued, up to this).
     """
 
     instance_id: str

@@ -51,6 +51,7 @@ class Bus:
         self.js = nc.jetstream()
         self.log = dlog.get(service)
         self._subs: list[Any] = []
+        self._tasks: set[asyncio.Task] = set()  # concurrent request handlers in flight
         self.malformed = 0
         self.handler_errors = 0
 
@@ -97,13 +98,24 @@ class Bus:
 
         return await self._subscribe(subject, queue, cb)
 
-    async def serve(self, subject: str, kind: type[E], handler: RequestHandler, queue: str = "") -> Any:
+    async def serve(self, subject: str, kind: type[E], handler: RequestHandler, queue: str = "",
+                    *, concurrent: bool = False) -> Any:
         """Serve request-reply on ``subject``: ``handler(request, msg)`` returns the reply event.
 
         Malformed requests and handler errors are answered ``{"ok": false, "error": ...}``.
+        ``concurrent``: answer each request from its own task (for slow handlers, e.g. a profile
+        search taking many trials), instead of one after another in arrival order.
         """
 
         async def cb(msg: Msg) -> None:
+            if not concurrent:
+                await answer(msg)
+                return
+            task = asyncio.create_task(answer(msg))
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+
+        async def answer(msg: Msg) -> None:
             try:
                 event = decode(msg.data, kind)
             except MalformedEvent as exc:
@@ -145,7 +157,11 @@ class Bus:
         return decode(msg.data, reply_kind)
 
     async def close(self) -> None:
-        """Drain: finish in-flight callbacks, flush pending publishes, then close."""
+        """Drain: finish in-flight callbacks, flush pending publishes, then close. Concurrent
+        request handlers still running are cancelled (their callers time out)."""
+        for task in list(self._tasks):
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
         if self.nc.is_closed:
             return
         try:

@@ -13,6 +13,8 @@ from .service import HorizontalScaler
 @click.option("--nats-url", default="nats://127.0.0.1:4222", show_default=True, envvar="DILU_NATS_URL")
 @click.option("--mode", type=click.Choice(MODES), default="lazy", show_default=True,
               help="lazy: scale out once vertical headroom is used (dilu); eager: on load alone (baselines)")
+@click.option("--initial-scale", type=click.IntRange(0, 1000), default=1, show_default=True,
+              help="instances a newly deployed function gets before its first request (Knative's initial-scale)")
 @click.option("--tick-ms", type=click.FloatRange(10, 60_000), default=500.0, show_default=True)
 @click.option("--stable-window-s", type=click.FloatRange(0.1, 3600), default=60.0, show_default=True)
 @click.option("--panic-window-pct", type=click.FloatRange(1, 100), default=10.0, show_default=True)
@@ -34,10 +36,10 @@ from .service import HorizontalScaler
               help="no scale-in to a non-zero count this long after a scale-out (Knative's scale-down-delay)")
 @click.option("--metrics-port", type=int, default=0, show_default=True, envvar="DILU_METRICS_PORT")
 @click.option("--log-level", default="info", show_default=True)
-def main(nats_url, mode, tick_ms, stable_window_s, panic_window_pct, panic_threshold, keep_alive_s, idle_bin_s,
+def main(nats_url, mode, initial_scale, tick_ms, stable_window_s, panic_window_pct, panic_threshold, keep_alive_s, idle_bin_s,
          target, headroom_min, lazy_max_hold_s, max_scale_up_rate, scale_down_delay_s, metrics_port, log_level):
     """Run the horizontal scaler: backlog, burst windows and headroom in, placements and retirements out."""
-    config = HorizontalConfig(mode=mode, stable_window_s=stable_window_s, panic_window_pct=panic_window_pct,
+    config = HorizontalConfig(mode=mode, initial_scale=initial_scale, stable_window_s=stable_window_s, panic_window_pct=panic_window_pct,
                               panic_threshold=panic_threshold, keep_alive_s=keep_alive_s, idle_bin_s=idle_bin_s,
                               idle_range_s=idle_bin_s * 240, headroom_min=headroom_min,
                               lazy_max_hold_s=lazy_max_hold_s, max_scale_up_rate=max_scale_up_rate,

@@ -22,7 +22,11 @@ pending plus in flight: the concurrency Knative measures at its queue proxy) and
   (halving per decision); outside panic, a change smaller than ``tolerance`` (10 %, the
   Kubernetes HPA default) of current capacity is ignored, which keeps a steady load from
   flapping.
-- **Lazy.** In ``lazy`` mode a scale-out waits while the function still has vertical headroom
+- **Lazy.** In ``lazy`` mode an instance is sized by its burst capacity (``burst_target``: the
+  in-flight requests it serves within the SLO once the vertical scaler has raised it to its
+  limit quota), so a burst the vertical scaler can absorb asks for no new instance. If a GPU
+  cannot give the limit, the backlog grows past the burst target and the scale-out follows.
+  A scale-out also waits while the function still has vertical headroom
   (Σ limit − Σ quota of its instances, realisable on their GPUs; see :func:`vertical_headroom`)
   of at least ``headroom_min``: the vertical scaler absorbs the burst in milliseconds. If the
   headroom has not been used after ``lazy_max_hold_s`` (default: one panic window) it is not
@@ -38,6 +42,11 @@ pending plus in flight: the concurrency Knative measures at its queue proxy) and
   the function scales to zero (if ``min_instances`` is 0) regardless of the stable window. When
   the histogram gives a pre-warm window, the function is unloaded once idle and one instance is
   launched again at the pre-warm time. A backlog with no instance scales from zero at once.
+- **Initial scale.** A newly deployed function (:meth:`HorizontalPolicy.deployed`) gets
+  ``initial_scale`` instances at once (Knative's ``initial-scale``, default 1), so its first
+  requests do not all wait for a launch. Deployment counts as the start of an idle period: the
+  instances stay for the keep-alive window unless requests come, and the wait for the first
+  request is not recorded as an idle time. 0 leaves a new function at zero.
 - **Unknown backlog** (missing consumer, monitoring error): the current count is held, never
   raised to the maximum nor dropped; no sample is recorded. It is still raised to
   ``min_instances``, and, so that requests are not stranded, to one instance when there is none
@@ -74,6 +83,7 @@ class HorizontalConfig:
     """
 
     mode: Mode = "lazy"
+    initial_scale: int = 1  # Knative's initial-scale default
     stable_window_s: float = 60.0
     panic_window_pct: float = 10.0
     panic_window_s: float = 0.0  # > 0 overrides panic_window_pct
@@ -100,6 +110,8 @@ class HorizontalConfig:
             raise ValueError(f"horizontal mode {self.mode!r} is not one of {', '.join(MODES)}")
         if self.stable_window_s <= 0 or self.panic_window <= 0 or self.panic_window > self.stable_window_s:
             raise ValueError("need 0 < panic window <= stable window")
+        if self.initial_scale < 0:
+            raise ValueError(f"initial_scale must be >= 0, got {self.initial_scale}")
         if self.panic_threshold <= 1.0 or self.max_scale_up_rate <= 1.0 or self.max_scale_down_rate <= 1.0:
             raise ValueError("panic threshold and max scale rates must be > 1")
 
@@ -120,16 +132,30 @@ class HorizontalConfig:
 @dataclass
 class FunctionParams:
     """Per-function sizing: ``target`` in-flight requests per instance (> 0, e.g. its batch size);
-    instance bounds; ``instance_rps``, one instance's capacity in requests/s (0: unknown)."""
+    instance bounds; ``instance_rps``, one instance's capacity in requests/s (0: unknown);
+    ``burst_target``/``burst_rps``: the same for an instance scaled up to its limit quota, which
+    ``lazy`` mode sizes by (0: as at the request)."""
 
     target: float = 1.0
     min_instances: int = 0
     max_instances: int = 8
     instance_rps: float = 0.0
+    burst_target: float = 0.0
+    burst_rps: float = 0.0
 
     def __post_init__(self) -> None:
         if not self.target > 0 or self.min_instances < 0 or self.max_instances < max(1, self.min_instances):
             raise ValueError(f"need target > 0 and 0 <= min_instances <= max_instances >= 1, got {self}")
+        if self.burst_target < 0 or self.instance_rps < 0 or self.burst_rps < 0:
+            raise ValueError(f"need burst_target, instance_rps and burst_rps >= 0, got {self}")
+
+    def sizing(self, mode: str) -> tuple[float, float]:
+        """(in-flight target, requests/s) one instance is sized for under ``mode``: its burst
+        capacity in ``lazy`` mode (the vertical scaler grants a pressed instance its limit within
+        milliseconds), its request capacity otherwise."""
+        if mode == "lazy" and self.burst_target > 0:
+            return max(self.target, self.burst_target), max(self.instance_rps, self.burst_rps)
+        return self.target, self.instance_rps
 
 
 # ---------------------------------------------------------------------- idle-time histogram
@@ -267,6 +293,7 @@ class _Function:
     stored: int = 0
     idle_since: float | None = None
     active_before: bool = False
+    fresh: bool = False  # deployed and not invoked yet (initial scale applies)
     panic_since: float | None = None
     panic_last: float | None = None
     max_panic: int = 0
@@ -319,6 +346,15 @@ class HorizontalPolicy:
             self._fns[name] = _Function(name, params or FunctionParams(), hist)
         elif params is not None:
             fn.params = params
+
+    def deployed(self, name: str, now_s: float) -> None:
+        """``name`` was just deployed (and can be placed): it gets the initial scale and keeps it
+        through the keep-alive window unless requests come first. Has no effect on a function
+        that has already seen a request. Raises KeyError for an unknown function."""
+        f = self._fn(name)
+        if f.active_before and not f.fresh:
+            return
+        f.fresh, f.active_before, f.idle_since = True, True, now_s
 
     def functions(self) -> list[str]:
         return list(self._fns)
@@ -411,9 +447,9 @@ class HorizontalPolicy:
         if backlog == 0 and f.idle_since is None:
             f.idle_since = now_s
         elif backlog > 0:
-            if f.idle_since is not None and f.active_before:
-                f.histogram.add(now_s - f.idle_since)
-            f.idle_since, f.active_before = None, True
+            if f.idle_since is not None and f.active_before and not f.fresh:
+                f.histogram.add(now_s - f.idle_since)  # the wait for a first request is no idle time
+            f.idle_since, f.active_before, f.fresh = None, True, False
 
     def idle_windows(self, fn: str) -> IdleWindows:
         """The function's current pre-warm and keep-alive windows."""
@@ -431,7 +467,7 @@ class HorizontalPolicy:
         d = Decision(fn, now_s, cur, ready, cur)
         if f.backlog is None:
             return self._hold(f, d)
-        target = f.params.target
+        target, _ = f.params.sizing(cfg.mode)
         stable_avg = _avg(f.samples, now_s - cfg.stable_window_s)
         panic_avg = _avg(f.samples, now_s - cfg.panic_window)
         desired, reason = self._kpa(f, d, now_s, stable_avg, panic_avg, target)
@@ -499,6 +535,9 @@ class HorizontalPolicy:
             return desired, reason
         if idle_for >= w.prewarm_s + w.keep_alive_s:
             return 0, f"idle {idle_for:.1f} s >= keep-alive {w.prewarm_s + w.keep_alive_s:.1f} s"
+        if f.fresh:
+            n = max(desired, self.config.initial_scale)
+            return n, reason if desired >= n else f"initial scale {self.config.initial_scale}"
         if w.prewarm_s > 0:
             return 1, f"pre-warmed for idle times ~{w.prewarm_s:.1f} s"
         return max(desired, 1), reason if desired else f"keep-alive ({w.keep_alive_s:.1f} s)"
@@ -518,7 +557,8 @@ class HorizontalPolicy:
         cfg = self.config
         if ready == 0 and not f.backlog:
             return None  # nothing waiting and nothing to compare: old samples are no burst
-        capacity = ready * f.params.target
+        target, rps = f.params.sizing(cfg.mode)
+        capacity = ready * target
         panic = panic_avg >= cfg.panic_threshold * capacity and panic_avg > 0
         if not (panic or stable_avg > capacity):
             return None
@@ -530,7 +570,7 @@ class HorizontalPolicy:
         rate = 0.0
         if len(seen) >= 2:  # each entry counts arrivals since the previous tick
             rate = sum(n for _, n in seen[1:]) / (seen[-1][0] - seen[0][0])
-        return Breach(f.name, window, rate, ready * f.params.instance_rps, math.ceil(f.backlog or 0), panic)
+        return Breach(f.name, window, rate, ready * rps, math.ceil(f.backlog or 0), panic)
 
     def _scale_down_delay(self, f: _Function, now_s: float, cur: int, desired: int, reason: str) -> tuple[int, str]:
         """Knative's scale-down-delay: no scale-in to a non-zero count within

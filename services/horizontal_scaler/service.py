@@ -5,6 +5,8 @@ Learns, from the bus:
 - functions from ``dilu.v1.function.deployed.*`` (FunctionDeployed: instance bounds) and their
   sizing from ``dilu.v1.profile.ready.*`` (ProfileReady: target in-flight requests per instance =
   the profiled batch size, instance capacity = profiled throughput);
+- that a function can be placed once it is both deployed and profiled (in either order): it
+  then gets its initial scale (``--initial-scale``, Knative's, default 1) before any request;
 - instances from ``dilu.v1.instance.{launched,ready,retired}.*`` and from its own placements;
 - vertical headroom from ``dilu.v1.telemetry.gpu.*.*`` (quota against limit per instance, what
   each GPU could give; telemetry older than ``telemetry_stale_s`` is ignored).
@@ -118,6 +120,8 @@ class HorizontalScaler:
         self._training: set[str] = set()  # training functions: no backlog, held at min_instances
         self._slo_ms: dict[str, float] = {}
         self._profiles: dict[str, Profile] = {}
+        self._deployed: set[str] = set()  # FunctionDeployed seen live
+        self._initialised: set[str] = set()  # initial scale started
         self._busy: set[str] = set()
         self._backoff: dict[str, tuple[float, float]] = {}  # fn -> (until, current delay)
         self._tasks: set[asyncio.Task] = set()
@@ -163,11 +167,21 @@ class HorizontalScaler:
             lo, hi = spec.min_instances, max(1, spec.max_instances, spec.min_instances)
         if spec is not None:
             self._slo_ms[spec.name] = spec.slo_ms
+        burst_target = old.burst_target if old else 0.0
+        burst_rps = old.burst_rps if old else 0.0
         if profile is not None:
             slo = self._slo_ms.get(profile.function, 0.0)
             target = concurrency_target(profile.batch_size, profile.latency_ms, slo)
             rps = max(0.0, profile.throughput_rps)
-        return FunctionParams(target=self.target or target, min_instances=lo, max_instances=hi, instance_rps=rps)
+            burst_target, burst_rps = 0.0, 0.0
+            if profile.limit_latency_ms > 0:  # measured at the limit quota (older profiles lack it)
+                burst = max(profile.batch_size, profile.burst_batch)
+                burst_target = concurrency_target(burst, profile.limit_latency_ms, slo)
+                burst_rps = max(0.0, profile.limit_throughput_rps)
+        if self.target:  # an operator's fixed target sizes every instance the same
+            target, burst_target = self.target, 0.0
+        return FunctionParams(target=target, min_instances=lo, max_instances=hi, instance_rps=rps,
+                              burst_target=burst_target, burst_rps=burst_rps)
 
     def _learn(self, fn: str, spec: FunctionSpec | None = None, profile: Profile | None = None) -> None:
         if profile is None and spec is not None and fn in self._profiles:
@@ -183,9 +197,20 @@ class HorizontalScaler:
 
     async def _on_deployed(self, ev: FunctionDeployed, _msg) -> None:
         self._learn(ev.spec.name, spec=ev.spec)
+        self._deployed.add(ev.spec.name)
+        self._maybe_initial_scale(ev.spec.name)
 
     async def _on_profile(self, ev: ProfileReady, _msg) -> None:
         self._learn(ev.profile.function, profile=ev.profile)
+        self._maybe_initial_scale(ev.profile.function)
+
+    def _maybe_initial_scale(self, fn: str) -> None:
+        """A function deployed (live, not restored from KV) and profiled, whichever came last,
+        is placeable: its initial scale starts now, once."""
+        if fn in self._initialised or fn not in self._deployed or fn not in self._profiles or fn in self._training:
+            return
+        self._initialised.add(fn)
+        self.policy.deployed(fn, self._now())
 
     def _known(self, fn: str) -> None:
         if fn not in self.policy.functions():

@@ -154,7 +154,7 @@ class ProfilerService:
             KeyValueConfig(bucket=subjects.PROFILES_BUCKET, history=PROFILE_HISTORY))
         # a wildcard pattern, written out: subjects.function_deployed() would sanitise "*" away
         await bus.subscribe(f"{subjects.PREFIX}.function.deployed.*", FunctionDeployed, self._on_deployed)
-        await bus.serve(subjects.PROFILER_PROFILE, ProfileRequest, self._on_request)
+        await bus.serve(subjects.PROFILER_PROFILE, ProfileRequest, self._on_request, concurrent=True)
         self._ready = True
 
     async def stop(self) -> None:
@@ -231,7 +231,15 @@ class ProfilerService:
             while (trial := knee.next_trial()) is not None:
                 knee.record(trial, await backend.run(trial))
             limit = max(limit, knee.result().request_quota)
+        limit = max(limit, result.request_quota)
+        burst = max(result.batch_size, result.burst_batch)
+        at_limit = Measurement(result.latency_ms, result.throughput_rps)
+        if spec.kind == "inference" and (limit, burst) != (result.request_quota, result.batch_size):
+            # what an instance scaled up to its limit serves at its burst batch: the horizontal
+            # scaler's lazy sizing
+            at_limit = await backend.run(Trial((limit,), burst))
         self.trials += backend.trials
         name = "surface" if self.backend == "surface" else "emulated"
-        return msgspec.structs.replace(result.to_profile(spec.name, name), trials=backend.trials,
-                                       limit_quota=max(limit, result.request_quota))
+        return msgspec.structs.replace(result.to_profile(spec.name, name), trials=backend.trials, limit_quota=limit,
+                                       limit_latency_ms=at_limit.latency_ms,
+                                       limit_throughput_rps=at_limit.throughput_rps)

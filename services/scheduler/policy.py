@@ -88,6 +88,16 @@ def allocation_quotas(allocation: str, request_quota: float, limit_quota: float)
     raise ValueError(f"unknown allocation {allocation!r}; choose from {', '.join(ALLOCATIONS)}")
 
 
+def allocation_batch(allocation: str, batch: int, burst_batch: int) -> int:
+    """The largest batch an instance pulls under an allocation policy: with ``dilu`` its burst
+    batch (a backlog is served in bigger batches while the vertical scaler raises the quota
+    toward the limit the profile sized that batch for); with fixed quotas the profiled batch,
+    which is what meets the SLO at that quota. Raises ValueError for an unknown allocation."""
+    if allocation not in ALLOCATIONS:
+        raise ValueError(f"unknown allocation {allocation!r}; choose from {', '.join(ALLOCATIONS)}")
+    return max(1, batch, burst_batch) if allocation == "dilu" else max(1, batch)
+
+
 @dataclass(frozen=True)
 class Slot:
     """One GPU: ``node`` name and ``gpu`` index on that node."""

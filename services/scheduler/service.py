@@ -48,7 +48,7 @@ from dilu.contracts.events import (
 )
 
 from ..common.bus import Bus
-from .policy import Cluster, Demand, NoCapacity, Slot, allocation_quotas
+from .policy import Cluster, Demand, NoCapacity, Slot, allocation_batch, allocation_quotas
 
 GB = 10**9
 MAX_PLACE_COUNT = 64  # instances one request may ask for (a whole rack of GPUs at most)
@@ -251,7 +251,8 @@ class SchedulerService:
         p = Placement(
             instance_id=iid, function=spec.name, node=slot.node, gpu=slot.gpu,
             request_quota=demand.request_quota, limit_quota=demand.limit_quota, width=demand.limit_quota,
-            memory_bytes=demand.memory_bytes, batch_size=profile.batch_size, priority=spec.priority,
+            memory_bytes=demand.memory_bytes, priority=spec.priority,
+            batch_size=allocation_batch(self.allocation, profile.batch_size, profile.burst_batch),
             model=spec.model, handler=spec.handler, slo_ms=spec.slo_ms, cold_start_ms=spec.cold_start_ms,
         )
         try:

@@ -18,7 +18,8 @@ pytestmark = [pytest.mark.nats, pytest.mark.slow]
 
 
 async def test_torch_handler_serves_real_inferences(tmp_path):
-    cluster = Cluster(log_dir=tmp_path / "logs", gpus="cpu")
+    # no initial instance: this test places the instance itself and sees its cold start
+    cluster = Cluster(log_dir=tmp_path / "logs", gpus="cpu", extra_args={"horizontal_scaler": ["--initial-scale", "0"]})
     await asyncio.to_thread(cluster.start)
     try:
         nc = await nats.connect(cluster.url)

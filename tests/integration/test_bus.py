@@ -102,3 +102,31 @@ async def test_malformed_request_gets_an_error_reply_and_the_next_is_served(bus,
     assert msgspec.json.decode(good.data, type=PlaceReply).ok
     assert bus.malformed == 1 and bus.handler_errors == 1
     assert len(rejections(logs)) == 2
+
+
+async def test_concurrent_serve_answers_a_quick_request_while_a_slow_one_runs(bus, peer):
+    release = asyncio.Event()
+    order: list[str] = []
+
+    async def place(req: PlaceRequest, msg) -> PlaceReply:
+        if req.function == "slow":
+            await release.wait()
+        order.append(req.function)
+        return PlaceReply(ok=True, error=req.function)
+
+    await bus.serve(subj.SCHEDULER_PLACE, PlaceRequest, place, concurrent=True)
+    slow = asyncio.ensure_future(peer.request(subj.SCHEDULER_PLACE, encode(PlaceRequest(function="slow")), timeout=5))
+    await asyncio.sleep(0.1)
+    quick = await peer.request(subj.SCHEDULER_PLACE, encode(PlaceRequest(function="quick")), timeout=5)
+    assert msgspec.json.decode(quick.data, type=PlaceReply).error == "quick" and order == ["quick"]
+    release.set()
+    assert msgspec.json.decode((await slow).data, type=PlaceReply).error == "slow"
+    # a request still being handled at close is cancelled, not left running
+    release.clear()
+    hung = asyncio.ensure_future(peer.request(subj.SCHEDULER_PLACE, encode(PlaceRequest(function="slow")), timeout=1))
+    await asyncio.sleep(0.1)
+    assert len(bus._tasks) == 1
+    await bus.close()
+    assert not bus._tasks
+    with pytest.raises(nats.errors.TimeoutError):
+        await hung

@@ -19,6 +19,8 @@ from dilu.contracts.events import (
     InstanceRetired,
     Placement,
     PlaceReply,
+    Profile,
+    ProfileReady,
     PlaceRequest,
     RetireReply,
     RetireRequest,
@@ -198,3 +200,24 @@ async def test_training_function_is_held_at_its_min_instances_without_a_backlog(
     await nc.close()
     shutdown.set()
     await task
+
+
+async def test_profiled_function_gets_its_initial_instance_and_burst_sizing(nats_url):
+    nc, js, cluster, scaler, shutdown, task = await setup(nats_url)
+    try:
+        await asyncio.sleep(0.3)
+        assert cluster.placed == []  # deployed but not placeable yet: no profile
+        prof = Profile(function=FN, request_quota=0.2, limit_quota=0.6, batch_size=4, burst_batch=8, latency_ms=40.0,
+                       throughput_rps=100.0, limit_latency_ms=20.0, limit_throughput_rps=200.0)
+        await nc.publish(subjects.profile_ready(FN), encode(ProfileReady(profile=prof)))
+        await until(lambda: len(cluster.live) == 1)  # the initial scale, before any request
+        assert cluster.decisions[0].direction == "prewarm" and "initial scale" in cluster.decisions[0].reason
+        params = scaler.policy.params(FN)
+        # SLO 100 ms: batch 4 x floor(100/40) at the request, burst batch 8 x floor(100/20) at the limit
+        assert (params.target, params.burst_target, params.burst_rps) == (8.0, 40.0, 200.0)
+        await asyncio.sleep(0.5)
+        assert len(cluster.placed) == 1  # held at one while unused, not re-placed
+    finally:
+        shutdown.set()
+        await task
+        await nc.close()

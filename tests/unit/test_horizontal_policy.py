@@ -117,6 +117,27 @@ def test_lazy_gives_up_on_headroom_that_is_never_used():
     assert "unused" in first.reason
 
 
+def test_lazy_sizes_instances_by_their_burst_capacity_eager_by_the_request():
+    sized = FunctionParams(target=4.0, burst_target=12.0, instance_rps=30.0, burst_rps=90.0, max_instances=20)
+    out = {}
+    for mode in ("lazy", "eager"):
+        p = policy(mode=mode, params=sized, panic_window_s=1.0)
+        ready(p, 1)
+        ds = feed(p, 0.0, 8.0, 10)  # 10 in flight: over 4 (request), under 12 (burst)
+        out[mode] = ds[-1].desired
+        breaches = [d.breach for d in ds if d.breach]
+        assert bool(breaches) == (mode == "eager")
+        if breaches:
+            assert breaches[0].capacity_rps == 30.0
+    assert out == {"lazy": 1, "eager": 3}
+    p = policy(mode="lazy", params=sized, panic_window_s=1.0)
+    ready(p, 1)
+    assert feed(p, 0.0, 8.0, 30)[-1].desired == 3  # past the burst capacity it scales out
+    assert FunctionParams(target=4.0).sizing("lazy") == (4.0, 0.0)  # no burst measurement: the request
+    with pytest.raises(ValueError, match="burst_target"):
+        FunctionParams(burst_target=-1.0)
+
+
 # ---------------------------------------------------------------------- scale in and victims
 
 
@@ -237,6 +258,43 @@ def test_never_invoked_function_is_not_prewarmed():
     p = policy(mode="eager", keep_alive_s=5.0)
     ds = feed(p, 0.0, 30.0, 0)
     assert not any(d.place for d in ds)
+
+
+def test_deployed_function_gets_its_initial_scale_then_keep_alive_applies():
+    p = policy(mode="eager", initial_scale=2, keep_alive_s=10.0)
+    p.deployed(FN, 0.0)
+    d = feed(p, 0.0, 0.5, 0)[0]
+    assert (d.desired, d.place, d.direction) == (2, 2, "prewarm") and "initial scale" in d.reason
+    p.instance_ready(FN, "w0", 0.5)
+    p.instance_ready(FN, "w1", 0.5)
+    held = feed(p, 0.5, 9.5, 0)
+    assert all(x.desired == 2 and not x.retire for x in held)  # never invoked: kept for the keep-alive
+    gone = feed(p, 9.5, 10.5, 0)
+    zero = next(x for x in gone if x.direction == "zero")
+    assert zero.now_s == 10.0 and len(zero.retire) == 2 and "keep-alive" in zero.reason
+
+
+def test_wait_for_the_first_request_is_not_an_idle_time():
+    p = policy(mode="eager", keep_alive_s=100.0)
+    p.deployed(FN, 0.0)
+    ready(p, 1)
+    feed(p, 0.0, 5.0, 0)
+    feed(p, 5.0, 6.0, 3)  # first requests: the function is in use, no longer fresh
+    assert p._fn(FN).histogram.samples == 0
+    p.deployed(FN, 6.0)  # a later ProfileReady (redeploy) does not make it fresh again
+    feed(p, 6.0, 8.0, 0)
+    feed(p, 8.0, 9.0, 2)
+    assert p._fn(FN).histogram.samples == 1  # the real idle gap (about 2 s) is recorded
+
+
+def test_initial_scale_zero_leaves_a_new_function_at_zero():
+    p = policy(mode="eager", initial_scale=0)
+    p.deployed(FN, 0.0)
+    assert all(d.desired == 0 and not d.place for d in feed(p, 0.0, 3.0, 0))
+    with pytest.raises(ValueError, match="initial_scale"):
+        HorizontalConfig(initial_scale=-1)
+    with pytest.raises(KeyError, match="nope"):
+        p.deployed("nope", 0.0)
 
 
 # ---------------------------------------------------------------------- burst-window breach

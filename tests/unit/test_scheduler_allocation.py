@@ -1,7 +1,7 @@
 """Allocation policies of the baselines: what quotas an instance is placed with."""
 import pytest
 
-from dilu.services.scheduler.policy import allocation_quotas
+from dilu.services.scheduler.policy import allocation_batch, allocation_quotas
 
 
 def test_dilu_keeps_the_profiles_request_and_limit():
@@ -20,3 +20,12 @@ def test_exclusive_takes_whole_gpus():
 def test_unknown_allocation_is_an_error():
     with pytest.raises(ValueError, match="static-mps"):
         allocation_quotas("fractional", 0.3, 0.7)
+
+
+def test_only_dilu_instances_pull_up_to_their_burst_batch():
+    assert allocation_batch("dilu", 2, 8) == 8
+    assert allocation_batch("dilu", 4, 0) == 4  # no burst batch profiled: the batch
+    assert allocation_batch("static-mps", 2, 8) == 2  # a fixed quota meets the SLO only at its batch
+    assert allocation_batch("exclusive", 2, 8) == 2
+    with pytest.raises(ValueError, match="unknown allocation"):
+        allocation_batch("elastic", 2, 8)
