@@ -14,6 +14,10 @@ for folder in FOLDERS:
     packages.append(top)
     package_dir[top] = folder
     packages += [f"{top}.{sub}" for sub in find_packages(folder)]
+# folders of data files only (schemas, C sources, traces, surfaces), listed so that setuptools
+# installs them as package data without a deprecation warning each
+packages += ["dilu.contracts.schema", "dilu.interceptor.tools", "dilu.loadgen.data",
+             "dilu.services.common.surfaces", "dilu.services.scheduler.workloads"]
 
 setup(
     packages=packages,

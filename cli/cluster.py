@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
 import urllib.request
+from urllib.parse import urlsplit
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -59,6 +61,22 @@ POLICIES: dict[str, dict[str, list[str]]] = {
 SERVICES = ["scheduler", "profiler", "node_agent", "vertical_scaler", "horizontal_scaler"]
 
 
+def check_reachable(url: str, timeout_s: float = 3.0) -> None:
+    """Fail fast on a NATS URL nothing listens on (services would wait for it forever).
+    Raises RuntimeError naming the URL and the reason."""
+    parsed = urlsplit(url if "://" in url else f"nats://{url}")
+    try:
+        host, port = parsed.hostname, parsed.port or 4222
+    except ValueError as exc:  # a port that is not a number
+        raise RuntimeError(f"bad NATS URL {url!r}: {exc}") from None
+    if not host:
+        raise RuntimeError(f"bad NATS URL {url!r}: no host")
+    try:
+        socket.create_connection((host, port), timeout=timeout_s).close()
+    except OSError as exc:
+        raise RuntimeError(f"cannot reach NATS at {url}: {exc}") from None
+
+
 @dataclass
 class ServiceProc:
     name: str
@@ -90,6 +108,8 @@ class Cluster:
         self.log_dir.mkdir(parents=True, exist_ok=True)
         if not self.nats_url:
             self.nats = EmbeddedNats().start()
+        else:
+            check_reachable(self.nats_url)
         try:
             for name in SERVICES:
                 self._spawn(name)

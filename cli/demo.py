@@ -25,6 +25,7 @@ from rich.console import Console
 
 from dilu.loadgen import arrivals, assign, generator, report, trace
 from dilu.services.common import logging as dlog
+from dilu.services.common.cliopts import writable_output
 from dilu.services.common import models
 from dilu.services.common.invoke import InvokeClient
 from dilu.services.common.workqueue import ensure_consumer, ensure_stream
@@ -152,7 +153,10 @@ async def _replay(opts: RunOptions, cluster: Cluster, plan, chosen: dict[str, st
             raise Interrupted("stopped while deploying: nothing was offered")
         # each function's initial instance (the horizontal scaler's initial scale) starts before
         # the replay, as on a platform where functions are deployed ahead of their traffic
-        cold = await warm.wait(WARM_UP_TIMEOUT_S)
+        waiting = asyncio.ensure_future(warm.wait(WARM_UP_TIMEOUT_S))
+        if not await _unless_stopped(waiting, stop):
+            raise Interrupted("stopped while the initial instances started: nothing was offered")
+        cold = waiting.result()
         if cold:
             console.print(f"[yellow]{len(cold)} of {len(specs)} functions have no warm instance after "
                           f"{WARM_UP_TIMEOUT_S:.0f} s; their first requests start them[/yellow]")
@@ -209,6 +213,9 @@ async def run_once(opts: RunOptions, policy: str, console: Console, stop: asynci
     log_dir = Path(opts.log_dir or tempfile.mkdtemp(prefix="dilu-logs-")) / policy
     console.print(f"[bold]policy {policy}[/bold]: {len(plan.functions)} functions carrying "
                   f"{plan.share:.1%} of the span's {plan.span_invocations} invocations; logs in {log_dir}")
+    if isinstance(opts.functions, int) and len(plan.functions) < opts.functions:
+        console.print(f"[yellow]--functions {opts.functions}: the span has only {len(plan.functions)} functions "
+                      f"with invocations; replaying those[/yellow]")
     log_dir.mkdir(parents=True, exist_ok=True)
     # the load generator's own log lines (e.g. each request NATS refused) go beside the services'
     dlog.configure("loadgen", stream=(log_dir / "loadgen.log").open("a", buffering=1))
@@ -256,7 +263,8 @@ def _install_stop(stop: asyncio.Event, console: Console) -> None:
 @click.command()
 @run_options
 @click.option("--policy", type=click.Choice(list(POLICIES)), default="dilu", show_default=True)
-@click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None, help="also write the report as JSON")
+@click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None, callback=writable_output,
+              help="also write the report as JSON")
 def demo(json_path, policy, **kw) -> None:
     """Run the whole platform on a real trace and print the report."""
     opts = RunOptions(**kw)
@@ -277,13 +285,18 @@ def demo(json_path, policy, **kw) -> None:
 @click.command()
 @run_options
 @click.option("--policies", default="dilu,horizontal-only", show_default=True, help=f"comma-separated, from: {', '.join(POLICIES)}")
-@click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None)
+@click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None, callback=writable_output)
 def compare(json_path, policies, **kw) -> None:
-    """Run the same trace and seed under several policies back to back; print one table."""
+    """Run the same trace and seed under several policies back to back; print one table.
+    Ctrl-C stops the policy under way; the ones already finished are still reported."""
     names = [p.strip() for p in policies.split(",") if p.strip()]
     bad = [p for p in names if p not in POLICIES]
-    if bad or not names:
+    if not names:
+        raise click.BadParameter(f"no policy given; choose from {', '.join(POLICIES)}", param_hint="--policies")
+    if bad:
         raise click.BadParameter(f"unknown policies {bad}; choose from {', '.join(POLICIES)}", param_hint="--policies")
+    if len(set(names)) != len(names):
+        raise click.BadParameter(f"a policy is named twice in {names}", param_hint="--policies")
     opts = RunOptions(**kw)
     console = make_console()
 
@@ -294,7 +307,12 @@ def compare(json_path, policies, **kw) -> None:
         for name in names:
             if stop.is_set():
                 break
-            out[name] = await run_once(opts, name, console, stop)
+            try:
+                out[name] = await run_once(opts, name, console, stop)
+            except Interrupted:
+                if not out:
+                    raise
+                console.print(f"[yellow]{name} stopped before its replay; reporting the policies that finished[/yellow]")
         return out
 
     results = _run_or_explain(main)

@@ -32,6 +32,7 @@ import numpy as np
 
 from dilu.interceptor import native, timeline
 from dilu.interceptor.control_block import ControlBlock
+from dilu.services.common.cliopts import writable_output
 
 SEC = 1_000_000_000
 QUOTAS = (0.1, 0.25, 0.5, 0.75, 1.0)
@@ -163,8 +164,8 @@ def fairness(quotas: tuple[float, ...], seconds: float, kernel: str = "k_200") -
 
 @click.command("interceptor")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False, path_type=Path),
-              required=True, help="Where to write the figures (JSON).")
-@click.option("--seconds", default=1.2, show_default=True,
+              required=True, callback=writable_output, help="Where to write the figures (JSON).")
+@click.option("--seconds", type=click.FloatRange(0.2, 60), default=1.2, show_default=True,
               help="Run length of each share cell and fairness run, in s.")
 def bench_interceptor(json_path: Path, seconds: float) -> None:
     """Interceptor figures on the emulated GPU: fast-path overhead, share error over quotas x

@@ -58,6 +58,17 @@ class Bus:
     @classmethod
     async def connect(cls, url: str, service: str, **opts: Any) -> "Bus":
         """Connect to NATS at ``url`` (reconnecting forever on later loss; nats-py does the retries)."""
+        log = dlog.get(service)
+        last = [0.0]
+
+        async def on_error(exc: Exception) -> None:
+            # one JSON line per 30 s instead of nats-py's printed traceback per retry
+            now = asyncio.get_running_loop().time()
+            if now - last[0] >= 30.0:
+                last[0] = now
+                log.warning("NATS connection error (retrying)", url=url, error=repr(exc))
+
+        opts.setdefault("error_cb", on_error)
         nc = await nats.connect(
             url, name=f"dilu-{service}", max_reconnect_attempts=-1, reconnect_time_wait=0.5, **opts
         )

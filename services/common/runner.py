@@ -44,7 +44,17 @@ async def serve(
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, shutdown.set)
-    bus = await Bus.connect(nats_url, service.name)
+    # nats-py retries an unreachable server forever: keep honouring the signals meanwhile
+    connecting = asyncio.ensure_future(Bus.connect(nats_url, service.name))
+    stopping = asyncio.ensure_future(shutdown.wait())
+    await asyncio.wait({connecting, stopping}, return_when=asyncio.FIRST_COMPLETED)
+    stopping.cancel()
+    if not connecting.done():
+        connecting.cancel()
+        await asyncio.gather(connecting, return_exceptions=True)
+        log.info("stopped before NATS was reachable", nats=nats_url)
+        return
+    bus = connecting.result()
     # loopback by default; deployments set DILU_METRICS_HOST (e.g. 0.0.0.0) for remote checks
     host = os.environ.get("DILU_METRICS_HOST", "127.0.0.1")
     health = HealthServer(lambda: bus.ready and service.ready(), host=host, port=metrics_port)

@@ -25,6 +25,8 @@ from pathlib import Path
 import click
 from hdrh.histogram import HdrHistogram
 
+from dilu.services.common.cliopts import writable_output
+
 from .policy import Cluster, Demand, NoCapacity
 
 GB = 10**9
@@ -175,16 +177,17 @@ def synthetic(nodes: int = 1000, gpus_per_node: int = 4, instances: int = 10_000
 
 
 @click.command("scheduler")
-@click.option("--nodes", type=int, default=1000, show_default=True)
-@click.option("--gpus-per-node", type=int, default=4, show_default=True)
-@click.option("--gpu-memory-gb", type=float, default=40, show_default=True)
-@click.option("--gamma", type=float, default=1.5, show_default=True, help="Cap on Σ limit quotas per GPU.")
-@click.option("--instances", type=int, default=10_000, show_default=True, help="Synthetic mode: instances to fill.")
-@click.option("--churn", type=int, default=2_000, show_default=True, help="Synthetic mode: retire+place pairs after filling.")
+@click.option("--nodes", type=click.IntRange(min=1), default=1000, show_default=True)
+@click.option("--gpus-per-node", type=click.IntRange(min=1), default=4, show_default=True)
+@click.option("--gpu-memory-gb", type=click.FloatRange(min=0, min_open=True), default=40, show_default=True)
+@click.option("--gamma", type=click.FloatRange(min=1), default=1.5, show_default=True, help="Cap on Σ limit quotas per GPU.")
+@click.option("--instances", type=click.IntRange(min=0), default=10_000, show_default=True, help="Synthetic mode: instances to fill.")
+@click.option("--churn", type=click.IntRange(min=0), default=2_000, show_default=True, help="Synthetic mode: retire+place pairs after filling.")
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option("--workload", type=click.Path(exists=True, dir_okay=False, path_type=Path),
               help="Replay a dilu-sim event list instead (e.g. services/scheduler/workloads/instances-1600.txt).")
-@click.option("--json", "json_path", type=click.Path(dir_okay=False, path_type=Path), help="Write the figures here.")
+@click.option("--json", "json_path", type=click.Path(dir_okay=False, path_type=Path), callback=writable_output,
+              help="Write the figures here.")
 def bench_scheduler(nodes, gpus_per_node, gpu_memory_gb, gamma, instances, churn, seed, workload, json_path) -> None:
     """Placement speed (synthetic) or packing quality against the lower bound (--workload)."""
     try:

@@ -27,6 +27,7 @@ from hdrh.histogram import HdrHistogram
 from dilu.contracts import decode, encode, subjects
 from dilu.contracts.events import GpuTelemetry, InstanceTelemetry, KernelCycleStretch, TokenGrant
 from dilu.services.common import logging as dlog
+from dilu.services.common.cliopts import writable_output
 from dilu.services.common.natsserver import EmbeddedNats
 from dilu.services.common.runner import serve
 
@@ -155,6 +156,7 @@ async def run_bench(events: int, interval_ms: float, telemetry_ms: float, nats_u
 
 @click.command("vertical")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False, path_type=Path), default=None,
+              callback=writable_output,
               help="write the figures here")
 @click.option("--events", type=click.IntRange(10, 100_000), default=300, show_default=True)
 @click.option("--interval-ms", type=click.FloatRange(5, 10_000), default=30.0, show_default=True)
