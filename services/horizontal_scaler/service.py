@@ -119,6 +119,7 @@ class HorizontalScaler:
         self._missing: set[str] = set()
         self._training: set[str] = set()  # training functions: no backlog, held at min_instances
         self._slo_ms: dict[str, float] = {}
+        self._memory: dict[str, int] = {}
         self._profiles: dict[str, Profile] = {}
         self._deployed: set[str] = set()  # FunctionDeployed seen live
         self._initialised: set[str] = set()  # initial scale started
@@ -167,6 +168,7 @@ class HorizontalScaler:
             lo, hi = spec.min_instances, max(1, spec.max_instances, spec.min_instances)
         if spec is not None:
             self._slo_ms[spec.name] = spec.slo_ms
+            self._memory[spec.name] = spec.memory_bytes
         burst_target = old.burst_target if old else 0.0
         burst_rps = old.burst_rps if old else 0.0
         if profile is not None:
@@ -294,13 +296,20 @@ class HorizontalScaler:
             await asyncio.sleep(self.tick_s)
             now = self._now()
             headroom = self._headroom(now)
-            for fn in self.policy.functions():
+            for fn in sorted(self.policy.functions(), key=self._size):
                 if fn in self._busy:
                     continue  # its last tick is still talking to the scheduler
                 self._busy.add(fn)
                 task = asyncio.create_task(self._tick_guarded(fn, now, headroom.get(fn, 0.0)))
                 self._tasks.add(task)
                 task.add_done_callback(self._tasks.discard)
+
+    def _size(self, fn: str) -> tuple[float, int, str]:
+        """Tick order: functions with the largest instances first, so that when several place at
+        once (initial scale, a shared burst) the big ones are packed first (first-fit
+        decreasing packs tighter than arrival order)."""
+        prof = self._profiles.get(fn)
+        return (-(prof.limit_quota if prof else 0.0), -self._memory.get(fn, 0), fn)
 
     async def _tick_guarded(self, fn: str, now: float, headroom: float) -> None:
         try:

@@ -221,3 +221,13 @@ async def test_profiled_function_gets_its_initial_instance_and_burst_sizing(nats
         shutdown.set()
         await task
         await nc.close()
+
+
+def test_ticks_place_the_largest_instances_first():
+    scaler = HorizontalScaler(HorizontalConfig(mode="lazy"))
+    for name, limit, mem in (("small", 0.2, 1), ("llm", 0.5, 18), ("mid", 0.5, 4), ("unprofiled", 0.0, 0)):
+        scaler._learn(name, spec=FunctionSpec(name=name, model="resnet50", memory_bytes=mem))
+        if limit:
+            scaler._learn(name, profile=Profile(function=name, request_quota=0.1, limit_quota=limit, batch_size=1))
+    # first-fit decreasing: by limit quota, then memory
+    assert sorted(scaler.policy.functions(), key=scaler._size) == ["llm", "mid", "small", "unprofiled"]
