@@ -211,7 +211,8 @@ async def run_once(opts: RunOptions, policy: str, console: Console, stop: asynci
     run_id = uuid.uuid4().hex[:6]
     plan, chosen = build_plan(opts, run_id)
     log_dir = Path(opts.log_dir or tempfile.mkdtemp(prefix="dilu-logs-")) / policy
-    console.print(f"[bold]policy {policy}[/bold]: {len(plan.functions)} functions carrying "
+    n = len(plan.functions)
+    console.print(f"[bold]policy {policy}[/bold]: {n} function{'s' if n != 1 else ''} carrying "
                   f"{plan.share:.1%} of the span's {plan.span_invocations} invocations; logs in {log_dir}")
     if isinstance(opts.functions, int) and len(plan.functions) < opts.functions:
         console.print(f"[yellow]--functions {opts.functions}: the span has only {len(plan.functions)} functions "

@@ -344,9 +344,16 @@ def render(report: Report, console: Console) -> None:
         f"{t.active_gpu_seconds:,.1f}", _pct(t.allocation_fragmentation), _pct(t.idle_fragmentation),
         f"{m.profiler_trials:,}", f"{m.grant_changes:,}", f"{m.token_wait_ms:,.1f}", f"{m.scale_outs:,}",
         f"{m.retirements:,}", f"{m.scale_to_zero:,}",
-        f"{m.vertical_reaction_ms_p50:.1f} / {m.vertical_reaction_ms_p99:.1f}",
+        _reaction(m),
     )
     console.print(gpu)
+
+
+def _reaction(m: "Mechanism") -> str:
+    """Vertical reaction p50 / p99, or a dash when no grant changed (nothing was measured)."""
+    if not m.grant_changes:
+        return "–"
+    return f"{m.vertical_reaction_ms_p50:.1f} / {m.vertical_reaction_ms_p99:.1f}"
 
 
 # (label, getter, format, better) ; better: "low", "high" or None (no best is marked)
@@ -373,7 +380,8 @@ _COMPARE_ROWS: list[tuple[str, object, object, str | None]] = [
     ("scale-outs", lambda r: r.mechanism.scale_outs, "{:,}", None),
     ("retirements", lambda r: r.mechanism.retirements, "{:,}", None),
     ("scale to zero", lambda r: r.mechanism.scale_to_zero, "{:,}", None),
-    ("vertical reaction p99 ms", lambda r: r.mechanism.vertical_reaction_ms_p99, "{:,.1f}", None),
+    ("vertical reaction p99 ms",
+     lambda r: r.mechanism.vertical_reaction_ms_p99 if r.mechanism.grant_changes else None, "{:,.1f}", None),
     ("wall s", lambda r: r.run.wall_s, "{:,.1f}", None),
     ("late sends", lambda r: r.run.late_sends, "{:,}", None),
 ]

@@ -22,14 +22,16 @@ from .service import VerticalScaler
               help="how fast an instance whose demand fell gives share back (quota per second)")
 @click.option("--decrease-factor", type=click.FloatRange(0.01, 0.99), default=0.5, show_default=True)
 @click.option("--be-floor", type=click.FloatRange(0.01, 1), default=0.05, show_default=True)
+@click.option("--park-idle/--no-park-idle", default=True, show_default=True,
+              help="give share nobody asked for to latency-sensitive instances, up to their limits")
 @click.option("--metrics-port", type=int, default=0, show_default=True, envvar="DILU_METRICS_PORT")
 @click.option("--log-level", default="info", show_default=True)
 def main(nats_url, node, mode, hysteresis, pressure_hold_ms, recovery_per_s, release_per_s, decrease_factor, be_floor,
-         metrics_port, log_level):
+         park_idle, metrics_port, log_level):
     """Run the vertical scaler of NODE: telemetry and kernel-cycle stretch in, TokenGrants out."""
     config = VerticalConfig(mode=mode, hysteresis=hysteresis, pressure_hold_ms=pressure_hold_ms,
                             recovery_per_s=recovery_per_s, release_per_s=release_per_s,
-                            decrease_factor=decrease_factor, be_floor=be_floor)
+                            decrease_factor=decrease_factor, be_floor=be_floor, park_idle=park_idle)
     run(VerticalScaler(node, config), nats_url, metrics_port=metrics_port, log_level=log_level)
 
 

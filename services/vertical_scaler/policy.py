@@ -30,9 +30,12 @@ The rules, in order of strength:
 5. **Work conserving.** An instance that can use more (it waited for tokens, has a queue, or used
    ≥ ``hungry_util`` of its grant) wants its limit (capped by its AIMD ceiling); one that cannot
    wants ``used × (1 + idle_margin)``, never under its floor, approached at most
-   ``release_per_s`` quota per second. Share nobody can use is left unallocated
-   rather than parked on idle instances, so ``limit − quota`` stays an honest measure of vertical
-   headroom for the horizontal scaler.
+   ``release_per_s`` quota per second. Share nobody asked for is then parked on the
+   latency-sensitive instances up to their limits (``park_idle``): they run at MPS width = limit,
+   and one held at its request would serve a sudden request wide-but-paced, slower than its
+   profile, until the next telemetry. Parking comes after every tier, so any want takes it back
+   at the next grant. (The horizontal scaler sizes instances by their burst capacity and does not
+   need unparked headroom as its signal.)
 6. **Hysteresis.** Only changes of at least ``hysteresis`` are sent (plus any change needed to
    restore a floor, a limit or Σ ≤ 1); decreases are listed before increases so that a node agent
    applying them in order never oversubscribes the GPU, even transiently.
@@ -90,6 +93,7 @@ class VerticalConfig:
     hungry_util: float = 0.9
     idle_margin: float = 0.25
     settle_ms: float = 250.0
+    park_idle: bool = True
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -309,7 +313,25 @@ class VerticalPolicy:
             for m, e in extra.items():
                 alloc[m] += e * share
             remaining = max(0.0, remaining - total * share)
+        if cfg.park_idle and remaining > _EPS:
+            self._park(insts, alloc, remaining)
         return alloc
+
+    @staticmethod
+    def _park(insts: list[_Instance], alloc: dict[str, float], remaining: float) -> None:
+        """Share nobody asked for goes to the latency-sensitive instances up to their limits,
+        in proportion to their room. An instance runs at MPS width = its limit and is paced by
+        tokens to its grant; a request arriving at an idle instance held at its request would run
+        wide-but-paced, slower than the profile (measured at width = request) promised, for the
+        telemetry period it takes the policy to react. Parked share is recomputed from what is
+        left after every tier each time, so a hungry neighbour takes it back at the next grant."""
+        room = {i.instance_id: max(0.0, i.limit - alloc[i.instance_id])
+                for i in insts if i.priority == "latency-sensitive"}
+        total = sum(room.values())
+        if total > _EPS:
+            share = min(1.0, remaining / total)
+            for m, r in room.items():
+                alloc[m] += r * share
 
     def _rebalance(self, g: _Gpu, now_ms: float) -> list[Grant]:
         if self.config.mode == "off" or not g.instances:

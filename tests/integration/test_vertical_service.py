@@ -46,7 +46,7 @@ async def next_grants(queue: asyncio.Queue, n: int = 1, timeout: float = 5.0) ->
 
 
 async def test_telemetry_and_stretch_produce_grants_with_cause_and_increasing_epochs(nats_url):
-    scaler, shutdown, task = await start(nats_url)
+    scaler, shutdown, task = await start(nats_url, VerticalConfig(park_idle=False))  # one grant at a time
     nc = await nats.connect(nats_url)
     grants: asyncio.Queue = asyncio.Queue()
 

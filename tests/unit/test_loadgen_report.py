@@ -110,13 +110,18 @@ def test_render_shows_functions_totals_and_mechanism():
 
 def test_render_compare_puts_policies_side_by_side():
     good = report()
-    worse = Report.from_dict({**good.to_dict(), "totals": {**good.to_dict()["totals"], "goodput_rps": 3.0}})
+    d = good.to_dict()
+    worse = Report.from_dict({**d, "totals": {**d["totals"], "goodput_rps": 3.0},
+                              "mechanism": {**d["mechanism"], "grant_changes": 0, "vertical_reaction_ms_p99": 0.0}})
     console = Console(record=True, width=200)
     render_compare({"dilu": good, "exclusive": worse}, console)
     text = console.export_text()
     assert "dilu" in text and "exclusive" in text
     row = next(line for line in text.splitlines() if "goodput/s" in line)
     assert "10.00" in row and "3.00" in row
+    # no grant changed in the second run: no reaction was measured, so it is not shown as 0.0
+    react = next(line for line in text.splitlines() if "vertical reaction" in line)
+    assert react.rstrip(" │").endswith("–")
     with pytest.raises(ValueError):
         render_compare({}, console)
 

@@ -262,3 +262,20 @@ def test_grants_respect_sum_floors_and_limits(specs, steps, hysteresis):
             assert q > 0
             if s["prio"] != "best-effort":
                 assert q >= s["req"] - 1e-6
+
+
+def test_share_nobody_asked_for_is_parked_on_latency_sensitive_instances_and_taken_back():
+    specs = {"a": dict(prio="latency-sensitive", req=0.1, lim=0.4),
+             "b": dict(prio="latency-sensitive", req=0.1, lim=0.2),
+             "be": dict(prio="best-effort", req=0.1, lim=0.3)}
+    parked = Node(VerticalPolicy(), specs)
+    parked.report(0.0)  # all idle: 0.7 nobody wants; a and b have 0.3 + 0.1 of room
+    assert parked.quota["a"] == pytest.approx(0.4) and parked.quota["b"] == pytest.approx(0.2)
+    assert parked.quota["be"] < 0.1 + 1e-9  # best-effort gets no parked share
+    # best-effort becomes hungry: it takes its want first, the parked share shrinks to what is left
+    parked.report(100.0, be=busy(parked.quota["be"]))
+    assert parked.quota["be"] == pytest.approx(0.3)
+    assert sum(parked.quota.values()) <= 1.0 + 1e-9
+    plain = Node(VerticalPolicy(VerticalConfig(park_idle=False)), specs)
+    plain.report(0.0)
+    assert plain.quota["a"] == pytest.approx(0.1) and plain.quota["b"] == pytest.approx(0.1)  # left unallocated
