@@ -22,7 +22,7 @@ from .service import VerticalScaler
               help="how fast an instance whose demand fell gives share back (quota per second)")
 @click.option("--decrease-factor", type=click.FloatRange(0.01, 0.99), default=0.5, show_default=True)
 @click.option("--be-floor", type=click.FloatRange(0.01, 1), default=0.05, show_default=True)
-@click.option("--park-idle/--no-park-idle", default=True, show_default=True,
+@click.option("--park-idle/--no-park-idle", default=False, show_default=True,
               help="give share nobody asked for to latency-sensitive instances, up to their limits")
 @click.option("--metrics-port", type=int, default=0, show_default=True, envvar="DILU_METRICS_PORT")
 @click.option("--log-level", default="info", show_default=True)

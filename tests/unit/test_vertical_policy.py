@@ -268,7 +268,7 @@ def test_share_nobody_asked_for_is_parked_on_latency_sensitive_instances_and_tak
     specs = {"a": dict(prio="latency-sensitive", req=0.1, lim=0.4),
              "b": dict(prio="latency-sensitive", req=0.1, lim=0.2),
              "be": dict(prio="best-effort", req=0.1, lim=0.3)}
-    parked = Node(VerticalPolicy(), specs)
+    parked = Node(VerticalPolicy(VerticalConfig(park_idle=True)), specs)
     parked.report(0.0)  # all idle: 0.7 nobody wants; a and b have 0.3 + 0.1 of room
     assert parked.quota["a"] == pytest.approx(0.4) and parked.quota["b"] == pytest.approx(0.2)
     assert parked.quota["be"] < 0.1 + 1e-9  # best-effort gets no parked share
@@ -276,6 +276,6 @@ def test_share_nobody_asked_for_is_parked_on_latency_sensitive_instances_and_tak
     parked.report(100.0, be=busy(parked.quota["be"]))
     assert parked.quota["be"] == pytest.approx(0.3)
     assert sum(parked.quota.values()) <= 1.0 + 1e-9
-    plain = Node(VerticalPolicy(VerticalConfig(park_idle=False)), specs)
+    plain = Node(VerticalPolicy(), specs)  # the default
     plain.report(0.0)
     assert plain.quota["a"] == pytest.approx(0.1) and plain.quota["b"] == pytest.approx(0.1)  # left unallocated
