@@ -66,15 +66,28 @@ async def table(kv) -> dict[str, Placement]:
     return rows
 
 
+async def table_until(kv, ok, timeout_s: float = 10.0) -> dict[str, Placement]:
+    """The table once ``ok(rows)`` holds. nats-py lists KV keys through an ordered watcher that
+    now and then reports the end of the listing before the entries (an empty or short list right
+    after 16 creates were acknowledged), so one listing is not proof of absence."""
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while True:
+        rows = await table(kv)
+        if ok(rows) or asyncio.get_running_loop().time() > deadline:
+            return rows
+        await asyncio.sleep(0.05)
+
+
 async def retired(nc, p: Placement):
     ev = InstanceRetired(instance_id=p.instance_id, function=p.function, node=p.node, gpu=p.gpu)
     await nc.publish(subjects.instance_state("retired", p.node), encode(ev))
 
 
-async def wait_empty(kv, timeout_s: float = 30.0):
-    """Until the table is empty; generous, since a loaded 2-core CI host delays the deletes."""
+async def wait_empty(kv, svc=None, timeout_s: float = 30.0):
+    """Until the table is empty (and ``svc`` holds no placement: one KV listing can come back
+    short, see :func:`table_until`); generous, since a loaded 2-core CI host delays the deletes."""
     deadline = asyncio.get_running_loop().time() + timeout_s
-    while await table(kv):
+    while (svc is not None and svc.placements) or await table(kv):
         if asyncio.get_running_loop().time() > deadline:
             raise AssertionError(f"placement table not emptied within {timeout_s} s")
         await asyncio.sleep(0.05)
@@ -91,7 +104,7 @@ async def test_concurrent_placements_never_over_pack(nats_url):
         for trial in range(20):
             replies = await asyncio.gather(*(place(senders[k % 4], "half") for k in range(16)))
             assert all(r.ok for r in replies), [r.error for r in replies if not r.ok]
-            rows = await table(kv)
+            rows = await table_until(kv, lambda t: len(t) == 16)
             assert len(rows) == 16
             per_gpu = collections.Counter((p.node, p.gpu) for p in rows.values())
             assert sorted(per_gpu.values()) == [2] * 8, f"trial {trial}: {per_gpu}"
@@ -105,11 +118,11 @@ async def test_concurrent_placements_never_over_pack(nats_url):
             # retire them all: draining first, deleted when the node agent reports them retired
             for iid, p in rows.items():
                 assert (await retire(nc, "half", iid)).ok
-            rows = await table(kv)
-            assert all(p.draining for p in rows.values())
+            rows = await table_until(kv, lambda t: len(t) == 16 and all(p.draining for p in t.values()))
+            assert len(rows) == 16 and all(p.draining for p in rows.values())
             for p in rows.values():
                 await retired(nc, p)
-            await wait_empty(kv)
+            await wait_empty(kv, svc)
     for s in senders:
         await s.close()
     await nc.close()
