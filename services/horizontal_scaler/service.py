@@ -67,6 +67,7 @@ from dilu.contracts.events import (
     ScaleDecision,
 )
 from dilu.services.common.bus import Bus
+from dilu.services.common.kvkeys import kv_keys
 
 from .policy import (Decision, FunctionParams, HorizontalConfig, HorizontalPolicy, InstanceShare, concurrency_target,
                      vertical_headroom)
@@ -273,7 +274,7 @@ class HorizontalScaler:
         assert self.bus is not None
         try:
             kv = await self.bus.js.key_value(bucket)
-            keys = await kv.keys()
+            keys = await kv_keys(self.bus.js, bucket)
         except (nats.js.errors.BucketNotFoundError, nats.js.errors.NoKeysError, nats.js.errors.NotFoundError):
             return []
         except Exception as exc:  # KV trouble must not stop the scaler from starting
@@ -283,7 +284,7 @@ class HorizontalScaler:
         for key in keys:
             try:
                 entry = await kv.get(key)
-            except nats.js.errors.KeyNotFoundError:
+            except (nats.js.errors.KeyNotFoundError, nats.js.errors.KeyDeletedError):  # deleted since
                 continue
             if entry.value:
                 out.append(entry.value)

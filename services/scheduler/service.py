@@ -28,7 +28,7 @@ import uuid
 
 import msgspec
 from nats.js.api import KeyValueConfig
-from nats.js.errors import APIError, BucketNotFoundError, KeyNotFoundError, KeyWrongLastSequenceError, NoKeysError
+from nats.js.errors import APIError, BucketNotFoundError, KeyDeletedError, KeyNotFoundError, KeyWrongLastSequenceError
 from prometheus_client import Counter
 
 from dilu.contracts import subjects
@@ -48,6 +48,7 @@ from dilu.contracts.events import (
 )
 
 from ..common.bus import Bus
+from ..common.kvkeys import kv_keys
 from .policy import Cluster, Demand, NoCapacity, Slot, allocation_batch, allocation_quotas
 
 GB = 10**9
@@ -138,17 +139,16 @@ class SchedulerService:
         Entries that fail to decode or name an unknown GPU are logged and skipped."""
         self.cluster = self._new_cluster()
         self.placements = {}
-        try:
-            keys = await self.kv.keys()
-        except NoKeysError:
-            keys = []
+        keys = await kv_keys(self.bus.js, subjects.PLACEMENT_BUCKET)
         for key in keys:
             try:
                 entry = await self.kv.get(key)
+            except (KeyNotFoundError, KeyDeletedError):  # deleted: its marker is still in the stream
+                continue
+            try:
                 p = msgspec.json.decode(entry.value, type=Placement)
                 self.cluster.assign(p.instance_id, demand_of(p), [Slot(p.node, p.gpu)], check=False)
-            except (KeyNotFoundError, msgspec.DecodeError, msgspec.ValidationError, KeyError, IndexError,
-                    ValueError) as exc:
+            except (msgspec.DecodeError, msgspec.ValidationError, KeyError, IndexError, ValueError) as exc:
                 self.bus.log.warning("placement entry skipped", key=key, error=f"{type(exc).__name__}: {exc}")
                 continue
             self.placements[p.instance_id] = (p, entry.revision)

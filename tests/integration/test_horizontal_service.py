@@ -140,7 +140,8 @@ async def test_burst_scales_out_then_idle_function_scales_to_zero_after_keep_ali
     await until(lambda: not cluster.live, timeout=15.0)
     gone_at = asyncio.get_running_loop().time()
     assert gone_at - served_at >= 1.5 - 0.2  # not before the keep-alive
-    assert any(d.direction == "zero" for d in cluster.decisions)
+    # the ScaleDecision is published after the retirement is answered: it may trail it
+    await until(lambda: any(d.direction == "zero" for d in cluster.decisions))
     assert {r.instance_id for r in cluster.retired} == {f"i{k}" for k in range(sum(r.count for r in cluster.placed))}
     await until(lambda: not scaler.policy.instances(FN))  # the retired events arrived
     added = sum(r.count for r in cluster.placed)
