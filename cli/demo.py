@@ -214,8 +214,8 @@ async def run_once(opts: RunOptions, policy: str, console: Console, stop: asynci
     n = len(plan.functions)
     console.print(f"[bold]policy {policy}[/bold]: {n} function{'s' if n != 1 else ''} carrying "
                   f"{plan.share:.1%} of the span's {plan.span_invocations} invocations; logs in {log_dir}")
-    if isinstance(opts.functions, int) and len(plan.functions) < opts.functions:
-        console.print(f"[yellow]--functions {opts.functions}: the span has only {len(plan.functions)} functions "
+    if isinstance(opts.functions, int) and n < opts.functions:
+        console.print(f"[yellow]--functions {opts.functions}: the span has only {n} functions "
                       f"with invocations; replaying those[/yellow]")
     log_dir.mkdir(parents=True, exist_ok=True)
     # the load generator's own log lines (e.g. each request NATS refused) go beside the services'

@@ -100,17 +100,17 @@ async def profile_all(nc, specs: list[ev.FunctionSpec], timeout_s: float = PROFI
     """Profile every spec through the profiler's request-reply endpoint, concurrently, before
     deploying them (so that their initial instances start together, not as each profile lands).
 
-    Raises TimeoutError naming the functions without an answer, RuntimeError with the profiler's
-    reasons for those it could not profile.
+    Raises TimeoutError naming the functions without an answer (and why: a timeout, no
+    profiler responding), RuntimeError with the profiler's reasons for those it could not profile.
     """
     async def one(spec: ev.FunctionSpec) -> ev.ProfileReply:
         msg = await nc.request(subjects.PROFILER_PROFILE, encode(ev.ProfileRequest(spec=spec)), timeout=timeout_s)
         return decode(msg.data, ev.ProfileReply)
 
     replies = await asyncio.gather(*(one(s) for s in specs), return_exceptions=True)
-    late = [s.name for s, r in zip(specs, replies) if isinstance(r, Exception)]
+    late = sorted(f"{s.name} ({type(r).__name__})" for s, r in zip(specs, replies) if isinstance(r, Exception))
     if late:
-        raise TimeoutError(f"no profile after {timeout_s:.0f} s for: {', '.join(sorted(late))}")
+        raise TimeoutError(f"no profile within {timeout_s:.0f} s for: {', '.join(late)}")
     failed = [f"{s.name}: {r.error}" for s, r in zip(specs, replies) if not r.ok or r.profile is None]
     if failed:
         raise RuntimeError("profiling failed for " + "; ".join(failed))

@@ -269,35 +269,25 @@ static void set_rate(uint64_t quota_ppm)
 static void publish(void)
 {
     struct dilu_cb *cb = S.cb;
-    if (!cb)
+    if (!cb || (!S.writer && !S.forked))
         return;
-    if (!S.writer) {
-        if (!S.forked)
-            return;
-        dilu_seq_write_begin(&cb->t_seq);
-        cb->t_launches = SH->launches;
-        cb->t_throttled = SH->throttled;
-        cb->t_busy_us = (uint64_t)(SH->busy_us > 0 ? SH->busy_us : 0);
-        cb->t_wait_us = (uint64_t)SH->wait_us;
-        cb->t_tokens_us = (int64_t)SH->tokens;
-        dilu_seq_write_end(&cb->t_seq);
-        return;
-    }
     dilu_seq_write_begin(&cb->t_seq);
     cb->t_launches = SH->launches;
     cb->t_throttled = SH->throttled;
     cb->t_busy_us = (uint64_t)(SH->busy_us > 0 ? SH->busy_us : 0);
     cb->t_wait_us = (uint64_t)SH->wait_us;
-    cb->t_cycles = S.cycles;
-    cb->t_last_cycle_us = S.last_cycle_us;
-    cb->t_baseline_cycle_us = S.baseline_cycle_us;
     cb->t_tokens_us = (int64_t)SH->tokens;
-    cb->t_last_launch_ns = S.last_launch_ns;
-    cb->t_applied_epoch = S.applied_epoch;
-    cb->t_applied_ns = S.applied_ns;
-    cb->t_flags = S.flags;
-    cb->t_samples = S.samples;
-    cb->t_quota_ppm = S.quota_ppm;
+    if (S.writer) {
+        cb->t_cycles = S.cycles;
+        cb->t_last_cycle_us = S.last_cycle_us;
+        cb->t_baseline_cycle_us = S.baseline_cycle_us;
+        cb->t_last_launch_ns = S.last_launch_ns;
+        cb->t_applied_epoch = S.applied_epoch;
+        cb->t_applied_ns = S.applied_ns;
+        cb->t_flags = S.flags;
+        cb->t_samples = S.samples;
+        cb->t_quota_ppm = S.quota_ppm;
+    }
     dilu_seq_write_end(&cb->t_seq);
 }
 

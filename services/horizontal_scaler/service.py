@@ -119,8 +119,7 @@ class HorizontalScaler:
         self._counts: dict[str, _Counts] = {}
         self._missing: set[str] = set()
         self._training: set[str] = set()  # training functions: no backlog, held at min_instances
-        self._slo_ms: dict[str, float] = {}
-        self._memory: dict[str, int] = {}
+        self._specs: dict[str, FunctionSpec] = {}
         self._profiles: dict[str, Profile] = {}
         self._deployed: set[str] = set()  # FunctionDeployed seen live
         self._initialised: set[str] = set()  # initial scale started
@@ -167,13 +166,11 @@ class HorizontalScaler:
         lo, hi = (old.min_instances, old.max_instances) if old else (0, 8)
         if spec is not None:
             lo, hi = spec.min_instances, max(1, spec.max_instances, spec.min_instances)
-        if spec is not None:
-            self._slo_ms[spec.name] = spec.slo_ms
-            self._memory[spec.name] = spec.memory_bytes
         burst_target = old.burst_target if old else 0.0
         burst_rps = old.burst_rps if old else 0.0
         if profile is not None:
-            slo = self._slo_ms.get(profile.function, 0.0)
+            known = self._specs.get(profile.function)
+            slo = known.slo_ms if known else 0.0
             target = concurrency_target(profile.batch_size, profile.latency_ms, slo)
             rps = max(0.0, profile.throughput_rps)
             burst_target, burst_rps = 0.0, 0.0
@@ -191,6 +188,8 @@ class HorizontalScaler:
             profile = self._profiles[fn]  # a redeploy (new SLO) re-derives the target
         if profile is not None:
             self._profiles[fn] = profile
+        if spec is not None:
+            self._specs[fn] = spec
         if spec is not None and spec.kind == "training":
             self._training.add(fn)
         elif spec is not None:
@@ -309,8 +308,8 @@ class HorizontalScaler:
         """Tick order: functions with the largest instances first, so that when several place at
         once (initial scale, a shared burst) the big ones are packed first (first-fit
         decreasing packs tighter than arrival order)."""
-        prof = self._profiles.get(fn)
-        return (-(prof.limit_quota if prof else 0.0), -self._memory.get(fn, 0), fn)
+        prof, spec = self._profiles.get(fn), self._specs.get(fn)
+        return (-(prof.limit_quota if prof else 0.0), -(spec.memory_bytes if spec else 0), fn)
 
     async def _tick_guarded(self, fn: str, now: float, headroom: float) -> None:
         try:

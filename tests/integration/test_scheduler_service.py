@@ -23,6 +23,7 @@ from dilu.contracts.events import (
     RetireRequest,
 )
 from dilu.services.common.runner import running
+from dilu.services.common.kvkeys import kv_keys
 from dilu.services.scheduler.service import GB, SchedulerService
 
 pytestmark = pytest.mark.nats
@@ -52,30 +53,17 @@ async def retire(nc, fn, instance_id="") -> RetireReply:
     return decode(msg.data, RetireReply)
 
 
-async def table(kv) -> dict[str, Placement]:
-    try:
-        keys = await kv.keys()
-    except nats.js.errors.NoKeysError:
-        return {}
+async def table(js) -> dict[str, Placement]:
+    """The placement table, listed like the scheduler lists it (:func:`kv_keys`: nats-py's own
+    ``keys()`` now and then ends its listing early)."""
+    kv = await js.key_value(subjects.PLACEMENT_BUCKET)
     rows = {}
-    for k in keys:
+    for k in await kv_keys(js, subjects.PLACEMENT_BUCKET):
         try:
             rows[k] = msgspec.json.decode((await kv.get(k)).value, type=Placement)
-        except nats.js.errors.KeyNotFoundError:  # deleted since keys() listed it
+        except (nats.js.errors.KeyNotFoundError, nats.js.errors.KeyDeletedError):  # deleted
             pass
     return rows
-
-
-async def table_until(kv, ok, timeout_s: float = 10.0) -> dict[str, Placement]:
-    """The table once ``ok(rows)`` holds. nats-py lists KV keys through an ordered watcher that
-    now and then reports the end of the listing before the entries (an empty or short list right
-    after 16 creates were acknowledged), so one listing is not proof of absence."""
-    deadline = asyncio.get_running_loop().time() + timeout_s
-    while True:
-        rows = await table(kv)
-        if ok(rows) or asyncio.get_running_loop().time() > deadline:
-            return rows
-        await asyncio.sleep(0.05)
 
 
 async def retired(nc, p: Placement):
@@ -83,11 +71,10 @@ async def retired(nc, p: Placement):
     await nc.publish(subjects.instance_state("retired", p.node), encode(ev))
 
 
-async def wait_empty(kv, svc=None, timeout_s: float = 30.0):
-    """Until the table is empty (and ``svc`` holds no placement: one KV listing can come back
-    short, see :func:`table_until`); generous, since a loaded 2-core CI host delays the deletes."""
+async def wait_empty(js, timeout_s: float = 30.0):
+    """Until the table is empty; generous, since a loaded 2-core CI host delays the deletes."""
     deadline = asyncio.get_running_loop().time() + timeout_s
-    while (svc is not None and svc.placements) or await table(kv):
+    while await table(js):
         if asyncio.get_running_loop().time() > deadline:
             raise AssertionError(f"placement table not emptied within {timeout_s} s")
         await asyncio.sleep(0.05)
@@ -99,12 +86,12 @@ async def test_concurrent_placements_never_over_pack(nats_url):
     senders = [await nats.connect(nats_url) for _ in range(4)]  # requests arrive on several connections
     svc = SchedulerService(["node0", "node1"], gpus=4, gpu_memory_bytes=40 * GB)
     async with running(svc, nats_url):
-        kv = await nc.jetstream().key_value(subjects.PLACEMENT_BUCKET)
+        js = nc.jetstream()
         await deploy(nc, svc, "half", request=0.5, limit=0.5)
         for trial in range(20):
             replies = await asyncio.gather(*(place(senders[k % 4], "half") for k in range(16)))
             assert all(r.ok for r in replies), [r.error for r in replies if not r.ok]
-            rows = await table_until(kv, lambda t: len(t) == 16)
+            rows = await table(js)
             assert len(rows) == 16
             per_gpu = collections.Counter((p.node, p.gpu) for p in rows.values())
             assert sorted(per_gpu.values()) == [2] * 8, f"trial {trial}: {per_gpu}"
@@ -118,11 +105,11 @@ async def test_concurrent_placements_never_over_pack(nats_url):
             # retire them all: draining first, deleted when the node agent reports them retired
             for iid, p in rows.items():
                 assert (await retire(nc, "half", iid)).ok
-            rows = await table_until(kv, lambda t: len(t) == 16 and all(p.draining for p in t.values()))
+            rows = await table(js)
             assert len(rows) == 16 and all(p.draining for p in rows.values())
             for p in rows.values():
                 await retired(nc, p)
-            await wait_empty(kv, svc)
+            await wait_empty(js)
     for s in senders:
         await s.close()
     await nc.close()
@@ -183,7 +170,7 @@ async def test_defragmentation_relaunches_then_drains_to_free_a_gpu(nats_url):
     nc = await nats.connect(nats_url)
     svc = SchedulerService(["node0"], gpus=4, gpu_memory_bytes=40 * GB)
     async with running(svc, nats_url):
-        kv = await nc.jetstream().key_value(subjects.PLACEMENT_BUCKET)
+        js = nc.jetstream()
         await deploy(nc, svc, "f", request=0.5, limit=0.5)
         placed = (await place(nc, "f", count=4)).placements
         by_gpu = collections.defaultdict(list)
@@ -194,12 +181,12 @@ async def test_defragmentation_relaunches_then_drains_to_free_a_gpu(nats_url):
             assert (await retire(nc, "f", group[0].instance_id)).ok
             await retired(nc, group[0])
         for _ in range(1500):  # up to 30 s on a loaded host; leaves as soon as it holds
-            if len(await table(kv)) == 2:
+            if len(await table(js)) == 2:
                 break
             await asyncio.sleep(0.02)
         assert svc.cluster.active == 2
         assert await svc.defragment() == 1
-        rows = await table(kv)
+        rows = await table(js)
         live = [p for p in rows.values() if not p.draining]
         draining = [p for p in rows.values() if p.draining]
         assert len(live) == 2 and len(draining) == 1
