@@ -232,7 +232,11 @@ class InstanceTelemetry(msgspec.Struct, kw_only=True):
 
     ``busy_share``: fraction (0..1) of the window with one of its kernels on the device;
     ``sm_time_share`` = busy_share x width; ``wait_us``: time launches waited for tokens in the
-    window; counters ending in ``_total`` are cumulative since launch.
+    window; counters ending in ``_total`` are cumulative since launch. ``memory_used_bytes``:
+    device memory the instance holds through the interceptor's accounting, against its
+    reservation ``memory_limit_bytes`` (0: none); ``oom_refusals``: allocations the interceptor
+    refused with CUDA_ERROR_OUT_OF_MEMORY since launch. ``state``: launching, ready or draining
+    (instances that start or drain are listed too, so Σ grants on a GPU is always complete).
     """
 
     instance_id: str
@@ -254,15 +258,51 @@ class InstanceTelemetry(msgspec.Struct, kw_only=True):
     slo_ms: float = 0.0
     latency_ms_recent: float = 0.0
     queue_depth: int = 0
+    memory_used_bytes: int = 0
+    memory_limit_bytes: int = 0
+    oom_refusals: int = 0
+    state: str = "ready"
+
+
+class ProcessMemory(msgspec.Struct, kw_only=True):
+    """Device memory one process holds on a GPU, as NVML reports it (``used_bytes``)."""
+
+    pid: int
+    used_bytes: int = 0
+
+
+class NvmlSample(msgspec.Struct, kw_only=True):
+    """What NVML says about one GPU at the end of a telemetry window (real or fake NVML).
+
+    ``utilization_gpu``/``utilization_memory``: fractions 0..1 of NVML's last sample period in
+    which a kernel ran / device memory was read or written; ``memory_used_bytes`` of
+    ``memory_total_bytes``; ``power_w`` (W) and ``temperature_c`` (°C); ``throttle_reasons``: NVML's
+    clock-event reason names that are active (``sw_power_cap``, ``hw_slowdown``, ...; idle is not
+    listed); ``processes``: compute processes and the device memory each holds.
+    """
+
+    utilization_gpu: float = 0.0
+    utilization_memory: float = 0.0
+    memory_used_bytes: int = 0
+    memory_total_bytes: int = 0
+    power_w: float = 0.0
+    temperature_c: float = 0.0
+    throttle_reasons: list[str] = []
+    processes: list[ProcessMemory] = []
 
 
 class GpuTelemetry(Event):
-    """Per-GPU telemetry from a node agent, every sampling period (``window_ms``)."""
+    """Per-GPU telemetry from a node agent, every sampling period (``window_ms``).
+
+    ``instances``: the interceptor's figures per instance; ``nvml``: the driver's view of the
+    whole GPU, where NVML exists (None on a CPU node or when NVML could not be read).
+    """
 
     node: str
     gpu: int
     window_ms: float
     instances: list[InstanceTelemetry] = []
+    nvml: NvmlSample | None = None
 
 
 class KernelCycleStretch(Event):
@@ -288,6 +328,56 @@ class TokenGrant(Event):
     epoch: int = 0
     reason: str = ""
     cause_ns: int = 0
+
+
+# --------------------------------------------------------------------------- nodes
+
+
+class GpuInfo(msgspec.Struct, kw_only=True):
+    """One GPU of a node, as NVML and the CUDA driver report it.
+
+    ``index``: NVML index on the node (placements name it); ``uuid``: ``GPU-...`` (what
+    ``CUDA_VISIBLE_DEVICES`` takes); ``memory_bytes``: total device memory; ``sms``: the driver's
+    multiprocessor count; ``mig``: MIG mode enabled; ``compute_mode``: ``default``,
+    ``exclusive-process`` or ``prohibited``; ``mps_client_limit``: clients the GPU takes at once
+    (48 under MPS on Volta and later, NVIDIA MPS documentation; 0: no limit known);
+    ``healthy``: False after a fatal Xid, an uncorrectable ECC error or when the GPU fell off
+    the bus (``health_reason`` says which); an unhealthy GPU gets no new instance.
+    """
+
+    index: int
+    uuid: str
+    name: str
+    memory_bytes: int
+    sms: int
+    mig: bool = False
+    compute_mode: str = "default"
+    mps_client_limit: int = 0
+    healthy: bool = True
+    health_reason: str = ""
+
+
+class NodeInventory(Event):
+    """A node agent's GPUs, published on ``dilu.v1.node.inventory.<node>`` and kept in the KV bucket
+    ``dilu-nodes`` (key = node), refreshed every ``heartbeat_s``; a key older than the bucket's TTL
+    means the node is gone.
+
+    ``device``: ``nvml`` (real GPUs), ``emulated`` (the fake NVML and driver) or ``cpu``;
+    ``agent_id``: one run of the agent (two agents claiming one node name are told apart by it);
+    ``driver_version``: NVML's driver version string; ``cuda_version``: the driver's CUDA version
+    (``major.minor``); ``mps``: ``on`` (instances are MPS clients), ``off`` or ``unavailable``
+    (MPS could not start: time-sliced, tokens alone).
+    """
+
+    node: str
+    agent_id: str = ""
+    device: str = "emulated"
+    driver_version: str = ""
+    cuda_version: str = ""
+    mps: str = "off"
+    heartbeat_s: float = 5.0
+    started_ns: int = 0
+    gpus: list[GpuInfo] = []
 
 
 # --------------------------------------------------------------------------- horizontal scaling
@@ -335,4 +425,5 @@ EVENT_TYPES: tuple[type[Event], ...] = (
     TokenGrant,
     BurstWindowBreach,
     ScaleDecision,
+    NodeInventory,
 )

@@ -68,6 +68,11 @@ def invoke(fn: str) -> str:
     return f"{PREFIX}.invoke.{token(fn)}"
 
 
+def node_inventory(node: str) -> str:
+    """A node agent's :class:`~dilu.contracts.events.NodeInventory` (also kept in KV ``dilu-nodes``)."""
+    return f"{PREFIX}.node.inventory.{token(node)}"
+
+
 def node_trial(node: str) -> str:
     """Request-reply: a profiling trial on ``node``'s emulated GPUs."""
     return f"{PREFIX}.node.trial.{token(node)}"
@@ -83,6 +88,13 @@ INVOKE_SUBJECTS = f"{PREFIX}.invoke.>"
 PROFILES_BUCKET = "dilu-profiles"
 PLACEMENT_BUCKET = "dilu-placement"
 FUNCTIONS_BUCKET = "dilu-functions"
+NODES_BUCKET = "dilu-nodes"  # key = node token, value = NodeInventory JSON
+
+# Node liveness: an agent re-puts its inventory every NODE_HEARTBEAT_S; the scheduler treats a node
+# whose inventory is older than NODE_TTL_S as gone (three missed heartbeats) and places its
+# instances again. The bucket's own TTL drops entries of nodes that never come back.
+NODE_HEARTBEAT_S = 5.0
+NODE_TTL_S = 15.0
 
 # Headers of the data plane (request and reply).
 H_REQUEST_ID = "Dilu-Request-Id"
@@ -108,6 +120,7 @@ SUBJECT_EVENTS: dict[str, type[ev.Event]] = {
     f"{PREFIX}.event.burst_window_breach.*": ev.BurstWindowBreach,
     f"{PREFIX}.scale.decided.*": ev.ScaleDecision,
     f"{PREFIX}.node.trial.*": ev.TrialRequest,
+    f"{PREFIX}.node.inventory.*": ev.NodeInventory,
     SCHEDULER_PLACE: ev.PlaceRequest,
     SCHEDULER_RETIRE: ev.RetireRequest,
     PROFILER_PROFILE: ev.ProfileRequest,

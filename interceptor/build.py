@@ -1,9 +1,13 @@
 """Builds the native pieces from source with the system C compiler (``cc``, or ``$CC``).
 
-Outputs, all under ``interceptor/build/`` (ignored by git; nothing prebuilt is committed):
+Outputs, all under one folder, by default ``interceptor/build/`` (ignored by git; nothing
+prebuilt is committed). Installing the package builds them (``pip install`` runs this from
+setup.py, into the installed package; an editable install and ``make`` build in place), so no
+service ever compiles or writes into its package folder at run time:
 
 - ``libdilu_intercept.so``  the LD_PRELOAD interceptor (interceptor.c)
 - ``fake/libcuda.so.1``     the fake CUDA driver (fake_driver.c), with a ``libcuda.so`` link
+- ``fake/libnvidia-ml.so.1`` the fake NVML (fake_nvml.c) the emulated node's agent loads
 - ``bin/dilu_launch``       a small C program driving the driver API (tools/dilu_launch.c),
                             linked directly against ``libcuda.so.1``
 - ``_dilu_cb*.so``          the cffi API-mode module over dilu_cb.h (control block helpers)
@@ -23,7 +27,7 @@ from pathlib import Path
 
 SRC = Path(__file__).resolve().parent
 BUILD = SRC / "build"
-HEADERS = [SRC / "dilu_cb.h", SRC / "dilu_cb_layout.h", SRC / "dilu_cuda_min.h"]
+HEADERS = [SRC / "dilu_cb.h", SRC / "dilu_cb_layout.h", SRC / "dilu_cuda_min.h", SRC / "dilu_fake_gpu.h"]
 CFLAGS = ["-O2", "-g", "-Wall", "-Wextra", "-Wno-unused-parameter", "-fPIC", "-std=gnu11"]
 
 CFFI_MODULE = "_dilu_cb"
@@ -69,6 +73,7 @@ def _run(cmd: list[str]) -> None:
 
 
 def _shared(target: Path, source: Path, extra: list[str], soname: str | None = None) -> bool:
+    """Compiles ``source`` into the shared object ``target`` when out of date; True if it did."""
     if not _stale(target, [source, *HEADERS, Path(__file__)]):
         return False
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -81,8 +86,8 @@ def _shared(target: Path, source: Path, extra: list[str], soname: str | None = N
     return True
 
 
-def _cffi_module() -> bool:
-    existing = sorted(BUILD.glob(f"{CFFI_MODULE}*.so"))
+def _cffi_module(out: Path) -> bool:
+    existing = sorted(out.glob(f"{CFFI_MODULE}*.so"))
     if existing and not _stale(existing[0], [*HEADERS, Path(__file__)]):
         return False
     import cffi  # imported here so building the C parts needs no cffi
@@ -93,33 +98,37 @@ def _cffi_module() -> bool:
                    extra_compile_args=["-O2", "-std=gnu11"])
     for old in existing:
         old.unlink()
-    ffi.compile(tmpdir=str(BUILD), verbose=False)
-    for leftover in BUILD.glob(f"{CFFI_MODULE}.[co]"):
+    ffi.compile(tmpdir=str(out), verbose=False)
+    for leftover in out.glob(f"{CFFI_MODULE}.[co]"):
         leftover.unlink()
     return True
 
 
-def build(verbose: bool = False) -> list[str]:
-    """Builds everything that is out of date; returns the names of the outputs rebuilt.
+def build(verbose: bool = False, out: Path = BUILD) -> list[str]:
+    """Builds everything that is out of date into ``out``; returns the names of the outputs rebuilt.
 
     Raises BuildError when the compiler fails (its output is in the message).
     """
-    BUILD.mkdir(parents=True, exist_ok=True)
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
     rebuilt: list[str] = []
-    with open(BUILD / ".lock", "w") as lock:
+    with open(out / ".lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
-        fake = BUILD / "fake" / "libcuda.so.1"
+        fake = out / "fake" / "libcuda.so.1"
         if _shared(fake, SRC / "fake_driver.c", ["-lpthread", "-lrt", "-lm", "-Wl,-Bsymbolic"],
                    soname="libcuda.so.1"):
             rebuilt.append(str(fake))
-        link = BUILD / "fake" / "libcuda.so"
+        link = out / "fake" / "libcuda.so"
         if not link.is_symlink():
             link.unlink(missing_ok=True)
             link.symlink_to("libcuda.so.1")
-        lib = BUILD / "libdilu_intercept.so"
+        nvml = out / "fake" / "libnvidia-ml.so.1"
+        if _shared(nvml, SRC / "fake_nvml.c", ["-lpthread", "-lrt", "-Wl,-Bsymbolic"], soname="libnvidia-ml.so.1"):
+            rebuilt.append(str(nvml))
+        lib = out / "libdilu_intercept.so"
         if _shared(lib, SRC / "interceptor.c", ["-ldl", "-lpthread", "-lm"]):
             rebuilt.append(str(lib))
-        prog = BUILD / "bin" / "dilu_launch"
+        prog = out / "bin" / "dilu_launch"
         src = SRC / "tools" / "dilu_launch.c"
         if _stale(prog, [src, *HEADERS, fake]):
             prog.parent.mkdir(parents=True, exist_ok=True)
@@ -127,13 +136,13 @@ def build(verbose: bool = False) -> list[str]:
                   f"-L{fake.parent}", "-l:libcuda.so.1", "-ldl", "-lpthread",
                   f"-Wl,-rpath,{fake.parent}"])
             rebuilt.append(str(prog))
-        if _cffi_module():
+        if _cffi_module(out):
             rebuilt.append(CFFI_MODULE)
     if verbose:
         for name in rebuilt:
             print(f"built {name}")
         if not rebuilt:
-            print(f"up to date: {BUILD}")
+            print(f"up to date: {out}")
     return rebuilt
 
 

@@ -49,55 +49,12 @@
 #include <unistd.h>
 
 #include "dilu_cuda_min.h"
+#include "dilu_fake_gpu.h"
 
 #define API __attribute__((visibility("default")))
 #define FAKE_DRIVER_VERSION 12080
 
 /* ------------------------------------------------------------------ shared virtual device */
-
-#define GPU_MAGIC 0x3155504745464c44ULL /* "DLFEGPU1" */
-#define GPU_VERSION 2u
-#define GPU_SLOTS 4096
-#define GPU_RING (1u << 19)
-
-struct gpu_rec { /* one completed kernel; seq = index + 1 once complete (written last) */
-    uint64_t seq;
-    uint32_t pid;
-    uint32_t width_ppm;
-    uint64_t ctx;
-    uint64_t stream;
-    uint64_t start_ns;
-    uint64_t end_ns;
-    uint64_t func;
-};
-
-struct gpu_slot { /* one kernel, waiting for width or running */
-    uint32_t used, done;
-    uint32_t waiting, skip;
-    uint32_t pid, width_ppm;
-    uint64_t gen;
-    uint64_t ctx, stream, func;
-    double remaining_ns; /* solo work left */
-    uint64_t start_ns, end_ns;
-};
-
-struct gpu_shm {
-    /* fixed header read by dilu.interceptor.timeline (keep offsets) */
-    uint64_t magic;        /* 0 */
-    uint32_t version;      /* 8 */
-    uint32_t sms;          /* 12 */
-    uint64_t ring_offset;  /* 16 */
-    uint64_t ring_cap;     /* 24 */
-    uint64_t rec_size;     /* 32 */
-    uint64_t ring_head;    /* 40: records written so far */
-    uint64_t sim_now;      /* 48: virtual clock */
-    uint64_t slot_gen;     /* 56 */
-    uint32_t slot_hw;      /* 64: slots[0..slot_hw) may be used */
-    uint32_t pad;
-    pthread_mutex_t mu;
-    struct gpu_slot slots[GPU_SLOTS];
-    struct gpu_rec ring[GPU_RING] __attribute__((aligned(64)));
-};
 
 static struct gpu_shm *g_gpu;
 static uint32_t g_width_ppm = 1000000;

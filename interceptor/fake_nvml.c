@@ -1,0 +1,1 @@
+/* Placeholder until the fake NVML lands: exports nothing yet. */
