@@ -5,6 +5,8 @@ import importlib
 
 import click
 
+from dilu.services.common.cliopts import service_main
+
 SERVICES = {
     "profiler": "profiler",
     "scheduler": "scheduler",
@@ -27,4 +29,4 @@ def service(ctx: click.Context, name: str | None) -> None:
     if key not in SERVICES:
         raise click.BadParameter(f"{name!r} is not a service; choose from {', '.join(sorted(SERVICES))}", param_hint="NAME")
     module = importlib.import_module(f"dilu.services.{SERVICES[key]}.__main__")
-    module.main(args=ctx.args, prog_name=f"dilu service {key}")
+    service_main(module.main, args=ctx.args, prog_name=f"dilu service {key}")

@@ -10,6 +10,7 @@ import asyncio
 import contextlib
 import os
 import signal
+import sys
 from typing import Protocol
 
 import uvloop
@@ -17,6 +18,11 @@ import uvloop
 from . import logging as dlog
 from .bus import Bus
 from .metrics import HealthServer
+
+
+class StartFailed(RuntimeError):
+    """The service cannot run here (a device missing, a name taken, a port in use); the message
+    is one line for the operator. :func:`run` prints it and exits with status 2."""
 
 
 class Service(Protocol):
@@ -44,6 +50,24 @@ async def serve(
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, shutdown.set)
+    # Health first: /healthz answers while NATS is still unreachable (a supervisor's liveness
+    # check must not restart a service that is only waiting for NATS), /readyz says 503 until then.
+    # Loopback by default; deployments set DILU_METRICS_HOST (e.g. 0.0.0.0) for remote checks.
+    host = os.environ.get("DILU_METRICS_HOST", "127.0.0.1")
+    state: dict[str, Bus] = {}
+    try:
+        health = HealthServer(lambda: "bus" in state and state["bus"].ready and service.ready(), host=host, port=metrics_port)
+    except OSError as exc:
+        raise StartFailed(f"cannot serve /metrics on {host}:{metrics_port}: {exc.strerror or exc} "
+                          f"(choose another --metrics-port / DILU_METRICS_PORT)") from None
+    health.start()
+    try:
+        await _connected(service, nats_url, shutdown, state, log, health.port)
+    finally:
+        health.stop()
+
+
+async def _connected(service: Service, nats_url: str, shutdown: asyncio.Event, state: dict, log, port: int) -> None:
     # nats-py retries an unreachable server forever: keep honouring the signals meanwhile
     connecting = asyncio.ensure_future(Bus.connect(nats_url, service.name))
     stopping = asyncio.ensure_future(shutdown.wait())
@@ -54,14 +78,10 @@ async def serve(
         await asyncio.gather(connecting, return_exceptions=True)
         log.info("stopped before NATS was reachable", nats=nats_url)
         return
-    bus = connecting.result()
-    # loopback by default; deployments set DILU_METRICS_HOST (e.g. 0.0.0.0) for remote checks
-    host = os.environ.get("DILU_METRICS_HOST", "127.0.0.1")
-    health = HealthServer(lambda: bus.ready and service.ready(), host=host, port=metrics_port)
-    health.start()
+    bus = state["bus"] = connecting.result()
     try:
         await service.start(bus)
-        log.info("service started", nats=nats_url, metrics_port=health.port)
+        log.info("service started", nats=nats_url, metrics_port=port)
         await shutdown.wait()
         log.info("shutting down")
     finally:
@@ -70,14 +90,18 @@ async def serve(
         except Exception as exc:  # still drain and exit
             log.error("stop failed", error=repr(exc))
         await bus.close()
-        health.stop()
         log.info("service stopped")
 
 
 def run(service: Service, nats_url: str, *, metrics_port: int = 0, log_level: str = "info") -> None:
-    """Blocking entry point for ``python -m dilu.services.<name>``: uvloop + :func:`serve`."""
+    """Blocking entry point for ``python -m dilu.services.<name>``: uvloop + :func:`serve`.
+    A StartFailed ends the process with its one-line message and status 2."""
     dlog.configure(service.name, log_level)
-    uvloop.run(serve(service, nats_url, metrics_port=metrics_port))
+    try:
+        uvloop.run(serve(service, nats_url, metrics_port=metrics_port))
+    except StartFailed as exc:
+        dlog.get(service.name).error("cannot start", reason=str(exc))
+        sys.exit(f"dilu {service.name}: {exc}")
 
 
 @contextlib.asynccontextmanager

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import click
 
+from dilu.services.common.cliopts import METRICS_PORTS, service_main
+
 from dilu.services.common.runner import run
 
 from .policy import MODES, HorizontalConfig
@@ -10,7 +12,7 @@ from .service import HorizontalScaler
 
 
 @click.command()
-@click.option("--nats-url", default="nats://127.0.0.1:4222", show_default=True, envvar="DILU_NATS_URL")
+@click.option("--nats-url", default="nats://127.0.0.1:4222", show_default=True)
 @click.option("--mode", type=click.Choice(MODES), default="lazy", show_default=True,
               help="lazy: scale out once vertical headroom is used (dilu); eager: on load alone (baselines)")
 @click.option("--initial-scale", type=click.IntRange(0, 1000), default=1, show_default=True,
@@ -34,7 +36,8 @@ from .service import HorizontalScaler
               help="at most this many times the ready instances per decision (Knative's max-scale-up-rate)")
 @click.option("--scale-down-delay-s", type=click.FloatRange(0, 3600), default=0.0, show_default=True,
               help="no scale-in to a non-zero count this long after a scale-out (Knative's scale-down-delay)")
-@click.option("--metrics-port", type=int, default=0, show_default=True, envvar="DILU_METRICS_PORT")
+@click.option("--metrics-port", type=click.IntRange(0, 65535), default=METRICS_PORTS["horizontal_scaler"], show_default=True,
+              help="/metrics, /healthz, /readyz (0: any free port).")
 @click.option("--log-level", default="info", show_default=True)
 def main(nats_url, mode, initial_scale, tick_ms, stable_window_s, panic_window_pct, panic_threshold, keep_alive_s, idle_bin_s,
          target, headroom_min, lazy_max_hold_s, max_scale_up_rate, scale_down_delay_s, metrics_port, log_level):
@@ -49,4 +52,4 @@ def main(nats_url, mode, initial_scale, tick_ms, stable_window_s, panic_window_p
 
 
 if __name__ == "__main__":
-    main()
+    service_main(main)

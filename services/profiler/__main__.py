@@ -1,7 +1,9 @@
-"""``python -m dilu.services.profiler --nats-url URL [--metrics-port N] [--node NAME] [--backend node|surface]``."""
+"""``python -m dilu.services.profiler [--nats-url URL] [--metrics-port N] [--node NAME] [--backend node|surface]``."""
 from __future__ import annotations
 
 import click
+
+from dilu.services.common.cliopts import METRICS_PORTS, service_main
 
 from ..common.runner import run
 from .service import ProfilerService
@@ -9,8 +11,9 @@ from .service import ProfilerService
 
 @click.command()
 @click.option("--nats-url", default="nats://127.0.0.1:4222", show_default=True)
-@click.option("--metrics-port", type=int, default=0, show_default=True, help="/metrics, /healthz, /readyz (0: any free port).")
-@click.option("--node", default="node0", show_default=True, help="Node agent that runs profiling trials.")
+@click.option("--metrics-port", type=click.IntRange(0, 65535), default=METRICS_PORTS["profiler"], show_default=True,
+              help="/metrics, /healthz, /readyz (0: any free port).")
+@click.option("--node", default="", help="Node agent that runs profiling trials (default: the first node in the dilu-nodes inventory with a healthy GPU).")
 @click.option("--backend", type=click.Choice(["node", "surface"]), default="node", show_default=True,
               help="node: trials on the node agent's emulated GPU; surface: the model's recorded A100 surface.")
 @click.option("--repeats", type=int, default=5, show_default=True, help="Batches per trial.")
@@ -23,4 +26,4 @@ def main(nats_url, metrics_port, node, backend, repeats, trial_timeout_s, log_le
 
 
 if __name__ == "__main__":
-    main()
+    service_main(main)

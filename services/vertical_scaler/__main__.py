@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import click
 
+from dilu.services.common.cliopts import METRICS_PORTS, default_node, service_main
+
 from dilu.services.common.runner import run
 
 from .policy import MODES, VerticalConfig
@@ -10,8 +12,8 @@ from .service import VerticalScaler
 
 
 @click.command()
-@click.option("--nats-url", default="nats://127.0.0.1:4222", show_default=True, envvar="DILU_NATS_URL")
-@click.option("--node", default="node0", show_default=True, envvar="DILU_NODE")
+@click.option("--nats-url", default="nats://127.0.0.1:4222", show_default=True)
+@click.option("--node", default=default_node, show_default="host name", help="this node's name in subjects and the inventory")
 @click.option("--mode", type=click.Choice(MODES), default="dilu", show_default=True,
               help="dilu: adaptive; static: pinned at request; static-limit: pinned at limit; off: no grants")
 @click.option("--hysteresis", type=click.FloatRange(0, 0.5), default=0.02, show_default=True, help="smallest quota change sent")
@@ -24,7 +26,8 @@ from .service import VerticalScaler
 @click.option("--be-floor", type=click.FloatRange(0.01, 1), default=0.05, show_default=True)
 @click.option("--park-idle/--no-park-idle", default=False, show_default=True,
               help="give share nobody asked for to latency-sensitive instances, up to their limits")
-@click.option("--metrics-port", type=int, default=0, show_default=True, envvar="DILU_METRICS_PORT")
+@click.option("--metrics-port", type=click.IntRange(0, 65535), default=METRICS_PORTS["vertical_scaler"], show_default=True,
+              help="/metrics, /healthz, /readyz (0: any free port).")
 @click.option("--log-level", default="info", show_default=True)
 def main(nats_url, node, mode, hysteresis, pressure_hold_ms, recovery_per_s, release_per_s, decrease_factor, be_floor,
          park_idle, metrics_port, log_level):
@@ -36,4 +39,4 @@ def main(nats_url, node, mode, hysteresis, pressure_hold_ms, recovery_per_s, rel
 
 
 if __name__ == "__main__":
-    main()
+    service_main(main)
