@@ -34,6 +34,7 @@ from dilu.contracts.events import (
 )
 
 from ..common.bus import Bus
+from ..common.nodes import read_inventories, trial_node
 from dilu.services.common import models
 from .policy import InferenceSearch, Measurement, NoFeasibleSetting, TrainingSearch, Trial
 from .surface import SurfaceBackend, model_surface
@@ -132,7 +133,7 @@ class ProfilerService:
 
     name = "profiler"
 
-    def __init__(self, node: str = "node0", backend: str = "node", repeats: int = 5,
+    def __init__(self, node: str = "", backend: str = "node", repeats: int = 5,
                  trial_timeout_s: float = 30.0) -> None:
         if backend not in ("node", "surface"):
             raise ValueError(f"backend must be 'node' or 'surface', got {backend!r}")
@@ -216,12 +217,23 @@ class ProfilerService:
                           limit_quota=profile.limit_quota, batch=profile.batch_size, trials=profile.trials)
         return profile
 
+    async def _trial_node(self) -> str:
+        """The node named by ``--node``, else one from the ``dilu-nodes`` inventory (see
+        dilu.services.common.nodes.trial_node). Raises TrialFailed when no node has a GPU."""
+        if self.node:
+            return self.node
+        found = await read_inventories(self.bus.js)
+        node = trial_node({name: inv for name, (inv, _) in found.items()})
+        if node is None:
+            raise TrialFailed("no node with a healthy GPU in the dilu-nodes inventory to run profiling trials on")
+        return node
+
     async def _search(self, spec: FunctionSpec) -> Profile:
         search = search_for(spec)
         if self.backend == "surface":
             backend = _SurfaceAsync(spec.model)
         else:
-            backend = NodeTrialBackend(self.bus, self.node, spec.model, self.repeats, self.trial_timeout_s)
+            backend = NodeTrialBackend(self.bus, await self._trial_node(), spec.model, self.repeats, self.trial_timeout_s)
         while (trial := search.next_trial()) is not None:
             search.record(trial, await backend.run(trial))
         result = search.result()
