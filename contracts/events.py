@@ -235,8 +235,7 @@ class InstanceTelemetry(msgspec.Struct, kw_only=True):
     window; counters ending in ``_total`` are cumulative since launch. ``memory_used_bytes``:
     device memory the instance holds through the interceptor's accounting, against its
     reservation ``memory_limit_bytes`` (0: none); ``oom_refusals``: allocations the interceptor
-    refused with CUDA_ERROR_OUT_OF_MEMORY since launch. ``state``: launching, ready or draining
-    (instances that start or drain are listed too, so Σ grants on a GPU is always complete).
+    refused with CUDA_ERROR_OUT_OF_MEMORY since launch.
     """
 
     instance_id: str
@@ -261,7 +260,6 @@ class InstanceTelemetry(msgspec.Struct, kw_only=True):
     memory_used_bytes: int = 0
     memory_limit_bytes: int = 0
     oom_refusals: int = 0
-    state: str = "ready"
 
 
 class ProcessMemory(msgspec.Struct, kw_only=True):
