@@ -40,7 +40,7 @@ uint32_t dilu_load_u32(const uint32_t *p);
 int dilu_futex_wait(uint32_t *addr, uint32_t expected, int64_t timeout_ns);
 int dilu_futex_wake(uint32_t *addr, int n);
 void dilu_cb_init(struct dilu_cb *cb, const char *instance_id, uint64_t request_ppm,
-                  uint64_t width_ppm, uint64_t stale_after_ns);
+                  uint64_t width_ppm, uint64_t stale_after_ns, uint64_t mem_limit_bytes);
 void dilu_cb_heartbeat(struct dilu_cb *cb);
 uint32_t dilu_cb_write_grant(struct dilu_cb *cb, uint64_t quota_ppm);
 void dilu_cb_snapshot(const struct dilu_cb *cb, struct dilu_cb *out);

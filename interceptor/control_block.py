@@ -6,7 +6,9 @@ instance's runtime reports request-level counters (``set_runtime``). The layout 
 interceptor/dilu_cb_layout.h, read verbatim by the cffi cdef; atomics, seqlocks and futex
 wake-ups go through the C helpers of dilu_cb.h compiled in cffi API mode.
 
-Quotas and widths are fractions 0..1 here and parts per million in the block.
+Quotas and widths are fractions 0..1 here and parts per million in the block. Memory is in bytes
+everywhere: the instance's reservation (``memory_limit_bytes``, written at creation) and what the
+interceptor counts against it.
 """
 from __future__ import annotations
 
@@ -36,6 +38,11 @@ class CbSnapshot:
     the latest grant when equal. applied_ns / last_launch_ns / heartbeat_ns: CLOCK_MONOTONIC ns.
     pid: the metered process (0 before its first launch). stale: the interceptor sees the agent's
     heartbeat as stale. ready, requests, latency_us_ewma, queue_depth: the instance runtime's fields.
+    memory_limit_bytes: the reservation the agent wrote (0: none; the interceptor then applies
+    DILU_MEMORY_LIMIT_BYTES, if set). memory_used_bytes: device memory the instance's processes hold
+    through the allocations the interceptor counted; memory_peak_bytes: the most it has held;
+    oom_refusals: allocations refused with CUDA_ERROR_OUT_OF_MEMORY because they would have gone
+    past the reservation (the driver's own refusals are not counted). All in bytes but the last.
     """
 
     instance_id: str
@@ -63,6 +70,10 @@ class CbSnapshot:
     requests: int
     latency_us_ewma: int
     queue_depth: int
+    memory_limit_bytes: int = 0
+    memory_used_bytes: int = 0
+    memory_peak_bytes: int = 0
+    oom_refusals: int = 0
 
 
 def _ppm(fraction: float, name: str) -> int:
@@ -89,16 +100,23 @@ class ControlBlock:
 
     @classmethod
     def create(cls, path: str, instance_id: str, request_quota: float, width: float,
-               stale_after_ms: float = 500) -> "ControlBlock":
+               stale_after_ms: float = 500, memory_limit_bytes: int = 0) -> "ControlBlock":
         """Creates (or recreates) the block at ``path`` (e.g. /dev/shm/dilu-cb-<id>), mode 0600.
 
         request_quota, width: fractions 0..1 (the initial grant is the request quota).
         stale_after_ms: heartbeat age after which the interceptor marks the agent stale.
-        Raises ValueError for out-of-range fractions, OSError when the file cannot be made.
+        memory_limit_bytes: the instance's device-memory reservation in bytes; past it the
+        interceptor refuses allocations with CUDA_ERROR_OUT_OF_MEMORY (0: no limit).
+        Raises ValueError for out-of-range fractions or memory limit, OSError when the file cannot
+        be made.
         """
         req, wid = _ppm(request_quota, "request_quota"), _ppm(width, "width")
         if wid == 0:
             raise ValueError("width must be > 0")
+        if isinstance(memory_limit_bytes, bool) or not isinstance(memory_limit_bytes, int) \
+                or not 0 <= memory_limit_bytes < 2**64:
+            raise ValueError(f"memory_limit_bytes must be an integer number of bytes >= 0, "
+                             f"got {memory_limit_bytes!r}")
         if len(instance_id.encode()) >= 64:
             raise ValueError("instance_id must be shorter than 64 bytes")
         size = cls.size()
@@ -111,7 +129,7 @@ class ControlBlock:
             os.close(fd)
         block = cls(path, mm)
         block._lib.dilu_cb_init(block._cb, instance_id.encode(), req, wid,
-                                int(stale_after_ms * 1e6))
+                                int(stale_after_ms * 1e6), memory_limit_bytes)
         os.replace(tmp, path)  # an opener sees either no file or a complete block
         return block
 
@@ -178,7 +196,9 @@ class ControlBlock:
             applied_ns=o.t_applied_ns, grant_epoch=o.grant_epoch, pid=o.t_pid,
             samples=o.t_samples, stale=bool(o.t_flags & 1), last_launch_ns=o.t_last_launch_ns,
             heartbeat_ns=o.agent_heartbeat_ns, ready=bool(o.r_ready), requests=o.r_requests,
-            latency_us_ewma=o.r_latency_us_ewma, queue_depth=o.r_queue_depth)
+            latency_us_ewma=o.r_latency_us_ewma, queue_depth=o.r_queue_depth,
+            memory_limit_bytes=o.mem_limit_bytes, memory_used_bytes=o.t_mem_used_bytes,
+            memory_peak_bytes=o.t_mem_peak_bytes, oom_refusals=o.t_oom_refusals)
 
     def wait_applied(self, epoch: int, timeout_ms: float) -> bool:
         """Polls (1 ms steps) until the interceptor applied ``epoch``; True if it did in time."""

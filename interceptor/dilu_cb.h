@@ -107,9 +107,10 @@ static inline int dilu_futex_wake(uint32_t *addr, int n)
 
 /* ---- agent side ---- */
 
-/* Fills a zeroed block; magic is stored last (release) so an opener never sees a half-made block. */
+/* Fills a zeroed block; magic is stored last (release) so an opener never sees a half-made block.
+ * mem_limit_bytes: the instance's device-memory reservation in bytes (0: no limit). */
 static inline void dilu_cb_init(struct dilu_cb *cb, const char *instance_id, uint64_t request_ppm,
-                                uint64_t width_ppm, uint64_t stale_after_ns)
+                                uint64_t width_ppm, uint64_t stale_after_ns, uint64_t mem_limit_bytes)
 {
     memset(cb, 0, sizeof *cb);
     cb->layout_version = DILU_CB_LAYOUT_VERSION;
@@ -119,6 +120,7 @@ static inline void dilu_cb_init(struct dilu_cb *cb, const char *instance_id, uin
     cb->request_ppm = request_ppm;
     cb->width_ppm = width_ppm;
     cb->stale_after_ns = stale_after_ns;
+    cb->mem_limit_bytes = mem_limit_bytes;
     cb->agent_heartbeat_ns = dilu_now_ns();
     __atomic_store_n(&cb->magic, DILU_CB_MAGIC, __ATOMIC_RELEASE);
 }
@@ -160,6 +162,7 @@ static inline void dilu_cb_snapshot(const struct dilu_cb *cb, struct dilu_cb *ou
     memcpy(out, cb, sizeof *out); /* header and single-field values */
     dilu_cb_read_grant(cb, &out->quota_ppm, &out->request_ppm, &out->width_ppm);
     out->grant_epoch = dilu_load_u32(&cb->grant_epoch);
+    out->mem_limit_bytes = dilu_load_u64(&cb->mem_limit_bytes);
     do {
         s = dilu_seq_read_begin(&cb->t_seq);
         out->t_pid = __atomic_load_n(&cb->t_pid, __ATOMIC_RELAXED);
@@ -177,6 +180,9 @@ static inline void dilu_cb_snapshot(const struct dilu_cb *cb, struct dilu_cb *ou
         out->t_flags = __atomic_load_n(&cb->t_flags, __ATOMIC_RELAXED);
         out->t_samples = __atomic_load_n(&cb->t_samples, __ATOMIC_RELAXED);
         out->t_quota_ppm = __atomic_load_n(&cb->t_quota_ppm, __ATOMIC_RELAXED);
+        out->t_mem_used_bytes = __atomic_load_n(&cb->t_mem_used_bytes, __ATOMIC_RELAXED);
+        out->t_mem_peak_bytes = __atomic_load_n(&cb->t_mem_peak_bytes, __ATOMIC_RELAXED);
+        out->t_oom_refusals = __atomic_load_n(&cb->t_oom_refusals, __ATOMIC_RELAXED);
     } while (dilu_seq_read_retry(&cb->t_seq, s));
     out->r_ready = dilu_load_u64(&cb->r_ready);
     out->r_requests = dilu_load_u64(&cb->r_requests);

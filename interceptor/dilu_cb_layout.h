@@ -9,7 +9,7 @@
  *   telemetry (t_*):            the interceptor inside the instance process
  *   instance runtime (r_*):     the instance's Python runtime (request-level counters)
  * Quotas are parts per million of one GPU's SM-time (quota 0.25 -> 250000).
- * Times: *_ns are CLOCK_MONOTONIC nanoseconds; *_us are microseconds.
+ * Times: *_ns are CLOCK_MONOTONIC nanoseconds; *_us are microseconds. Memory: *_bytes are bytes.
  */
 struct dilu_cb {
     /* ---- header: written once by the agent at creation ---- */
@@ -54,5 +54,12 @@ struct dilu_cb {
     uint64_t t_samples;            /* launches timed with events to calibrate kernel cost */
     uint64_t t_quota_ppm;          /* quota in effect (after the floor), as applied */
 
-    uint64_t reserved[13];
+    /* ---- device memory, in what layout 1 left reserved (same size and version: a block made
+     *      before these fields existed reads 0 here, i.e. no reservation and nothing counted) ---- */
+    uint64_t mem_limit_bytes;      /* agent writes at creation: the instance's reservation; 0 = none */
+    uint64_t t_mem_used_bytes;     /* interceptor, under t_seq: bytes held through counted allocations */
+    uint64_t t_mem_peak_bytes;     /* interceptor, under t_seq: the most t_mem_used_bytes has been */
+    uint64_t t_oom_refusals;       /* interceptor, under t_seq: allocations refused past the reservation */
+
+    uint64_t reserved[9];
 };
