@@ -1,44 +1,63 @@
 """``python -m dilu.services.node_agent`` (also ``dilu service node-agent``)."""
 from __future__ import annotations
 
+from pathlib import Path
+
 import click
+
+from dilu.services.common.cliopts import METRICS_PORTS, default_node, service_main
 
 from dilu.services.common.runner import run
 
+from . import devices
 from .service import NodeAgent
 
 
-def parse_gpus(value: str) -> int:
-    """``--gpus``: a count 1..64 of emulated GPUs, or ``cpu`` (returned as 0). Raises
-    click.BadParameter otherwise."""
+def parse_gpus(value: str) -> int | None:
+    """``--gpus``: ``all`` (None: every GPU NVML reports, or 4 on an emulated node), a count 1..64,
+    or ``cpu`` (returned as 0: a CPU node). Raises click.BadParameter otherwise."""
     if value == "cpu":
         return 0
+    if value == "all":
+        return None
     try:
         n = int(value)
     except ValueError:
-        raise click.BadParameter(f"expected a GPU count or 'cpu', got {value!r}") from None
+        raise click.BadParameter(f"expected a GPU count, 'all' or 'cpu', got {value!r}") from None
     if not 1 <= n <= 64:
         raise click.BadParameter(f"GPU count must be 1..64, got {n}")
     return n
 
 
 @click.command()
-@click.option("--nats-url", default="nats://127.0.0.1:4222", show_default=True, envvar="DILU_NATS_URL")
-@click.option("--node", default="node0", show_default=True, envvar="DILU_NODE")
-@click.option("--gpus", default="4", show_default=True, help="emulated GPUs on this node, or 'cpu' for a CPU node (torch handlers)")
-@click.option("--gpu-memory-gb", type=click.FloatRange(1, 1024), default=40.0, show_default=True)
-@click.option("--sms", type=click.IntRange(1, 1024), default=108, show_default=True, help="SMs per emulated GPU (A100: 108)")
+@click.option("--nats-url", default="nats://127.0.0.1:4222", show_default=True)
+@click.option("--node", default=default_node, show_default="host name", help="this node's name in subjects and the inventory")
+@click.option("--device", type=click.Choice(devices.MODES), default="auto", show_default=True,
+              help="nvml: this host's GPUs through NVML and the real driver; emulated: the fake NVML and driver; "
+                   "auto: nvml when a GPU is there, else emulated")
+@click.option("--gpus", default="all", show_default=True,
+              help="GPUs to use: all (an emulated node has 4), a count, or 'cpu' for a CPU node (torch handlers)")
+@click.option("--emulated-gpu", type=click.Choice(sorted(devices.EMULATED_GPUS)), default=devices.DEFAULT_EMULATED,
+              show_default=True, help="model of the emulated GPUs")
+@click.option("--gpu-memory-bytes", type=click.IntRange(2**30, 2**44), default=None,
+              help="device memory of each emulated GPU, bytes (default: the model's)")
+@click.option("--sms", type=click.IntRange(1, 1024), default=None, help="SMs of each emulated GPU (default: the model's)")
+@click.option("--mps-dir", type=click.Path(file_okay=False, path_type=Path), default=None,
+              help="MPS pipe and log directories go here on a real GPU (default: $XDG_RUNTIME_DIR/dilu-mps, else /tmp/dilu-mps)")
 @click.option("--sample-ms", type=click.FloatRange(1, 1000), default=10.0, show_default=True)
 @click.option("--telemetry-ms", type=click.FloatRange(10, 10000), default=250.0, show_default=True)
 @click.option("--initial-grant", type=click.Choice(["request", "limit"]), default="request", show_default=True)
-@click.option("--metrics-port", type=int, default=0, show_default=True, envvar="DILU_METRICS_PORT")
+@click.option("--metrics-port", type=click.IntRange(0, 65535), default=METRICS_PORTS["node_agent"], show_default=True,
+              help="/metrics, /healthz, /readyz (0: any free port).")
 @click.option("--log-level", default="info", show_default=True)
-def main(nats_url, node, gpus, gpu_memory_gb, sms, sample_ms, telemetry_ms, initial_grant, metrics_port, log_level):
-    """Run the node agent: instances on this node's GPUs, telemetry, grants."""
-    agent = NodeAgent(node=node, gpus=parse_gpus(gpus), gpu_memory_gb=gpu_memory_gb, sms=sms, sample_ms=sample_ms,
-                      telemetry_ms=telemetry_ms, initial_grant=initial_grant, nats_url=nats_url)
+def main(nats_url, node, device, gpus, emulated_gpu, gpu_memory_bytes, sms, mps_dir, sample_ms, telemetry_ms, initial_grant,
+         metrics_port, log_level):
+    """Run the node agent: discover this node's GPUs, run its instances, publish telemetry, apply grants."""
+    agent = NodeAgent(node=node, gpus=parse_gpus(gpus), device=device, emulated_model=emulated_gpu,
+                      memory_bytes=gpu_memory_bytes, sms=sms, mps_dir=mps_dir, sample_ms=sample_ms, telemetry_ms=telemetry_ms,
+                      initial_grant=initial_grant, nats_url=nats_url)
     run(agent, nats_url, metrics_port=metrics_port, log_level=log_level)
 
 
 if __name__ == "__main__":
-    main()
+    service_main(main)

@@ -1,5 +1,10 @@
 """The node agent: runs instances on its GPUs, owns their control blocks, publishes telemetry.
 
+- Discovers its GPUs through NVML and the CUDA driver (:mod:`.devices`: the real libraries on a GPU
+  node, the project's fake ones on an emulated node, by the same code) and keeps a
+  :class:`NodeInventory` in KV ``dilu-nodes`` with a heartbeat every ``NODE_HEARTBEAT_S``; GPU health
+  comes from NVML. It refuses to run under a node name another live agent holds, and stops if
+  another agent takes its name later (two agents with one name would launch the same instances).
 - Watches the placement table (JetStream KV ``dilu-placement``, the single source of truth) and
   launches, drains and retires the instances placed on this node.
 - Creates each instance's control block (request quota as the fail-safe rate, width fixed at
@@ -9,7 +14,12 @@
   :class:`GpuTelemetry` per GPU and advances the GPU-cost integrals (exported as Prometheus
   counters, which the demo's report reads).
 - Writes each :class:`TokenGrant` from the vertical scaler into the instance's block.
-- Serves profiling trials (``dilu.v1.node.trial.<node>``) on a trial worker under the interceptor.
+- Serves profiling trials (``dilu.v1.node.trial.<node>``) on a trial worker under the interceptor
+  (emulated GPUs only: a trial replays a model's kernels on the fake driver).
+
+Stopping the agent (SIGTERM) drains and stops its instances (each answers the batch in hand;
+queued requests wait in the work queue) and keeps their placements: an agent started again on the
+node within ``NODE_TTL_S`` relaunches them; after that the scheduler places them on other nodes.
 """
 from __future__ import annotations
 
@@ -23,16 +33,19 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from nats.js.api import KeyValueConfig
-from nats.js.errors import BucketNotFoundError
+from nats.js.errors import BucketNotFoundError, KeyNotFoundError, KeyWrongLastSequenceError
 from hdrh.histogram import HdrHistogram
 from prometheus_client import Counter, Gauge
 
-from dilu.contracts import MalformedEvent, decode, subjects
+from dilu.contracts import MalformedEvent, decode, encode, subjects
 from dilu.contracts import events as ev
 from dilu.services.common import logging as dlog
 from dilu.services.common.bus import Bus
 from dilu.services.common.metrics import MALFORMED
+from dilu.services.common.nodes import nodes_bucket
+from dilu.services.common.runner import StartFailed
 
+from . import devices
 from .accounting import Counters, GpuCost, Slot, stretch, window_use
 
 LAUNCHES = Counter("dilu_instance_launches", "Instances launched", ["function"])
@@ -45,21 +58,13 @@ QUOTA_S = Counter("dilu_quota_seconds", "Integral of granted quota over time", [
 STRETCHES = Counter("dilu_kernel_cycle_stretches", "Kernel-cycle stretch events published")
 INSTANCES = Gauge("dilu_instances", "Instances on this node", ["state"])
 REACTION_MS = Gauge("dilu_vertical_reaction_ms", "Stretch detected -> grant written to the control block (ms)", ["quantile"])
+GPU_HEALTHY = Gauge("dilu_gpu_healthy", "1 while NVML reports the GPU healthy", ["gpu"])
+OOM_REFUSALS = Counter("dilu_instance_oom_refusals", "Device allocations the interceptor refused past a reservation", ["function"])
 
 READY_TIMEOUT_S = 180.0
 DRAIN_TIMEOUT_S = 25.0
 MAX_RESTARTS = 3
 RESTART_DELAY_S = 1.0
-
-
-@dataclass
-class Gpu:
-    """One (emulated) GPU of this node. ``name`` keys the fake driver's shared device timeline."""
-
-    index: int
-    name: str
-    memory_bytes: int
-    sms: int
 
 
 @dataclass
@@ -74,31 +79,49 @@ class ManagedInstance:
     last: Counters | None = None
     window_start: Counters | None = None
     snap: object | None = None  # the control block's last snapshot (CbSnapshot)
+    oom_seen: int = 0  # allocation refusals already counted
     tasks: list[asyncio.Task] = field(default_factory=list)
 
 
 class NodeAgent:
-    """The node agent service (see module doc). ``gpus`` = 0 means a CPU node (torch handlers)."""
+    """The node agent service (see module doc).
+
+    ``device``: auto | nvml | emulated (:func:`.devices.open_device`); ``gpus``: GPUs to use (None:
+    all, or 4 on an emulated node; 0: a CPU node running torch handlers); ``emulated_model``,
+    ``memory_bytes``, ``sms``: the emulated GPUs' model and overrides; ``mps_dir``: the MPS
+    daemon's pipe and log directories on a real GPU; ``heartbeat_s``: how often
+    the inventory is refreshed in ``dilu-nodes``.
+    """
 
     name = "node_agent"
 
     def __init__(
         self,
         node: str = "node0",
-        gpus: int = 4,
-        gpu_memory_gb: float = 40.0,
-        sms: int = 108,
+        gpus: int | None = 4,
+        device: str = "auto",
+        emulated_model: str = devices.DEFAULT_EMULATED,
+        memory_bytes: int | None = None,
+        sms: int | None = None,
+        mps_dir: Path | None = None,
         sample_ms: float = 10.0,
         telemetry_ms: float = 250.0,
         initial_grant: str = "request",
         nats_url: str = "nats://127.0.0.1:4222",
+        heartbeat_s: float = subjects.NODE_HEARTBEAT_S,
     ) -> None:
         self.node = node
         self.nats_url = nats_url
         self.cpu = gpus == 0
-        run = uuid.uuid4().hex[:8]
-        count = 1 if self.cpu else gpus
-        self.gpus = [Gpu(i, f"dilu-{subjects.token(node)}-{run}-g{i}", int(gpu_memory_gb * 2**30), sms) for i in range(count)]
+        self.device_args = dict(mode=device, node=node, gpus=gpus, emulated_model=emulated_model,
+                                memory_bytes=memory_bytes, sms=sms, mps_dir=mps_dir)
+        self.device: devices.Device | None = None
+        self.gpus: list[devices.Gpu] = []
+        self.agent_id = uuid.uuid4().hex
+        self.heartbeat_s = heartbeat_s
+        self._inv_kv = None
+        self._inv_rev = 0
+        self._started_ns = time.time_ns()
         self.sample_s = sample_ms / 1000.0
         self.telemetry_every = max(1, round(telemetry_ms / sample_ms))
         self.initial_grant = initial_grant
@@ -121,19 +144,29 @@ class NodeAgent:
         return self._started and not self._stopping
 
     async def start(self, bus: Bus) -> None:
+        """Discover the GPUs, claim the node name in ``dilu-nodes``, then follow placements.
+        Raises StartFailed (one line) when the device cannot run here or the name is taken."""
         self.bus = bus
+        try:
+            self.device = await asyncio.to_thread(devices.open_device, **self.device_args)
+        except devices.DeviceError as exc:
+            raise StartFailed(str(exc)) from None
+        self.gpus = self.device.gpus if not self.cpu else [devices.Gpu(0, "cpu", "cpu", 0, 0)]
         if not self.cpu:
             from dilu.interceptor import native
 
-            await asyncio.to_thread(native.build)
+            native.interceptor_lib()  # fail now, with what to run, if the native parts are not built
+        await self._claim_node()
         await bus.subscribe(f"{subjects.PREFIX}.grant.issued.{subjects.token(self.node)}.*", ev.TokenGrant, self._on_grant)
         await bus.serve(subjects.node_trial(self.node), ev.TrialRequest, self._on_trial)
         kv = await self._placement_bucket()
         self._watcher = await kv.watchall()
         self._tasks.append(asyncio.create_task(self._watch_placements()))
         self._tasks.append(asyncio.create_task(self._sample_loop()))
+        self._tasks.append(asyncio.create_task(self._heartbeat_loop()))
         self._started = True
-        self.log.info("node agent started", gpus=[g.name for g in self.gpus])
+        self.log.info("node agent started", device=self.device.kind, mps=self.device.mps_state,
+                      gpus=[f"{g.index}:{g.name}:{g.uuid}" for g in self.device.gpus])
 
     async def stop(self) -> None:
         """Drain and retire every instance, then stop the loops (the runner drains NATS after)."""
@@ -149,11 +182,67 @@ class NodeAgent:
         await asyncio.gather(*self._tasks, return_exceptions=True)
         if self._trial is not None:
             await self._trial.close()
-        if not self.cpu:
-            from dilu.interceptor import timeline
+        if self.device is not None:
+            self.device.close()
 
-            for g in self.gpus:
-                timeline.unlink_gpu(g.name)
+    # ------------------------------------------------------------------ inventory
+
+    def inventory(self) -> ev.NodeInventory:
+        """This node's NodeInventory now (health as last polled)."""
+        d = self.device
+        return ev.NodeInventory(node=self.node, agent_id=self.agent_id, device=d.kind, driver_version=d.driver_version,
+                                cuda_version=d.cuda_version, mps=d.mps_state, heartbeat_s=self.heartbeat_s,
+                                started_ns=self._started_ns, gpus=d.inventory(), ts_ns=time.time_ns())
+
+    async def _claim_node(self) -> None:
+        """Put the first inventory, unless another live agent holds this node name (its heartbeat
+        is younger than NODE_TTL_S). Raises StartFailed then."""
+        self._inv_kv = await nodes_bucket(self.bus.js)
+        key = subjects.token(self.node)
+        try:
+            entry = await self._inv_kv.get(key)
+            other = decode(entry.value, ev.NodeInventory)
+            age_s = (time.time_ns() - other.ts_ns) / 1e9
+            if other.agent_id != self.agent_id and age_s < subjects.NODE_TTL_S:
+                raise StartFailed(f"node name {self.node!r} is held by another live agent (heartbeat {age_s:.1f} s ago); "
+                                  f"give this node its own --node / DILU_NODE")
+        except (KeyNotFoundError, MalformedEvent):
+            pass
+        self._inv_rev = await self._inv_kv.put(key, encode(self.inventory()))
+        await self.bus.publish(subjects.node_inventory(self.node), self.inventory())
+
+    async def _heartbeat_loop(self) -> None:
+        """Every ``heartbeat_s``: poll GPU health, re-put the inventory (compare-and-set on our own
+        revision, so a second agent under our name is noticed) and publish it."""
+        while True:
+            await asyncio.sleep(self.heartbeat_s)
+            try:
+                for g in await asyncio.to_thread(self.device.health):
+                    self.log.error("GPU unhealthy: it gets no new instance", gpu=g.index, uuid=g.uuid, reason=g.reason)
+                for g in self.device.gpus:
+                    GPU_HEALTHY.labels(str(g.index)).set(1 if g.healthy else 0)
+                inv = self.inventory()
+                try:
+                    self._inv_rev = await self._inv_kv.update(subjects.token(self.node), encode(inv), last=self._inv_rev)
+                except KeyWrongLastSequenceError:
+                    if await self._lost_name():
+                        return
+                    self._inv_rev = await self._inv_kv.put(subjects.token(self.node), encode(inv))
+                await self.bus.publish(subjects.node_inventory(self.node), inv)
+            except Exception as exc:  # NATS away for a while: the next beat tries again
+                self.log.warning("inventory heartbeat failed", error=repr(exc))
+
+    async def _lost_name(self) -> bool:
+        """Another agent wrote our key: if it is a different agent, stop this one (True)."""
+        try:
+            other = decode((await self._inv_kv.get(subjects.token(self.node))).value, ev.NodeInventory)
+        except (KeyNotFoundError, MalformedEvent):
+            return False  # expired or purged: just put ours again
+        if other.agent_id == self.agent_id:
+            return False
+        self.log.error("another agent took this node name; stopping", node=self.node, other_agent=other.agent_id)
+        os.kill(os.getpid(), signal.SIGTERM)
+        return True
 
     async def _placement_bucket(self):
         js = self.bus.js
@@ -199,6 +288,10 @@ class NodeAgent:
             if not 0 <= placement.gpu < len(self.gpus):
                 self.log.warning("placement names a GPU this node lacks", instance=placement.instance_id, gpu=placement.gpu)
                 return
+            if not self.gpus[placement.gpu].healthy:
+                self.log.warning("placement on an unhealthy GPU not launched", instance=placement.instance_id,
+                                 gpu=placement.gpu, reason=self.gpus[placement.gpu].reason)
+                return
             await self._launch(placement)
 
     async def _launch(self, p: ev.Placement) -> None:
@@ -207,16 +300,17 @@ class NodeAgent:
         quota = p.request_quota if self.initial_grant == "request" else p.limit_quota
         gpu = self.gpus[p.gpu]
         env = dict(os.environ)
-        device = "cpu" if self.cpu else "emulated"
+        device = self.device.handler_device
         if not self.cpu:
             from dilu.interceptor import native
             from dilu.interceptor.control_block import ControlBlock
 
             inst.cb_path = f"/dev/shm/dilu-cb-{subjects.token(self.node)}-{subjects.token(p.instance_id)}"
-            inst.cb = ControlBlock.create(inst.cb_path, p.instance_id, request_quota=p.request_quota, width=p.width)
+            inst.cb = ControlBlock.create(inst.cb_path, p.instance_id, request_quota=p.request_quota, width=p.width,
+                                          memory_limit_bytes=p.memory_bytes)
             inst.cb.write_grant(quota)
-            env.update(native.instance_env(inst.cb_path, gpu_name=gpu.name, width=p.width,
-                                           request_quota=p.request_quota, sms=gpu.sms))
+            env = native.interceptor_env(inst.cb_path, width=p.width, request_quota=p.request_quota, base=env)
+            env = self.device.gpu_env(env, gpu, width=p.width, memory_bytes=p.memory_bytes)
         inst.quota = quota
         args = [
             sys.executable, "-m", "dilu.services.node_agent.instance",
@@ -391,7 +485,13 @@ class NodeAgent:
                     wait_us_total=inst.last.wait_us, wait_us=use.wait_us, cycles_total=inst.last.cycles,
                     last_cycle_us=inst.last.last_cycle_us, baseline_cycle_us=inst.last.baseline_cycle_us,
                     slo_ms=p.slo_ms, latency_ms_recent=(snap.latency_us_ewma / 1000.0) if snap else 0.0,
-                    queue_depth=snap.queue_depth if snap else 0)
+                    queue_depth=snap.queue_depth if snap else 0,
+                    memory_used_bytes=snap.memory_used_bytes if snap else 0,
+                    memory_limit_bytes=snap.memory_limit_bytes if snap else 0,
+                    oom_refusals=snap.oom_refusals if snap else 0)
+                if snap and snap.oom_refusals > inst.oom_seen:
+                    OOM_REFUSALS.labels(p.function).inc(snap.oom_refusals - inst.oom_seen)
+                    inst.oom_seen = snap.oom_refusals
                 inst.window_start = inst.last
             TOKEN_WAIT_MS.inc(wait_us / 1000.0)
             per_gpu[p.gpu].append(Slot(p.function, p.request_quota, inst.quota, use_share * p.width))
@@ -407,10 +507,12 @@ class NodeAgent:
             QUOTA_S.labels(fn).inc(q - before[3].get(fn, 0.0))
         for state, n in states.items():
             INSTANCES.labels(state).set(n)
+        samples = await asyncio.to_thread(lambda: [self.device.sample(g.index) for g in self.gpus]) if not self.cpu else []
         for g in self.gpus:
             if per_gpu_tel[g.index]:
                 await self.bus.publish(subjects.telemetry_gpu(self.node, g.index), ev.GpuTelemetry(
-                    node=self.node, gpu=g.index, window_ms=dt_s * 1000.0, instances=per_gpu_tel[g.index]))
+                    node=self.node, gpu=g.index, window_ms=dt_s * 1000.0, instances=per_gpu_tel[g.index],
+                    nvml=samples[g.index] if samples else None))
 
     # ------------------------------------------------------------------ profiling trials
 
@@ -419,12 +521,15 @@ class NodeAgent:
             return ev.TrialReply(ok=False, error=f"need batch >= 1, 0 < quota <= 1, repeats >= 1; got {req}")
         if self.cpu:
             return ev.TrialReply(ok=False, error="this node has no GPU to run trials on")
+        if self.device.kind != "emulated":
+            return ev.TrialReply(ok=False, error="trials replay model kernels on emulated GPUs only; "
+                                                 "profile with the profiler's --backend surface on a real GPU node")
         from .trial import TrialWorker
 
         async with self._trial_lock:
             if self._trial is None:
                 gpu = self.gpus[req.gpu] if 0 <= req.gpu < len(self.gpus) else self.gpus[-1]
-                self._trial = TrialWorker(self.node, gpu.name, gpu.sms)
+                self._trial = TrialWorker(self.node, lambda env: self.device.gpu_env(env, gpu, width=1.0, memory_bytes=0))
                 await self._trial.start()
             return await self._trial.run(req)
 

@@ -27,9 +27,10 @@ TRIAL_STEPS = 4  # decode steps measured per generative request (scaled to the w
 class TrialWorker:
     """Owns the trial worker process and its control block (node-agent side)."""
 
-    def __init__(self, node: str, gpu_name: str, sms: int) -> None:
-        self.gpu_name = gpu_name
-        self.sms = sms
+    def __init__(self, node: str, gpu_env) -> None:
+        """``gpu_env(env) -> env`` adds what runs a process on the trial's GPU (the node agent's
+        Device.gpu_env for that GPU)."""
+        self.gpu_env = gpu_env
         self.cb_path = f"/dev/shm/dilu-cb-trial-{node}-{uuid.uuid4().hex[:8]}"
         self.cb = None
         self.proc: asyncio.subprocess.Process | None = None
@@ -40,8 +41,8 @@ class TrialWorker:
 
         self.cb = ControlBlock.create(self.cb_path, "trial", request_quota=1.0, width=1.0)
         self.cb.write_grant(1.0)
-        env = dict(os.environ)
-        env.update(native.instance_env(self.cb_path, gpu_name=self.gpu_name, width=1.0, request_quota=1.0, sms=self.sms))
+        env = native.interceptor_env(self.cb_path, width=1.0, request_quota=1.0)
+        env = self.gpu_env(env)
         self.proc = await asyncio.create_subprocess_exec(
             sys.executable, "-m", "dilu.services.node_agent.trial", env=env,
             stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE)
