@@ -122,12 +122,10 @@ class Cluster:
     def _args(self, name: str) -> list[str]:
         args = list(POLICIES[self.policy].get(name, []))
         if name == "node_agent":
-            args += ["--node", self.node, "--gpus", self.gpus]
-        if name == "vertical_scaler":
+            # the demo's functions replay model kernels, which run on emulated GPUs (or torch on a CPU node)
+            args += ["--node", self.node, "--gpus", self.gpus] + ([] if self.gpus == "cpu" else ["--device", "emulated"])
+        if name in ("vertical_scaler", "profiler"):
             args += ["--node", self.node]
-        if name == "scheduler":
-            gpus = "1" if self.gpus == "cpu" else self.gpus
-            args += ["--nodes", self.node, "--gpus", gpus]
         return args + self.extra_args.get(name, [])
 
     def _spawn(self, name: str) -> None:

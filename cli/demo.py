@@ -31,6 +31,7 @@ from dilu.services.common.invoke import InvokeClient
 from dilu.services.common.workqueue import ensure_consumer, ensure_stream
 
 from dilu.services.node_agent.__main__ import parse_gpus
+from dilu.services.node_agent.devices import EMULATED_DEFAULT_COUNT
 
 from .cluster import POLICIES, Cluster
 from .deploy import (WarmWatch, cluster_facts, cpu_function_spec, deploy, function_spec, operator_profile,
@@ -72,7 +73,7 @@ def _functions(value: str) -> int | str:
 def _gpus(value: str) -> str:
     """The node agent's own ``--gpus`` rule, checked before anything starts."""
     n = parse_gpus(value)
-    return "cpu" if n == 0 else str(n)
+    return "cpu" if n == 0 else str(n or EMULATED_DEFAULT_COUNT)
 
 
 def _finite(_ctx, param, value: float) -> float:
