@@ -9,6 +9,9 @@
 # (the agent reads the path from DILU_INTERCEPTOR_LIB), so every CUDA driver call they make goes
 # through the interceptor. The agent itself is never preloaded: it does not launch kernels.
 #
+# The agent names itself after the Nomad node (DILU_NODE) and publishes its GPUs, found through
+# NVML, to the dilu-nodes KV bucket; the scheduler places onto whatever nodes are there.
+#
 # Why raw_exec: the agent and its instances need the host's /dev/nvidia* devices, the MPS control
 # pipe if MPS is used, and a /dev/shm that agent and instances share; the exec driver's chroot and
 # private /dev would hide them. The device block makes Nomad place the agent only where the NVIDIA
@@ -143,12 +146,15 @@ job "dilu-node-agent" {
         DILU_METRICS_HOST    = "${NOMAD_IP_metrics}"
         DILU_LOG_LEVEL       = var.log_level
         DILU_NODE            = "${node.unique.name}"
+        DILU_DEVICE          = "nvml"
+        DILU_MPS_DIR         = "${NOMAD_TASK_DIR}/mps"
         DILU_INTERCEPTOR_LIB = var.interceptor_lib
         PYTHONUNBUFFERED     = "1"
       }
 
-      # Stopping the agent retires nothing: its instances keep running at their last grant (the
-      # interceptor's fail-safe) and the next agent adopts them from the placement table.
+      # Stopping the agent drains and stops its instances (each answers the batch in hand; queued
+      # requests wait in the work queue). Their placements stay: the agent relaunches them when it
+      # starts again within the node TTL (15 s); after that the scheduler places them elsewhere.
       kill_signal  = "SIGTERM"
       kill_timeout = "35s"
 
