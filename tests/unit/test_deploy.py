@@ -20,6 +20,7 @@ from pathlib import Path
 
 import hcl2
 import pytest
+from unitfiles import parse_unit, unit_value
 
 from dilu.contracts import subjects
 
@@ -109,28 +110,6 @@ def dilu_tasks() -> dict[str, Task]:
         if pkg:
             tasks[pkg] = t
     return tasks
-
-
-def parse_unit(path: Path) -> dict[str, list[tuple[str, str]]]:
-    """A systemd unit as section -> [(key, value)] in order (keys may repeat, e.g. Environment=)."""
-    sections: dict[str, list[tuple[str, str]]] = {}
-    current = None
-    for line in path.read_text().splitlines():
-        line = line.strip()
-        if not line or line.startswith(("#", ";")):
-            continue
-        if line.startswith("["):
-            current = sections.setdefault(line.strip("[]"), [])
-        else:
-            key, _, value = line.partition("=")
-            current.append((key.strip(), value.strip()))
-    return sections
-
-
-def unit_value(unit: dict, section: str, key: str) -> str | None:
-    """Last value of ``key`` in ``section`` (systemd's rule for single-valued keys), None if unset."""
-    values = [v for k, v in unit.get(section, []) if k == key]
-    return values[-1] if values else None
 
 
 def metrics_port_arg(args: list[str]) -> str:
