@@ -28,6 +28,27 @@
  *   - DILU_FAKE_DEFAULT_US (default 100).
  * Width: CUDA_MPS_ACTIVE_THREAD_PERCENTAGE (percent, default 100), read at cuInit.
  * SMs: DILU_FAKE_GPU_SMS (default 108); the first process to create the GPU segment fixes it.
+ * Devices (dilu_fake_gpu.h): DILU_FAKE_GPU_COUNT devices, named DILU_FAKE_GPU_NAME, with UUIDs of
+ * node-level index DILU_FAKE_GPU_FIRST_INDEX + ordinal; all of a process's devices run on its one
+ * emulated GPU (DILU_FAKE_GPU).
+ *
+ * cuInit only reads the environment: the segment is opened (created by the first process) at the
+ * first context, allocation, memory query or launch, so a node agent may enumerate devices
+ * (count, name, attributes, UUIDs, total memory) without creating one.
+ *
+ * Device memory: DILU_FAKE_GPU_MEMORY_BYTES per emulated GPU (default 40 GiB; the segment's
+ * creator fixes it), shared by every process on it and counted in the segment (total, used, and
+ * the bytes each pid holds) under its mutex. An allocation past the total returns
+ * CUDA_ERROR_OUT_OF_MEMORY, after reclaiming what dead processes held. Device pointers are fake
+ * addresses (a per-process bump counter from 0x200000000000, 512-byte aligned; never
+ * dereferenced), and each process maps them to their sizes so a free credits what was charged. A
+ * process that exits normally gives its memory back (a destructor); one that is killed has its
+ * entry reclaimed by the next allocation that needs the room. Entry points: cuMemAlloc(_v2),
+ * cuMemAllocManaged, cuMemAllocPitch_v2 (pitch rounded up to 512 bytes), cuMemAllocAsync and
+ * cuMemAllocFromPoolAsync (+_ptsz; the pool is ignored), cuMemCreate, cuArrayCreate_v2 and
+ * cuArray3DCreate_v2 (width x height x depth x channels x channel bytes), their frees
+ * (cuMemFree(_v2), cuMemFreeAsync(+_ptsz), cuMemRelease, cuArrayDestroy), cuMemGetInfo(_v2).
+ * The legacy cuMemAlloc / cuMemFree / cuMemGetInfo take 32-bit values, as the real driver's do.
  * Queue depth: DILU_FAKE_QUEUE_DEPTH ops per stream (default 1024); a launch into a full stream
  * waits, as with a real driver's push buffer. DILU_FAKE_NULL_LAUNCH=1 makes launches return at
  * once without running (to measure what a caller of the driver adds per launch).
@@ -86,7 +107,6 @@ static void gpu_unlock(void) { pthread_mutex_unlock(&g_gpu->mu); }
 static int gpu_open(void)
 {
     const char *name = getenv("DILU_FAKE_GPU");
-    const char *sms_env = getenv("DILU_FAKE_GPU_SMS");
     char path[256];
     snprintf(path, sizeof path, "/dilu-gpu-%s", name && *name ? name : "default");
     size_t size = sizeof(struct gpu_shm);
@@ -119,9 +139,8 @@ static int gpu_open(void)
         pthread_mutexattr_setrobust(&a, PTHREAD_MUTEX_ROBUST);
         pthread_mutex_init(&g->mu, &a);
         g->version = GPU_VERSION;
-        g->sms = sms_env ? (uint32_t)atoi(sms_env) : 108;
-        if (g->sms == 0)
-            g->sms = 108;
+        g->sms = (uint32_t)dilu_fake_sms();
+        g->mem_total = dilu_fake_memory_bytes();
         g->ring_offset = offsetof(struct gpu_shm, ring);
         g->ring_cap = GPU_RING;
         g->rec_size = sizeof(struct gpu_rec);
@@ -137,7 +156,29 @@ static int gpu_open(void)
         }
     }
     g_gpu = g;
+    if (!creator && !__atomic_load_n(&g->mem_total, __ATOMIC_ACQUIRE)) { /* made before memory was counted */
+        gpu_lock();
+        if (!g->mem_total)
+            g->mem_total = dilu_fake_memory_bytes();
+        gpu_unlock();
+    }
     return 0;
+}
+
+/* Opens (or creates) the emulated GPU's segment once, on first need; never at cuInit. */
+static pthread_mutex_t g_open_mu = PTHREAD_MUTEX_INITIALIZER;
+static int g_open_tried;
+
+static void gpu_ensure(void)
+{
+    if (__atomic_load_n(&g_open_tried, __ATOMIC_ACQUIRE))
+        return;
+    pthread_mutex_lock(&g_open_mu);
+    if (!g_open_tried) {
+        gpu_open();
+        __atomic_store_n(&g_open_tried, 1, __ATOMIC_RELEASE);
+    }
+    pthread_mutex_unlock(&g_open_mu);
 }
 
 static void gpu_record(struct gpu_slot *s)
@@ -358,6 +399,225 @@ static uint64_t gpu_run(uint64_t desired, double dur_ns, uint64_t ctx, uint64_t 
         if (s->waiting)
             gpu_admit(g_gpu->sim_now);
     }
+}
+
+/* ------------------------------------------------------------------ device memory */
+
+/* What each process holds is counted in the segment (gpu_shm: mem_total, mem_used, procs) under
+ * its mutex; the fake NVML reads it. Without a segment (it could not be opened) the process
+ * counts alone against DILU_FAKE_GPU_MEMORY_BYTES. */
+static pthread_mutex_t g_mem_mu = PTHREAD_MUTEX_INITIALIZER; /* guards everything below */
+static uint64_t g_local_used;
+
+static void st32(uint32_t *p, uint32_t v) { __atomic_store_n(p, v, __ATOMIC_RELEASE); }
+static void st64(uint64_t *p, uint64_t v) { __atomic_store_n(p, v, __ATOMIC_RELEASE); }
+
+/* Gives back what dead processes held (their entries are freed). Under the segment's lock. */
+static void gpu_reclaim_dead(void)
+{
+    struct gpu_shm *g = g_gpu;
+    for (int i = 0; i < GPU_MEM_PROCS; i++) {
+        uint32_t pid = g->procs[i].pid;
+        if (!pid || pid == g_pid || pid_alive(pid))
+            continue;
+        uint64_t b = g->procs[i].bytes;
+        st64(&g->mem_used, g->mem_used - (b < g->mem_used ? b : g->mem_used));
+        st64(&g->procs[i].bytes, 0);
+        st32(&g->procs[i].pid, 0);
+    }
+}
+
+static int gpu_proc_index(void)
+{
+    for (int i = 0; i < GPU_MEM_PROCS; i++)
+        if (g_gpu->procs[i].pid == g_pid)
+            return i;
+    return -1;
+}
+
+/* Charges `bytes` to this process; CUDA_ERROR_OUT_OF_MEMORY when they do not fit in what is
+ * left of the device (after reclaiming what dead processes held). */
+static CUresult mem_charge(uint64_t bytes)
+{
+    gpu_ensure();
+    struct gpu_shm *g = g_gpu;
+    if (!g) {
+        uint64_t total = dilu_fake_memory_bytes();
+        pthread_mutex_lock(&g_mem_mu);
+        int fits = g_local_used <= total && bytes <= total - g_local_used;
+        if (fits)
+            g_local_used += bytes;
+        pthread_mutex_unlock(&g_mem_mu);
+        return fits ? CUDA_SUCCESS : CUDA_ERROR_OUT_OF_MEMORY;
+    }
+    gpu_lock();
+    int me = -1;
+    for (int pass = 0;; pass++) {
+        me = gpu_proc_index();
+        int spare = -1;
+        for (int i = 0; me < 0 && spare < 0 && i < GPU_MEM_PROCS; i++)
+            if (!g->procs[i].pid)
+                spare = i;
+        int fits = g->mem_used <= g->mem_total && bytes <= g->mem_total - g->mem_used;
+        if (fits && (me >= 0 || spare >= 0)) {
+            if (me < 0) {
+                me = spare;
+                st64(&g->procs[me].bytes, 0);
+                st32(&g->procs[me].pid, g_pid);
+            }
+            break;
+        }
+        if (pass == 1) {
+            gpu_unlock();
+            return CUDA_ERROR_OUT_OF_MEMORY;
+        }
+        gpu_reclaim_dead();
+    }
+    st64(&g->procs[me].bytes, g->procs[me].bytes + bytes);
+    st64(&g->mem_used, g->mem_used + bytes);
+    gpu_unlock();
+    return CUDA_SUCCESS;
+}
+
+static void mem_uncharge(uint64_t bytes)
+{
+    struct gpu_shm *g = g_gpu;
+    if (!g) {
+        pthread_mutex_lock(&g_mem_mu);
+        g_local_used -= bytes < g_local_used ? bytes : g_local_used;
+        pthread_mutex_unlock(&g_mem_mu);
+        return;
+    }
+    gpu_lock();
+    int me = gpu_proc_index();
+    if (me >= 0) {
+        uint64_t held = g->procs[me].bytes, b = bytes < held ? bytes : held;
+        st64(&g->mem_used, g->mem_used - (b < g->mem_used ? b : g->mem_used));
+        st64(&g->procs[me].bytes, held - b);
+        if (held == b) /* holds nothing now: the entry is free again */
+            st32(&g->procs[me].pid, 0);
+    }
+    gpu_unlock();
+}
+
+/* (total, used) of the emulated GPU, after reclaiming what dead processes held. */
+static void mem_info(uint64_t *total, uint64_t *used)
+{
+    gpu_ensure();
+    struct gpu_shm *g = g_gpu;
+    if (!g) {
+        pthread_mutex_lock(&g_mem_mu);
+        *total = dilu_fake_memory_bytes();
+        *used = g_local_used;
+        pthread_mutex_unlock(&g_mem_mu);
+        return;
+    }
+    gpu_lock();
+    gpu_reclaim_dead();
+    *total = g->mem_total;
+    *used = g->mem_used;
+    gpu_unlock();
+}
+
+/* A normal exit gives the process's memory back, as the real driver does when a process ends. */
+__attribute__((destructor)) static void mem_at_exit(void)
+{
+    struct gpu_shm *g = g_gpu;
+    if (!g || !g_pid || g_pid != (uint32_t)getpid())
+        return;
+    int r = EBUSY;
+    for (int i = 0; i < 50 && (r = pthread_mutex_trylock(&g->mu)) == EBUSY; i++)
+        usleep(1000); /* bounded: never hang an exiting process */
+    if (r == EOWNERDEAD)
+        pthread_mutex_consistent(&g->mu);
+    else if (r != 0)
+        return;
+    int me = gpu_proc_index();
+    if (me >= 0) {
+        uint64_t b = g->procs[me].bytes;
+        st64(&g->mem_used, g->mem_used - (b < g->mem_used ? b : g->mem_used));
+        st64(&g->procs[me].bytes, 0);
+        st32(&g->procs[me].pid, 0);
+    }
+    gpu_unlock();
+}
+
+/* This process's allocations: fake address (or handle) -> bytes charged. */
+enum { MEM_PTR = 1, MEM_HANDLE, MEM_ARRAY };
+
+struct mem_obj {
+    uint64_t addr;
+    uint64_t bytes;
+    int cls;
+    struct mem_obj *next;
+};
+
+#define MEM_BUCKETS 4096
+#define MEM_ALIGN 512ull
+static struct mem_obj *g_mem_tab[MEM_BUCKETS];
+static uint64_t g_next_addr = 0x200000000000ull; /* never dereferenced */
+static uint64_t g_next_addr_v1 = 0x10000000ull;   /* legacy 32-bit pointers */
+
+static unsigned mem_bucket(uint64_t addr) { return (unsigned)((addr * 0x9E3779B97F4A7C15ull) >> 52); }
+
+/* Charges `bytes` and hands out a new address for them. */
+static CUresult mem_new(int cls, uint64_t bytes, int v1, uint64_t *addr)
+{
+    if (bytes > UINT64_MAX - MEM_ALIGN)
+        return CUDA_ERROR_OUT_OF_MEMORY;
+    CUresult r = mem_charge(bytes);
+    if (r != CUDA_SUCCESS)
+        return r;
+    struct mem_obj *o = malloc(sizeof *o);
+    uint64_t span = (bytes + MEM_ALIGN - 1) & ~(MEM_ALIGN - 1);
+    pthread_mutex_lock(&g_mem_mu);
+    uint64_t *next = v1 ? &g_next_addr_v1 : &g_next_addr;
+    uint64_t room = v1 ? 0xfffff000ull : 0x7ff000000000ull;
+    if (!o || *next > room || span > room - *next) {
+        pthread_mutex_unlock(&g_mem_mu);
+        free(o);
+        mem_uncharge(bytes);
+        return CUDA_ERROR_OUT_OF_MEMORY;
+    }
+    *o = (struct mem_obj){*next, bytes, cls, NULL};
+    *next += span ? span : MEM_ALIGN;
+    unsigned b = mem_bucket(o->addr);
+    o->next = g_mem_tab[b];
+    g_mem_tab[b] = o;
+    pthread_mutex_unlock(&g_mem_mu);
+    *addr = o->addr;
+    return CUDA_SUCCESS;
+}
+
+/* Forgets `addr` and credits what it was charged; an unknown address is an error. */
+static CUresult mem_delete(int cls, uint64_t addr)
+{
+    pthread_mutex_lock(&g_mem_mu);
+    struct mem_obj **pp = &g_mem_tab[mem_bucket(addr)], *o;
+    while ((o = *pp) && !(o->addr == addr && o->cls == cls))
+        pp = &o->next;
+    if (o)
+        *pp = o->next;
+    pthread_mutex_unlock(&g_mem_mu);
+    if (!o)
+        return cls == MEM_PTR ? CUDA_ERROR_INVALID_VALUE : CUDA_ERROR_INVALID_HANDLE;
+    mem_uncharge(o->bytes);
+    free(o);
+    return CUDA_SUCCESS;
+}
+
+/* A forked child holds none of its parent's allocations (the driver state does not survive). */
+static void mem_forget_all(void)
+{
+    pthread_mutex_init(&g_mem_mu, NULL);
+    for (unsigned b = 0; b < MEM_BUCKETS; b++) {
+        for (struct mem_obj *o = g_mem_tab[b], *n; o; o = n) {
+            n = o->next;
+            free(o);
+        }
+        g_mem_tab[b] = NULL;
+    }
+    g_local_used = 0;
 }
 
 /* ------------------------------------------------------------------ process-local objects */
@@ -585,6 +845,8 @@ static void atfork_child(void)
     g_primary = NULL;
     t_ctx = NULL;
     g_pid = (uint32_t)getpid();
+    pthread_mutex_init(&g_open_mu, NULL);
+    mem_forget_all();
 }
 
 static void init_once(void)
@@ -605,8 +867,7 @@ static void init_once(void)
     if (q && atol(q) > 0)
         g_queue_depth = atol(q);
     g_pid = (uint32_t)getpid();
-    if (!g_gpu)
-        gpu_open();
+    /* nothing else: the device segment is opened on first need (gpu_ensure) */
 }
 
 static double table_us(const char *name)
@@ -644,6 +905,7 @@ static CUresult launch(CUfunction f, CUstream h, void **params)
         return CUDA_ERROR_NOT_INITIALIZED;
     if (!f)
         return CUDA_ERROR_INVALID_HANDLE;
+    gpu_ensure();
     double ns = kernel_ns(f, params);
     if (g_null_launch) /* overhead benchmarks: a driver whose launch costs nothing */
         return CUDA_SUCCESS;
@@ -698,29 +960,80 @@ API CUresult cuDeviceGetCount(int *n)
 {
     if (!g_inited)
         return CUDA_ERROR_NOT_INITIALIZED;
-    *n = 1;
+    if (!n)
+        return CUDA_ERROR_INVALID_VALUE;
+    *n = dilu_fake_gpu_count();
     return CUDA_SUCCESS;
 }
+
+static int device_ok(CUdevice d) { return d >= 0 && d < dilu_fake_gpu_count(); }
 
 API CUresult cuDeviceGet(CUdevice *d, int ordinal)
 {
     if (!g_inited)
         return CUDA_ERROR_NOT_INITIALIZED;
-    if (ordinal != 0)
+    if (!d)
+        return CUDA_ERROR_INVALID_VALUE;
+    if (!device_ok(ordinal))
         return CUDA_ERROR_INVALID_DEVICE;
-    *d = 0;
+    *d = ordinal;
     return CUDA_SUCCESS;
 }
 
 API CUresult cuDeviceGetName(char *name, int len, CUdevice d)
 {
-    snprintf(name, (size_t)len, "Dilu emulated GPU %s", getenv("DILU_FAKE_GPU") ? getenv("DILU_FAKE_GPU") : "default");
+    if (!g_inited)
+        return CUDA_ERROR_NOT_INITIALIZED;
+    if (!name || len <= 0)
+        return CUDA_ERROR_INVALID_VALUE;
+    if (!device_ok(d))
+        return CUDA_ERROR_INVALID_DEVICE;
+    snprintf(name, (size_t)len, "%s", dilu_fake_name());
     return CUDA_SUCCESS;
 }
 
+/* The emulated GPU's memory: the segment's total once it is open, else the environment's. */
 API CUresult cuDeviceTotalMem_v2(size_t *bytes, CUdevice d)
 {
-    *bytes = (size_t)80 << 30;
+    if (!g_inited)
+        return CUDA_ERROR_NOT_INITIALIZED;
+    if (!bytes)
+        return CUDA_ERROR_INVALID_VALUE;
+    if (!device_ok(d))
+        return CUDA_ERROR_INVALID_DEVICE;
+    struct gpu_shm *g = g_gpu;
+    uint64_t total = g ? __atomic_load_n(&g->mem_total, __ATOMIC_ACQUIRE) : 0;
+    *bytes = (size_t)(total ? total : dilu_fake_memory_bytes());
+    return CUDA_SUCCESS;
+}
+
+/* 16 bytes of dilu_fake_uuid(node-level index), as the fake NVML reports them. */
+API CUresult cuDeviceGetUuid(CUuuid *uuid, CUdevice d)
+{
+    if (!g_inited)
+        return CUDA_ERROR_NOT_INITIALIZED;
+    if (!uuid)
+        return CUDA_ERROR_INVALID_VALUE;
+    if (!device_ok(d))
+        return CUDA_ERROR_INVALID_DEVICE;
+    unsigned char u[16];
+    dilu_fake_uuid(dilu_fake_first_index() + d, u);
+    memcpy(uuid->bytes, u, sizeof u);
+    return CUDA_SUCCESS;
+}
+
+API CUresult cuDeviceGetUuid_v2(CUuuid *uuid, CUdevice d) { return cuDeviceGetUuid(uuid, d); }
+
+/* "0000:BB:00.0" with bus 0x10 + node-level index, as the fake NVML's legacy bus id. */
+API CUresult cuDeviceGetPCIBusId(char *bus_id, int len, CUdevice d)
+{
+    if (!g_inited)
+        return CUDA_ERROR_NOT_INITIALIZED;
+    if (!bus_id || len <= 0)
+        return CUDA_ERROR_INVALID_VALUE;
+    if (!device_ok(d))
+        return CUDA_ERROR_INVALID_DEVICE;
+    snprintf(bus_id, (size_t)len, "%04X:%02X:00.0", 0u, (unsigned)(0x10 + dilu_fake_first_index() + d) & 0xffu);
     return CUDA_SUCCESS;
 }
 
@@ -728,9 +1041,13 @@ API CUresult cuDeviceGetAttribute(int *v, int attrib, CUdevice d)
 {
     if (!g_inited)
         return CUDA_ERROR_NOT_INITIALIZED;
+    if (!v)
+        return CUDA_ERROR_INVALID_VALUE;
+    if (!device_ok(d))
+        return CUDA_ERROR_INVALID_DEVICE;
     switch (attrib) {
-    case CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT:
-        *v = g_gpu ? (int)g_gpu->sms : 108;
+    case CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT: /* the segment's once open (its creator fixed it) */
+        *v = g_gpu ? (int)g_gpu->sms : dilu_fake_sms();
         return CUDA_SUCCESS;
     case CU_DEVICE_ATTRIBUTE_MAX_THREADS_PER_BLOCK:
         *v = 1024;
@@ -751,6 +1068,7 @@ API CUresult cuCtxCreate_v2(CUcontext *pctx, unsigned int flags, CUdevice d)
 {
     if (!g_inited)
         return CUDA_ERROR_NOT_INITIALIZED;
+    gpu_ensure();
     struct ctx *c = calloc(1, sizeof *c);
     t_ctx = c;
     *pctx = (CUcontext)c;
@@ -768,6 +1086,7 @@ API CUresult cuDevicePrimaryCtxRetain(CUcontext *pctx, CUdevice d)
 {
     if (!g_inited)
         return CUDA_ERROR_NOT_INITIALIZED;
+    gpu_ensure();
     pthread_mutex_lock(&g_mu);
     if (!g_primary)
         g_primary = calloc(1, sizeof *g_primary);
@@ -1189,6 +1508,7 @@ API CUresult cuGraphLaunch(CUgraphExec e, CUstream h)
         return CUDA_ERROR_NOT_INITIALIZED;
     if (!x)
         return CUDA_ERROR_INVALID_HANDLE;
+    gpu_ensure();
     pthread_mutex_lock(&g_mu);
     struct stream *s = resolve(h);
     for (size_t i = 0; i < x->n; i++) {
@@ -1203,6 +1523,161 @@ API CUresult cuGraphLaunch(CUgraphExec e, CUstream h)
 }
 
 API CUresult cuGraphLaunch_ptsz(CUgraphExec e, CUstream h) { return cuGraphLaunch(e, h); }
+
+/* ------------------------------------------------------------------ API: device memory */
+
+static CUresult alloc_ptr(CUdeviceptr *d, size_t bytes)
+{
+    if (!g_inited)
+        return CUDA_ERROR_NOT_INITIALIZED;
+    if (!d || !bytes)
+        return CUDA_ERROR_INVALID_VALUE;
+    uint64_t a = 0;
+    CUresult r = mem_new(MEM_PTR, bytes, 0, &a);
+    if (r == CUDA_SUCCESS)
+        *d = (CUdeviceptr)a;
+    return r;
+}
+
+static CUresult free_ptr(CUdeviceptr d)
+{
+    if (!g_inited)
+        return CUDA_ERROR_NOT_INITIALIZED;
+    return d ? mem_delete(MEM_PTR, d) : CUDA_ERROR_INVALID_VALUE;
+}
+
+API CUresult cuMemAlloc_v2(CUdeviceptr *d, size_t bytes) { return alloc_ptr(d, bytes); }
+API CUresult cuMemAllocManaged(CUdeviceptr *d, size_t bytes, unsigned int flags) { return alloc_ptr(d, bytes); }
+API CUresult cuMemAllocAsync(CUdeviceptr *d, size_t bytes, CUstream h) { return alloc_ptr(d, bytes); }
+API CUresult cuMemAllocAsync_ptsz(CUdeviceptr *d, size_t bytes, CUstream h) { return alloc_ptr(d, bytes); }
+API CUresult cuMemAllocFromPoolAsync(CUdeviceptr *d, size_t bytes, CUmemoryPool pool, CUstream h)
+{
+    return alloc_ptr(d, bytes);
+}
+API CUresult cuMemAllocFromPoolAsync_ptsz(CUdeviceptr *d, size_t bytes, CUmemoryPool pool, CUstream h)
+{
+    return alloc_ptr(d, bytes);
+}
+
+/* Rows of WidthInBytes rounded up to 512 bytes. */
+API CUresult cuMemAllocPitch_v2(CUdeviceptr *d, size_t *pitch, size_t width, size_t height, unsigned int elem)
+{
+    if (!g_inited)
+        return CUDA_ERROR_NOT_INITIALIZED;
+    if (!d || !pitch || !width || !height)
+        return CUDA_ERROR_INVALID_VALUE;
+    if (width > SIZE_MAX - DILU_PITCH_ALIGN)
+        return CUDA_ERROR_OUT_OF_MEMORY;
+    size_t p = (width + DILU_PITCH_ALIGN - 1) / DILU_PITCH_ALIGN * DILU_PITCH_ALIGN;
+    if (height > SIZE_MAX / p)
+        return CUDA_ERROR_OUT_OF_MEMORY;
+    CUresult r = alloc_ptr(d, p * height);
+    if (r == CUDA_SUCCESS)
+        *pitch = p;
+    return r;
+}
+
+API CUresult cuMemFree_v2(CUdeviceptr d) { return free_ptr(d); }
+API CUresult cuMemFreeAsync(CUdeviceptr d, CUstream h) { return free_ptr(d); }
+API CUresult cuMemFreeAsync_ptsz(CUdeviceptr d, CUstream h) { return free_ptr(d); }
+
+/* The legacy entry points: 32-bit pointers and sizes (what the real driver exports them with). */
+API CUresult cuMemAlloc(CUdeviceptr_v1 *d, unsigned int bytes)
+{
+    if (!g_inited)
+        return CUDA_ERROR_NOT_INITIALIZED;
+    if (!d || !bytes)
+        return CUDA_ERROR_INVALID_VALUE;
+    uint64_t a = 0;
+    CUresult r = mem_new(MEM_PTR, bytes, 1, &a);
+    if (r == CUDA_SUCCESS)
+        *d = (CUdeviceptr_v1)a;
+    return r;
+}
+
+API CUresult cuMemFree(CUdeviceptr_v1 d) { return free_ptr((CUdeviceptr)d); }
+
+API CUresult cuMemCreate(CUmemGenericAllocationHandle *h, size_t bytes, const CUmemAllocationProp *prop,
+                         unsigned long long flags)
+{
+    if (!g_inited)
+        return CUDA_ERROR_NOT_INITIALIZED;
+    if (!h || !bytes)
+        return CUDA_ERROR_INVALID_VALUE;
+    uint64_t a = 0;
+    CUresult r = mem_new(MEM_HANDLE, bytes, 0, &a);
+    if (r == CUDA_SUCCESS)
+        *h = (CUmemGenericAllocationHandle)a;
+    return r;
+}
+
+API CUresult cuMemRelease(CUmemGenericAllocationHandle h)
+{
+    if (!g_inited)
+        return CUDA_ERROR_NOT_INITIALIZED;
+    return mem_delete(MEM_HANDLE, (uint64_t)h);
+}
+
+static CUresult array_new(CUarray *a, uint64_t bytes, unsigned channels)
+{
+    if (!g_inited)
+        return CUDA_ERROR_NOT_INITIALIZED;
+    if (!a || !bytes || (channels != 1 && channels != 2 && channels != 4))
+        return CUDA_ERROR_INVALID_VALUE;
+    uint64_t h = 0;
+    CUresult r = mem_new(MEM_ARRAY, bytes, 0, &h);
+    if (r == CUDA_SUCCESS)
+        *a = (CUarray)(uintptr_t)h;
+    return r;
+}
+
+API CUresult cuArrayCreate_v2(CUarray *a, const CUDA_ARRAY_DESCRIPTOR *desc)
+{
+    if (!desc)
+        return CUDA_ERROR_INVALID_VALUE;
+    return array_new(a, dilu_array_bytes(desc->Width, desc->Height, 0, desc->Format, desc->NumChannels),
+                     desc->NumChannels);
+}
+
+API CUresult cuArray3DCreate_v2(CUarray *a, const CUDA_ARRAY3D_DESCRIPTOR *desc)
+{
+    if (!desc)
+        return CUDA_ERROR_INVALID_VALUE;
+    return array_new(a, dilu_array_bytes(desc->Width, desc->Height, desc->Depth, desc->Format,
+                                         desc->NumChannels), desc->NumChannels);
+}
+
+API CUresult cuArrayDestroy(CUarray a)
+{
+    if (!g_inited)
+        return CUDA_ERROR_NOT_INITIALIZED;
+    return mem_delete(MEM_ARRAY, (uint64_t)(uintptr_t)a);
+}
+
+/* free / total of the emulated GPU, every process's allocations counted. */
+API CUresult cuMemGetInfo_v2(size_t *free_bytes, size_t *total_bytes)
+{
+    if (!g_inited)
+        return CUDA_ERROR_NOT_INITIALIZED;
+    if (!free_bytes || !total_bytes)
+        return CUDA_ERROR_INVALID_VALUE;
+    uint64_t total, used;
+    mem_info(&total, &used);
+    *total_bytes = (size_t)total;
+    *free_bytes = (size_t)(used < total ? total - used : 0);
+    return CUDA_SUCCESS;
+}
+
+API CUresult cuMemGetInfo(unsigned int *free_bytes, unsigned int *total_bytes)
+{
+    size_t f = 0, t = 0;
+    CUresult r = cuMemGetInfo_v2(free_bytes ? &f : NULL, total_bytes ? &t : NULL);
+    if (r == CUDA_SUCCESS) {
+        *free_bytes = f > UINT32_MAX ? UINT32_MAX : (unsigned int)f;
+        *total_bytes = t > UINT32_MAX ? UINT32_MAX : (unsigned int)t;
+    }
+    return r;
+}
 
 /* ------------------------------------------------------------------ API: errors, entry points */
 
@@ -1248,6 +1723,20 @@ static const struct { const char *name; void *fn; } g_entries[] = {
     ENTRY(cuGraphExecDestroy), ENTRY(cuGraphLaunch), ENTRY(cuGraphLaunch_ptsz),
     ENTRY(cuGetErrorString), ENTRY(cuGetErrorName), ENTRY(cuGetExportTable),
     ENTRY(cuGetProcAddress), ENTRY(cuGetProcAddress_v2),
+    ENTRY(cuDeviceGetUuid), ENTRY(cuDeviceGetUuid_v2), ENTRY(cuDeviceGetPCIBusId),
+    ENTRY(cuMemAlloc_v2), ENTRY(cuMemAlloc), ENTRY(cuMemAllocManaged), ENTRY(cuMemAllocPitch_v2),
+    ENTRY(cuMemAllocAsync), ENTRY(cuMemAllocAsync_ptsz), ENTRY(cuMemAllocFromPoolAsync),
+    ENTRY(cuMemAllocFromPoolAsync_ptsz), ENTRY(cuMemFree_v2), ENTRY(cuMemFree), ENTRY(cuMemFreeAsync),
+    ENTRY(cuMemFreeAsync_ptsz), ENTRY(cuMemCreate), ENTRY(cuMemRelease), ENTRY(cuArrayCreate_v2),
+    ENTRY(cuArray3DCreate_v2), ENTRY(cuArrayDestroy), ENTRY(cuMemGetInfo_v2), ENTRY(cuMemGetInfo),
+};
+
+/* Names whose _v2 entry point is what cuGetProcAddress hands out from a CUDA version on (the
+ * plain name is the legacy ABI). */
+static const struct { const char *name; int since; } g_v2_since[] = {
+    {"cuMemAlloc", 3020}, {"cuMemFree", 3020}, {"cuMemGetInfo", 3020}, {"cuMemAllocPitch", 3020},
+    {"cuArrayCreate", 3020}, {"cuArray3DCreate", 3020}, {"cuDeviceTotalMem", 3020},
+    {"cuDeviceGetUuid", 11040},
 };
 
 static void *entry(const char *name)
@@ -1264,9 +1753,14 @@ API CUresult cuGetProcAddress_v2(const char *sym, void **pfn, int ver, cuuint64_
 {
     if (!sym || !pfn)
         return CUDA_ERROR_INVALID_VALUE;
-    char name[160];
+    char name[160], versioned[160];
     void *fn = NULL;
     const char *base = sym;
+    for (size_t i = 0; i < sizeof g_v2_since / sizeof g_v2_since[0]; i++)
+        if (strcmp(sym, g_v2_since[i].name) == 0 && ver >= g_v2_since[i].since) {
+            snprintf(versioned, sizeof versioned, "%s_v2", sym);
+            base = versioned;
+        }
     if (strcmp(sym, "cuCtxCreate") == 0)
         base = ver >= 13000 ? "cuCtxCreate_v4" : "cuCtxCreate_v2";
     else if (strcmp(sym, "cuStreamBeginCapture") == 0)
