@@ -14,6 +14,7 @@ from __future__ import annotations
 import ctypes
 
 CUDA_SUCCESS = 0
+CUDA_ERROR_OUT_OF_MEMORY = 2
 CUDA_ERROR_NOT_READY = 600
 
 
@@ -67,6 +68,23 @@ class Driver:
         v = ctypes.c_int()
         self._check("cuDeviceGetAttribute", self._lib.cuDeviceGetAttribute(ctypes.byref(v), attribute, 0))
         return v.value
+
+    def mem_alloc(self, nbytes: int) -> int:
+        """cuMemAlloc_v2: a device pointer to ``nbytes`` bytes. Raises CudaError (code
+        CUDA_ERROR_OUT_OF_MEMORY past the device's memory or the instance's reservation)."""
+        ptr = ctypes.c_uint64()
+        self._check("cuMemAlloc_v2", self._lib.cuMemAlloc_v2(ctypes.byref(ptr), ctypes.c_size_t(nbytes)))
+        return ptr.value
+
+    def mem_free(self, ptr: int) -> None:
+        """cuMemFree_v2 of a pointer from :meth:`mem_alloc`. Raises CudaError."""
+        self._check("cuMemFree_v2", self._lib.cuMemFree_v2(ctypes.c_uint64(ptr)))
+
+    def mem_get_info(self) -> tuple[int, int]:
+        """cuMemGetInfo_v2: (free, total) bytes (under the interceptor, of the reservation)."""
+        free, total = ctypes.c_size_t(), ctypes.c_size_t()
+        self._check("cuMemGetInfo_v2", self._lib.cuMemGetInfo_v2(ctypes.byref(free), ctypes.byref(total)))
+        return free.value, total.value
 
     def launch(self, fn: int, duration_us: float, stream: int | None = None) -> None:
         """Queues one launch of ``fn`` lasting ``duration_us`` µs on ``stream`` (None: default).

@@ -20,6 +20,17 @@
  * not time stretched by other processes). Launches of a key not measured yet are charged the
  * default, all timed, and trued up when their timing arrives.
  *
+ * Memory: every device allocation entry point (cuMemAlloc(_v2), cuMemAllocManaged,
+ * cuMemAllocPitch_v2, cuMemAllocAsync and cuMemAllocFromPoolAsync (+_ptsz), cuMemCreate,
+ * cuArrayCreate_v2, cuArray3DCreate_v2) is counted against the instance's reservation (the block's
+ * mem_limit_bytes, else DILU_MEMORY_LIMIT_BYTES, else none), reserved before the driver is called
+ * and given back if the call fails; past the reservation the call returns
+ * CUDA_ERROR_OUT_OF_MEMORY without reaching the driver. Frees (cuMemFree(_v2), cuMemFreeAsync
+ * (+_ptsz), cuMemRelease, cuArrayDestroy) credit what the pointer was charged. cuMemGetInfo(_v2)
+ * reports the reservation as total and min(reservation - used, the driver's free) as free. The
+ * count is in the MAP_SHARED page (a forked child draws on the same reservation; what a dead
+ * process of the tree held is reclaimed), the pointer sizes per process under the same lock.
+ *
  * Fail safe: with no usable control block the rate is the last grant seen, or before any
  * DILU_REQUEST_QUOTA; a quota is never below DILU_MIN_QUOTA so no wait is unbounded. A stale
  * heartbeat only raises a telemetry flag (the block's last grant stays in force). Fork safe: the
@@ -28,7 +39,8 @@
  * Environment: DILU_CB (control block path), DILU_REQUEST_QUOTA (fraction), DILU_WIDTH or
  * CUDA_MPS_ACTIVE_THREAD_PERCENTAGE (width when there is no block), DILU_MIN_QUOTA (default
  * 0.01), DILU_BURST_US (2000), DILU_MIN_WAIT_US (200), DILU_CYCLE_GAP_US (1000), DILU_DEFAULT_COST_US (100),
- * DILU_SAMPLE_EVERY (128), DILU_REAL_LIBCUDA (path of the real driver), DILU_INTERCEPT_DEBUG.
+ * DILU_SAMPLE_EVERY (128), DILU_REAL_LIBCUDA (path of the real driver), DILU_INTERCEPT_DEBUG,
+ * DILU_MEMORY_LIMIT_BYTES (reservation without a block; 0 or unset: count only).
  */
 #define _GNU_SOURCE
 #include <dlfcn.h>
@@ -64,10 +76,27 @@ typedef CUresult (*gpa2_fn)(const char *, void **, int, cuuint64_t, int *);
 typedef CUresult (*begin_fn)(CUstream);
 typedef CUresult (*begin2_fn)(CUstream, int);
 typedef CUresult (*end_fn)(CUstream, CUgraph *);
+typedef CUresult (*malloc_fn)(CUdeviceptr *, size_t);
+typedef CUresult (*malloc_v1_fn)(CUdeviceptr_v1 *, unsigned int);
+typedef CUresult (*managed_fn)(CUdeviceptr *, size_t, unsigned int);
+typedef CUresult (*pitch_fn)(CUdeviceptr *, size_t *, size_t, size_t, unsigned int);
+typedef CUresult (*malloc_async_fn)(CUdeviceptr *, size_t, CUstream);
+typedef CUresult (*malloc_pool_fn)(CUdeviceptr *, size_t, CUmemoryPool, CUstream);
+typedef CUresult (*mem_create_fn)(CUmemGenericAllocationHandle *, size_t, const CUmemAllocationProp *,
+                                  unsigned long long);
+typedef CUresult (*array_fn)(CUarray *, const CUDA_ARRAY_DESCRIPTOR *);
+typedef CUresult (*array3d_fn)(CUarray *, const CUDA_ARRAY3D_DESCRIPTOR *);
+typedef CUresult (*free_fn)(CUdeviceptr);
+typedef CUresult (*free_v1_fn)(CUdeviceptr_v1);
+typedef CUresult (*free_async_fn)(CUdeviceptr, CUstream);
+typedef CUresult (*release_fn)(CUmemGenericAllocationHandle);
+typedef CUresult (*array_destroy_fn)(CUarray);
+typedef CUresult (*info_fn)(size_t *, size_t *);
+typedef CUresult (*info_v1_fn)(unsigned int *, unsigned int *);
 
 /* ------------------------------------------------------------------ hook slots */
 
-enum kind { K_LAUNCH, K_LAUNCH_EX, K_COOP, K_GRAPH, K_GPA, K_GPA2, K_BEGIN, K_BEGIN2, K_END, K_SYNC };
+enum kind { K_LAUNCH, K_LAUNCH_EX, K_COOP, K_GRAPH, K_GPA, K_GPA2, K_BEGIN, K_BEGIN2, K_END, K_SYNC, K_MEM };
 
 struct slot {
     const char *name; /* exported driver symbol */
@@ -105,6 +134,38 @@ static struct slot g_slot[NSLOTS] = {
     {"cuEventSynchronize", "cuEventSynchronize", K_SYNC, 0, 0, 0},
 };
 
+/* Memory hooks: a second table of the same shape (slot i + NMPRIMARY: an alternative real
+ * pointer of slot i). The legacy names (32-bit pointers and sizes) have no base: cuGetProcAddress
+ * hands out the _v2 entry points for them. */
+enum {
+    M_ALLOC, M_ALLOC_V1, M_MANAGED, M_PITCH, M_ASYNC, M_ASYNC_PTSZ, M_POOL, M_POOL_PTSZ, M_CREATE,
+    M_ARRAY, M_ARRAY3D, M_FREE, M_FREE_V1, M_FREE_ASYNC, M_FREE_ASYNC_PTSZ, M_RELEASE,
+    M_ARRAY_DESTROY, M_INFO, M_INFO_V1, NMPRIMARY
+};
+#define NMSLOTS (2 * NMPRIMARY)
+
+static struct slot g_mslot[NMSLOTS] = {
+    [M_ALLOC] = {"cuMemAlloc_v2", "cuMemAlloc", K_MEM, 0, 0, 0},
+    [M_ALLOC_V1] = {"cuMemAlloc", NULL, K_MEM, 0, 0, 0},
+    [M_MANAGED] = {"cuMemAllocManaged", "cuMemAllocManaged", K_MEM, 0, 0, 0},
+    [M_PITCH] = {"cuMemAllocPitch_v2", "cuMemAllocPitch", K_MEM, 0, 0, 0},
+    [M_ASYNC] = {"cuMemAllocAsync", "cuMemAllocAsync", K_MEM, 0, 0, 0},
+    [M_ASYNC_PTSZ] = {"cuMemAllocAsync_ptsz", "cuMemAllocAsync", K_MEM, 1, 0, 0},
+    [M_POOL] = {"cuMemAllocFromPoolAsync", "cuMemAllocFromPoolAsync", K_MEM, 0, 0, 0},
+    [M_POOL_PTSZ] = {"cuMemAllocFromPoolAsync_ptsz", "cuMemAllocFromPoolAsync", K_MEM, 1, 0, 0},
+    [M_CREATE] = {"cuMemCreate", "cuMemCreate", K_MEM, 0, 0, 0},
+    [M_ARRAY] = {"cuArrayCreate_v2", "cuArrayCreate", K_MEM, 0, 0, 0},
+    [M_ARRAY3D] = {"cuArray3DCreate_v2", "cuArray3DCreate", K_MEM, 0, 0, 0},
+    [M_FREE] = {"cuMemFree_v2", "cuMemFree", K_MEM, 0, 0, 0},
+    [M_FREE_V1] = {"cuMemFree", NULL, K_MEM, 0, 0, 0},
+    [M_FREE_ASYNC] = {"cuMemFreeAsync", "cuMemFreeAsync", K_MEM, 0, 0, 0},
+    [M_FREE_ASYNC_PTSZ] = {"cuMemFreeAsync_ptsz", "cuMemFreeAsync", K_MEM, 1, 0, 0},
+    [M_RELEASE] = {"cuMemRelease", "cuMemRelease", K_MEM, 0, 0, 0},
+    [M_ARRAY_DESTROY] = {"cuArrayDestroy", "cuArrayDestroy", K_MEM, 0, 0, 0},
+    [M_INFO] = {"cuMemGetInfo_v2", "cuMemGetInfo", K_MEM, 0, 0, 0},
+    [M_INFO_V1] = {"cuMemGetInfo", NULL, K_MEM, 0, 0, 0},
+};
+
 /* real driver entry points used for calibration */
 static CUresult (*r_event_create)(CUevent *, unsigned);
 static CUresult (*r_event_destroy)(CUevent);
@@ -140,6 +201,9 @@ static void *lookup_wrapper(void *real)
     for (int i = 0; i < NSLOTS; i++)
         if (g_slot[i].real == real)
             return g_slot[i].wrapper;
+    for (int i = 0; i < NMSLOTS; i++)
+        if (g_mslot[i].real == real)
+            return g_mslot[i].wrapper;
     return NULL;
 }
 
@@ -165,15 +229,24 @@ struct sample {
     int busy;        /* the stream still had work when the start events were recorded */
 };
 
+#define MEM_PROCS 64 /* processes of one tree holding device memory, tracked each */
+
 /* The token bucket and the counters, in a MAP_SHARED page made at start-up: a forked child
  * draws on the same bucket as its parent (the instance's quota holds for the whole process
- * tree) and its launches count in the telemetry the parent publishes. */
+ * tree) and its launches count in the telemetry the parent publishes; likewise the device
+ * memory the tree holds against the instance's reservation. */
 struct shared {
     pthread_mutex_t mu; /* process-shared, robust; guards this page and S */
     double tokens;      /* µs */
     uint64_t refill_ns;
     uint64_t launches, throttled;
     double busy_us, wait_us;
+    /* device memory counted against the reservation (bytes), and who of the tree holds it */
+    uint64_t mem_used, mem_peak, oom_refusals;
+    struct {
+        uint32_t pid; /* 0: free entry */
+        uint64_t bytes;
+    } mem_procs[MEM_PROCS];
 };
 static struct shared *SH;
 static int g_sh_private; /* the shared page could not be made: SH is process-local */
@@ -184,6 +257,7 @@ static struct {
     double burst_us, default_cost_us, cycle_gap_ns, max_gap_us, max_host_us, min_wait_us;
     uint32_t sample_every;
     uint64_t sample_floor_ns;
+    uint64_t mem_limit_env; /* DILU_MEMORY_LIMIT_BYTES: the reservation without a block (0: none) */
     const char *cb_path;
     /* control block */
     struct dilu_cb *cb;
@@ -246,6 +320,22 @@ static double env_f(const char *name, double dflt)
     return x;
 }
 
+/* A byte count from the environment (a non-negative integer; 0 when unset or invalid). */
+static uint64_t env_bytes(const char *name)
+{
+    const char *v = getenv(name);
+    if (!v || !*v)
+        return 0;
+    char *end;
+    errno = 0;
+    unsigned long long x = strtoull(v, &end, 10);
+    if (end == v || *end || errno || *v == '-') {
+        fprintf(stderr, "dilu interceptor: ignoring %s=%s (not a number of bytes)\n", name, v);
+        return 0;
+    }
+    return (uint64_t)x;
+}
+
 static uint64_t frac_ppm(double f)
 {
     if (f < 0.0)
@@ -291,6 +381,19 @@ static void publish(void)
     dilu_seq_write_end(&cb->t_seq);
 }
 
+/* The memory telemetry (shared counters, so a forked child writes them too). Under the lock. */
+static void publish_mem(void)
+{
+    struct dilu_cb *cb = S.cb;
+    if (!cb || (!S.writer && !S.forked))
+        return;
+    dilu_seq_write_begin(&cb->t_seq);
+    cb->t_mem_used_bytes = SH->mem_used;
+    cb->t_mem_peak_bytes = SH->mem_peak;
+    cb->t_oom_refusals = SH->oom_refusals;
+    dilu_seq_write_end(&cb->t_seq);
+}
+
 static int pid_alive(pid_t pid) { return pid > 0 && (kill(pid, 0) == 0 || errno != ESRCH); }
 
 /* Maps DILU_CB if it is a valid block; called under the lock. */
@@ -329,6 +432,10 @@ static void try_open_block(uint64_t now)
         SH->wait_us += (double)cb->t_wait_us;
         S.cycles += cb->t_cycles;
         S.samples += cb->t_samples;
+        SH->oom_refusals += cb->t_oom_refusals;
+        if (cb->t_mem_peak_bytes > SH->mem_peak)
+            SH->mem_peak = cb->t_mem_peak_bytes;
+        publish_mem(); /* used: this process tree's own (a previous process's memory died with it) */
     }
     uint64_t q, r, w;
     dilu_cb_read_grant(cb, &q, &r, &w);
@@ -674,6 +781,236 @@ static void after_launch(struct timing *t, CUresult r)
     unlock();
 }
 
+/* ------------------------------------------------------------------ device memory accounting */
+
+/* What each allocation of this process was charged, by kind of handle (device pointer, generic
+ * allocation handle, array) and value: open addressing, linear probing, backward-shift deletion.
+ * Process-local (a forked child starts empty: it cannot free its parent's memory), guarded by the
+ * lock. */
+enum { MC_PTR = 1, MC_HANDLE, MC_ARRAY };
+
+struct mem_entry {
+    uint64_t key;
+    uint64_t bytes;
+    uint32_t cls; /* 0: empty */
+};
+
+static struct {
+    struct mem_entry *tab;
+    uint32_t cap, n; /* cap: a power of two */
+    int proc;        /* this process's index in SH->mem_procs, -1 unknown */
+    pid_t proc_pid;
+} M = {NULL, 0, 0, -1, 0};
+
+static uint32_t mem_home(uint32_t cls, uint64_t key, uint32_t cap)
+{
+    uint64_t h = (key ^ ((uint64_t)cls << 61)) * 0x9E3779B97F4A7C15ull;
+    return (uint32_t)(h >> 32) & (cap - 1);
+}
+
+static int mem_grow(void)
+{
+    uint32_t cap = M.cap ? 2 * M.cap : 256;
+    struct mem_entry *t = calloc(cap, sizeof *t);
+    if (!t)
+        return 0;
+    for (uint32_t i = 0; i < M.cap; i++) {
+        struct mem_entry *e = &M.tab[i];
+        if (!e->cls)
+            continue;
+        uint32_t j = mem_home(e->cls, e->key, cap);
+        while (t[j].cls)
+            j = (j + 1) & (cap - 1);
+        t[j] = *e;
+    }
+    free(M.tab);
+    M.tab = t;
+    M.cap = cap;
+    return 1;
+}
+
+static int mem_find(uint32_t cls, uint64_t key)
+{
+    if (!M.cap)
+        return -1;
+    for (uint32_t i = mem_home(cls, key, M.cap);; i = (i + 1) & (M.cap - 1)) {
+        if (!M.tab[i].cls)
+            return -1;
+        if (M.tab[i].cls == cls && M.tab[i].key == key)
+            return (int)i;
+    }
+}
+
+static void mem_erase(uint32_t i)
+{
+    uint32_t mask = M.cap - 1;
+    for (uint32_t j = i;;) {
+        j = (j + 1) & mask;
+        if (!M.tab[j].cls)
+            break;
+        uint32_t k = mem_home(M.tab[j].cls, M.tab[j].key, M.cap);
+        /* move j back into the hole at i unless its home lies cyclically in (i, j] */
+        if (i <= j ? (k <= i || k > j) : (k <= i && k > j)) {
+            M.tab[i] = M.tab[j];
+            i = j;
+        }
+    }
+    M.tab[i].cls = 0;
+    M.n--;
+}
+
+/* This process's entry in the shared per-process table (made on first use; -1 if it is full). */
+static int mem_proc(int make)
+{
+    pid_t me = getpid();
+    if (M.proc_pid != me) {
+        M.proc_pid = me;
+        M.proc = -1;
+    }
+    if (M.proc >= 0 && SH->mem_procs[M.proc].pid == (uint32_t)me)
+        return M.proc;
+    M.proc = -1;
+    int spare = -1;
+    for (int i = 0; i < MEM_PROCS; i++) {
+        if (SH->mem_procs[i].pid == (uint32_t)me)
+            return M.proc = i;
+        if (!SH->mem_procs[i].pid && spare < 0)
+            spare = i;
+    }
+    if (!make || spare < 0)
+        return -1;
+    SH->mem_procs[spare].pid = (uint32_t)me;
+    SH->mem_procs[spare].bytes = 0;
+    return M.proc = spare;
+}
+
+static void mem_count(int64_t delta)
+{
+    uint64_t d = delta < 0 ? (uint64_t)-delta : (uint64_t)delta;
+    if (delta >= 0) {
+        SH->mem_used += d;
+    } else {
+        SH->mem_used -= d < SH->mem_used ? d : SH->mem_used;
+    }
+    int p = mem_proc(delta > 0);
+    if (p >= 0) {
+        if (delta >= 0)
+            SH->mem_procs[p].bytes += d;
+        else
+            SH->mem_procs[p].bytes -= d < SH->mem_procs[p].bytes ? d : SH->mem_procs[p].bytes;
+    }
+}
+
+/* Gives back what processes of the tree that died held (the driver freed it with them). */
+static void mem_reclaim_dead(void)
+{
+    pid_t me = getpid();
+    for (int i = 0; i < MEM_PROCS; i++) {
+        uint32_t pid = SH->mem_procs[i].pid;
+        if (!pid || pid == (uint32_t)me || pid_alive((pid_t)pid))
+            continue;
+        uint64_t b = SH->mem_procs[i].bytes;
+        SH->mem_used -= b < SH->mem_used ? b : SH->mem_used;
+        SH->mem_procs[i].pid = 0;
+        SH->mem_procs[i].bytes = 0;
+    }
+}
+
+/* The reservation in effect: the block's (when it is mapped and sets one), else the
+ * environment's; 0: none. Under the lock. */
+static uint64_t mem_limit(void)
+{
+    if (!S.cb)
+        try_open_block(dilu_now_ns());
+    uint64_t limit = S.cb ? dilu_load_u64(&S.cb->mem_limit_bytes) : 0;
+    return limit ? limit : S.mem_limit_env;
+}
+
+static int mem_fits(uint64_t limit, uint64_t bytes)
+{
+    if (!limit) /* count only (an absurd size that would wrap the count goes to no device either) */
+        return bytes <= UINT64_MAX - SH->mem_used;
+    return SH->mem_used <= limit && bytes <= limit - SH->mem_used;
+}
+
+/* Reserves `bytes` before the driver is asked for them; 0 (and one refusal counted) when they
+ * would go past the reservation. Under the lock. */
+static int mem_reserve(uint64_t bytes)
+{
+    uint64_t limit = mem_limit();
+    if (!mem_fits(limit, bytes)) {
+        mem_reclaim_dead();
+        if (!mem_fits(limit, bytes)) {
+            SH->oom_refusals++;
+            publish_mem();
+            return 0;
+        }
+    }
+    mem_count((int64_t)bytes);
+    return 1;
+}
+
+/* Records what (cls, key) was charged. Under the lock. */
+static void mem_put(uint32_t cls, uint64_t key, uint64_t bytes)
+{
+    int i = mem_find(cls, key);
+    if (i >= 0) { /* handed out again: its earlier allocation was freed by a path not hooked here */
+        mem_count(-(int64_t)M.tab[i].bytes);
+        M.tab[i].bytes = bytes;
+    } else if ((M.n + 1) * 2 <= M.cap || mem_grow()) {
+        uint32_t j = mem_home(cls, key, M.cap);
+        while (M.tab[j].cls)
+            j = (j + 1) & (M.cap - 1);
+        M.tab[j] = (struct mem_entry){key, bytes, cls};
+        M.n++;
+    } /* else: no memory for the entry; the bytes stay counted (never credited) */
+}
+
+/* The driver allocated `bytes` reserved before as (cls, key). Under the lock. */
+static void mem_commit(uint32_t cls, uint64_t key, uint64_t bytes)
+{
+    mem_put(cls, key, bytes);
+    if (SH->mem_used > SH->mem_peak)
+        SH->mem_peak = SH->mem_used;
+    publish_mem();
+}
+
+/* Before a free: forgets (cls, key) and returns what it was charged (0 if unknown). Under the lock. */
+static uint64_t mem_take(uint32_t cls, uint64_t key)
+{
+    int i = mem_find(cls, key);
+    if (i < 0)
+        return 0;
+    uint64_t bytes = M.tab[i].bytes;
+    mem_erase((uint32_t)i);
+    return bytes;
+}
+
+/* After the driver answered a free of (cls, key) taken with mem_take: credit it, or keep it when
+ * the free failed. */
+static void mem_settle_free(uint32_t cls, uint64_t key, uint64_t bytes, CUresult r)
+{
+    if (!SH || !bytes)
+        return;
+    lock();
+    if (r == CUDA_SUCCESS) {
+        mem_count(-(int64_t)bytes);
+        publish_mem();
+    } else {
+        mem_put(cls, key, bytes); /* still allocated: still counted */
+    }
+    unlock();
+}
+
+static void mem_forget_all(void)
+{
+    free(M.tab);
+    M.tab = NULL;
+    M.cap = M.n = 0;
+    M.proc = -1;
+    M.proc_pid = 0;
+}
+
 /* ------------------------------------------------------------------ init and fork */
 
 static void atfork_prepare(void) { lock(); }
@@ -689,6 +1026,7 @@ static void atfork_child(void)
     S.forked = S.writer && !g_sh_private;
     S.writer = 0;
     S.npending = 0;
+    mem_forget_all(); /* its memory is its own: it cannot free what its parent allocated */
     for (int i = 0; i < COST_SLOTS; i++)
         S.costs[i].pending = 0;
 }
@@ -705,37 +1043,46 @@ static void resolve_real_dlsym(void)
 static void *wrapper_for(int i); /* defined with the wrappers below */
 static void init_body(void);
 
-static void discover_alternatives(void)
+/* The driver may hand out entry points through cuGetProcAddress that are not the exported
+ * symbols; ask it for each hooked base name of a table (slots 0..n-1, alternatives at i + n) and
+ * give any new pointer its own wrapper. */
+static void discover_in(struct slot *t, int n, void *(*wrap)(int))
 {
-    /* The driver may hand out entry points through cuGetProcAddress that are not the exported
-     * symbols; ask it for each hooked base name and give any new pointer its own wrapper. */
     gpa2_fn gpa2 = (gpa2_fn)g_slot[9].real;
     gpa_fn gpa = (gpa_fn)g_slot[8].real;
     int versions[] = {12000, 13000};
-    for (int i = 0; i < NPRIMARY; i++) {
+    for (int i = 0; i < n; i++) {
         /* cuGetProcAddress itself is routed by its exports only: a versioned entry point of it
          * could have the other signature (4 vs 5 arguments) */
-        if (!g_slot[i].base || g_slot[i].kind == K_GPA || g_slot[i].kind == K_GPA2)
+        if (!t[i].base || t[i].kind == K_GPA || t[i].kind == K_GPA2)
             continue;
         for (int v = 0; v < 2; v++) {
             void *p = NULL;
-            cuuint64_t flags = g_slot[i].ptsz ? CU_GET_PROC_ADDRESS_PER_THREAD_DEFAULT_STREAM
-                                              : CU_GET_PROC_ADDRESS_LEGACY_STREAM;
+            cuuint64_t flags = t[i].ptsz ? CU_GET_PROC_ADDRESS_PER_THREAD_DEFAULT_STREAM
+                                         : CU_GET_PROC_ADDRESS_LEGACY_STREAM;
             int st = 0;
-            CUresult r = gpa2 ? gpa2(g_slot[i].base, &p, versions[v], flags, &st)
-                              : gpa ? gpa(g_slot[i].base, &p, versions[v], flags) : CUDA_ERROR_NOT_FOUND;
+            CUresult r = gpa2 ? gpa2(t[i].base, &p, versions[v], flags, &st)
+                              : gpa ? gpa(t[i].base, &p, versions[v], flags) : CUDA_ERROR_NOT_FOUND;
             if (r != CUDA_SUCCESS || !p || lookup_wrapper(p) || is_own(p))
                 continue;
-            int j = i + NPRIMARY;
-            if (!g_slot[j].real) {
-                g_slot[j] = g_slot[i];
-                g_slot[j].real = p;
-                g_slot[j].wrapper = wrapper_for(j);
+            int j = i + n;
+            if (!t[j].real) {
+                t[j] = t[i];
+                t[j].real = p;
+                t[j].wrapper = wrap(j);
                 if (g_debug)
-                    fprintf(stderr, "dilu interceptor: alternative entry for %s\n", g_slot[i].name);
+                    fprintf(stderr, "dilu interceptor: alternative entry for %s\n", t[i].name);
             }
         }
     }
+}
+
+static void *mwrapper_for(int i); /* defined with the memory wrappers below */
+
+static void discover_alternatives(void)
+{
+    discover_in(g_slot, NPRIMARY, wrapper_for);
+    discover_in(g_mslot, NMPRIMARY, mwrapper_for);
 }
 
 static __thread int t_in_init; /* the driver's own start-up may call dlsym: leave it alone */
@@ -761,6 +1108,10 @@ static void init_body(void)
     for (int i = 0; i < NPRIMARY; i++) {
         g_slot[i].real = real_dlsym(g_cuda, g_slot[i].name);
         g_slot[i].wrapper = wrapper_for(i);
+    }
+    for (int i = 0; i < NMPRIMARY; i++) {
+        g_mslot[i].real = real_dlsym(g_cuda, g_mslot[i].name);
+        g_mslot[i].wrapper = mwrapper_for(i);
     }
 #define REAL(var, name) var = (__typeof__(var))real_dlsym(g_cuda, name)
     REAL(r_event_create, "cuEventCreate");
@@ -803,6 +1154,7 @@ static void init_body(void)
     double every = env_f("DILU_SAMPLE_EVERY", 128.0);
     S.sample_every = every >= 1.0 ? (uint32_t)every : 128;
     S.sample_floor_ns = (uint64_t)(env_f("DILU_SAMPLE_FLOOR_MS", 250.0) * 1e6);
+    S.mem_limit_env = env_bytes("DILU_MEMORY_LIMIT_BYTES");
     make_shared();
     set_rate(S.request_ppm);
     SH->refill_ns = dilu_now_ns();
@@ -811,8 +1163,9 @@ static void init_body(void)
     discover_alternatives();
     __atomic_store_n(&g_ready, 1, __ATOMIC_RELEASE);
     if (g_debug)
-        fprintf(stderr, "dilu interceptor: pid %d ready, quota %.3f width %.3f block %s\n", getpid(),
-                S.quota_ppm / 1e6, S.width_ppm / 1e6, S.cb ? "mapped" : "none");
+        fprintf(stderr, "dilu interceptor: pid %d ready, quota %.3f width %.3f block %s memory limit %llu\n",
+                getpid(), S.quota_ppm / 1e6, S.width_ppm / 1e6, S.cb ? "mapped" : "none",
+                (unsigned long long)(S.cb && S.cb->mem_limit_bytes ? S.cb->mem_limit_bytes : S.mem_limit_env));
 }
 
 static inline void ensure_init(void)
@@ -1028,6 +1381,373 @@ static void *wrapper_for(int i)
         alt_end, alt_end_ptsz, alt_sync_s, alt_sync_s_ptsz, alt_sync_ctx, alt_sync_ev,
     };
     return table[i];
+}
+
+/* ------------------------------------------------------------------ memory wrappers */
+
+static CUresult mem_missing(void)
+{
+    return __atomic_load_n(&g_ready, __ATOMIC_ACQUIRE) ? CUDA_ERROR_NOT_FOUND : CUDA_ERROR_NOT_INITIALIZED;
+}
+
+/* Before an allocation of `bytes` through memory slot i: CUDA_SUCCESS when they are reserved and
+ * the caller may call the driver (then mem_end), else what to return without calling it. */
+static CUresult mem_begin(int i, uint64_t bytes)
+{
+    ensure_init();
+    if (!g_mslot[i].real)
+        return mem_missing();
+    if (!bytes) /* an empty request: the driver answers it */
+        return CUDA_SUCCESS;
+    lock();
+    int ok = mem_reserve(bytes);
+    unlock();
+    return ok ? CUDA_SUCCESS : CUDA_ERROR_OUT_OF_MEMORY;
+}
+
+/* After the driver answered an allocation reserved by mem_begin: record it, or give back. */
+static void mem_end(CUresult r, uint32_t cls, uint64_t key, uint64_t bytes)
+{
+    if (!bytes)
+        return;
+    lock();
+    if (r == CUDA_SUCCESS) {
+        mem_commit(cls, key, bytes);
+    } else {
+        mem_count(-(int64_t)bytes);
+        publish_mem();
+    }
+    unlock();
+}
+
+static uint64_t mem_take_locked(uint32_t cls, uint64_t key)
+{
+    if (!key || !SH)
+        return 0;
+    lock();
+    uint64_t b = mem_take(cls, key);
+    unlock();
+    return b;
+}
+
+static CUresult do_malloc(int i, CUdeviceptr *d, size_t n)
+{
+    CUresult r = mem_begin(i, n);
+    if (r != CUDA_SUCCESS)
+        return r;
+    r = ((malloc_fn)g_mslot[i].real)(d, n);
+    mem_end(r, MC_PTR, r == CUDA_SUCCESS && d ? *d : 0, n);
+    return r;
+}
+
+static CUresult do_malloc_v1(int i, CUdeviceptr_v1 *d, unsigned int n)
+{
+    CUresult r = mem_begin(i, n);
+    if (r != CUDA_SUCCESS)
+        return r;
+    r = ((malloc_v1_fn)g_mslot[i].real)(d, n);
+    mem_end(r, MC_PTR, r == CUDA_SUCCESS && d ? *d : 0, n);
+    return r;
+}
+
+static CUresult do_managed(int i, CUdeviceptr *d, size_t n, unsigned int flags)
+{
+    CUresult r = mem_begin(i, n);
+    if (r != CUDA_SUCCESS)
+        return r;
+    r = ((managed_fn)g_mslot[i].real)(d, n, flags);
+    mem_end(r, MC_PTR, r == CUDA_SUCCESS && d ? *d : 0, n);
+    return r;
+}
+
+/* Reserved as rows rounded up to DILU_PITCH_ALIGN; trued up to the pitch the driver chose (a
+ * wider pitch that no longer fits is freed and refused). */
+static CUresult do_pitch(int i, CUdeviceptr *d, size_t *pitch, size_t w, size_t h, unsigned int elem)
+{
+    uint64_t est = 0;
+    if (w && h) {
+        uint64_t row = w > UINT64_MAX - DILU_PITCH_ALIGN ? UINT64_MAX
+                                                          : (w + DILU_PITCH_ALIGN - 1) / DILU_PITCH_ALIGN * DILU_PITCH_ALIGN;
+        est = h > UINT64_MAX / row ? UINT64_MAX : row * h;
+    }
+    CUresult r = mem_begin(i, est);
+    if (r != CUDA_SUCCESS)
+        return r;
+    r = ((pitch_fn)g_mslot[i].real)(d, pitch, w, h, elem);
+    if (r != CUDA_SUCCESS || !est || !d || !pitch) {
+        mem_end(r, MC_PTR, r == CUDA_SUCCESS && d ? *d : 0, est);
+        return r;
+    }
+    uint64_t actual = *pitch && h > UINT64_MAX / *pitch ? UINT64_MAX : (uint64_t)*pitch * h;
+    if (actual > est) {
+        lock();
+        int ok = mem_reserve(actual - est);
+        unlock();
+        if (!ok) {
+            free_fn f = (free_fn)g_mslot[M_FREE].real;
+            if (f)
+                f(*d);
+            mem_end(CUDA_ERROR_OUT_OF_MEMORY, MC_PTR, 0, est);
+            return CUDA_ERROR_OUT_OF_MEMORY;
+        }
+    } else if (actual < est) {
+        lock();
+        mem_count(-(int64_t)(est - actual));
+        unlock();
+    }
+    mem_end(r, MC_PTR, *d, actual);
+    return r;
+}
+
+static CUresult do_malloc_async(int i, CUdeviceptr *d, size_t n, CUstream h)
+{
+    CUresult r = mem_begin(i, n);
+    if (r != CUDA_SUCCESS)
+        return r;
+    r = ((malloc_async_fn)g_mslot[i].real)(d, n, h);
+    mem_end(r, MC_PTR, r == CUDA_SUCCESS && d ? *d : 0, n);
+    return r;
+}
+
+static CUresult do_malloc_pool(int i, CUdeviceptr *d, size_t n, CUmemoryPool pool, CUstream h)
+{
+    CUresult r = mem_begin(i, n);
+    if (r != CUDA_SUCCESS)
+        return r;
+    r = ((malloc_pool_fn)g_mslot[i].real)(d, n, pool, h);
+    mem_end(r, MC_PTR, r == CUDA_SUCCESS && d ? *d : 0, n);
+    return r;
+}
+
+static CUresult do_mem_create(int i, CUmemGenericAllocationHandle *hd, size_t n,
+                              const CUmemAllocationProp *prop, unsigned long long flags)
+{
+    CUresult r = mem_begin(i, n);
+    if (r != CUDA_SUCCESS)
+        return r;
+    r = ((mem_create_fn)g_mslot[i].real)(hd, n, prop, flags);
+    mem_end(r, MC_HANDLE, r == CUDA_SUCCESS && hd ? *hd : 0, n);
+    return r;
+}
+
+static CUresult do_array(int i, CUarray *a, const CUDA_ARRAY_DESCRIPTOR *desc)
+{
+    uint64_t n = desc ? dilu_array_bytes(desc->Width, desc->Height, 0, desc->Format, desc->NumChannels) : 0;
+    CUresult r = mem_begin(i, n);
+    if (r != CUDA_SUCCESS)
+        return r;
+    r = ((array_fn)g_mslot[i].real)(a, desc);
+    mem_end(r, MC_ARRAY, r == CUDA_SUCCESS && a ? (uint64_t)(uintptr_t)*a : 0, n);
+    return r;
+}
+
+static CUresult do_array3d(int i, CUarray *a, const CUDA_ARRAY3D_DESCRIPTOR *desc)
+{
+    uint64_t n = desc ? dilu_array_bytes(desc->Width, desc->Height, desc->Depth, desc->Format,
+                                         desc->NumChannels) : 0;
+    CUresult r = mem_begin(i, n);
+    if (r != CUDA_SUCCESS)
+        return r;
+    r = ((array3d_fn)g_mslot[i].real)(a, desc);
+    mem_end(r, MC_ARRAY, r == CUDA_SUCCESS && a ? (uint64_t)(uintptr_t)*a : 0, n);
+    return r;
+}
+
+static CUresult do_free(int i, CUdeviceptr d)
+{
+    ensure_init();
+    free_fn real = (free_fn)g_mslot[i].real;
+    if (!real)
+        return mem_missing();
+    uint64_t b = mem_take_locked(MC_PTR, d);
+    CUresult r = real(d);
+    mem_settle_free(MC_PTR, d, b, r);
+    return r;
+}
+
+static CUresult do_free_v1(int i, CUdeviceptr_v1 d)
+{
+    ensure_init();
+    free_v1_fn real = (free_v1_fn)g_mslot[i].real;
+    if (!real)
+        return mem_missing();
+    uint64_t b = mem_take_locked(MC_PTR, d);
+    CUresult r = real(d);
+    mem_settle_free(MC_PTR, d, b, r);
+    return r;
+}
+
+/* Credited when the free is queued (the stream frees it in order, the reservation at once). */
+static CUresult do_free_async(int i, CUdeviceptr d, CUstream h)
+{
+    ensure_init();
+    free_async_fn real = (free_async_fn)g_mslot[i].real;
+    if (!real)
+        return mem_missing();
+    uint64_t b = mem_take_locked(MC_PTR, d);
+    CUresult r = real(d, h);
+    mem_settle_free(MC_PTR, d, b, r);
+    return r;
+}
+
+static CUresult do_release(int i, CUmemGenericAllocationHandle hd)
+{
+    ensure_init();
+    release_fn real = (release_fn)g_mslot[i].real;
+    if (!real)
+        return mem_missing();
+    uint64_t b = mem_take_locked(MC_HANDLE, hd);
+    CUresult r = real(hd);
+    mem_settle_free(MC_HANDLE, hd, b, r);
+    return r;
+}
+
+static CUresult do_array_destroy(int i, CUarray a)
+{
+    ensure_init();
+    array_destroy_fn real = (array_destroy_fn)g_mslot[i].real;
+    if (!real)
+        return mem_missing();
+    uint64_t key = (uint64_t)(uintptr_t)a;
+    uint64_t b = mem_take_locked(MC_ARRAY, key);
+    CUresult r = real(a);
+    mem_settle_free(MC_ARRAY, key, b, r);
+    return r;
+}
+
+/* With a reservation: total = the reservation, free = min(reservation - used, the driver's free). */
+static void mem_clip_info(uint64_t *free_b, uint64_t *total_b)
+{
+    if (!SH)
+        return;
+    lock();
+    uint64_t limit = mem_limit();
+    if (limit)
+        mem_reclaim_dead();
+    uint64_t used = SH->mem_used;
+    unlock();
+    if (!limit)
+        return;
+    uint64_t room = used < limit ? limit - used : 0;
+    *total_b = limit;
+    if (room < *free_b)
+        *free_b = room;
+}
+
+static CUresult do_info(int i, size_t *f, size_t *t)
+{
+    ensure_init();
+    info_fn real = (info_fn)g_mslot[i].real;
+    if (!real)
+        return mem_missing();
+    CUresult r = real(f, t);
+    if (r != CUDA_SUCCESS || !f || !t)
+        return r;
+    uint64_t ff = *f, tt = *t;
+    mem_clip_info(&ff, &tt);
+    *f = (size_t)ff;
+    *t = (size_t)tt;
+    return r;
+}
+
+static CUresult do_info_v1(int i, unsigned int *f, unsigned int *t)
+{
+    ensure_init();
+    info_v1_fn real = (info_v1_fn)g_mslot[i].real;
+    if (!real)
+        return mem_missing();
+    CUresult r = real(f, t);
+    if (r != CUDA_SUCCESS || !f || !t)
+        return r;
+    uint64_t ff = *f, tt = *t;
+    mem_clip_info(&ff, &tt);
+    *f = ff > UINT32_MAX ? UINT32_MAX : (unsigned int)ff;
+    *t = tt > UINT32_MAX ? UINT32_MAX : (unsigned int)tt;
+    return r;
+}
+
+#define MEM_WRAPPERS(I, VIS, ALLOC, ALLOC_V1, MANAGED, PITCH, ASYNC, ASYNC_PTSZ, POOL, POOL_PTSZ,       \
+                     CREATE, ARRAY, ARRAY3D, FREE, FREE_V1, FREE_ASYNC, FREE_ASYNC_PTSZ, RELEASE,       \
+                     ARRAY_DESTROY, INFO, INFO_V1)                                                     \
+    VIS CUresult ALLOC(CUdeviceptr *d, size_t n) { return do_malloc(I + M_ALLOC, d, n); }              \
+    VIS CUresult ALLOC_V1(CUdeviceptr_v1 *d, unsigned int n) { return do_malloc_v1(I + M_ALLOC_V1, d, n); } \
+    VIS CUresult MANAGED(CUdeviceptr *d, size_t n, unsigned int fl) { return do_managed(I + M_MANAGED, d, n, fl); } \
+    VIS CUresult PITCH(CUdeviceptr *d, size_t *p, size_t w, size_t h, unsigned int e) { return do_pitch(I + M_PITCH, d, p, w, h, e); } \
+    VIS CUresult ASYNC(CUdeviceptr *d, size_t n, CUstream h) { return do_malloc_async(I + M_ASYNC, d, n, h); } \
+    VIS CUresult ASYNC_PTSZ(CUdeviceptr *d, size_t n, CUstream h) { return do_malloc_async(I + M_ASYNC_PTSZ, d, n, h); } \
+    VIS CUresult POOL(CUdeviceptr *d, size_t n, CUmemoryPool p, CUstream h) { return do_malloc_pool(I + M_POOL, d, n, p, h); } \
+    VIS CUresult POOL_PTSZ(CUdeviceptr *d, size_t n, CUmemoryPool p, CUstream h) { return do_malloc_pool(I + M_POOL_PTSZ, d, n, p, h); } \
+    VIS CUresult CREATE(CUmemGenericAllocationHandle *hd, size_t n, const CUmemAllocationProp *p, unsigned long long fl) { return do_mem_create(I + M_CREATE, hd, n, p, fl); } \
+    VIS CUresult ARRAY(CUarray *a, const CUDA_ARRAY_DESCRIPTOR *desc) { return do_array(I + M_ARRAY, a, desc); } \
+    VIS CUresult ARRAY3D(CUarray *a, const CUDA_ARRAY3D_DESCRIPTOR *desc) { return do_array3d(I + M_ARRAY3D, a, desc); } \
+    VIS CUresult FREE(CUdeviceptr d) { return do_free(I + M_FREE, d); }                                \
+    VIS CUresult FREE_V1(CUdeviceptr_v1 d) { return do_free_v1(I + M_FREE_V1, d); }                    \
+    VIS CUresult FREE_ASYNC(CUdeviceptr d, CUstream h) { return do_free_async(I + M_FREE_ASYNC, d, h); } \
+    VIS CUresult FREE_ASYNC_PTSZ(CUdeviceptr d, CUstream h) { return do_free_async(I + M_FREE_ASYNC_PTSZ, d, h); } \
+    VIS CUresult RELEASE(CUmemGenericAllocationHandle hd) { return do_release(I + M_RELEASE, hd); }   \
+    VIS CUresult ARRAY_DESTROY(CUarray a) { return do_array_destroy(I + M_ARRAY_DESTROY, a); }         \
+    VIS CUresult INFO(size_t *f, size_t *t) { return do_info(I + M_INFO, f, t); }                     \
+    VIS CUresult INFO_V1(unsigned int *f, unsigned int *t) { return do_info_v1(I + M_INFO_V1, f, t); }
+
+/* primary memory slots: the exported driver names */
+MEM_WRAPPERS(0, API, cuMemAlloc_v2, cuMemAlloc, cuMemAllocManaged, cuMemAllocPitch_v2, cuMemAllocAsync,
+             cuMemAllocAsync_ptsz, cuMemAllocFromPoolAsync, cuMemAllocFromPoolAsync_ptsz, cuMemCreate,
+             cuArrayCreate_v2, cuArray3DCreate_v2, cuMemFree_v2, cuMemFree, cuMemFreeAsync,
+             cuMemFreeAsync_ptsz, cuMemRelease, cuArrayDestroy, cuMemGetInfo_v2, cuMemGetInfo)
+/* alternative memory slots */
+MEM_WRAPPERS(NMPRIMARY, static, alt_mem_alloc, alt_mem_alloc_v1, alt_mem_managed, alt_mem_pitch,
+             alt_mem_async, alt_mem_async_ptsz, alt_mem_pool, alt_mem_pool_ptsz, alt_mem_create,
+             alt_array, alt_array3d, alt_mem_free, alt_mem_free_v1, alt_mem_free_async,
+             alt_mem_free_async_ptsz, alt_mem_release, alt_array_destroy, alt_mem_info, alt_mem_info_v1)
+
+static void *mwrapper_for(int i)
+{
+#define BOTH(M, PRIMARY, ALT) [M] = (void *)PRIMARY, [NMPRIMARY + M] = (void *)ALT
+    static void *const table[NMSLOTS] = {
+        BOTH(M_ALLOC, cuMemAlloc_v2, alt_mem_alloc),
+        BOTH(M_ALLOC_V1, cuMemAlloc, alt_mem_alloc_v1),
+        BOTH(M_MANAGED, cuMemAllocManaged, alt_mem_managed),
+        BOTH(M_PITCH, cuMemAllocPitch_v2, alt_mem_pitch),
+        BOTH(M_ASYNC, cuMemAllocAsync, alt_mem_async),
+        BOTH(M_ASYNC_PTSZ, cuMemAllocAsync_ptsz, alt_mem_async_ptsz),
+        BOTH(M_POOL, cuMemAllocFromPoolAsync, alt_mem_pool),
+        BOTH(M_POOL_PTSZ, cuMemAllocFromPoolAsync_ptsz, alt_mem_pool_ptsz),
+        BOTH(M_CREATE, cuMemCreate, alt_mem_create),
+        BOTH(M_ARRAY, cuArrayCreate_v2, alt_array),
+        BOTH(M_ARRAY3D, cuArray3DCreate_v2, alt_array3d),
+        BOTH(M_FREE, cuMemFree_v2, alt_mem_free),
+        BOTH(M_FREE_V1, cuMemFree, alt_mem_free_v1),
+        BOTH(M_FREE_ASYNC, cuMemFreeAsync, alt_mem_free_async),
+        BOTH(M_FREE_ASYNC_PTSZ, cuMemFreeAsync_ptsz, alt_mem_free_async_ptsz),
+        BOTH(M_RELEASE, cuMemRelease, alt_mem_release),
+        BOTH(M_ARRAY_DESTROY, cuArrayDestroy, alt_array_destroy),
+        BOTH(M_INFO, cuMemGetInfo_v2, alt_mem_info),
+        BOTH(M_INFO_V1, cuMemGetInfo, alt_mem_info_v1),
+    };
+#undef BOTH
+    return table[i];
+}
+
+/* A normal exit: the driver frees the process's memory, so the tree's count drops what it held. */
+__attribute__((destructor)) static void mem_at_exit(void)
+{
+    if (!SH || !__atomic_load_n(&g_ready, __ATOMIC_ACQUIRE))
+        return;
+    int r = EBUSY;
+    for (int i = 0; i < 50 && (r = pthread_mutex_trylock(&SH->mu)) == EBUSY; i++)
+        usleep(1000); /* bounded: never hang an exiting process */
+    if (r == EOWNERDEAD)
+        pthread_mutex_consistent(&SH->mu);
+    else if (r != 0)
+        return;
+    int p = mem_proc(0);
+    if (p >= 0 && SH->mem_procs[p].bytes) {
+        mem_count(-(int64_t)SH->mem_procs[p].bytes);
+        publish_mem();
+    }
+    if (p >= 0)
+        SH->mem_procs[p].pid = 0;
+    unlock();
 }
 
 /* dlsym: every lookup goes to the real one; a real driver entry point we wrap comes back as our
