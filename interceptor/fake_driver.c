@@ -1753,7 +1753,7 @@ API CUresult cuGetProcAddress_v2(const char *sym, void **pfn, int ver, cuuint64_
 {
     if (!sym || !pfn)
         return CUDA_ERROR_INVALID_VALUE;
-    char name[160], versioned[160];
+    char name[200], versioned[160];
     void *fn = NULL;
     const char *base = sym;
     for (size_t i = 0; i < sizeof g_v2_since / sizeof g_v2_since[0]; i++)
