@@ -332,3 +332,21 @@ def test_cuinit_and_device_queries_create_no_segment(gpu):
     assert out["bus"] == [0, "0000:14:00.0"]
     assert out["segment_before"] is False
     assert out["ctx"] == 0 and out["segment_after"] is True
+
+
+@pytest.mark.parametrize("bad", [-1, 2**64, 1.5, True, "1024"])
+def test_create_rejects_a_bad_memory_limit(tmp_path, bad):
+    with pytest.raises(ValueError, match="memory_limit_bytes"):
+        ControlBlock.create(str(tmp_path / "cb"), "m", 0.5, 1.0, memory_limit_bytes=bad)
+
+
+def test_memory_limit_round_trips_through_the_block(tmp_path):
+    cb = ControlBlock.create(str(tmp_path / "cb"), "m", 0.5, 1.0, memory_limit_bytes=3 * GiB)
+    other = ControlBlock.open(cb.path)
+    snap = other.snapshot()
+    assert (snap.memory_limit_bytes, snap.memory_used_bytes, snap.memory_peak_bytes,
+            snap.oom_refusals) == (3 * GiB, 0, 0, 0)
+    unlimited = ControlBlock.create(str(tmp_path / "cb2"), "n", 0.5, 1.0)
+    assert unlimited.snapshot().memory_limit_bytes == 0
+    for block in (other, cb, unlimited):
+        block.close()
