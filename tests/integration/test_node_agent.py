@@ -22,7 +22,7 @@ pytestmark = [pytest.mark.nats, pytest.mark.native]
 class Harness:
     def __init__(self, url: str):
         self.url = url
-        self.agent = NodeAgent(node="n1", gpus=2, nats_url=url, telemetry_ms=200)
+        self.agent = NodeAgent(node="n1", gpus=2, device="emulated", nats_url=url, telemetry_ms=200)
         self.shutdown = asyncio.Event()
         self.events: dict[str, list] = {"ready": [], "retired": [], "telemetry": []}
 
@@ -122,7 +122,7 @@ async def test_busy_share_follows_a_changed_grant(nats_url):
         await client.start()
         stop, sent = asyncio.Event(), [0]
         load = asyncio.create_task(_saturate(client, "sat", stop, sent))
-        gpu = h.agent.gpus[0].name
+        gpu = h.agent.gpus[0].timeline
         pid = h.agent.instances["s1"].proc.pid
 
         async def measured_share(quota):

@@ -34,8 +34,12 @@ def load_kernels(ctx: HandlerContext) -> EmulatedModel:
 
 
 def load(ctx: HandlerContext) -> EmulatedModel:
-    """Open the driver and 'load the weights': sleeps the model's documented load time."""
+    """Open the driver and 'load the weights': allocates their device memory (fp16, through
+    cuMemAlloc, so the interceptor counts it against the instance's reservation and NVML sees it)
+    and sleeps the model's documented load time. Raises CudaError (CUDA_ERROR_OUT_OF_MEMORY) when
+    the weights do not fit the reservation."""
     model = load_kernels(ctx)
+    model.driver.mem_alloc(models.weight_bytes(ctx.model))
     time.sleep(models.cold_start_ms(ctx.model) / 1000.0)
     return model
 

@@ -1,0 +1,156 @@
+"""The node agent's inventory on an emulated node, through the real pynvml over the fake NVML:
+what it publishes to dilu-nodes, its heartbeat, the guard against two agents under one name, GPU
+health from NVML faults, NVML telemetry, and memory isolation of an instance end to end."""
+import asyncio
+import os
+import time
+
+import msgspec
+import nats
+import pytest
+
+from dilu.contracts import decode, encode, subjects
+from dilu.contracts import events as ev
+from dilu.services.common import models
+from dilu.services.common.runner import StartFailed, running
+from dilu.services.common.workqueue import ensure_consumer, ensure_stream
+from dilu.services.node_agent.service import NodeAgent
+
+pytestmark = [pytest.mark.nats, pytest.mark.native]
+
+
+async def _eventually(check, timeout_s=30.0, what="condition"):
+    deadline = time.monotonic() + timeout_s
+    while True:
+        got = await check()
+        if got:
+            return got
+        assert time.monotonic() < deadline, f"{what} not met within {timeout_s} s"
+        await asyncio.sleep(0.1)
+
+
+async def _inventory(js, node):
+    kv = await js.key_value(subjects.NODES_BUCKET)
+    return msgspec.json.decode((await kv.get(subjects.token(node))).value, type=ev.NodeInventory)
+
+
+@pytest.fixture
+def faults(tmp_path, monkeypatch):
+    """The fake NVML's fault file (interceptor/fake_nvml.c), empty to start with."""
+    path = tmp_path / "nvml-faults"
+    path.write_text("")
+    monkeypatch.setenv("DILU_FAKE_NVML_FAULTS", str(path))
+    return path
+
+
+async def test_inventory_heartbeat_and_one_agent_per_name(nats_url, faults):
+    agent = NodeAgent(node="gpu-node-7.dc1", gpus=3, device="emulated", emulated_model="h100-80gb",
+                      nats_url=nats_url, heartbeat_s=0.3)
+    async with running(agent, nats_url, ready_timeout_s=30):
+        nc = await nats.connect(nats_url)
+        js = nc.jetstream()
+        inv = await _inventory(js, "gpu-node-7.dc1")
+        assert inv.node == "gpu-node-7.dc1" and inv.device == "emulated" and inv.agent_id == agent.agent_id
+        assert [g.index for g in inv.gpus] == [0, 1, 2]
+        assert {(g.name, g.memory_bytes, g.sms) for g in inv.gpus} == {("NVIDIA H100 80GB HBM3", 80 * 2**30, 132)}
+        assert len({g.uuid for g in inv.gpus}) == 3 and all(g.uuid.startswith("GPU-") for g in inv.gpus)
+        assert inv.driver_version and inv.cuda_version == "12.8" and all(g.healthy for g in inv.gpus)
+
+        # the heartbeat refreshes the entry
+        first = inv.ts_ns
+        await _eventually(lambda: _fresher(js, first), what="a newer inventory")
+
+        # a second agent under the same name refuses to start, with a reason
+        twin = NodeAgent(node="gpu-node-7.dc1", gpus=1, device="emulated", nats_url=nats_url)
+        with pytest.raises(StartFailed, match="held by another live agent"):
+            async with running(twin, nats_url, ready_timeout_s=30):
+                pass
+
+        # NVML says GPU 1 fell off the bus and GPU 2 has an uncorrectable ECC error
+        faults.write_text("1 lost\n2 ecc 3\n")
+
+        async def unhealthy():
+            gpus = (await _inventory(js, "gpu-node-7.dc1")).gpus
+            return {g.index: g.health_reason for g in gpus if not g.healthy}
+        bad = await _eventually(lambda: _settled(unhealthy, {1, 2}), what="GPUs 1 and 2 unhealthy")
+        assert "lost" in bad[1].lower() and "ecc" in bad[2].lower()
+        assert agent.gpus[0].healthy
+        await nc.drain()
+
+
+async def _fresher(js, ts_ns):
+    return (await _inventory(js, "gpu-node-7.dc1")).ts_ns > ts_ns
+
+
+async def _settled(fetch, want):
+    got = await fetch()
+    return got if set(got) == want else None
+
+
+async def test_placement_on_an_unhealthy_gpu_is_not_launched(nats_url, faults):
+    faults.write_text("0 xid 79\n")
+    agent = NodeAgent(node="n2", gpus=2, device="emulated", nats_url=nats_url, heartbeat_s=0.3)
+    async with running(agent, nats_url, ready_timeout_s=30):
+        await _eventually(lambda: _true(not agent.gpus[0].healthy), what="GPU 0 unhealthy after Xid 79")
+        nc = await nats.connect(nats_url)
+        kv = await nc.jetstream().key_value(subjects.PLACEMENT_BUCKET)
+        p = ev.Placement(instance_id="x1", function="f", node="n2", gpu=0, request_quota=0.2, limit_quota=0.5,
+                         width=0.5, memory_bytes=models.memory_bytes("bert_base"), model="bert_base")
+        await kv.put("x1", encode(p))
+        await kv.put("x2", encode(msgspec.structs.replace(p, instance_id="x2", gpu=1)))
+        await _eventually(lambda: _true("x2" in agent.instances), what="x2 launched on the healthy GPU")
+        assert "x1" not in agent.instances
+        await nc.drain()
+
+
+async def _true(value):
+    return value
+
+
+async def test_memory_reservation_and_nvml_telemetry(nats_url):
+    """An instance whose weights exceed its reservation fails to load (CUDA_ERROR_OUT_OF_MEMORY
+    from the interceptor) while its neighbour serves; telemetry carries NVML's view and the
+    instance's memory against its reservation."""
+    agent = NodeAgent(node="n3", gpus=1, device="emulated", nats_url=nats_url, telemetry_ms=200)
+    async with running(agent, nats_url, ready_timeout_s=30):
+        nc = await nats.connect(nats_url)
+        js = nc.jetstream()
+        await ensure_stream(js)
+        tel: list[ev.GpuTelemetry] = []
+        retired: list[ev.InstanceRetired] = []
+
+        async def on_tel(msg):
+            tel.append(decode(msg.data, ev.GpuTelemetry))
+
+        async def on_retired(msg):
+            retired.append(decode(msg.data, ev.InstanceRetired))
+        await nc.subscribe("dilu.v1.telemetry.gpu.n3.*", cb=on_tel)
+        await nc.subscribe(subjects.instance_state("retired", "n3"), cb=on_retired)
+        kv = await js.key_value(subjects.PLACEMENT_BUCKET)
+        weights = models.weight_bytes("gpt2_large")
+        for fn in ("ok", "greedy"):
+            await ensure_consumer(js, fn)
+        good = ev.Placement(instance_id="ok1", function="ok", node="n3", gpu=0, request_quota=0.3, limit_quota=0.5,
+                            width=0.5, memory_bytes=models.memory_bytes("gpt2_large"), model="gpt2_large")
+        greedy = msgspec.structs.replace(good, instance_id="greedy1", function="greedy", memory_bytes=weights // 2)
+        await kv.put("ok1", encode(good))
+        await kv.put("greedy1", encode(greedy))
+
+        # the greedy one crashes at load (its weights do not fit its reservation) and is not
+        # relaunched for ever; the good one serves and shows its memory in telemetry
+        await _eventually(lambda: _true(any(r.instance_id == "greedy1" and r.reason == "crashed" for r in retired)),
+                          what="the over-allocating instance crashed")
+
+        def memory():
+            for t in tel:
+                for i in t.instances:
+                    if i.instance_id == "ok1" and i.memory_used_bytes:
+                        return t, i
+            return None
+        t, i = await _eventually(lambda: _true(memory()), what="telemetry with the instance's memory")
+        assert i.memory_used_bytes == weights and i.memory_limit_bytes == good.memory_bytes and i.oom_refusals == 0
+        assert t.nvml is not None and t.nvml.memory_total_bytes == 40 * 2**30
+        assert t.nvml.memory_used_bytes >= weights
+        assert os.getpid() not in {p.pid for p in t.nvml.processes}
+        assert agent.instances["ok1"].proc.pid in {p.pid for p in t.nvml.processes}
+        await nc.drain()
