@@ -46,6 +46,8 @@ from dilu.services.common.nodes import nodes_bucket
 from dilu.services.common.runner import StartFailed
 
 from . import devices
+from .mps import FAILURE_WINDOW_S as MPS_FAILURE_WINDOW_S
+from .mps import server_failed as mps_server_failed
 from .accounting import Counters, GpuCost, Slot, stretch, window_use
 
 LAUNCHES = Counter("dilu_instance_launches", "Instances launched", ["function"])
@@ -137,6 +139,9 @@ class NodeAgent:
         self._started = False
         self._reaction = HdrHistogram(1, 60_000_000, 3)  # µs
         self._restarts: dict[str, int] = {}
+        self._crashes: dict[int, list[float]] = {}  # GPU -> recent instance crash times (monotonic s)
+        self._mps_servers: set[int] = set()  # MPS server PIDs at the last heartbeat
+        self._mps_failed_at: dict[int, float] = {}  # GPU -> when its MPS server failed (monotonic s)
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -221,6 +226,8 @@ class NodeAgent:
                     self.log.error("GPU unhealthy: it gets no new instance", gpu=g.index, uuid=g.uuid, reason=g.reason)
                 for g in self.device.gpus:
                     GPU_HEALTHY.labels(str(g.index)).set(1 if g.healthy else 0)
+                if self.device.mps is not None and self.device.mps.state == "on":
+                    self._mps_servers = await asyncio.to_thread(self.device.mps.servers)
                 inv = self.inventory()
                 try:
                     self._inv_rev = await self._inv_kv.update(subjects.token(self.node), encode(inv), last=self._inv_rev)
@@ -351,13 +358,35 @@ class NodeAgent:
         code = await proc.wait()
         if inst.state != "draining" and not self._stopping:
             self.log.warning("instance exited unexpectedly", instance=p.instance_id, exit_code=code)
-            await self._finish(inst, "crashed", code)
-            await self._relaunch(p)
+            mps_failure = await self._mps_failed(p.gpu)
+            await self._finish(inst, "mps server failed" if mps_failure else "crashed", code)
+            await self._relaunch(p, counted=not mps_failure)
 
-    async def _relaunch(self, p: ev.Placement) -> None:
+    async def _mps_failed(self, gpu: int) -> bool:
+        """Whether this crash is part of an MPS server failure on ``gpu`` (every client of the
+        server fails at once: see .mps.server_failed); the clients that crash with it within
+        the failure window are part of the same failure. Logged once per failure."""
+        mps = self.device.mps if self.device is not None else None
+        if mps is None or mps.state != "on":
+            return False
+        now = time.monotonic()
+        if now - self._mps_failed_at.get(gpu, float("-inf")) <= MPS_FAILURE_WINDOW_S:
+            return True
+        crashes = self._crashes.setdefault(gpu, [])
+        crashes[:] = [t for t in crashes if now - t <= MPS_FAILURE_WINDOW_S] + [now]
+        servers = await asyncio.to_thread(mps.servers)
+        failed = mps_server_failed(crashes, now, self._mps_servers, servers)
+        self._mps_servers = servers
+        if failed:
+            self._mps_failed_at[gpu] = now
+            self.log.error("MPS server failed: relaunching the GPU's clients", gpu=gpu)
+        return failed
+
+    async def _relaunch(self, p: ev.Placement, counted: bool = True) -> None:
         """A crashed instance keeps its placement: launch it again (the table still says so),
-        at most ``MAX_RESTARTS`` times, after ``RESTART_DELAY_S``."""
-        n = self._restarts.get(p.instance_id, 0) + 1
+        at most ``MAX_RESTARTS`` times, after ``RESTART_DELAY_S``. ``counted``: False for a crash
+        that was the MPS server's, not the instance's (it does not use up the instance's budget)."""
+        n = self._restarts.get(p.instance_id, 0) + counted
         self._restarts[p.instance_id] = n
         if n > MAX_RESTARTS:
             self.log.error("instance keeps crashing; not relaunched", instance=p.instance_id, restarts=n - 1)
