@@ -11,6 +11,10 @@ over time of max(⌈Σ SM requests⌉, ⌈Σ memory / GPU memory⌉, the number 
 more than half a GPU's memory, since no two of those can share a GPU)), ``max_limit_sum`` and
 ``allocation_fragmentation`` (time-weighted mean over active GPUs of 1 − Σ request quotas).
 Multi-GPU training takes distinct GPUs of one node; an instance is never split.
+
+The cluster is ``--nodes`` identical nodes here (the live scheduler builds it from the node
+inventories instead). Memory is in GiB (2**30 bytes), the workload's memory figures included.
+``--max-gpu-instances`` caps instances per GPU (the MPS client limit, 48; 0: no cap).
 """
 from __future__ import annotations
 
@@ -29,7 +33,7 @@ from dilu.services.common.cliopts import writable_output
 
 from .policy import Cluster, Demand, NoCapacity
 
-GB = 10**9
+GiB = 2**30
 WORKLOADS_DIR = Path(__file__).parent / "workloads"
 
 
@@ -51,7 +55,7 @@ def parse_workload(path: str | Path) -> list[tuple[float, str, str, Demand]]:
             kind = "training" if inst["type"] == "training" else "inference"
             d = Demand(
                 function=inst["service_name"], request_quota=float(inst["sm_requests"]),
-                limit_quota=float(inst["sm_limits"]), memory_bytes=int(max(inst["memory"]) * GB),
+                limit_quota=float(inst["sm_limits"]), memory_bytes=int(max(inst["memory"]) * GiB),
                 kind=kind, gpus=gpus if kind == "training" else 1,
             )
             action = e["Action"]
@@ -68,11 +72,12 @@ def _timer() -> HdrHistogram:
     return HdrHistogram(1, 10**10, 3)
 
 
-def replay(path: str | Path, nodes: int = 1000, gpus_per_node: int = 4, gpu_memory_gb: float = 40,
-           gamma: float = 1.5) -> dict:
+def replay(path: str | Path, nodes: int = 1000, gpus_per_node: int = 4, gpu_memory_gib: float = 40,
+           gamma: float = 1.5, max_gpu_instances: int = 0) -> dict:
     """Replay a dilu-sim workload; returns the figures named in the module docstring."""
-    capacity = int(gpu_memory_gb * GB)
-    cluster = Cluster([f"node{i}" for i in range(nodes)], gpus_per_node, capacity, gamma=gamma)
+    capacity = int(gpu_memory_gib * GiB)
+    cluster = Cluster([f"node{i}" for i in range(nodes)], gpus_per_node, capacity, gamma=gamma,
+                      max_gpu_instances=max_gpu_instances)
     hist = _timer()
     live_req = 0.0
     live_mem = 0
@@ -115,7 +120,8 @@ def replay(path: str | Path, nodes: int = 1000, gpus_per_node: int = 4, gpu_memo
         bound = max(bound, math.ceil(live_req - 1e-6), math.ceil(live_mem / capacity - 1e-9), live_big)
     return {
         "workload": Path(path).name,
-        "nodes": nodes, "gpus_per_node": gpus_per_node, "gpu_memory_gb": gpu_memory_gb, "gamma": gamma,
+        "nodes": nodes, "gpus_per_node": gpus_per_node, "gpu_memory_gib": gpu_memory_gib, "gamma": gamma,
+        "max_gpu_instances": max_gpu_instances,
         "events": len(events),
         "peak_active_gpus": peak,
         "lower_bound_peak": bound,
@@ -130,10 +136,11 @@ def replay(path: str | Path, nodes: int = 1000, gpus_per_node: int = 4, gpu_memo
 
 
 def synthetic(nodes: int = 1000, gpus_per_node: int = 4, instances: int = 10_000, churn: int = 2_000,
-              gpu_memory_gb: float = 40, gamma: float = 1.5, seed: int = 0) -> dict:
+              gpu_memory_gib: float = 40, gamma: float = 1.5, seed: int = 0, max_gpu_instances: int = 0) -> dict:
     """Fill the cluster with ``instances`` seeded random instances, then ``churn`` retire+place pairs."""
     rng = random.Random(seed)
-    cluster = Cluster([f"node{i}" for i in range(nodes)], gpus_per_node, int(gpu_memory_gb * GB), gamma=gamma)
+    cluster = Cluster([f"node{i}" for i in range(nodes)], gpus_per_node, int(gpu_memory_gib * GiB), gamma=gamma,
+                      max_gpu_instances=max_gpu_instances)
     functions = [f"fn{i}" for i in range(max(1, instances // 50))]
 
     def demand() -> Demand:
@@ -141,7 +148,7 @@ def synthetic(nodes: int = 1000, gpus_per_node: int = 4, instances: int = 10_000
         training = rng.random() < 0.15
         return Demand(function=rng.choice(functions), request_quota=r,
                       limit_quota=min(1.0, round(r * rng.uniform(1.1, 1.6), 2)),
-                      memory_bytes=int(rng.uniform(1, 12) * GB), kind="training" if training else "inference",
+                      memory_bytes=int(rng.uniform(1, 12) * GiB), kind="training" if training else "inference",
                       gpus=rng.choice((1, 2, 4)) if training and rng.random() < 0.3 else 1,
                       peak_hour=rng.randrange(24))
 
@@ -179,7 +186,10 @@ def synthetic(nodes: int = 1000, gpus_per_node: int = 4, instances: int = 10_000
 @click.command("scheduler")
 @click.option("--nodes", type=click.IntRange(min=1), default=1000, show_default=True)
 @click.option("--gpus-per-node", type=click.IntRange(min=1), default=4, show_default=True)
-@click.option("--gpu-memory-gb", type=click.FloatRange(min=0, min_open=True), default=40, show_default=True)
+@click.option("--gpu-memory-gib", type=click.FloatRange(min=0, min_open=True), default=40, show_default=True,
+              help="Memory of each GPU in GiB (2**30 bytes).")
+@click.option("--max-gpu-instances", type=click.IntRange(min=0), default=0, show_default=True,
+              help="Instances one GPU takes at most (MPS client limit, 48; 0: no cap).")
 @click.option("--gamma", type=click.FloatRange(min=1), default=1.5, show_default=True, help="Cap on Σ limit quotas per GPU.")
 @click.option("--instances", type=click.IntRange(min=0), default=10_000, show_default=True, help="Synthetic mode: instances to fill.")
 @click.option("--churn", type=click.IntRange(min=0), default=2_000, show_default=True, help="Synthetic mode: retire+place pairs after filling.")
@@ -188,13 +198,14 @@ def synthetic(nodes: int = 1000, gpus_per_node: int = 4, instances: int = 10_000
               help="Replay a dilu-sim event list instead (e.g. services/scheduler/workloads/instances-1600.txt).")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False, path_type=Path), callback=writable_output,
               help="Write the figures here.")
-def bench_scheduler(nodes, gpus_per_node, gpu_memory_gb, gamma, instances, churn, seed, workload, json_path) -> None:
+def bench_scheduler(nodes, gpus_per_node, gpu_memory_gib, max_gpu_instances, gamma, instances, churn, seed, workload,
+                    json_path) -> None:
     """Placement speed (synthetic) or packing quality against the lower bound (--workload)."""
     try:
         if workload:
-            out = replay(workload, nodes, gpus_per_node, gpu_memory_gb, gamma)
+            out = replay(workload, nodes, gpus_per_node, gpu_memory_gib, gamma, max_gpu_instances)
         else:
-            out = synthetic(nodes, gpus_per_node, instances, churn, gpu_memory_gb, gamma, seed)
+            out = synthetic(nodes, gpus_per_node, instances, churn, gpu_memory_gib, gamma, seed, max_gpu_instances)
     except WorkloadError as exc:
         raise click.ClickException(str(exc)) from None
     text = json.dumps(out, indent=2)

@@ -3,32 +3,47 @@
 Pure: the cluster state is a plain object, decisions are returned, nothing here does I/O or reads
 a clock. The same object drives the live scheduler service and the workload replay.
 
+The cluster is what the node agents' inventories say (section 4.0): nodes join and leave at run
+time (:meth:`Cluster.add_node`, :meth:`Cluster.update_node`, :meth:`Cluster.remove_node`) and
+their GPUs differ (memory, MPS client limit, health). Each GPU has its own :class:`GpuCapacity`.
+
 Feasibility of a GPU for one more instance slot (compared with tolerance ``EPS`` = 1e-6, because
 quotas in the data carry float artefacts such as 0.5900000000000001):
 
+- the GPU is healthy (an unhealthy GPU keeps its residents but takes nothing new),
 - Σ request quotas ≤ 1 (requests are guaranteed),
 - Σ limit quotas ≤ γ (default 1.5, the oversubscription cap on bursts),
-- Σ memory ≤ the GPU's memory.
+- Σ memory ≤ that GPU's memory,
+- its number of instances < its ``max_instances`` (the MPS client limit, 48 on Volta and later;
+  0: no limit).
 
 Placement: among feasible GPUs that already host instances, best fit (least request quota and
-memory left over), with small preferences for complementary collocation (training beside
-inference; functions whose load peaks at different hours) and affinity, and against two replicas of
-one function on a GPU (their bursts coincide). A new GPU is opened only when nothing fits; it is
-taken on the node with the fewest empty GPUs left, so whole nodes stay free for multi-GPU training.
-A multi-GPU instance (training) gets its slots on distinct GPUs of one node.
+memory left over, memory relative to that GPU's size), with small preferences for complementary
+collocation (training beside inference; functions whose load peaks at different hours) and
+affinity, and against two replicas of one function on a GPU (their bursts coincide). A new GPU is
+opened only when nothing fits; it is taken on the node with the fewest empty GPUs (of enough
+memory) left, so whole nodes stay free for multi-GPU training, and among that node's empty GPUs
+the smallest that holds the instance, so large GPUs stay free for what only they can take. A
+multi-GPU instance (training) gets its slots on distinct GPUs of one node.
 
-Speed: active GPUs are indexed in buckets of free request quota (1 % wide); a placement scans the
-buckets upward from the one that can hold the request and scores at most ``max_candidates``
-feasible GPUs, so its cost does not grow with the cluster.
+Speed: active GPUs are indexed in buckets of free request quota (1 % wide), one set of buckets per
+memory class (one class per distinct GPU memory size); a placement scans the buckets upward from
+the one that can hold the request, in the classes large enough for it, and scores at most
+``max_candidates`` feasible GPUs, so its cost does not grow with the cluster. GPUs that cannot
+take anything (dead, unhealthy, at their instance limit) are kept out of the buckets. Empty GPUs
+are indexed per node and per memory class, so opening one is a lookup too.
+GPU ids (indexes into ``gpus``) are never reused: a removed node's GPUs stay in the list, dead.
 """
 from __future__ import annotations
 
+import bisect
 import copy
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 EPS = 1e-6
 BUCKETS = 100  # free request quota buckets: bucket k holds GPUs with free in [k/100, (k+1)/100)
+UNLIMITED = 1 << 62  # instance limit of a GPU with no MPS client limit
 
 
 class NoCapacity(RuntimeError):
@@ -125,10 +140,30 @@ class DefragPlan:
     cost_gpu_s: float = 0.0
 
 
-class _Gpu:
-    __slots__ = ("req", "lim", "mem", "residents", "training", "fns", "peaks", "bucket", "multi")
+@dataclass(frozen=True)
+class GpuCapacity:
+    """What one GPU offers: ``memory_bytes`` of device memory; ``max_instances`` instances at once
+    (its MPS client limit; 0: no limit); ``healthy`` (False: it keeps its residents but takes
+    nothing new; ``reason`` says why); ``index``: its index on the node (what placements name;
+    None: its position in the list given to :meth:`Cluster.add_node`).
+    Raises ValueError for negative memory or a negative instance limit."""
 
-    def __init__(self) -> None:
+    memory_bytes: int
+    max_instances: int = 0
+    healthy: bool = True
+    reason: str = ""
+    index: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.memory_bytes < 0 or self.max_instances < 0:
+            raise ValueError(f"bad GPU capacity: memory {self.memory_bytes}, max instances {self.max_instances}")
+
+
+class _Gpu:
+    __slots__ = ("req", "lim", "mem", "residents", "training", "fns", "peaks", "bucket", "multi",
+                 "node", "index", "cap", "max", "healthy", "reason", "alive", "open", "ok", "limit")
+
+    def __init__(self, node: int, index: int, c: GpuCapacity) -> None:
         self.req = 0.0
         self.lim = 0.0
         self.mem = 0
@@ -136,68 +171,258 @@ class _Gpu:
         self.training = 0
         self.fns: dict[str, int] = {}
         self.peaks: dict[int, int] = {}
-        self.bucket = -1  # -1: empty (not in the active buckets)
+        self.bucket = -1  # -1: not in the active buckets (empty, or cannot take anything)
         self.multi = 0  # residents spanning several GPUs (never migrated)
+        self.node = node  # index into Cluster._nodes
+        self.index = index  # the GPU's index on its node
+        self.cap = c.memory_bytes
+        self.max = c.max_instances
+        self.healthy = c.healthy
+        self.reason = c.reason
+        self.alive = True  # False once its node left (or it vanished from the node's inventory)
+        self.open = False  # empty and placeable: in its node's ``open`` set and the class indexes
+        self.ok = True  # alive and healthy (kept in step by ``Cluster._reindex``)
+        self.limit = self.max or UNLIMITED
+
+
+class _Node:
+    __slots__ = ("name", "gpus", "by_index", "open", "counts", "alive")
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.gpus: list[int] = []  # global GPU ids, by index on the node
+        self.by_index: dict[int, int] = {}
+        self.open: dict[int, None] = {}  # empty placeable GPUs (ordered set)
+        self.counts: dict[int, int] = {}  # memory class -> open GPUs with at least that memory
+        self.alive = True
+
+
+def _resolve(gpus: Sequence[GpuCapacity]) -> dict[int, GpuCapacity]:
+    """GPU index -> capacity; raises ValueError for an index given twice or negative."""
+    out: dict[int, GpuCapacity] = {}
+    for pos, c in enumerate(gpus):
+        idx = pos if c.index is None else c.index
+        if idx < 0 or idx in out:
+            raise ValueError(f"GPU index {idx} negative or given twice")
+        out[idx] = c
+    return dict(sorted(out.items()))
 
 
 class Cluster:
-    """GPUs of ``nodes`` × ``gpus_per_node``, each with ``gpu_memory_bytes``, and what runs on them.
+    """GPUs of the nodes that joined, each with its own :class:`GpuCapacity`, and what runs on them.
 
+    ``Cluster(nodes, gpus_per_node, gpu_memory_bytes, max_gpu_instances=0)`` adds each of
+    ``nodes`` with ``gpus_per_node`` identical GPUs (benchmarks, the workload replay); with no
+    nodes (or :meth:`empty`) the cluster starts empty and nodes join through :meth:`add_node`.
     ``gamma``: the Σ-limit cap; ``max_candidates``: feasible GPUs scored per placement.
+    Raises ValueError for gamma < 1, repeated node names, or nodes without GPUs or memory.
     """
 
     def __init__(
         self,
-        nodes: Sequence[str],
-        gpus_per_node: int,
-        gpu_memory_bytes: int,
+        nodes: Sequence[str] = (),
+        gpus_per_node: int = 0,
+        gpu_memory_bytes: int = 0,
         *,
         gamma: float = 1.5,
         max_candidates: int = 16,
+        max_gpu_instances: int = 0,
     ) -> None:
-        if not nodes or gpus_per_node < 1 or gpu_memory_bytes <= 0 or gamma < 1:
-            raise ValueError("need ≥ 1 node, ≥ 1 GPU per node, positive memory and gamma ≥ 1")
+        if gamma < 1:
+            raise ValueError("need gamma ≥ 1")
+        if nodes and (gpus_per_node < 1 or gpu_memory_bytes <= 0):
+            raise ValueError("need ≥ 1 GPU per node and positive memory")
         if len(set(nodes)) != len(nodes):
             raise ValueError("node names must be unique")
-        self.nodes = list(nodes)
-        self.node_index = {n: i for i, n in enumerate(self.nodes)}
-        self.gpus_per_node = gpus_per_node
-        self.capacity = gpu_memory_bytes
         self.gamma = gamma
         self.max_candidates = max_candidates
-        self.gpus = [_Gpu() for _ in range(len(nodes) * gpus_per_node)]
-        self.buckets: list[dict[int, None]] = [{} for _ in range(BUCKETS + 1)]  # ordered sets
-        # empty GPUs per node, and nodes indexed by their number of empty GPUs
-        self.empty: list[dict[int, None]] = [
-            {n * gpus_per_node + g: None for g in range(gpus_per_node)} for n in range(len(nodes))]
-        self.nodes_by_empty: list[dict[int, None]] = [{} for _ in range(gpus_per_node + 1)]
-        self.nodes_by_empty[gpus_per_node] = {n: None for n in range(len(nodes))}
+        self.gpus: list[_Gpu] = []
+        self._nodes: list[_Node] = []
+        self.node_index: dict[str, int] = {}  # live nodes only
+        # memory class -> free-request bucket -> active GPUs of that memory size (ordered sets)
+        self.buckets: dict[int, list[dict[int, None]]] = {}
+        self._tables: list[list[dict[int, None]]] = []  # self.buckets[m] for m in self.classes
+        self.classes: list[int] = []  # distinct memory sizes of live GPUs, ascending
+        self._class_refs: dict[int, int] = {}
+        # memory class M -> [count -> nodes with `count` open GPUs of ≥ M bytes] (ordered sets)
+        self._open: dict[int, list[dict[int, None]]] = {}
+        self._sizes: dict[int, int] = {}  # GPUs per node -> live nodes of that size
         self.instances: dict[str, tuple[Demand, tuple[int, ...]]] = {}
         self.active = 0
+        same = [GpuCapacity(gpu_memory_bytes, max_gpu_instances)] * gpus_per_node
+        for n in nodes:
+            self.add_node(n, same)
+
+    @classmethod
+    def empty(cls, *, gamma: float = 1.5, max_candidates: int = 16) -> "Cluster":
+        """A cluster with no node yet."""
+        return cls((), gamma=gamma, max_candidates=max_candidates)
+
+    # ------------------------------------------------------------------ membership
+
+    @property
+    def nodes(self) -> list[str]:
+        """Names of the live nodes, in the order they joined."""
+        return list(self.node_index)
+
+    def add_node(self, name: str, gpus: Sequence[GpuCapacity]) -> None:
+        """A node joins with ``gpus``. Raises ValueError for a node already in the cluster or an
+        index given twice."""
+        if name in self.node_index:
+            raise ValueError(f"node {name!r} is already in the cluster")
+        caps = _resolve(gpus)
+        nid = len(self._nodes)
+        self._nodes.append(_Node(name))
+        self.node_index[name] = nid
+        for idx, c in caps.items():
+            self._add_gpu(nid, idx, c)
+        self._resize(nid, +1)
+
+    def update_node(self, name: str, gpus: Sequence[GpuCapacity]) -> list[str]:
+        """A node's GPUs changed (health, limits, memory, GPUs added or gone). A GPU that became
+        unhealthy keeps its residents and takes nothing new; one whose memory or instance limit
+        shrank below what it hosts keeps them too (:meth:`violations` reports the over-commit).
+        Returns the ids of the instances that were on GPUs no longer listed: they are taken out
+        (displaced; their capacity is freed). Raises KeyError for an unknown node, ValueError for
+        an index given twice."""
+        nid = self.node_index[name]
+        caps = _resolve(gpus)
+        node = self._nodes[nid]
+        self._resize(nid, -1)
+        displaced = self._kill([g for idx, g in node.by_index.items() if idx not in caps])
+        for idx, c in caps.items():
+            g = node.by_index.get(idx)
+            if g is None:
+                self._add_gpu(nid, idx, c)
+                continue
+            s = self.gpus[g]
+            if (s.cap, s.max, s.healthy, s.reason) == (c.memory_bytes, c.max_instances, c.healthy, c.reason):
+                continue
+            if s.open:
+                self._set_open(g, False)
+            if s.bucket >= 0:  # out of its class's buckets while its class may change
+                del self.buckets[s.cap][s.bucket][g]
+                s.bucket = -1
+            if s.cap != c.memory_bytes:
+                self._class_drop(s.cap)
+                self._class_add(c.memory_bytes)
+            s.cap, s.max, s.healthy, s.reason = c.memory_bytes, c.max_instances, c.healthy, c.reason
+            s.limit = s.max or UNLIMITED
+            self._reindex(g)
+        self._resize(nid, +1)
+        return displaced
+
+    def remove_node(self, name: str) -> list[str]:
+        """A node left: returns the ids of the instances that were on it, now taken out of the
+        cluster (displaced; place them again elsewhere). Raises KeyError for an unknown node."""
+        nid = self.node_index.pop(name)
+        node = self._nodes[nid]
+        self._resize(nid, -1)
+        node.alive = False
+        return self._kill(list(node.gpus))
+
+    def _add_gpu(self, nid: int, idx: int, c: GpuCapacity) -> None:
+        g = len(self.gpus)
+        self.gpus.append(_Gpu(nid, idx, c))
+        node = self._nodes[nid]
+        node.by_index[idx] = g
+        node.gpus = [node.by_index[i] for i in sorted(node.by_index)]
+        self._class_add(c.memory_bytes)
+        self._reindex(g)
+
+    def _kill(self, gpus: list[int]) -> list[str]:
+        """Mark ``gpus`` dead and take out every instance on them; returns those instances' ids."""
+        ids: dict[str, None] = {}
+        for g in gpus:
+            s = self.gpus[g]
+            s.alive = False
+            self._reindex(g)
+            ids.update(dict.fromkeys(s.residents))
+        for i in ids:
+            self.remove(i)
+        for g in gpus:
+            s = self.gpus[g]
+            self._class_drop(s.cap)
+            node = self._nodes[s.node]
+            del node.by_index[s.index]
+        for nid in {self.gpus[g].node for g in gpus}:
+            node = self._nodes[nid]
+            node.gpus = [node.by_index[i] for i in sorted(node.by_index)]
+        return list(ids)
+
+    def _resize(self, nid: int, sign: int) -> None:
+        n = len(self._nodes[nid].gpus)
+        self._sizes[n] = self._sizes.get(n, 0) + sign
+        if not self._sizes[n]:
+            del self._sizes[n]
+
+    def _class_add(self, m: int) -> None:
+        self._class_refs[m] = self._class_refs.get(m, 0) + 1
+        if self._class_refs[m] > 1:
+            return
+        bisect.insort(self.classes, m)
+        self.buckets[m] = [{} for _ in range(BUCKETS + 1)]
+        self._tables = [self.buckets[c] for c in self.classes]
+        index: list[dict[int, None]] = [{}]
+        for nid in self.node_index.values():  # a new memory size: count each node's open GPUs once
+            node = self._nodes[nid]
+            count = sum(1 for h in node.open if self.gpus[h].cap >= m)
+            node.counts[m] = count
+            if count:
+                while len(index) <= count:
+                    index.append({})
+                index[count][nid] = None
+        self._open[m] = index
+
+    def _class_drop(self, m: int) -> None:
+        self._class_refs[m] -= 1
+        if not self._class_refs[m]:
+            del self._class_refs[m]
+            self.classes.remove(m)
+            del self._open[m]  # nodes' stale counts for m are reset if the size comes back
+            del self.buckets[m]  # empty: its GPUs are dead or changed size, out of the buckets
+            self._tables = [self.buckets[c] for c in self.classes]
 
     # ------------------------------------------------------------------ addressing
 
     def slot(self, g: int) -> Slot:
-        return Slot(self.nodes[g // self.gpus_per_node], g % self.gpus_per_node)
+        s = self.gpus[g]
+        return Slot(self._nodes[s.node].name, s.index)
 
     def gpu_id(self, slot: Slot) -> int:
-        """Raises KeyError for an unknown node, IndexError for a GPU index out of range."""
-        if not 0 <= slot.gpu < self.gpus_per_node:
-            raise IndexError(f"GPU {slot.gpu} out of range 0..{self.gpus_per_node - 1}")
-        return self.node_index[slot.node] * self.gpus_per_node + slot.gpu
+        """Raises KeyError for an unknown node, IndexError for a GPU the node does not have."""
+        node = self._nodes[self.node_index[slot.node]]
+        try:
+            return node.by_index[slot.gpu]
+        except KeyError:
+            raise IndexError(f"node {slot.node} has no GPU {slot.gpu} (it has {sorted(node.by_index)})") from None
+
+    def node_slots(self, name: str) -> list[Slot]:
+        """The GPUs of a live node. Raises KeyError for an unknown node."""
+        return [Slot(name, i) for i in self._nodes[self.node_index[name]].by_index]
+
+    def capacity(self, slot: Slot) -> GpuCapacity:
+        """What the GPU at ``slot`` offers now. Raises KeyError/IndexError like :meth:`gpu_id`."""
+        s = self.gpus[self.gpu_id(slot)]
+        return GpuCapacity(s.cap, s.max, s.healthy, s.reason, s.index)
+
+    def max_gpus_per_node(self) -> int:
+        return max(self._sizes, default=0)
 
     # ------------------------------------------------------------------ feasibility and scoring
 
     def fits(self, g: int, d: Demand) -> bool:
-        """Whether GPU ``g`` can take one more slot of ``d`` (Σ request ≤ 1, Σ limit ≤ γ, memory)."""
+        """Whether GPU ``g`` can take one more slot of ``d``: alive and healthy, under its instance
+        limit, Σ request ≤ 1, Σ limit ≤ γ, memory."""
         s = self.gpus[g]
-        return (s.req + d.request_quota <= 1 + EPS and s.lim + d.limit_quota <= self.gamma + EPS
-                and s.mem + d.memory_bytes <= self.capacity)
+        return (s.ok and len(s.residents) < s.limit
+                and s.req + d.request_quota <= 1 + EPS and s.lim + d.limit_quota <= self.gamma + EPS
+                and s.mem + d.memory_bytes <= s.cap)
 
     def score(self, g: int, d: Demand) -> float:
         """Lower is better: request and memory left over (best fit), adjusted by collocation preferences."""
         s = self.gpus[g]
-        score = (1 - s.req - d.request_quota) + 0.5 * (self.capacity - s.mem - d.memory_bytes) / self.capacity
+        score = (1 - s.req - d.request_quota) + 0.5 * (s.cap - s.mem - d.memory_bytes) / (s.cap or 1)
         if s.residents:
             has_inference = s.training < len(s.residents)
             if (has_inference and d.kind == "training") or (s.training and d.kind != "training"):
@@ -215,23 +440,41 @@ class Cluster:
         return min(BUCKETS, max(0, int((1 - s.req + EPS) * BUCKETS)))
 
     def _candidates(self, d: Demand, exclude: set[int] | None = None) -> Iterable[int]:
-        """Feasible active GPUs in best-fit order of buckets (at most max_candidates of them)."""
+        """Feasible active GPUs in best-fit order of buckets (at most max_candidates of them).
+        A GPU in the buckets is alive, healthy and under its instance limit, so only the sums are
+        checked here: :meth:`fits` for those GPUs, inlined (this is the hot loop)."""
         found = 0
         start = max(0, int((d.request_quota - EPS) * BUCKETS))
+        req, lim, mem = d.request_quota, d.limit_quota, d.memory_bytes
+        one, cap_lim = 1 + EPS, self.gamma + EPS
+        gpus = self.gpus
+        tables = self._tables[bisect.bisect_left(self.classes, mem):]  # memory classes large enough
+        if len(tables) == 1:  # e.g. a homogeneous cluster: one set of buckets
+            for bucket in tables[0][start:]:
+                for g in bucket:
+                    s = gpus[g]
+                    if (s.req + req <= one and s.lim + lim <= cap_lim and s.mem + mem <= s.cap
+                            and (exclude is None or g not in exclude)):
+                        yield g
+                        found += 1
+                        if found >= self.max_candidates:
+                            return
+            return
         for k in range(start, BUCKETS + 1):
-            for g in self.buckets[k]:
-                if (exclude is None or g not in exclude) and self.fits(g, d):
-                    yield g
-                    found += 1
-                    if found >= self.max_candidates:
-                        return
+            for buckets in tables:
+                for g in buckets[k]:
+                    s = gpus[g]
+                    if (s.req + req <= one and s.lim + lim <= cap_lim and s.mem + mem <= s.cap
+                            and (exclude is None or g not in exclude)):
+                        yield g
+                        found += 1
+                        if found >= self.max_candidates:
+                            return
 
     # ------------------------------------------------------------------ decisions
 
     def choose(self, d: Demand, exclude: set[int] | None = None, allow_new: bool = True) -> tuple[int, ...]:
         """The GPUs (global ids) for one instance of ``d``, without applying it. Raises NoCapacity."""
-        if d.gpus > self.gpus_per_node:
-            raise NoCapacity(f"{d.function} needs {d.gpus} GPUs on one node; nodes have {self.gpus_per_node}")
         if d.gpus == 1:
             best = min(self._candidates(d, exclude), key=lambda g: self.score(g, d), default=None)
             if best is not None:
@@ -241,9 +484,14 @@ class Cluster:
             if multi:
                 return multi
         if allow_new:
-            fresh = self._open(d.gpus, d)
+            fresh = self._open_gpus(d.gpus, d)
             if fresh:
                 return fresh
+        if not self.node_index:
+            raise NoCapacity(f"no GPU can take {d.function}: the cluster has no node")
+        if d.gpus > self.max_gpus_per_node():
+            raise NoCapacity(f"{d.function} needs {d.gpus} GPUs on one node; "
+                             f"nodes have {self.max_gpus_per_node()} GPUs at most")
         raise NoCapacity(f"no GPU can take {d.function} (request {d.request_quota:.3f}, "
                          f"limit {d.limit_quota:.3f}, memory {d.memory_bytes} B × {d.gpus} GPUs)")
 
@@ -252,15 +500,15 @@ class Cluster:
         best: tuple[float, tuple[int, ...]] | None = None
         seen: set[int] = set()
         for g in self._candidates(d, exclude):
-            node = g // self.gpus_per_node
-            if node in seen:
+            nid = self.gpus[g].node
+            if nid in seen:
                 continue
-            seen.add(node)
-            base = node * self.gpus_per_node
-            ok = [h for h in range(base, base + self.gpus_per_node)
+            seen.add(nid)
+            node = self._nodes[nid]
+            ok = [h for h in node.gpus
                   if self.gpus[h].residents and (exclude is None or h not in exclude) and self.fits(h, d)]
             ok.sort(key=lambda h: self.score(h, d))
-            empties = list(self.empty[node])
+            empties = sorted((h for h in node.open if self.fits(h, d)), key=lambda h: self.gpus[h].cap)
             pick = (ok + empties)[: d.gpus]
             if len(pick) == d.gpus:
                 total = sum(self.score(h, d) for h in pick)
@@ -268,13 +516,21 @@ class Cluster:
                     best = (total, tuple(pick))
         return best[1] if best else None
 
-    def _open(self, n: int, d: Demand) -> tuple[int, ...] | None:
-        """``n`` empty GPUs on the node with the fewest empty GPUs that still has ``n``."""
-        if d.memory_bytes > self.capacity or d.limit_quota > self.gamma + EPS:
+    def _open_gpus(self, n: int, d: Demand) -> tuple[int, ...] | None:
+        """``n`` empty GPUs with room for ``d`` on the node with the fewest such GPUs that still
+        has ``n``; on that node the smallest that fit."""
+        if d.limit_quota > self.gamma + EPS:
             return None
-        for count in range(n, self.gpus_per_node + 1):
-            for node in self.nodes_by_empty[count]:
-                return tuple(list(self.empty[node])[:n])
+        k = bisect.bisect_left(self.classes, d.memory_bytes)
+        if k == len(self.classes):
+            return None
+        index = self._open[self.classes[k]]
+        for count in range(n, len(index)):
+            for nid in index[count]:
+                fit = [h for h in self._nodes[nid].open if self.gpus[h].cap >= d.memory_bytes]
+                if len(fit) > n:
+                    fit.sort(key=lambda h: self.gpus[h].cap)  # stable: join order among equals
+                return tuple(fit[:n])
         return None
 
     def place(self, instance_id: str, d: Demand, allow_new: bool = True) -> list[Slot]:
@@ -291,7 +547,9 @@ class Cluster:
     def assign(self, instance_id: str, d: Demand, slots: Sequence[Slot], *, check: bool = True) -> None:
         """Apply a decision taken elsewhere (rebuilding state from the placement table).
 
-        With ``check``, raises ValueError when a slot would break feasibility or the id exists.
+        With ``check``, raises ValueError when a slot would break feasibility (including an
+        unhealthy GPU or one at its instance limit) or the id exists. Raises KeyError for an
+        unknown node, IndexError for a GPU the node does not have.
         """
         if instance_id in self.instances:
             raise ValueError(f"instance {instance_id} is already placed")
@@ -306,7 +564,7 @@ class Cluster:
         for g in gpus:
             s = self.gpus[g]
             if not s.residents:
-                self._set_empty(g, False)
+                self.active += 1
             s.req += d.request_quota
             s.lim += d.limit_quota
             s.mem += d.memory_bytes
@@ -316,7 +574,7 @@ class Cluster:
             s.fns[d.function] = s.fns.get(d.function, 0) + 1
             if d.peak_hour is not None:
                 s.peaks[d.peak_hour] = s.peaks.get(d.peak_hour, 0) + 1
-            self._rebucket(g)
+            self._reindex(g)
         self.instances[instance_id] = (d, gpus)
 
     def remove(self, instance_id: str) -> tuple[Demand, list[Slot]]:
@@ -344,31 +602,50 @@ class Cluster:
             else:  # reset exactly: no float residue on an empty GPU
                 s.req = s.lim = 0.0
                 s.mem = 0
-            self._rebucket(g)
+                self.active -= 1
+            self._reindex(g)
         return d, [self.slot(g) for g in gpus]
 
-    def _rebucket(self, g: int) -> None:
-        s = self.gpus[g]
-        if s.bucket >= 0:
-            del self.buckets[s.bucket][g]
-        if s.residents:
-            s.bucket = self._bucket_of(s)
-            self.buckets[s.bucket][g] = None
-        else:
-            s.bucket = -1
-            self._set_empty(g, True)
+    def _takes_more(self, s: _Gpu) -> bool:
+        """Whether an active GPU belongs in the buckets (it may take another instance)."""
+        return s.ok and bool(s.residents) and len(s.residents) < s.limit
 
-    def _set_empty(self, g: int, empty: bool) -> None:
-        node = g // self.gpus_per_node
-        before = len(self.empty[node])
-        if empty:
-            self.empty[node][g] = None
-            self.active -= 1
+    def _reindex(self, g: int) -> None:
+        """Bring ``g``'s bucket and open-GPU entries in line with its state."""
+        s = self.gpus[g]
+        s.ok = s.alive and s.healthy
+        if s.bucket >= 0:
+            del self.buckets[s.cap][s.bucket][g]
+            s.bucket = -1
+        if s.ok and s.residents and len(s.residents) < s.limit:  # it may take more
+            s.bucket = self._bucket_of(s)
+            self.buckets[s.cap][s.bucket][g] = None
+        want_open = s.ok and not s.residents
+        if want_open != s.open:
+            self._set_open(g, want_open)
+
+    def _set_open(self, g: int, is_open: bool) -> None:
+        s = self.gpus[g]
+        node = self._nodes[s.node]
+        if is_open:
+            node.open[g] = None
         else:
-            del self.empty[node][g]
-            self.active += 1
-        del self.nodes_by_empty[before][node]
-        self.nodes_by_empty[len(self.empty[node])][node] = None
+            del node.open[g]
+        s.open = is_open
+        step = 1 if is_open else -1
+        for m in self.classes:
+            if m > s.cap:
+                break
+            index = self._open[m]
+            count = node.counts.get(m, 0)
+            if count:
+                del index[count][s.node]
+            count += step
+            node.counts[m] = count
+            if count:
+                while len(index) <= count:
+                    index.append({})
+                index[count][s.node] = None
 
     # ------------------------------------------------------------------ retirement and defragmentation
 
@@ -413,7 +690,7 @@ class Cluster:
         plan = DefragPlan()
         sources: set[int] = set()
         targets: set[int] = set()
-        order = [g for k in range(BUCKETS, -1, -1) for g in self.buckets[k]]
+        order = [g for k in range(BUCKETS, -1, -1) for m in self.classes for g in self.buckets[m][k]]
         for g in order[:max_sources]:
             s = shadow.gpus[g]
             if not s.residents or s.multi or g in targets:  # never empty a GPU we just filled
@@ -455,19 +732,43 @@ class Cluster:
     # ------------------------------------------------------------------ observation
 
     def violations(self) -> list[str]:
-        """Broken invariants (empty when all hold): per-GPU caps, sums equal to residents', indexes."""
+        """Broken invariants (empty when all hold): per-GPU caps (Σ request, Σ limit, memory,
+        instance count), sums equal to residents', indexes; dead GPUs hold nothing."""
         out = []
         for g, s in enumerate(self.gpus):
+            if not s.alive:
+                if s.residents or s.bucket >= 0 or s.open:
+                    out.append(f"GPU {g}: dead but occupied or indexed")
+                continue
             req = sum(d.request_quota for d in s.residents.values())
             lim = sum(d.limit_quota for d in s.residents.values())
             mem = sum(d.memory_bytes for d in s.residents.values())
-            if req > 1 + EPS or lim > self.gamma + EPS or mem > self.capacity:
-                out.append(f"GPU {g}: Σreq {req:.4f} Σlim {lim:.4f} mem {mem}")
+            if req > 1 + EPS or lim > self.gamma + EPS or mem > s.cap or (s.max and len(s.residents) > s.max):
+                out.append(f"GPU {g}: Σreq {req:.4f} Σlim {lim:.4f} mem {mem}/{s.cap} "
+                           f"instances {len(s.residents)}/{s.max or '∞'}")
             if abs(req - s.req) > 1e-6 or abs(lim - s.lim) > 1e-6 or mem != s.mem:
                 out.append(f"GPU {g}: running sums drifted")
-            in_empty = g in self.empty[g // self.gpus_per_node]
-            if in_empty == bool(s.residents) or (s.residents and g not in self.buckets[s.bucket]):
+            in_bucket = s.bucket >= 0 and g in self.buckets[s.cap][s.bucket] and s.bucket == self._bucket_of(s)
+            want_open = s.healthy and not s.residents
+            if (in_bucket != self._takes_more(s) or want_open != s.open or s.open != (g in self._nodes[s.node].open)
+                    or s.ok != s.healthy or s.limit != (s.max or UNLIMITED)):
                 out.append(f"GPU {g}: index out of date")
+        for m in self.classes:
+            indexed = 0
+            for name, nid in self.node_index.items():
+                node = self._nodes[nid]
+                count = sum(1 for h in node.open if self.gpus[h].cap >= m)
+                listed = node.counts.get(m, 0)
+                indexed += count > 0
+                if listed != count or (count and nid not in self._open[m][count]):
+                    out.append(f"node {name}: open-GPU index of memory class {m} out of date")
+            if sum(len(nodes) for nodes in self._open[m]) != indexed:
+                out.append(f"memory class {m}: index lists nodes that have no open GPU")
+        if sorted(self.classes) != sorted({self.gpus[g].cap for n in self.node_index.values() for g in self._nodes[n].gpus}):
+            out.append("memory classes out of date")
+        if (sorted(self.buckets) != self.classes
+                or sum(len(b) for m in self.buckets for b in self.buckets[m]) != sum(s.bucket >= 0 for s in self.gpus)):
+            out.append("buckets list GPUs they should not")
         if self.active != sum(1 for s in self.gpus if s.residents):
             out.append("active GPU count drifted")
         return out

@@ -13,15 +13,15 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 from dilu.services.scheduler.bench import WORKLOADS_DIR, WorkloadError, bench_scheduler, parse_workload, replay, synthetic
 from dilu.services.scheduler.policy import Cluster, Demand, NoCapacity, Slot, UnknownInstance
 
-GB = 10**9
+GiB = 2**30
 
 
-def cluster(nodes=2, gpus=4, mem_gb=40, **kw) -> Cluster:
-    return Cluster([f"n{i}" for i in range(nodes)], gpus, mem_gb * GB, **kw)
+def cluster(nodes=2, gpus=4, mem_gib=40, **kw) -> Cluster:
+    return Cluster([f"n{i}" for i in range(nodes)], gpus, mem_gib * GiB, **kw)
 
 
-def inf(fn="f", r=0.3, lim=None, mem_gb=4, **kw) -> Demand:
-    return Demand(function=fn, request_quota=r, limit_quota=lim if lim is not None else r, memory_bytes=int(mem_gb * GB), **kw)
+def inf(fn="f", r=0.3, lim=None, mem_gib=4, **kw) -> Demand:
+    return Demand(function=fn, request_quota=r, limit_quota=lim if lim is not None else r, memory_bytes=int(mem_gib * GiB), **kw)
 
 
 def test_float_artefacts_are_tolerated():
@@ -34,11 +34,11 @@ def test_float_artefacts_are_tolerated():
 
 
 @pytest.mark.parametrize(("field", "demand"), [
-    ("request", inf(r=0.6)), ("limit", inf(r=0.1, lim=1.0)), ("memory", inf(r=0.1, mem_gb=30)),
+    ("request", inf(r=0.6)), ("limit", inf(r=0.1, lim=1.0)), ("memory", inf(r=0.1, mem_gib=30)),
 ])
 def test_each_cap_blocks_collocation(field, demand):
     c = cluster(1, 2)
-    first = c.place("a", inf(r=0.5, lim=0.9, mem_gb=20))
+    first = c.place("a", inf(r=0.5, lim=0.9, mem_gib=20))
     second = c.place("b", demand)
     assert second != first, f"the {field} cap must force a second GPU"
     assert c.violations() == []
@@ -78,7 +78,7 @@ def test_replicas_of_one_function_spread_and_peaks_complement():
 def test_multi_gpu_training_takes_distinct_gpus_of_one_node():
     c = cluster(3, 4)
     c.place("small", inf(r=0.2))
-    slots = c.place("t", inf("train", r=0.5, mem_gb=30, kind="training", gpus=4))
+    slots = c.place("t", inf("train", r=0.5, mem_gib=30, kind="training", gpus=4))
     assert len({s.node for s in slots}) == 1 and len({s.gpu for s in slots}) == 4
     with pytest.raises(NoCapacity, match="nodes have 4"):
         c.place("t8", inf("train", r=0.5, kind="training", gpus=8))
@@ -88,7 +88,7 @@ def test_multi_gpu_training_takes_distinct_gpus_of_one_node():
 def test_no_capacity_and_bad_input_are_clear_errors():
     c = cluster(1, 1)
     with pytest.raises(NoCapacity, match="memory"):
-        c.place("big", inf(r=0.1, mem_gb=41))
+        c.place("big", inf(r=0.1, mem_gib=41))
     with pytest.raises(ValueError):
         inf(r=0.5, lim=0.4)
     with pytest.raises(ValueError):
@@ -154,7 +154,7 @@ def test_concurrent_half_gpu_requests_pack_two_per_gpu():
 
 demands = st.builds(
     lambda fn, r, extra, mem, kind, gpus, peak: Demand(
-        function=fn, request_quota=r, limit_quota=min(1.0, r + extra), memory_bytes=mem * GB, kind=kind,
+        function=fn, request_quota=r, limit_quota=min(1.0, r + extra), memory_bytes=mem * GiB, kind=kind,
         gpus=gpus if kind == "training" else 1, peak_hour=peak),
     fn=st.sampled_from(["a", "b", "c", "d", "e"]),
     r=st.floats(0.01, 1.0), extra=st.floats(0.0, 0.8), mem=st.integers(0, 40),
@@ -243,3 +243,7 @@ def test_synthetic_bench_and_cli_write_figures(tmp_path):
     assert r.exit_code == 0, r.output
     data = json.loads(path.read_text())
     assert {"placements_per_second", "placement_latency_ms_p99"} <= set(data)
+    r = CliRunner().invoke(bench_scheduler, ["--nodes", "5", "--gpus-per-node", "2", "--gpu-memory-gib", "80",
+                                             "--max-gpu-instances", "3", "--instances", "40", "--churn", "0"])
+    capped = json.loads(r.output)
+    assert r.exit_code == 0 and capped["violations"] == 0 and capped["placements"] <= 5 * 2 * 3
