@@ -4,11 +4,29 @@ It is the single writer of the placement table, the JetStream KV bucket ``dilu-p
 (key = instance id, value = :class:`~dilu.contracts.events.Placement` JSON). Node agents watch that
 bucket and launch or drain instances; PlacementDecided events are for information only.
 
+- The cluster is the node agents' inventories (section 4.0): the KV bucket ``dilu-nodes`` (key =
+  node token, value = :class:`~dilu.contracts.events.NodeInventory`), created if it does not
+  exist yet with :data:`~dilu.services.common.nodes.NODES_KV_CONFIG` (as the agents do). On
+  start every inventory is read and the cluster built from it; then the bucket is watched: a new
+  node joins, a changed inventory updates its GPUs (health, MPS client limit, memory), a deleted
+  or purged entry makes the node leave. Every ``sweep_interval_s`` the liveness rule
+  (:func:`.inventory.stale_nodes`) runs on the scheduler's monotonic clock: a node whose inventory
+  was not received within ``node_ttl_s`` leaves (an entry read at start counts from the time the
+  KV store took it).
+- When a node leaves (or a GPU vanishes from its inventory), its instances are placed again: each
+  placement is deleted (compare-and-set on its revision) and a new placement of the same function
+  (same quotas, batch, ...; a new instance id) is created on a GPU the policy chooses, published as
+  PlacementDecided ``migrate``. Draining ones are just deleted. When nothing fits, that is logged
+  and counted (``dilu_scheduler_displaced_total{outcome="no-capacity"}``); the horizontal scaler
+  asks again. Placements naming a node that has no inventory (yet) are kept in the table and
+  reserved nowhere; if that node has not appeared within ``node_ttl_s`` of the scheduler's start
+  they are placed again the same way (at once when the node is known but the GPU is not).
 - Learns functions from FunctionDeployed (``dilu.v1.function.deployed.*``) and their quotas from
   ProfileReady (``dilu.v1.profile.ready.*``), or from the ``dilu-profiles`` bucket when a place
   request names a function whose profile it has not seen.
 - ``dilu.v1.scheduler.place`` (PlaceRequest -> PlaceReply): decides GPUs with the policy and writes
-  each new placement with ``create`` (fails if the key exists). Width = limit quota.
+  each new placement with ``create`` (fails if the key exists). Width = limit quota. With no node
+  known it answers ok=false at once.
 - ``dilu.v1.scheduler.retire`` (RetireRequest -> RetireReply): marks the placement ``draining`` with
   a compare-and-set on its revision; the key is deleted (again compare-and-set) when the node
   agent's InstanceRetired arrives (``dilu.v1.instance.retired.*``). The capacity stays reserved
@@ -24,12 +42,22 @@ bucket and launch or drain instances; PlacementDecided events are for informatio
 from __future__ import annotations
 
 import asyncio
+import time
 import uuid
+from collections.abc import Callable
 
 import msgspec
 from nats.js.api import KeyValueConfig
-from nats.js.errors import APIError, BucketNotFoundError, KeyDeletedError, KeyNotFoundError, KeyWrongLastSequenceError
-from prometheus_client import Counter
+from nats.js.errors import (
+    APIError,
+    BucketNotFoundError,
+    KeyDeletedError,
+    KeyNotFoundError,
+    KeyWrongLastSequenceError,
+    NotFoundError,
+)
+from nats.js.kv import KV_DEL, KV_MARKER_REASON, KV_OP, KV_PURGE
+from prometheus_client import Counter, Gauge
 
 from dilu.contracts import subjects
 from dilu.contracts.events import (
@@ -37,6 +65,7 @@ from dilu.contracts.events import (
     FunctionSpec,
     InstanceReady,
     InstanceRetired,
+    NodeInventory,
     PlaceReply,
     PlaceRequest,
     Placement,
@@ -49,15 +78,21 @@ from dilu.contracts.events import (
 
 from ..common.bus import Bus
 from ..common.kvkeys import kv_keys
+from ..common.nodes import nodes_bucket
+from .inventory import NodeChange, Roster, inventory_age_s, orphans_due
 from .policy import Cluster, Demand, NoCapacity, Slot, allocation_batch, allocation_quotas
 
-GB = 10**9
 MAX_PLACE_COUNT = 64  # instances one request may ask for (a whole rack of GPUs at most)
 PLACEMENTS = Counter("dilu_scheduler_placements", "Instances placed", ["function"])
 RETIREMENTS = Counter("dilu_scheduler_retirements", "Instances marked draining", ["function"])
 REFUSALS = Counter("dilu_scheduler_refusals", "Place/retire requests answered ok=false", ["reason"])
 CONFLICTS = Counter("dilu_scheduler_cas_conflicts", "Compare-and-set failures on the placement table")
 MIGRATIONS = Counter("dilu_scheduler_migrations", "Instances moved by defragmentation")
+NODES = Gauge("dilu_scheduler_nodes", "Nodes with a live inventory in dilu-nodes")
+NODE_CHANGES = Counter("dilu_scheduler_node_changes", "Nodes that joined, changed or left", ["action"])
+DISPLACED = Counter("dilu_scheduler_displaced", "Placements of a gone node (or GPU) handled",
+                    ["outcome"])  # placed | no-capacity | dropped-draining
+NO_NODES = "no nodes: no node agent has published an inventory to dilu-nodes"
 MIGRATION_DISRUPTION_S = 5.0  # allowance for the drain and warm-up of a moved instance, in s at its quota
 DEFRAG_GAIN_PER_GPU_S = 300.0  # a freed GPU is assumed to stay free this long (s)
 
@@ -78,37 +113,55 @@ class TableConflict(RuntimeError):
 
 
 class SchedulerService:
-    """See the module docstring. ``nodes`` × ``gpus`` GPUs of ``gpu_memory_bytes`` each; ``gamma``
-    caps Σ limit quotas per GPU."""
+    """See the module docstring. ``gamma`` caps Σ limit quotas per GPU; ``allocation`` is one of
+    :data:`~.policy.ALLOCATIONS`; ``node_ttl_s``: a node whose inventory is older is gone;
+    ``sweep_interval_s``: how often liveness is checked; ``clock``: monotonic seconds (tests)."""
 
     name = "scheduler"
 
-    def __init__(self, nodes: list[str], gpus: int = 4, gpu_memory_bytes: int = 40 * GB, gamma: float = 1.5,
-                 defrag_interval_s: float = 0.0, allocation: str = "dilu") -> None:
+    def __init__(self, gamma: float = 1.5, defrag_interval_s: float = 0.0, allocation: str = "dilu", *,
+                 node_ttl_s: float = subjects.NODE_TTL_S, sweep_interval_s: float = 1.0,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         allocation_quotas(allocation, 0.5, 0.5)  # reject an unknown allocation at start
         self.allocation = allocation
+        self.gamma = gamma
         self.defrag_interval_s = defrag_interval_s
-        self._defrag_task: asyncio.Task | None = None
-        self.cluster_args = (list(nodes), gpus, gpu_memory_bytes, gamma)
+        self.node_ttl_s = node_ttl_s
+        self.sweep_interval_s = sweep_interval_s
+        self.clock = clock
+        self.roster = Roster(node_ttl_s)
         self.cluster = self._new_cluster()
         self.functions: dict[str, FunctionSpec] = {}
         self.profiles: dict[str, Profile] = {}
         self.placements: dict[str, tuple[Placement, int]] = {}  # id -> (placement, KV revision)
+        self.orphans: dict[str, str] = {}  # placed instance ids not in the cluster -> why
         self.warm: set[str] = set()
         self.lock = asyncio.Lock()
         self.bus: Bus | None = None
         self.kv = None
         self.kv_profiles = None
+        self.kv_nodes = None
+        self.node_revs: dict[str, int] = {}  # dilu-nodes key -> last revision handled
+        self.node_keys: dict[str, str] = {}  # dilu-nodes key -> node name
+        self._bad_inventory: dict[str, str] = {}  # dilu-nodes key -> why its entry was skipped
+        self.started_s = 0.0
+        self._tasks: list[asyncio.Task] = []
+        self._watcher = None
         self._ready = False
 
     def _new_cluster(self) -> Cluster:
-        nodes, gpus, mem, gamma = self.cluster_args
-        return Cluster(nodes, gpus, mem, gamma=gamma)
+        cluster = Cluster.empty(gamma=self.gamma)
+        for node, caps in self.roster.capacities.items():
+            cluster.add_node(node, caps)
+        return cluster
 
     async def start(self, bus: Bus) -> None:
         self.bus = bus
         self.kv = await bus.js.create_key_value(KeyValueConfig(bucket=subjects.PLACEMENT_BUCKET, history=5))
         self.kv_profiles = await bus.js.create_key_value(KeyValueConfig(bucket=subjects.PROFILES_BUCKET, history=5))
+        self.kv_nodes = await nodes_bucket(bus.js)  # created with NODES_KV_CONFIG when missing
+        self.started_s = self.clock()
+        await self.load_inventories()
         await self.rebuild()
         p = subjects.PREFIX  # wildcard patterns written out (the subject helpers sanitise "*")
         await bus.subscribe(f"{p}.function.deployed.*", FunctionDeployed, self._on_deployed)
@@ -117,28 +170,243 @@ class SchedulerService:
         await bus.subscribe(f"{p}.instance.retired.*", InstanceRetired, self._on_retired)
         await bus.serve(subjects.SCHEDULER_PLACE, PlaceRequest, self._on_place)
         await bus.serve(subjects.SCHEDULER_RETIRE, RetireRequest, self._on_retire)
+        self._tasks.append(asyncio.create_task(self._watch_nodes()))
+        self._tasks.append(asyncio.create_task(self._sweep_loop()))
         if self.defrag_interval_s > 0:
-            self._defrag_task = asyncio.create_task(self._defrag_loop())
+            self._tasks.append(asyncio.create_task(self._defrag_loop()))
         self._ready = True
 
     async def stop(self) -> None:
         self._ready = False
-        if self._defrag_task:
-            self._defrag_task.cancel()
-            await asyncio.gather(self._defrag_task, return_exceptions=True)
-        async with self.lock:  # let a decision in flight finish its writes
-            pass
+        async with self.lock:  # let a decision in flight finish its writes, then stop the loops
+            for task in self._tasks:
+                task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        self._tasks = []
+        await self._stop_watcher()
 
     def ready(self) -> bool:
         return self._ready
 
+    # ------------------------------------------------------------------ nodes
+
+    async def load_inventories(self) -> None:
+        """Read every inventory in ``dilu-nodes`` (on start): each node joins the roster, last seen
+        as long ago as the KV store took its entry (the stream message's time, which
+        ``KeyValue.get`` does not return; hence the stream-level get)."""
+        now, wall = self.clock(), time.time()
+        stream, prefix = f"KV_{subjects.NODES_BUCKET}", f"$KV.{subjects.NODES_BUCKET}."
+        for key in await kv_keys(self.bus.js, subjects.NODES_BUCKET):
+            try:
+                msg = await self.bus.js.get_msg(stream, subject=prefix + key)
+            except NotFoundError:
+                continue
+            headers = msg.headers or {}
+            if headers.get(KV_OP) in (KV_DEL, KV_PURGE) or headers.get(KV_MARKER_REASON) or not msg.data:
+                continue  # deleted: its marker is still in the stream
+            self.node_revs[key] = msg.seq
+            inv = self._decode_inventory(key, msg.data)
+            if inv is not None:
+                stored_s = msg.time.timestamp() if msg.time else None
+                self._log_change(self.roster.observe(inv, now - inventory_age_s(wall, stored_s, inv.ts_ns)))
+        NODES.set(len(self.roster))
+
+    def _decode_inventory(self, key: str, raw: bytes) -> NodeInventory | None:
+        try:
+            inv = msgspec.json.decode(raw, type=NodeInventory)
+            error = "" if subjects.token(inv.node) == key else f"node {inv.node!r}: the key is not subjects.token(node)"
+        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+            inv, error = None, f"{type(exc).__name__}: {exc}"
+        if error:
+            if self._bad_inventory.get(key) != error:  # once per key and error, not every heartbeat
+                self.bus.log.warning("node inventory skipped", key=key, error=error)
+            self._bad_inventory[key] = error
+            return None
+        self._bad_inventory.pop(key, None)
+        self.node_keys[key] = inv.node
+        return inv
+
+    async def _watch_nodes(self) -> None:
+        """Follow ``dilu-nodes``: puts are heartbeats, joins and changes; deletes and purges are leaves.
+        Entries already read at start (same revision) are skipped. A broken watch is restarted."""
+        while True:
+            try:
+                self._watcher = await self.kv_nodes.watchall()
+                async for entry in self._watcher:
+                    if entry is not None:
+                        await self._on_node_entry(entry)
+                return  # the watcher was stopped
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # logged; watch again (entries seen are skipped by revision)
+                self.bus.log.warning("watching dilu-nodes failed; watching again", error=f"{type(exc).__name__}: {exc}")
+                await self._stop_watcher()
+                await asyncio.sleep(1.0)
+
+    async def _stop_watcher(self) -> None:
+        watcher, self._watcher = self._watcher, None
+        if watcher is not None:
+            try:
+                await watcher.stop()
+            except Exception:  # the subscription is gone already
+                pass
+
+    async def _on_node_entry(self, entry) -> None:
+        key = entry.key
+        if entry.revision is not None:
+            if entry.revision <= self.node_revs.get(key, 0):
+                return
+            self.node_revs[key] = entry.revision
+        if entry.operation in (KV_DEL, KV_PURGE):
+            node = self.node_keys.get(key)
+            if node is None:
+                return
+            why = "inventory deleted from dilu-nodes" if entry.operation == KV_DEL else "inventory purged from dilu-nodes"
+            async with self.lock:
+                await self._apply_change(self.roster.forget(node, why))
+            return
+        inv = self._decode_inventory(key, entry.value)
+        if inv is None:
+            return
+        async with self.lock:
+            await self._apply_change(self.roster.observe(inv, self.clock()))
+
+    async def _sweep_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.sweep_interval_s)
+            try:
+                await self.sweep()
+            except Exception as exc:  # logged; the next sweep tries again
+                self.bus.log.warning("node sweep failed", error=f"{type(exc).__name__}: {exc}")
+
+    async def sweep(self) -> None:
+        """Apply the liveness rule now, and place again the orphans whose node is not coming."""
+        async with self.lock:
+            now = self.clock()
+            for change in self.roster.expire(now):
+                await self._apply_change(change)
+            due = orphans_due(self.started_s, now, self.node_ttl_s)
+            for iid in list(self.orphans):
+                if iid not in self.orphans:  # a conflict rebuilt the state meanwhile
+                    continue
+                p = self.placements[iid][0]
+                if p.node in self.roster:  # known node, unknown GPU
+                    await self._place_again(iid, self.orphans[iid])
+                elif due:
+                    await self._place_again(iid, f"node {p.node} has published no inventory within "
+                                                 f"{self.node_ttl_s:g} s of the scheduler's start")
+
+    def _log_change(self, change: NodeChange | None) -> None:
+        if change is None:
+            return
+        NODE_CHANGES.labels(change.action).inc()
+        log = self.bus.log.warning if change.action == "leave" else self.bus.log.info
+        verb = {"join": "node joined", "update": "node changed", "leave": "node left"}[change.action]
+        log(verb, node=change.node, reasons=list(change.reasons))
+
+    async def _apply_change(self, change: NodeChange | None) -> None:
+        """Apply a roster change to the cluster and place the displaced instances again (under the lock)."""
+        if change is None:
+            return
+        self._log_change(change)
+        NODES.set(len(self.roster))
+        displaced: list[str] = []
+        if change.action == "join":
+            if change.node in self.cluster.node_index:  # already there (never expected): take the new GPUs
+                displaced = self.cluster.update_node(change.node, change.gpus)
+            else:
+                self.cluster.add_node(change.node, change.gpus)
+            for iid in [i for i in self.orphans if self.placements[i][0].node == change.node]:
+                if self._seat(self.placements[iid][0]):
+                    del self.orphans[iid]
+                else:
+                    displaced.append(iid)
+        elif change.action == "update":
+            displaced = self.cluster.update_node(change.node, change.gpus)
+            bad = self.cluster.violations()
+            if bad:
+                self.bus.log.warning("a node's GPUs now hold more than they offer", node=change.node, violations=bad[:5])
+        elif change.node in self.cluster.node_index:
+            displaced = self.cluster.remove_node(change.node)
+        displaced.sort(key=lambda i: -self.placements[i][0].request_quota if i in self.placements else 0)
+        why = f"node {change.node} {'left' if change.action == 'leave' else 'changed'}: {'; '.join(change.reasons)}"
+        for iid in displaced:  # orphans until placed again: a failure half-way is retried by the sweep
+            self.orphans[iid] = why
+        for iid in displaced:
+            await self._place_again(iid, why)
+
+    def _seat(self, p: Placement) -> bool:
+        """Reserve a stored placement in the cluster; False (and an orphan entry) when its node or
+        GPU is not in the inventory."""
+        try:
+            self.cluster.assign(p.instance_id, demand_of(p), [Slot(p.node, p.gpu)], check=False)
+        except KeyError:
+            self.orphans[p.instance_id] = f"node {p.node} has published no inventory"
+            return False
+        except IndexError as exc:
+            self.orphans[p.instance_id] = str(exc)
+            return False
+        self.orphans.pop(p.instance_id, None)
+        return True
+
+    async def _place_again(self, iid: str, why: str) -> None:
+        """Delete a displaced placement (compare-and-set) and place its function again (under the lock)."""
+        known = self.placements.get(iid)
+        if known is None:
+            return
+        p, rev = known
+        try:
+            await self.kv.delete(iid, last=rev)
+        except APIError:  # wrong last revision: the table changed under us
+            CONFLICTS.inc()
+            await self.rebuild()
+            return
+        del self.placements[iid]
+        self.orphans.pop(iid, None)
+        self.warm.discard(iid)
+        if iid in self.cluster.instances:
+            self.cluster.remove(iid)
+        if p.draining:
+            DISPLACED.labels("dropped-draining").inc()
+            self.bus.log.info("draining instance dropped", instance=iid, function=p.function, reason=why)
+            return
+        demand = demand_of(p)
+        try:
+            (g,) = self.cluster.choose(demand)
+        except NoCapacity as exc:
+            DISPLACED.labels("no-capacity").inc()
+            self.bus.log.warning("displaced instance not placed again: no capacity", instance=iid,
+                                 function=p.function, reason=why, error=str(exc))
+            return
+        slot = self.cluster.slot(g)
+        new_id = f"{subjects.token(p.function)}-{uuid.uuid4().hex[:10]}"
+        new = msgspec.structs.replace(p, instance_id=new_id, node=slot.node, gpu=slot.gpu, draining=False)
+        try:
+            new_rev = await self.kv.create(new_id, msgspec.json.encode(new))
+        except KeyWrongLastSequenceError:
+            CONFLICTS.inc()
+            await self.rebuild()
+            return
+        except Exception:  # e.g. a timeout: the entry may exist or not; read the table again
+            await self.rebuild()
+            raise
+        self.cluster.assign(new_id, demand, [slot], check=False)
+        self.placements[new_id] = (new, new_rev)
+        DISPLACED.labels("placed").inc()
+        self.bus.log.info("instance placed again", instance=iid, new_instance=new_id, function=p.function,
+                          node=slot.node, gpu=slot.gpu, reason=why)
+        await self.bus.publish(subjects.placement_decided(p.function),
+                               PlacementDecided(placement=new, action="migrate", revision=new_rev))
+
     # ------------------------------------------------------------------ state
 
     async def rebuild(self) -> None:
-        """Rebuild the cluster state from the placement table (on start and after a conflict).
-        Entries that fail to decode or name an unknown GPU are logged and skipped."""
+        """Rebuild the cluster state from the inventories and the placement table (on start and
+        after a conflict). Placements whose node or GPU is not in the inventory are kept as
+        orphans (see :meth:`sweep`); entries that fail to decode are logged and skipped."""
         self.cluster = self._new_cluster()
         self.placements = {}
+        self.orphans = {}
         keys = await kv_keys(self.bus.js, subjects.PLACEMENT_BUCKET)
         for key in keys:
             try:
@@ -147,15 +415,23 @@ class SchedulerService:
                 continue
             try:
                 p = msgspec.json.decode(entry.value, type=Placement)
-                self.cluster.assign(p.instance_id, demand_of(p), [Slot(p.node, p.gpu)], check=False)
-            except (msgspec.DecodeError, msgspec.ValidationError, KeyError, IndexError, ValueError) as exc:
+                demand_of(p)
+            except (msgspec.DecodeError, msgspec.ValidationError, ValueError) as exc:
                 self.bus.log.warning("placement entry skipped", key=key, error=f"{type(exc).__name__}: {exc}")
                 continue
+            if p.instance_id in self.placements:
+                self.bus.log.warning("placement entry skipped", key=key, error="instance id stored twice")
+                continue
             self.placements[p.instance_id] = (p, entry.revision)
+            self._seat(p)
         bad = self.cluster.violations()
         if bad:
             self.bus.log.error("placement table breaks GPU caps", violations=bad[:5])
-        self.bus.log.info("state rebuilt", instances=len(self.placements), active_gpus=self.cluster.active)
+        if self.orphans:
+            self.bus.log.warning("placements on nodes or GPUs not in the inventory", count=len(self.orphans),
+                                 examples=dict(list(self.orphans.items())[:5]))
+        self.bus.log.info("state rebuilt", instances=len(self.placements), orphans=len(self.orphans),
+                          nodes=len(self.roster), active_gpus=self.cluster.active)
 
     async def _spec_for(self, fn: str) -> FunctionSpec | None:
         """The function's spec: from FunctionDeployed, else from the ``dilu-functions`` bucket
@@ -215,7 +491,9 @@ class SchedulerService:
                 await self.rebuild()
                 return
             del self.placements[ev.instance_id]
-            self.cluster.remove(ev.instance_id)
+            self.orphans.pop(ev.instance_id, None)
+            if ev.instance_id in self.cluster.instances:
+                self.cluster.remove(ev.instance_id)
 
     # ------------------------------------------------------------------ requests
 
@@ -223,6 +501,8 @@ class SchedulerService:
         if req.count < 1 or req.count > MAX_PLACE_COUNT:
             return self._refuse(PlaceReply, "bad-count", f"count must be 1..{MAX_PLACE_COUNT}, got {req.count}")
         async with self.lock:
+            if not self.cluster.node_index:
+                return self._refuse(PlaceReply, "no-nodes", NO_NODES)
             spec = await self._spec_for(req.function)
             if spec is None:
                 return self._refuse(PlaceReply, "unknown-function", f"unknown function {req.function!r}: not deployed")
@@ -280,7 +560,9 @@ class SchedulerService:
                 live = [i for i, (p, _) in self.placements.items() if p.function == req.function and not p.draining]
                 if not live:
                     return self._refuse(RetireReply, "no-instance", f"function {req.function!r} has no live instance")
-                victim = self.cluster.choose_victim(live, self.warm)
+                # an instance whose node has no inventory goes first; else the policy's choice
+                orphaned = [i for i in live if i in self.orphans]
+                victim = orphaned[-1] if orphaned else self.cluster.choose_victim(live, self.warm)
             p, rev = self.placements[victim]
             if p.draining:
                 return RetireReply(ok=True, instance_id=victim)  # already draining: idempotent

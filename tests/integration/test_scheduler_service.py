@@ -1,9 +1,12 @@
 """The scheduler service against a real nats-server: the placement table in KV, concurrent
-placements (issue 6 case 3), retirement through draining, rebuilding state on restart."""
+placements (issue 6 case 3), retirement through draining, rebuilding state on restart. The
+cluster is the node inventories in KV ``dilu-nodes``: each test puts one first, as an agent would
+(nodes joining, leaving and going stale: test_scheduler_nodes.py)."""
 from __future__ import annotations
 
 import asyncio
 import collections
+import time
 
 import msgspec
 import nats
@@ -13,7 +16,9 @@ from dilu.contracts import decode, encode, subjects
 from dilu.contracts.events import (
     FunctionDeployed,
     FunctionSpec,
+    GpuInfo,
     InstanceRetired,
+    NodeInventory,
     PlaceReply,
     PlaceRequest,
     Placement,
@@ -22,14 +27,38 @@ from dilu.contracts.events import (
     RetireReply,
     RetireRequest,
 )
-from dilu.services.common.runner import running
 from dilu.services.common.kvkeys import kv_keys
-from dilu.services.scheduler.service import GB, SchedulerService
+from dilu.services.common.nodes import nodes_bucket
+from dilu.services.common.runner import running
+from dilu.services.scheduler.service import SchedulerService
 
 pytestmark = pytest.mark.nats
 
+GiB = 2**30
+# These tests are not about liveness: a TTL far beyond their run time, so one put of the inventory
+# keeps the node (test_scheduler_nodes.py heartbeats and lets nodes go stale).
+LONG_TTL_S = 3600.0
 
-async def deploy(nc, svc, name, request=0.5, limit=0.5, memory=4 * GB, profile=True):
+
+def scheduler(**kw) -> SchedulerService:
+    return SchedulerService(node_ttl_s=LONG_TTL_S, **kw)
+
+
+async def join(nc, svc, node="node0", gpus=4, memory=40 * GiB):
+    """Put ``node``'s inventory into dilu-nodes (as its agent would) and wait until the scheduler has it."""
+    kv = await nodes_bucket(nc.jetstream())
+    inv = NodeInventory(node=node, agent_id="test", device="emulated", ts_ns=time.time_ns(), gpus=[
+        GpuInfo(index=i, uuid=f"GPU-{node}-{i}", name="NVIDIA A100-SXM4-40GB", memory_bytes=memory, sms=108)
+        for i in range(gpus)])
+    await kv.put(subjects.token(node), encode(inv))
+    for _ in range(1500):  # up to 30 s on a loaded host; leaves as soon as it holds
+        if node in svc.cluster.node_index:
+            return
+        await asyncio.sleep(0.02)
+    raise AssertionError(f"scheduler did not see node {node} join")
+
+
+async def deploy(nc, svc, name, request=0.5, limit=0.5, memory=4 * GiB, profile=True):
     spec = FunctionSpec(name=name, model="bert_base", memory_bytes=memory, slo_ms=80)
     await nc.publish(subjects.function_deployed(name), encode(FunctionDeployed(spec=spec)))
     if profile:
@@ -84,9 +113,11 @@ async def test_concurrent_placements_never_over_pack(nats_url):
     """Issue 6 case 3: 8 GPUs, 16 requests of request quota 0.5 at once, 20 trials: two per GPU."""
     nc = await nats.connect(nats_url)
     senders = [await nats.connect(nats_url) for _ in range(4)]  # requests arrive on several connections
-    svc = SchedulerService(["node0", "node1"], gpus=4, gpu_memory_bytes=40 * GB)
+    svc = scheduler()
     async with running(svc, nats_url):
         js = nc.jetstream()
+        await join(nc, svc, "node0")
+        await join(nc, svc, "node1")
         await deploy(nc, svc, "half", request=0.5, limit=0.5)
         for trial in range(20):
             replies = await asyncio.gather(*(place(senders[k % 4], "half") for k in range(16)))
@@ -117,8 +148,11 @@ async def test_concurrent_placements_never_over_pack(nats_url):
 
 async def test_refusals_are_clear_and_victim_choice_is_served(nats_url):
     nc = await nats.connect(nats_url)
-    svc = SchedulerService(["node0"], gpus=2, gpu_memory_bytes=40 * GB)
+    svc = scheduler()
     async with running(svc, nats_url):
+        r = await place(nc, "ghost")
+        assert not r.ok and r.error == "no nodes: no node agent has published an inventory to dilu-nodes"
+        await join(nc, svc, "node0", gpus=2)
         r = await place(nc, "ghost")
         assert not r.ok and "not deployed" in r.error
         await deploy(nc, svc, "fresh", profile=False)
@@ -142,13 +176,15 @@ async def test_refusals_are_clear_and_victim_choice_is_served(nats_url):
 
 async def test_state_is_rebuilt_from_the_table_on_restart(nats_url):
     nc = await nats.connect(nats_url)
-    svc = SchedulerService(["node0"], gpus=1, gpu_memory_bytes=40 * GB)
+    svc = scheduler()
     async with running(svc, nats_url):
+        await join(nc, svc, "node0", gpus=1)
         await deploy(nc, svc, "f", request=0.5, limit=0.7)
         r = await place(nc, "f", count=2)
         assert r.ok
-    svc2 = SchedulerService(["node0"], gpus=1, gpu_memory_bytes=40 * GB)
-    async with running(svc2, nats_url):
+    svc2 = scheduler()
+    async with running(svc2, nats_url):  # the inventory and the table are read back on start
+        assert svc2.cluster.nodes == ["node0"] and not svc2.orphans
         assert len(svc2.placements) == 2 and svc2.cluster.active == 1
         await deploy(nc, svc2, "f", request=0.5, limit=0.7)
         r = await place(nc, "f")
@@ -168,9 +204,10 @@ async def test_state_is_rebuilt_from_the_table_on_restart(nats_url):
 
 async def test_defragmentation_relaunches_then_drains_to_free_a_gpu(nats_url):
     nc = await nats.connect(nats_url)
-    svc = SchedulerService(["node0"], gpus=4, gpu_memory_bytes=40 * GB)
+    svc = scheduler()
     async with running(svc, nats_url):
         js = nc.jetstream()
+        await join(nc, svc, "node0")
         await deploy(nc, svc, "f", request=0.5, limit=0.5)
         placed = (await place(nc, "f", count=4)).placements
         by_gpu = collections.defaultdict(list)
