@@ -160,7 +160,10 @@ class NodeAgent:
         if not self.cpu:
             from dilu.interceptor import native
 
-            native.interceptor_lib()  # fail now, with what to run, if the native parts are not built
+            try:  # fail now, with what to run, if the native parts are not built
+                native.interceptor_lib()
+            except native.NativeMissing as exc:
+                raise StartFailed(str(exc)) from None
         await self._claim_node()
         await bus.subscribe(f"{subjects.PREFIX}.grant.issued.{subjects.token(self.node)}.*", ev.TokenGrant, self._on_grant)
         await bus.serve(subjects.node_trial(self.node), ev.TrialRequest, self._on_trial)

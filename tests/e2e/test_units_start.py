@@ -3,8 +3,9 @@ Environment lines, the example environment file), on this machine's emulated nod
 
 What systemd does around a unit is reproduced: ``${VAR}`` expansion in ExecStart from the
 environment file, the unit's Environment= assignments, and State/Cache/RuntimeDirectory= folders
-(here under a temp dir). Only two values differ from the shipped files: the python of this venv
-stands in for /opt/dilu/.venv/bin/python, and DILU_NATS_URL points at this test's server.
+(here under a temp dir). Only two things differ from the shipped files: the install prefix
+/opt/dilu is this checkout (installed by ``make`` exactly as docs/operations.md installs
+/opt/dilu), and DILU_NATS_URL points at this test's server.
 """
 from __future__ import annotations
 
@@ -12,7 +13,6 @@ import asyncio
 import os
 import signal
 import subprocess
-import sys
 import time
 import urllib.request
 
@@ -29,7 +29,8 @@ from dilu.services.common.invoke import InvokeClient
 
 pytestmark = [pytest.mark.nats, pytest.mark.slow, pytest.mark.native]
 
-VENV_PYTHON = "/opt/dilu/.venv/bin/python"
+PREFIX = "/opt/dilu"  # where docs/operations.md installs Dilu
+ROOT = str(DEPLOY.parent)
 UNITS = {pkg: DEPLOY / "systemd" / f"dilu-{pkg.replace('_', '-')}.service" for pkg in METRICS_PORTS}
 
 
@@ -51,9 +52,8 @@ def _start(pkg: str, base_env: dict[str, str], tmp_path) -> tuple[subprocess.Pop
         env[key] = value
     for here in dirs.values():
         here.mkdir(exist_ok=True)
-    argv = exec_start(unit, env)
-    assert argv[0] == VENV_PYTHON, argv
-    argv[0] = sys.executable
+    argv = [w.replace(PREFIX, ROOT) for w in exec_start(unit, env)]
+    assert argv[0] == f"{ROOT}/.venv/bin/python", argv
     port = int(argv[argv.index("--metrics-port") + 1])
     assert port == METRICS_PORTS[pkg]
     log = open(tmp_path / f"{pkg}.log", "wb")
@@ -62,7 +62,8 @@ def _start(pkg: str, base_env: dict[str, str], tmp_path) -> tuple[subprocess.Pop
 
 
 async def test_units_start_a_cluster_that_serves(nats_url, tmp_path):
-    env = {**os.environ, **env_file(DEPLOY / "systemd" / "dilu.env.example"), "DILU_NATS_URL": nats_url}
+    shipped = env_file(DEPLOY / "systemd" / "dilu.env.example")
+    env = {**os.environ, **{k: v.replace(PREFIX, ROOT) for k, v in shipped.items()}, "DILU_NATS_URL": nats_url}
     procs: dict[str, tuple[subprocess.Popen, int]] = {}
     try:
         for pkg in ("scheduler", "profiler", "node_agent", "vertical_scaler", "horizontal_scaler"):
