@@ -2,7 +2,9 @@
 
 A service is an object with ``name``, ``async start(bus)``, ``async stop()`` and ``ready() -> bool``.
 SIGINT and SIGTERM (or the injectable ``shutdown`` event, for tests) stop it: ``stop()`` first
-(let in-flight work finish), then the NATS connection is drained, then the process exits.
+(let in-flight work finish), then the NATS connection is drained, then the process exits. A
+service with a ``request_stop`` attribute gets it set to a callable that stops it the same way
+(for a service that finds it must not go on, e.g. a node agent whose name another agent took).
 """
 from __future__ import annotations
 
@@ -50,6 +52,8 @@ async def serve(
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, shutdown.set)
+    if hasattr(service, "request_stop"):
+        service.request_stop = shutdown.set
     # Health first: /healthz answers while NATS is still unreachable (a supervisor's liveness
     # check must not restart a service that is only waiting for NATS), /readyz says 503 until then.
     # Loopback by default; deployments set DILU_METRICS_HOST (e.g. 0.0.0.0) for remote checks.

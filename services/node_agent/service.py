@@ -142,6 +142,7 @@ class NodeAgent:
         self._crashes: dict[int, list[float]] = {}  # GPU -> recent instance crash times (monotonic s)
         self._mps_servers: set[int] = set()  # MPS server PIDs at the last heartbeat
         self._mps_failed_at: dict[int, float] = {}  # GPU -> when its MPS server failed (monotonic s)
+        self.request_stop = lambda: None  # the runner makes this stop the service
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -251,7 +252,7 @@ class NodeAgent:
         if other.agent_id == self.agent_id:
             return False
         self.log.error("another agent took this node name; stopping", node=self.node, other_agent=other.agent_id)
-        os.kill(os.getpid(), signal.SIGTERM)
+        self.request_stop()
         return True
 
     async def _placement_bucket(self):

@@ -154,3 +154,16 @@ async def test_memory_reservation_and_nvml_telemetry(nats_url):
         assert os.getpid() not in {p.pid for p in t.nvml.processes}
         assert agent.instances["ok1"].proc.pid in {p.pid for p in t.nvml.processes}
         await nc.drain()
+
+
+async def test_an_agent_whose_name_is_taken_later_stops(nats_url):
+    """Two agents under one name would launch the same instances: the first one to see the other's
+    inventory in its key stops."""
+    agent = NodeAgent(node="n4", gpus=1, device="emulated", nats_url=nats_url, heartbeat_s=0.2)
+    async with running(agent, nats_url, ready_timeout_s=30):
+        nc = await nats.connect(nats_url)
+        kv = await nc.jetstream().key_value(subjects.NODES_BUCKET)
+        other = msgspec.structs.replace(agent.inventory(), agent_id="someone-else")
+        await kv.put("n4", encode(other))
+        await _eventually(lambda: _true(not agent.ready()), what="the agent stopping")
+        await nc.drain()
