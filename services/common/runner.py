@@ -105,7 +105,8 @@ def run(service: Service, nats_url: str, *, metrics_port: int = 0, log_level: st
         uvloop.run(serve(service, nats_url, metrics_port=metrics_port))
     except StartFailed as exc:
         dlog.get(service.name).error("cannot start", reason=str(exc))
-        sys.exit(f"dilu {service.name}: {exc}")
+        print(f"dilu {service.name}: {exc}", file=sys.stderr)
+        sys.exit(2)
 
 
 @contextlib.asynccontextmanager
