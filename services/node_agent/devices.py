@@ -38,7 +38,8 @@ MPS_CLIENT_LIMIT = 48  # clients per GPU under MPS, Volta and later (NVIDIA MPS 
 @dataclass(frozen=True)
 class EmulatedGpu:
     """A GPU model the emulated node can be: NVML name, device memory (bytes) and SM count, as the
-    real part reports them (NVIDIA data sheets; memory as NVML totals it)."""
+    real part reports them (SMs: NVIDIA's architecture white papers; memory: the total NVML and
+    nvidia-smi report, e.g. 40960 MiB for an A100 40 GB, 143771 MiB for an H200)."""
 
     name: str
     memory_bytes: int
@@ -46,10 +47,10 @@ class EmulatedGpu:
 
 
 EMULATED_GPUS: dict[str, EmulatedGpu] = {
-    "a100-40gb": EmulatedGpu("NVIDIA A100-SXM4-40GB", 40 * 2**30, 108),
-    "a100-80gb": EmulatedGpu("NVIDIA A100-SXM4-80GB", 80 * 2**30, 108),
-    "h100-80gb": EmulatedGpu("NVIDIA H100 80GB HBM3", 80 * 2**30, 132),
-    "h200": EmulatedGpu("NVIDIA H200", 141 * 10**9, 132),
+    "a100-40gb": EmulatedGpu("NVIDIA A100-SXM4-40GB", 40960 * 2**20, 108),
+    "a100-80gb": EmulatedGpu("NVIDIA A100-SXM4-80GB", 81920 * 2**20, 108),
+    "h100-80gb": EmulatedGpu("NVIDIA H100 80GB HBM3", 81559 * 2**20, 132),
+    "h200": EmulatedGpu("NVIDIA H200", 143771 * 2**20, 132),
 }
 DEFAULT_EMULATED = "a100-40gb"  # the measured surfaces are A100 ones (DESIGN.md section 7)
 EMULATED_DEFAULT_COUNT = 4  # GPUs of an emulated node when --gpus says all

@@ -52,7 +52,7 @@ async def test_inventory_heartbeat_and_one_agent_per_name(nats_url, faults):
         inv = await _inventory(js, "gpu-node-7.dc1")
         assert inv.node == "gpu-node-7.dc1" and inv.device == "emulated" and inv.agent_id == agent.agent_id
         assert [g.index for g in inv.gpus] == [0, 1, 2]
-        assert {(g.name, g.memory_bytes, g.sms) for g in inv.gpus} == {("NVIDIA H100 80GB HBM3", 80 * 2**30, 132)}
+        assert {(g.name, g.memory_bytes, g.sms) for g in inv.gpus} == {("NVIDIA H100 80GB HBM3", 81559 * 2**20, 132)}
         assert len({g.uuid for g in inv.gpus}) == 3 and all(g.uuid.startswith("GPU-") for g in inv.gpus)
         assert inv.driver_version and inv.cuda_version == "12.8" and all(g.healthy for g in inv.gpus)
 
