@@ -449,17 +449,6 @@ class Cluster:
         one, cap_lim = 1 + EPS, self.gamma + EPS
         gpus = self.gpus
         tables = self._tables[bisect.bisect_left(self.classes, mem):]  # memory classes large enough
-        if len(tables) == 1:  # e.g. a homogeneous cluster: one set of buckets
-            for bucket in tables[0][start:]:
-                for g in bucket:
-                    s = gpus[g]
-                    if (s.req + req <= one and s.lim + lim <= cap_lim and s.mem + mem <= s.cap
-                            and (exclude is None or g not in exclude)):
-                        yield g
-                        found += 1
-                        if found >= self.max_candidates:
-                            return
-            return
         for k in range(start, BUCKETS + 1):
             for buckets in tables:
                 for g in buckets[k]:
