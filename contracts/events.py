@@ -362,6 +362,8 @@ class NodeInventory(Event):
 
     ``device``: ``nvml`` (real GPUs), ``emulated`` (the fake NVML and driver) or ``cpu``;
     ``agent_id``: one run of the agent (two agents claiming one node name are told apart by it);
+    ``host``: the machine it runs on (host name and boot id) and ``pid`` its process there, so
+    an agent restarted on the same machine can tell its dead predecessor from a live twin;
     ``driver_version``: NVML's driver version string; ``cuda_version``: the driver's CUDA version
     (``major.minor``); ``mps``: ``on`` (instances are MPS clients), ``off`` or ``unavailable``
     (MPS could not start: time-sliced, tokens alone).
@@ -369,6 +371,8 @@ class NodeInventory(Event):
 
     node: str
     agent_id: str = ""
+    host: str = ""
+    pid: int = 0
     device: str = "emulated"
     driver_version: str = ""
     cuda_version: str = ""

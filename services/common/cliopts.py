@@ -7,9 +7,11 @@ named ``DILU_`` + the option's name in capitals with underscores (``--nats-url``
 """
 from __future__ import annotations
 
+import math
 import os
 import socket
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import click
 
@@ -23,6 +25,66 @@ METRICS_PORTS = {
     "vertical_scaler": 9104,
     "node_agent": 9105,
 }
+
+
+LOG_LEVELS = ("debug", "info", "warning", "error")
+NATS_SCHEMES = ("nats", "tls", "ws", "wss")
+MAX_NODE_NAME = 64  # characters; a node name also names shared-memory segments (NAME_MAX 255)
+
+
+class Finite(click.FloatRange):
+    """click.FloatRange that also refuses NaN and infinities (a NaN passes every comparison)."""
+
+    name = "finite float range"
+
+    def convert(self, value, param, ctx):
+        v = super().convert(value, param, ctx)
+        if not math.isfinite(v):
+            self.fail(f"{value!r} is not a finite number", param, ctx)
+        return v
+
+
+def check_nats_url(ctx, param, value: str) -> str:
+    """Click callback: a NATS URL with a known scheme, a host and a port in 1..65535 (nats-py
+    would otherwise raise a traceback, or retry a nonsense host for ever). Raises BadParameter."""
+    parts = urlsplit(value if "://" in value else f"nats://{value}")
+    try:
+        port = parts.port
+    except ValueError:
+        raise click.BadParameter(f"{value!r} has no valid port (1..65535)") from None
+    if parts.scheme not in NATS_SCHEMES or not parts.hostname or (port is not None and port < 1):
+        raise click.BadParameter(f"{value!r} is not a NATS URL like nats://host:4222 "
+                                 f"(schemes: {', '.join(NATS_SCHEMES)})")
+    return value
+
+
+def check_node(ctx, param, value: str) -> str:
+    """Click callback: a node name is non-empty, at most MAX_NODE_NAME characters, without
+    whitespace. Raises BadParameter."""
+    if value is None:
+        return value
+    if not value or len(value) > MAX_NODE_NAME or any(c.isspace() for c in value):
+        raise click.BadParameter(f"a node name is 1..{MAX_NODE_NAME} characters without spaces, got {value!r}")
+    return value
+
+
+def nats_url_option(f):
+    """``--nats-url`` (env DILU_NATS_URL), checked by :func:`check_nats_url`."""
+    return click.option("--nats-url", default="nats://127.0.0.1:4222", show_default=True, callback=check_nats_url,
+                        help="NATS server (one cluster member is enough)")(f)
+
+
+def log_level_option(f):
+    """``--log-level`` (env DILU_LOG_LEVEL): one of LOG_LEVELS."""
+    return click.option("--log-level", type=click.Choice(LOG_LEVELS, case_sensitive=False), default="info",
+                        show_default=True)(f)
+
+
+def metrics_port_option(service: str):
+    """``--metrics-port`` (env DILU_METRICS_PORT), defaulting to the service's documented port."""
+    return click.option("--metrics-port", type=click.IntRange(0, 65535), default=METRICS_PORTS[service],
+                        show_default=True, help="/metrics, /healthz, /readyz (0: any free port; bound to "
+                                                "DILU_METRICS_HOST, default 127.0.0.1)")
 
 
 def default_node() -> str:

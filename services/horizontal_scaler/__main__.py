@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import click
 
-from dilu.services.common.cliopts import METRICS_PORTS, service_main
+from dilu.services.common.cliopts import Finite, log_level_option, metrics_port_option, nats_url_option, service_main
 
 from dilu.services.common.runner import run
 
@@ -12,33 +12,32 @@ from .service import HorizontalScaler
 
 
 @click.command()
-@click.option("--nats-url", default="nats://127.0.0.1:4222", show_default=True)
+@nats_url_option
 @click.option("--mode", type=click.Choice(MODES), default="lazy", show_default=True,
               help="lazy: scale out once vertical headroom is used (dilu); eager: on load alone (baselines)")
 @click.option("--initial-scale", type=click.IntRange(0, 1000), default=1, show_default=True,
               help="instances a newly deployed function gets before its first request (Knative's initial-scale)")
-@click.option("--tick-ms", type=click.FloatRange(10, 60_000), default=500.0, show_default=True)
-@click.option("--stable-window-s", type=click.FloatRange(0.1, 3600), default=60.0, show_default=True)
-@click.option("--panic-window-pct", type=click.FloatRange(1, 100), default=10.0, show_default=True)
-@click.option("--panic-threshold", type=click.FloatRange(1.01, 100), default=2.0, show_default=True,
+@click.option("--tick-ms", type=Finite(10, 60_000), default=500.0, show_default=True)
+@click.option("--stable-window-s", type=Finite(0.1, 3600), default=60.0, show_default=True)
+@click.option("--panic-window-pct", type=Finite(1, 100), default=10.0, show_default=True)
+@click.option("--panic-threshold", type=Finite(1.01, 100), default=2.0, show_default=True,
               help="panic when the panic estimate reaches this multiple of the ready instances")
-@click.option("--keep-alive-s", type=click.FloatRange(0, 86_400), default=600.0, show_default=True,
+@click.option("--keep-alive-s", type=Finite(0, 86_400), default=600.0, show_default=True,
               help="fixed keep-alive while the idle-time histogram is not representative")
-@click.option("--idle-bin-s", type=click.FloatRange(0.1, 3600), default=60.0, show_default=True,
+@click.option("--idle-bin-s", type=Finite(0.1, 3600), default=60.0, show_default=True,
               help="idle-time histogram bin width (its range is 240 bins)")
-@click.option("--target", type=click.FloatRange(0, 10_000), default=0.0, show_default=True,
+@click.option("--target", type=Finite(0, 10_000), default=0.0, show_default=True,
               help="in-flight requests per instance for every function (0: each profile's batch size)")
-@click.option("--headroom-min", type=click.FloatRange(0, 8), default=0.05, show_default=True,
+@click.option("--headroom-min", type=Finite(0, 8), default=0.05, show_default=True,
               help="lazy: vertical headroom (quota) below which it counts as used up")
-@click.option("--lazy-max-hold-s", type=click.FloatRange(0, 3600), default=0.0, show_default=True,
+@click.option("--lazy-max-hold-s", type=Finite(0, 3600), default=0.0, show_default=True,
               help="lazy: scale out anyway after headroom stayed unused this long (0: one panic window)")
-@click.option("--max-scale-up-rate", type=click.FloatRange(1.01, 10_000), default=1000.0, show_default=True,
+@click.option("--max-scale-up-rate", type=Finite(1.01, 10_000), default=1000.0, show_default=True,
               help="at most this many times the ready instances per decision (Knative's max-scale-up-rate)")
-@click.option("--scale-down-delay-s", type=click.FloatRange(0, 3600), default=0.0, show_default=True,
+@click.option("--scale-down-delay-s", type=Finite(0, 3600), default=0.0, show_default=True,
               help="no scale-in to a non-zero count this long after a scale-out (Knative's scale-down-delay)")
-@click.option("--metrics-port", type=click.IntRange(0, 65535), default=METRICS_PORTS["horizontal_scaler"], show_default=True,
-              help="/metrics, /healthz, /readyz (0: any free port).")
-@click.option("--log-level", default="info", show_default=True)
+@metrics_port_option("horizontal_scaler")
+@log_level_option
 def main(nats_url, mode, initial_scale, tick_ms, stable_window_s, panic_window_pct, panic_threshold, keep_alive_s, idle_bin_s,
          target, headroom_min, lazy_max_hold_s, max_scale_up_rate, scale_down_delay_s, metrics_port, log_level):
     """Run the horizontal scaler: backlog, burst windows and headroom in, placements and retirements out."""

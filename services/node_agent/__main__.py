@@ -5,7 +5,8 @@ from pathlib import Path
 
 import click
 
-from dilu.services.common.cliopts import METRICS_PORTS, default_node, service_main
+from dilu.services.common.cliopts import (Finite, check_node, default_node, log_level_option, metrics_port_option,
+                                        nats_url_option, service_main)
 
 from dilu.services.common.runner import run
 
@@ -20,22 +21,22 @@ def parse_gpus(value: str) -> int | None:
         return 0
     if value == "all":
         return None
-    try:
-        n = int(value)
-    except ValueError:
-        raise click.BadParameter(f"expected a GPU count, 'all' or 'cpu', got {value!r}") from None
+    if not value.isdigit():
+        raise click.BadParameter(f"expected a GPU count, 'all' or 'cpu', got {value!r}")
+    n = int(value)
     if not 1 <= n <= 64:
         raise click.BadParameter(f"GPU count must be 1..64, got {n}")
     return n
 
 
 @click.command()
-@click.option("--nats-url", default="nats://127.0.0.1:4222", show_default=True)
-@click.option("--node", default=default_node, show_default="host name", help="this node's name in subjects and the inventory")
+@nats_url_option
+@click.option("--node", default=default_node, show_default="host name", callback=check_node,
+              help="this node's name in subjects and the inventory")
 @click.option("--device", type=click.Choice(devices.MODES), default="auto", show_default=True,
               help="nvml: this host's GPUs through NVML and the real driver; emulated: the fake NVML and driver; "
                    "auto: nvml when a GPU is there, else emulated")
-@click.option("--gpus", default="all", show_default=True,
+@click.option("--gpus", default="all", show_default=True, callback=lambda _c, _p, v: (v, parse_gpus(v)),
               help="GPUs to use: all (an emulated node has 4), a count, or 'cpu' for a CPU node (torch handlers)")
 @click.option("--emulated-gpu", type=click.Choice(sorted(devices.EMULATED_GPUS)), default=devices.DEFAULT_EMULATED,
               show_default=True, help="model of the emulated GPUs")
@@ -44,16 +45,15 @@ def parse_gpus(value: str) -> int | None:
 @click.option("--sms", type=click.IntRange(1, 1024), default=None, help="SMs of each emulated GPU (default: the model's)")
 @click.option("--mps-dir", type=click.Path(file_okay=False, path_type=Path), default=None,
               help="MPS pipe and log directories go here on a real GPU (default: $XDG_RUNTIME_DIR/dilu-mps, else /tmp/dilu-mps)")
-@click.option("--sample-ms", type=click.FloatRange(1, 1000), default=10.0, show_default=True)
-@click.option("--telemetry-ms", type=click.FloatRange(10, 10000), default=250.0, show_default=True)
+@click.option("--sample-ms", type=Finite(1, 1000), default=10.0, show_default=True)
+@click.option("--telemetry-ms", type=Finite(10, 10000), default=250.0, show_default=True)
 @click.option("--initial-grant", type=click.Choice(["request", "limit"]), default="request", show_default=True)
-@click.option("--metrics-port", type=click.IntRange(0, 65535), default=METRICS_PORTS["node_agent"], show_default=True,
-              help="/metrics, /healthz, /readyz (0: any free port).")
-@click.option("--log-level", default="info", show_default=True)
+@metrics_port_option("node_agent")
+@log_level_option
 def main(nats_url, node, device, gpus, emulated_gpu, gpu_memory_bytes, sms, mps_dir, sample_ms, telemetry_ms, initial_grant,
          metrics_port, log_level):
     """Run the node agent: discover this node's GPUs, run its instances, publish telemetry, apply grants."""
-    agent = NodeAgent(node=node, gpus=parse_gpus(gpus), device=device, emulated_model=emulated_gpu,
+    agent = NodeAgent(node=node, gpus=gpus[1], device=device, emulated_model=emulated_gpu,
                       memory_bytes=gpu_memory_bytes, sms=sms, mps_dir=mps_dir, sample_ms=sample_ms, telemetry_ms=telemetry_ms,
                       initial_grant=initial_grant, nats_url=nats_url)
     run(agent, nats_url, metrics_port=metrics_port, log_level=log_level)

@@ -27,9 +27,12 @@ from pathlib import Path
 from dilu.contracts import subjects
 from dilu.contracts.events import GpuInfo, NvmlSample
 
+from dilu.services.common import logging as dlog
+
 from . import mps as mps_mod
 from . import nvml
 
+log = dlog.get("node_agent")
 CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT = 16  # cuda.h
 MODES = ("auto", "nvml", "emulated")
 MPS_CLIENT_LIMIT = 48  # clients per GPU under MPS, Volta and later (NVIDIA MPS documentation, 2.3.5.1)
@@ -216,9 +219,13 @@ def open_device(mode: str, *, node: str, gpus: int | None, emulated_model: str =
     if mode not in MODES:
         raise DeviceError(f"unknown device mode {mode!r}; choose from {', '.join(MODES)}")
     if gpus == 0:
+        if mode != "auto":
+            raise DeviceError(f"--gpus cpu runs no GPU, but --device {mode} asks for one: leave --device at auto")
         return Device(kind="cpu")
     if mode == "auto":
         mode = "nvml" if nvml.available() else "emulated"
+        if mode == "emulated":
+            log.info("no NVIDIA driver or GPU found (NVML did not start): running the emulated node")
     if mode == "nvml":
         try:
             nvml.load(None)

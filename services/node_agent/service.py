@@ -3,8 +3,9 @@
 - Discovers its GPUs through NVML and the CUDA driver (:mod:`.devices`: the real libraries on a GPU
   node, the project's fake ones on an emulated node, by the same code) and keeps a
   :class:`NodeInventory` in KV ``dilu-nodes`` with a heartbeat every ``NODE_HEARTBEAT_S``; GPU health
-  comes from NVML. It refuses to run under a node name another live agent holds, and stops if
-  another agent takes its name later (two agents with one name would launch the same instances).
+  comes from NVML. It refuses to run under a node name another live agent holds (an agent
+  restarted on the same host takes over at once), and stops if another agent takes its name
+  later (two agents with one name would launch the same instances).
 - Watches the placement table (JetStream KV ``dilu-placement``, the single source of truth) and
   launches, drains and retires the instances placed on this node.
 - Creates each instance's control block (request quota as the fail-safe rate, width fixed at
@@ -49,6 +50,7 @@ from . import devices
 from .mps import FAILURE_WINDOW_S as MPS_FAILURE_WINDOW_S
 from .mps import server_failed as mps_server_failed
 from .accounting import Counters, GpuCost, Slot, stretch, window_use
+from .claim import claim_refusal, host_identity
 
 LAUNCHES = Counter("dilu_instance_launches", "Instances launched", ["function"])
 GRANT_CHANGES = Counter("dilu_grant_changes", "TokenGrants that changed an instance's quota")
@@ -120,6 +122,7 @@ class NodeAgent:
         self.device: devices.Device | None = None
         self.gpus: list[devices.Gpu] = []
         self.agent_id = uuid.uuid4().hex
+        self.host = host_identity()
         self.heartbeat_s = heartbeat_s
         self._inv_kv = None
         self._inv_rev = 0
@@ -199,24 +202,24 @@ class NodeAgent:
     def inventory(self) -> ev.NodeInventory:
         """This node's NodeInventory now (health as last polled)."""
         d = self.device
-        return ev.NodeInventory(node=self.node, agent_id=self.agent_id, device=d.kind, driver_version=d.driver_version,
+        return ev.NodeInventory(node=self.node, agent_id=self.agent_id, host=self.host, pid=os.getpid(),
+                                device=d.kind, driver_version=d.driver_version,
                                 cuda_version=d.cuda_version, mps=d.mps_state, heartbeat_s=self.heartbeat_s,
                                 started_ns=self._started_ns, gpus=d.inventory(), ts_ns=time.time_ns())
 
     async def _claim_node(self) -> None:
-        """Put the first inventory, unless another live agent holds this node name (its heartbeat
-        is younger than NODE_TTL_S). Raises StartFailed then."""
+        """Put the first inventory, unless another live agent holds this node name (see
+        .claim.claim_refusal). Raises StartFailed then."""
         self._inv_kv = await nodes_bucket(self.bus.js)
         key = subjects.token(self.node)
         try:
-            entry = await self._inv_kv.get(key)
-            other = decode(entry.value, ev.NodeInventory)
-            age_s = (time.time_ns() - other.ts_ns) / 1e9
-            if other.agent_id != self.agent_id and age_s < subjects.NODE_TTL_S:
-                raise StartFailed(f"node name {self.node!r} is held by another live agent (heartbeat {age_s:.1f} s ago); "
-                                  f"give this node its own --node / DILU_NODE")
+            held = decode((await self._inv_kv.get(key)).value, ev.NodeInventory)
         except (KeyNotFoundError, MalformedEvent):
-            pass
+            held = None
+        refusal = claim_refusal(held, agent_id=self.agent_id, host=self.host, now_ns=time.time_ns(),
+                                ttl_s=subjects.NODE_TTL_S)
+        if refusal:
+            raise StartFailed(refusal)
         self._inv_rev = await self._inv_kv.put(key, encode(self.inventory()))
         await self.bus.publish(subjects.node_inventory(self.node), self.inventory())
 

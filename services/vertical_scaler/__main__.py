@@ -3,7 +3,8 @@ from __future__ import annotations
 
 import click
 
-from dilu.services.common.cliopts import METRICS_PORTS, default_node, service_main
+from dilu.services.common.cliopts import (Finite, check_node, default_node, log_level_option, metrics_port_option,
+                                        nats_url_option, service_main)
 
 from dilu.services.common.runner import run
 
@@ -12,23 +13,23 @@ from .service import VerticalScaler
 
 
 @click.command()
-@click.option("--nats-url", default="nats://127.0.0.1:4222", show_default=True)
-@click.option("--node", default=default_node, show_default="host name", help="this node's name in subjects and the inventory")
+@nats_url_option
+@click.option("--node", default=default_node, show_default="host name", callback=check_node,
+              help="this node's name in subjects and the inventory")
 @click.option("--mode", type=click.Choice(MODES), default="dilu", show_default=True,
               help="dilu: adaptive; static: pinned at request; static-limit: pinned at limit; off: no grants")
-@click.option("--hysteresis", type=click.FloatRange(0, 0.5), default=0.02, show_default=True, help="smallest quota change sent")
-@click.option("--pressure-hold-ms", type=click.FloatRange(0, 60_000), default=500.0, show_default=True)
-@click.option("--recovery-per-s", type=click.FloatRange(0.001, 100), default=0.5, show_default=True,
+@click.option("--hysteresis", type=Finite(0, 0.5), default=0.02, show_default=True, help="smallest quota change sent")
+@click.option("--pressure-hold-ms", type=Finite(0, 60_000), default=500.0, show_default=True)
+@click.option("--recovery-per-s", type=Finite(0.001, 100), default=0.5, show_default=True,
               help="additive recovery of yielding instances (quota per second)")
-@click.option("--release-per-s", type=click.FloatRange(0.001, 10_000), default=0.5, show_default=True,
+@click.option("--release-per-s", type=Finite(0.001, 10_000), default=0.5, show_default=True,
               help="how fast an instance whose demand fell gives share back (quota per second)")
-@click.option("--decrease-factor", type=click.FloatRange(0.01, 0.99), default=0.5, show_default=True)
-@click.option("--be-floor", type=click.FloatRange(0.01, 1), default=0.05, show_default=True)
+@click.option("--decrease-factor", type=Finite(0.01, 0.99), default=0.5, show_default=True)
+@click.option("--be-floor", type=Finite(0.01, 1), default=0.05, show_default=True)
 @click.option("--park-idle/--no-park-idle", default=False, show_default=True,
               help="give share nobody asked for to latency-sensitive instances, up to their limits")
-@click.option("--metrics-port", type=click.IntRange(0, 65535), default=METRICS_PORTS["vertical_scaler"], show_default=True,
-              help="/metrics, /healthz, /readyz (0: any free port).")
-@click.option("--log-level", default="info", show_default=True)
+@metrics_port_option("vertical_scaler")
+@log_level_option
 def main(nats_url, node, mode, hysteresis, pressure_hold_ms, recovery_per_s, release_per_s, decrease_factor, be_floor,
          park_idle, metrics_port, log_level):
     """Run the vertical scaler of NODE: telemetry and kernel-cycle stretch in, TokenGrants out."""

@@ -167,3 +167,45 @@ async def test_an_agent_whose_name_is_taken_later_stops(nats_url):
         await kv.put("n4", encode(other))
         await _eventually(lambda: _true(not agent.ready()), what="the agent stopping")
         await nc.drain()
+
+
+async def test_a_restarted_agent_takes_its_name_back_at_once(nats_url, tmp_path):
+    """Stopped (or killed) and started again on the same host, an agent is not its own twin."""
+    import signal
+    import subprocess
+    import sys
+
+    def start():
+        log = open(tmp_path / "agent.log", "ab")
+        return subprocess.Popen([sys.executable, "-m", "dilu.services.node_agent", "--node", "r1", "--gpus", "1",
+                                 "--device", "emulated", "--metrics-port", "0", "--nats-url", nats_url],
+                                stdout=log, stderr=subprocess.STDOUT)
+
+    nc = await nats.connect(nats_url)
+    js = nc.jetstream()
+
+    async def agent_pid():
+        try:
+            return (await _inventory(js, "r1")).pid
+        except Exception:
+            return 0
+
+    for stop in (signal.SIGTERM, signal.SIGKILL):
+        proc = start()
+        try:
+            await _eventually(lambda: _true_async(agent_pid(), proc.pid), what="the agent's inventory")
+        finally:
+            proc.send_signal(stop)
+            proc.wait(timeout=30)
+    again = start()
+    try:
+        await _eventually(lambda: _true_async(agent_pid(), again.pid), what="the restarted agent's inventory")
+        assert again.poll() is None, (tmp_path / "agent.log").read_text()[-2000:]
+    finally:
+        again.send_signal(signal.SIGTERM)
+        assert again.wait(timeout=30) == 0
+    await nc.drain()
+
+
+async def _true_async(awaitable, want):
+    return (await awaitable) == want
