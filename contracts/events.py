@@ -9,9 +9,16 @@ Rules that keep old and new services talking:
 """
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
 import msgspec
+
+# Bounds checked when an event is decoded (a malformed one is rejected and counted, never used).
+# a quota or width: (0, 1], with the policies' float tolerance (sums such as 0.5900000000000001)
+Fraction = Annotated[float, msgspec.Meta(gt=0, le=1.000001)]
+Count = Annotated[int, msgspec.Meta(ge=0)]
+Bytes = Annotated[int, msgspec.Meta(ge=0, le=2**50)]  # memory sizes: up to 1 PiB
+GpuIndex = Annotated[int, msgspec.Meta(ge=0, le=1023)]
 
 FunctionKind = Literal["inference", "training"]
 PriorityClass = Literal["latency-sensitive", "training", "best-effort"]
@@ -139,12 +146,12 @@ class Placement(msgspec.Struct, kw_only=True):
     instance_id: str
     function: str
     node: str
-    gpu: int
-    request_quota: float
-    limit_quota: float
-    width: float
-    memory_bytes: int
-    batch_size: int = 1
+    gpu: GpuIndex
+    request_quota: Fraction
+    limit_quota: Fraction
+    width: Fraction
+    memory_bytes: Bytes
+    batch_size: Annotated[int, msgspec.Meta(ge=1)] = 1
     priority: PriorityClass = "latency-sensitive"
     model: str = ""
     handler: str = ""
@@ -343,14 +350,14 @@ class GpuInfo(msgspec.Struct, kw_only=True):
     the bus (``health_reason`` says which); an unhealthy GPU gets no new instance.
     """
 
-    index: int
+    index: GpuIndex
     uuid: str
     name: str
-    memory_bytes: int
-    sms: int
+    memory_bytes: Bytes
+    sms: Count
     mig: bool = False
     compute_mode: str = "default"
-    mps_client_limit: int = 0
+    mps_client_limit: Count = 0
     healthy: bool = True
     health_reason: str = ""
 
@@ -377,9 +384,9 @@ class NodeInventory(Event):
     driver_version: str = ""
     cuda_version: str = ""
     mps: str = "off"
-    heartbeat_s: float = 5.0
+    heartbeat_s: Annotated[float, msgspec.Meta(gt=0)] = 5.0
     started_ns: int = 0
-    gpus: list[GpuInfo] = []
+    gpus: Annotated[list[GpuInfo], msgspec.Meta(max_length=1024)] = []
 
 
 # --------------------------------------------------------------------------- horizontal scaling

@@ -287,6 +287,8 @@ class NodeAgent:
             return
         try:
             placement = decode(entry.value, ev.Placement)
+            if placement.instance_id != entry.key:  # deleting the key must stop the instance
+                raise MalformedEvent(f"instance_id {placement.instance_id!r} is not the key")
         except MalformedEvent as exc:
             MALFORMED.labels(self.name, f"kv:{subjects.PLACEMENT_BUCKET}").inc()
             self.log.warning("malformed placement rejected", key=entry.key, reason=str(exc))
@@ -300,6 +302,7 @@ class NodeAgent:
             return
         if inst is None and not self._stopping:
             if not 0 <= placement.gpu < len(self.gpus):
+                MALFORMED.labels(self.name, f"kv:{subjects.PLACEMENT_BUCKET}").inc()
                 self.log.warning("placement names a GPU this node lacks", instance=placement.instance_id, gpu=placement.gpu)
                 return
             if not self.gpus[placement.gpu].healthy:
@@ -309,8 +312,28 @@ class NodeAgent:
             await self._launch(placement)
 
     async def _launch(self, p: ev.Placement) -> None:
+        """Start the instance of placement ``p``. A failure before its process runs (its control
+        block, its environment, the exec) leaves nothing behind: no instance entry, no block."""
         inst = ManagedInstance(placement=p, launched_ns=time.time_ns())
         self.instances[p.instance_id] = inst
+        try:
+            await self._start_process(inst)
+        except Exception:
+            self.instances.pop(p.instance_id, None)
+            if inst.cb is not None:
+                inst.cb.close()
+                Path(inst.cb_path).unlink(missing_ok=True)
+            raise
+        LAUNCHES.labels(p.function).inc()
+        await self._publish_instance("launched", ev.InstanceLaunched(
+            instance_id=p.instance_id, function=p.function, node=self.node, gpu=p.gpu, pid=inst.proc.pid))
+        inst.tasks.append(asyncio.create_task(self._await_ready(inst)))
+        self.log.info("instance launched", instance=p.instance_id, function=p.function, gpu=p.gpu, quota=inst.quota,
+                      width=p.width)
+
+    async def _start_process(self, inst: ManagedInstance) -> None:
+        """The instance's control block, environment and process (see :meth:`_launch`)."""
+        p = inst.placement
         quota = p.request_quota if self.initial_grant == "request" else p.limit_quota
         gpu = self.gpus[p.gpu]
         env = dict(os.environ)
@@ -337,11 +360,6 @@ class NodeAgent:
             args += ["--cb", inst.cb_path]
         # same process group as the agent: whoever stops the agent's group stops its instances too
         inst.proc = await asyncio.create_subprocess_exec(*args, env=env, stdout=asyncio.subprocess.PIPE)
-        LAUNCHES.labels(p.function).inc()
-        await self._publish_instance("launched", ev.InstanceLaunched(
-            instance_id=p.instance_id, function=p.function, node=self.node, gpu=p.gpu, pid=inst.proc.pid))
-        inst.tasks.append(asyncio.create_task(self._await_ready(inst)))
-        self.log.info("instance launched", instance=p.instance_id, function=p.function, gpu=p.gpu, quota=quota, width=p.width)
 
     async def _await_ready(self, inst: ManagedInstance) -> None:
         proc, p = inst.proc, inst.placement

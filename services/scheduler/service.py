@@ -77,6 +77,7 @@ from dilu.contracts.events import (
 )
 
 from ..common.bus import Bus
+from ..common.metrics import MALFORMED
 from ..common.kvkeys import kv_keys
 from ..common.nodes import nodes_bucket
 from .inventory import NodeChange, Roster, inventory_age_s, orphans_due
@@ -215,10 +216,13 @@ class SchedulerService:
         try:
             inv = msgspec.json.decode(raw, type=NodeInventory)
             error = "" if subjects.token(inv.node) == key else f"node {inv.node!r}: the key is not subjects.token(node)"
+            if len({g.index for g in inv.gpus}) != len(inv.gpus):
+                error = error or f"node {inv.node!r}: a GPU index is listed twice"
         except (msgspec.DecodeError, msgspec.ValidationError) as exc:
             inv, error = None, f"{type(exc).__name__}: {exc}"
         if error:
-            if self._bad_inventory.get(key) != error:  # once per key and error, not every heartbeat
+            MALFORMED.labels(self.name, f"kv:{subjects.NODES_BUCKET}").inc()
+            if self._bad_inventory.get(key) != error:  # logged once per key and error, counted each time
                 self.bus.log.warning("node inventory skipped", key=key, error=error)
             self._bad_inventory[key] = error
             return None

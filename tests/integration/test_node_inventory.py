@@ -209,3 +209,24 @@ async def test_a_restarted_agent_takes_its_name_back_at_once(nats_url, tmp_path)
 
 async def _true_async(awaitable, want):
     return (await awaitable) == want
+
+
+async def test_bad_placements_are_rejected_and_counted_leaving_nothing(nats_url):
+    from dilu.services.common.metrics import MALFORMED
+
+    def rejected():
+        return MALFORMED.labels("node_agent", f"kv:{subjects.PLACEMENT_BUCKET}")._value.get()
+
+    agent = NodeAgent(node="n5", gpus=1, device="emulated", nats_url=nats_url)
+    async with running(agent, nats_url, ready_timeout_s=30):
+        nc = await nats.connect(nats_url)
+        kv = await nc.jetstream().key_value(subjects.PLACEMENT_BUCKET)
+        good = ev.Placement(instance_id="p1", function="f", node="n5", gpu=0, request_quota=0.2, limit_quota=0.5,
+                            width=0.5, memory_bytes=2**30, model="bert_base")
+        before = rejected()
+        await kv.put("p1", encode(msgspec.structs.replace(good, request_quota=-1.0)))  # outside (0, 1]
+        await kv.put("p2", encode(msgspec.structs.replace(good, instance_id="other")))  # key is not the id
+        await kv.put("p3", encode(msgspec.structs.replace(good, instance_id="p3", gpu=7)))  # no GPU 7 here
+        await _eventually(lambda: _true(rejected() - before >= 3), what="three rejections counted")
+        assert not agent.instances
+        await nc.drain()

@@ -293,3 +293,24 @@ async def test_restart_rebuilds_inventory_and_table_and_orphans_wait_then_move(n
             assert "stale" not in svc2.cluster.nodes and not svc2.orphans
             assert svc2.cluster.violations() == []
     await nc.close()
+
+
+async def test_malformed_inventories_are_rejected_and_counted(nats_url):
+    from dilu.services.common.metrics import MALFORMED
+
+    def rejected():
+        return MALFORMED.labels("scheduler", f"kv:{subjects.NODES_BUCKET}")._value.get()
+
+    nc = await nats.connect(nats_url)
+    svc = SchedulerService(node_ttl_s=600)
+    async with running(svc, nats_url), Agents(nc) as agents:
+        before = rejected()
+        dup = inventory("dup", gpus=2)
+        dup.gpus[1].index = 0  # one GPU index twice
+        negative = b'{"node": "neg", "gpus": [{"index": 0, "uuid": "u", "name": "x", "memory_bytes": -5, "sms": 1}]}'
+        for key, bad in (("bad", b"{not json"), ("neg", negative), ("dup", encode(dup))):
+            await agents.kv.put(key, bad)
+        await wait_for(lambda: rejected() - before >= 3, "three malformed inventories counted")
+        assert not svc.cluster.node_index  # none of them joined
+        await join(agents, svc, inventory("fine"))  # and the scheduler carries on
+    await nc.close()
