@@ -214,6 +214,8 @@ static void faults_parse(FILE *f)
         unsigned long long arg = 0;
         if (n == 3) {
             char *end = NULL;
+            if (num[0] == '-') /* strtoull would wrap a negative count */
+                continue;
             int hex = num[0] == '0' && (num[1] == 'x' || num[1] == 'X');
             arg = strtoull(num, &end, hex ? 16 : 10);
             if (!end || *end)

@@ -57,13 +57,13 @@ async def serve(
     # Health first: /healthz answers while NATS is still unreachable (a supervisor's liveness
     # check must not restart a service that is only waiting for NATS), /readyz says 503 until then.
     # Loopback by default; deployments set DILU_METRICS_HOST (e.g. 0.0.0.0) for remote checks.
-    host = os.environ.get("DILU_METRICS_HOST", "127.0.0.1")
+    host = os.environ.get("DILU_METRICS_HOST") or "127.0.0.1"
     state: dict[str, Bus] = {}
     try:
         health = HealthServer(lambda: "bus" in state and state["bus"].ready and service.ready(), host=host, port=metrics_port)
     except OSError as exc:
         raise StartFailed(f"cannot serve /metrics on {host}:{metrics_port}: {exc.strerror or exc} "
-                          f"(choose another --metrics-port / DILU_METRICS_PORT)") from None
+                          f"(check --metrics-port / DILU_METRICS_PORT and DILU_METRICS_HOST, an IPv4 address)") from None
     health.start()
     try:
         await _connected(service, nats_url, shutdown, state, log, health.port)
@@ -84,7 +84,11 @@ async def _connected(service: Service, nats_url: str, shutdown: asyncio.Event, s
         return
     bus = state["bus"] = connecting.result()
     try:
-        await service.start(bus)
+        try:
+            await service.start(bus)
+        except StartFailed as exc:
+            log.error("cannot start", reason=str(exc))
+            raise
         log.info("service started", nats=nats_url, metrics_port=port)
         await shutdown.wait()
         log.info("shutting down")
@@ -103,8 +107,7 @@ def run(service: Service, nats_url: str, *, metrics_port: int = 0, log_level: st
     dlog.configure(service.name, log_level)
     try:
         uvloop.run(serve(service, nats_url, metrics_port=metrics_port))
-    except StartFailed as exc:
-        dlog.get(service.name).error("cannot start", reason=str(exc))
+    except StartFailed as exc:  # logged where it happened; one plain line for the operator last
         print(f"dilu {service.name}: {exc}", file=sys.stderr)
         sys.exit(2)
 
