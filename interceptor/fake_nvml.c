@@ -147,6 +147,8 @@ struct nvmlDevice_st { /* a handle points at one of these */
     struct gpu_shm *shm; /* mapped read-only, or NULL */
     dev_t shm_dev;
     ino_t shm_ino;
+    uint64_t util_at_ns; /* when util_pct was computed (utilisation, power and temperature share it) */
+    unsigned int util_pct;
 };
 
 struct fault {
@@ -448,11 +450,18 @@ static nvmlReturn_t put_str(char *buf, unsigned int len, const char *s)
     return NVML_SUCCESS;
 }
 
-/* Utilisation percent of device d now (caller holds g_mu). */
+/* Utilisation percent of device d now (caller holds g_mu). Computed at most every 20 ms: one
+ * telemetry sample asks for utilisation, power and temperature, which all derive from it, and
+ * each computation walks the last second of the device's kernels. */
 static unsigned int dev_util(nvmlDevice_t d)
 {
+    uint64_t t = now_ns();
+    if (d->util_at_ns && t - d->util_at_ns < 20000000ull)
+        return d->util_pct;
     const struct gpu_shm *g = dev_shm(d);
-    return g ? util_percent(g) : 0;
+    d->util_pct = g ? util_percent(g) : 0;
+    d->util_at_ns = t;
+    return d->util_pct;
 }
 
 /* ------------------------------------------------------------------ init, system */
