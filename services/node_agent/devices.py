@@ -103,7 +103,9 @@ class Device:
         return {"nvml": "cuda", "emulated": "emulated"}.get(self.kind, "cpu")
 
     def inventory(self) -> list[GpuInfo]:
-        """The GPUs as the NodeInventory lists them (health as last polled)."""
+        """The GPUs as the NodeInventory lists them (health as last polled). The MPS client
+        limit holds where instances share a GPU as MPS clients: under a running MPS daemon, and on
+        emulated GPUs, whose fake driver runs processes side by side as MPS slices would."""
         limit = MPS_CLIENT_LIMIT if self.mps_state == "on" or self.kind == "emulated" else 0
         return [GpuInfo(index=g.index, uuid=g.uuid, name=g.name, memory_bytes=g.memory_bytes, sms=g.sms,
                         mps_client_limit=limit, healthy=g.healthy, health_reason=g.reason, **self._modes.get(g.index, {}))
@@ -171,34 +173,22 @@ def _driver_sms(lib: str) -> dict[str, int]:
         raise DeviceError(f"cuInit failed in {lib}")
     count = ctypes.c_int()
     cu.cuDeviceGetCount(ctypes.byref(count))
-    get_uuid = getattr(cu, "cuDeviceGetUuid_v2", None) or getattr(cu, "cuDeviceGetUuid", None)
     out: dict[str, int] = {}
     for ordinal in range(count.value):
         dev, sms, raw = ctypes.c_int(), ctypes.c_int(), (ctypes.c_ubyte * 16)()
-        if cu.cuDeviceGet(ctypes.byref(dev), ordinal) != 0:
+        if cu.cuDeviceGet(ctypes.byref(dev), ordinal) != 0 or cu.cuDeviceGetUuid_v2(raw, dev) != 0:
             continue
         cu.cuDeviceGetAttribute(ctypes.byref(sms), CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT, dev)
-        key = f"#{ordinal}"  # fallback key: the ordinal (CUDA_DEVICE_ORDER=PCI_BUS_ID matches NVML)
-        if get_uuid is not None and get_uuid(raw, dev) == 0:
-            key = "GPU-" + str(uuid.UUID(bytes=bytes(raw)))
-        out[key] = sms.value
+        out["GPU-" + str(uuid.UUID(bytes=bytes(raw)))] = sms.value
     return out
 
 
-def _with_sms(gpus: list[GpuInfo], sms: dict[str, int]) -> list[GpuInfo]:
-    """Fills each GPU's SM count from the driver, by UUID, else by ordinal."""
-    for i, g in enumerate(gpus):
-        g.sms = sms.get(g.uuid, sms.get(f"#{i}", g.sms))
-    return gpus
-
-
 def _from_nvml(kind: str, limit: int | None, driver_lib: str) -> Device:
-    infos, driver_version, cuda_version = nvml.read_inventory()
+    infos, driver_version, cuda_version = nvml.read_inventory(sms_by_uuid=_driver_sms(driver_lib))
     if limit is not None:
         if limit > len(infos):
             raise DeviceError(f"--gpus {limit}: this node has {len(infos)} GPU(s)")
         infos = infos[:limit]
-    infos = _with_sms(infos, _driver_sms(driver_lib))
     dev = Device(kind=kind, driver_version=driver_version, cuda_version=cuda_version)
     dev.gpus = [Gpu(g.index, g.uuid, g.name, g.memory_bytes, g.sms, healthy=g.healthy, reason=g.health_reason)
                 for g in infos]

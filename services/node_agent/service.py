@@ -220,8 +220,9 @@ class NodeAgent:
                                 ttl_s=subjects.NODE_TTL_S)
         if refusal:
             raise StartFailed(refusal)
-        self._inv_rev = await self._inv_kv.put(key, encode(self.inventory()))
-        await self.bus.publish(subjects.node_inventory(self.node), self.inventory())
+        inv = self.inventory()
+        self._inv_rev = await self._inv_kv.put(key, encode(inv))
+        await self.bus.publish(subjects.node_inventory(self.node), inv)
 
     async def _heartbeat_loop(self) -> None:
         """Every ``heartbeat_s``: poll GPU health, re-put the inventory (compare-and-set on our own

@@ -10,7 +10,6 @@ Requests and answers are JSON lines over the worker's stdin/stdout.
 from __future__ import annotations
 
 import asyncio
-import os
 import sys
 import uuid
 from pathlib import Path

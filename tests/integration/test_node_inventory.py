@@ -1,9 +1,7 @@
 """The node agent's inventory on an emulated node, through the real pynvml over the fake NVML:
 what it publishes to dilu-nodes, its heartbeat, the guard against two agents under one name, GPU
 health from NVML faults, NVML telemetry, and memory isolation of an instance end to end."""
-import asyncio
 import os
-import time
 
 import msgspec
 import nats
@@ -15,18 +13,9 @@ from dilu.services.common import models
 from dilu.services.common.runner import StartFailed, running
 from dilu.services.common.workqueue import ensure_consumer, ensure_stream
 from dilu.services.node_agent.service import NodeAgent
+from scheduler_helpers import wait_for
 
 pytestmark = [pytest.mark.nats, pytest.mark.native]
-
-
-async def _eventually(check, timeout_s=30.0, what="condition"):
-    deadline = time.monotonic() + timeout_s
-    while True:
-        got = await check()
-        if got:
-            return got
-        assert time.monotonic() < deadline, f"{what} not met within {timeout_s} s"
-        await asyncio.sleep(0.1)
 
 
 async def _inventory(js, node):
@@ -58,7 +47,7 @@ async def test_inventory_heartbeat_and_one_agent_per_name(nats_url, faults):
 
         # the heartbeat refreshes the entry
         first = inv.ts_ns
-        await _eventually(lambda: _fresher(js, first), what="a newer inventory")
+        await wait_for(lambda: _fresher(js, first), "a newer inventory")
 
         # a second agent under the same name refuses to start, with a reason
         twin = NodeAgent(node="gpu-node-7.dc1", gpus=1, device="emulated", nats_url=nats_url)
@@ -72,7 +61,7 @@ async def test_inventory_heartbeat_and_one_agent_per_name(nats_url, faults):
         async def unhealthy():
             gpus = (await _inventory(js, "gpu-node-7.dc1")).gpus
             return {g.index: g.health_reason for g in gpus if not g.healthy}
-        bad = await _eventually(lambda: _settled(unhealthy, {1, 2}), what="GPUs 1 and 2 unhealthy")
+        bad = await wait_for(lambda: _settled(unhealthy, {1, 2}), "GPUs 1 and 2 unhealthy")
         assert "lost" in bad[1].lower() and "ecc" in bad[2].lower()
         assert agent.gpus[0].healthy
         await nc.drain()
@@ -91,20 +80,16 @@ async def test_placement_on_an_unhealthy_gpu_is_not_launched(nats_url, faults):
     faults.write_text("0 xid 79\n")
     agent = NodeAgent(node="n2", gpus=2, device="emulated", nats_url=nats_url, heartbeat_s=0.3)
     async with running(agent, nats_url, ready_timeout_s=30):
-        await _eventually(lambda: _true(not agent.gpus[0].healthy), what="GPU 0 unhealthy after Xid 79")
+        await wait_for(lambda: not agent.gpus[0].healthy, "GPU 0 unhealthy after Xid 79")
         nc = await nats.connect(nats_url)
         kv = await nc.jetstream().key_value(subjects.PLACEMENT_BUCKET)
         p = ev.Placement(instance_id="x1", function="f", node="n2", gpu=0, request_quota=0.2, limit_quota=0.5,
                          width=0.5, memory_bytes=models.memory_bytes("bert_base"), model="bert_base")
         await kv.put("x1", encode(p))
         await kv.put("x2", encode(msgspec.structs.replace(p, instance_id="x2", gpu=1)))
-        await _eventually(lambda: _true("x2" in agent.instances), what="x2 launched on the healthy GPU")
+        await wait_for(lambda: "x2" in agent.instances, "x2 launched on the healthy GPU")
         assert "x1" not in agent.instances
         await nc.drain()
-
-
-async def _true(value):
-    return value
 
 
 async def test_memory_reservation_and_nvml_telemetry(nats_url):
@@ -138,8 +123,8 @@ async def test_memory_reservation_and_nvml_telemetry(nats_url):
 
         # the greedy one crashes at load (its weights do not fit its reservation) and is not
         # relaunched for ever; the good one serves and shows its memory in telemetry
-        await _eventually(lambda: _true(any(r.instance_id == "greedy1" and r.reason == "crashed" for r in retired)),
-                          what="the over-allocating instance crashed")
+        await wait_for(lambda: any(r.instance_id == "greedy1" and r.reason == "crashed" for r in retired),
+                       "the over-allocating instance crashed")
 
         def memory():
             for t in tel:
@@ -147,7 +132,7 @@ async def test_memory_reservation_and_nvml_telemetry(nats_url):
                     if i.instance_id == "ok1" and i.memory_used_bytes:
                         return t, i
             return None
-        t, i = await _eventually(lambda: _true(memory()), what="telemetry with the instance's memory")
+        t, i = await wait_for(lambda: memory(), "telemetry with the instance's memory")
         assert i.memory_used_bytes == weights and i.memory_limit_bytes == good.memory_bytes and i.oom_refusals == 0
         assert t.nvml is not None and t.nvml.memory_total_bytes == 40 * 2**30
         assert t.nvml.memory_used_bytes >= weights
@@ -165,7 +150,7 @@ async def test_an_agent_whose_name_is_taken_later_stops(nats_url):
         kv = await nc.jetstream().key_value(subjects.NODES_BUCKET)
         other = msgspec.structs.replace(agent.inventory(), agent_id="someone-else")
         await kv.put("n4", encode(other))
-        await _eventually(lambda: _true(not agent.ready()), what="the agent stopping")
+        await wait_for(lambda: not agent.ready(), "the agent stopping")
         await nc.drain()
 
 
@@ -193,13 +178,13 @@ async def test_a_restarted_agent_takes_its_name_back_at_once(nats_url, tmp_path)
     for stop in (signal.SIGTERM, signal.SIGKILL):
         proc = start()
         try:
-            await _eventually(lambda: _true_async(agent_pid(), proc.pid), what="the agent's inventory")
+            await wait_for(lambda: _true_async(agent_pid(), proc.pid), "the agent's inventory")
         finally:
             proc.send_signal(stop)
             proc.wait(timeout=30)
     again = start()
     try:
-        await _eventually(lambda: _true_async(agent_pid(), again.pid), what="the restarted agent's inventory")
+        await wait_for(lambda: _true_async(agent_pid(), again.pid), "the restarted agent's inventory")
         assert again.poll() is None, (tmp_path / "agent.log").read_text()[-2000:]
     finally:
         again.send_signal(signal.SIGTERM)
@@ -227,6 +212,6 @@ async def test_bad_placements_are_rejected_and_counted_leaving_nothing(nats_url)
         await kv.put("p1", encode(msgspec.structs.replace(good, request_quota=-1.0)))  # outside (0, 1]
         await kv.put("p2", encode(msgspec.structs.replace(good, instance_id="other")))  # key is not the id
         await kv.put("p3", encode(msgspec.structs.replace(good, instance_id="p3", gpu=7)))  # no GPU 7 here
-        await _eventually(lambda: _true(rejected() - before >= 3), what="three rejections counted")
+        await wait_for(lambda: rejected() - before >= 3, "three rejections counted")
         assert not agent.instances
         await nc.drain()

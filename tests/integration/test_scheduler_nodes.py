@@ -21,49 +21,21 @@ import pytest
 
 from dilu.contracts import decode, encode, subjects
 from dilu.contracts.events import (
-    FunctionDeployed,
-    FunctionSpec,
     GpuInfo,
     NodeInventory,
-    PlaceReply,
-    PlaceRequest,
     Placement,
     PlacementDecided,
-    Profile,
-    ProfileReady,
 )
-from dilu.services.common.kvkeys import kv_keys
 from dilu.services.common.nodes import NODES_KV_CONFIG, nodes_bucket
 from dilu.services.common.runner import running
 from dilu.services.scheduler.policy import Slot
 from dilu.services.scheduler.service import NO_NODES, SchedulerService
+from scheduler_helpers import GiB, deploy, inventory, place, table, wait_for
 
 pytestmark = pytest.mark.nats
 
-GiB = 2**30
 HEARTBEAT_S = 0.25
 SHORT_TTL_S = 3.0  # the scheduler's liveness TTL in the stale-node tests (15 s in production)
-
-
-async def wait_for(cond, what: str, timeout_s: float = 30.0):
-    """Poll ``cond()`` (sync or async) until it is truthy; returns its value. Up to ``timeout_s``
-    (a loaded 2-core host is slow), leaving as soon as it holds."""
-    deadline = asyncio.get_running_loop().time() + timeout_s
-    while True:
-        value = cond()
-        if asyncio.iscoroutine(value):
-            value = await value
-        if value:
-            return value
-        if asyncio.get_running_loop().time() > deadline:
-            raise AssertionError(f"not within {timeout_s} s: {what}")
-        await asyncio.sleep(0.05)
-
-
-def inventory(node: str, gpus: int = 1, memory: int = 40 * GiB, first_index: int = 0, **gpu_kw) -> NodeInventory:
-    return NodeInventory(node=node, agent_id=f"agent-{node}", device="emulated", gpus=[
-        GpuInfo(index=first_index + i, uuid=f"GPU-{node}-{i}", name="NVIDIA A100", memory_bytes=memory, sms=108, **gpu_kw)
-        for i in range(gpus)])
 
 
 class Agents:
@@ -109,31 +81,6 @@ class Agents:
 async def join(agents: Agents, svc: SchedulerService, inv: NodeInventory) -> None:
     await agents.put(inv)
     await wait_for(lambda: inv.node in svc.cluster.node_index, f"node {inv.node} joined")
-
-
-async def deploy(nc, svc, name, request=0.5, limit=0.5, memory=4 * GiB):
-    spec = FunctionSpec(name=name, model="bert_base", memory_bytes=memory, slo_ms=80)
-    await nc.publish(subjects.function_deployed(name), encode(FunctionDeployed(spec=spec)))
-    p = Profile(function=name, request_quota=request, limit_quota=limit, batch_size=4)
-    await nc.publish(subjects.profile_ready(name), encode(ProfileReady(profile=p)))
-    await nc.flush()
-    await wait_for(lambda: name in svc.functions and name in svc.profiles, f"scheduler learnt {name}")
-
-
-async def place(nc, fn, count=1) -> PlaceReply:
-    msg = await nc.request(subjects.SCHEDULER_PLACE, encode(PlaceRequest(function=fn, count=count)), timeout=10)
-    return decode(msg.data, PlaceReply)
-
-
-async def table(js) -> dict[str, Placement]:
-    kv = await js.key_value(subjects.PLACEMENT_BUCKET)
-    rows = {}
-    for k in await kv_keys(js, subjects.PLACEMENT_BUCKET):
-        try:
-            rows[k] = msgspec.json.decode((await kv.get(k)).value, type=Placement)
-        except (nats.js.errors.KeyNotFoundError, nats.js.errors.KeyDeletedError):  # deleted
-            pass
-    return rows
 
 
 async def test_places_on_joined_nodes_and_a_second_node_takes_over_when_the_first_is_full(nats_url):

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import time
 
 import msgspec
 import nats
@@ -14,27 +13,18 @@ import pytest
 
 from dilu.contracts import decode, encode, subjects
 from dilu.contracts.events import (
-    FunctionDeployed,
-    FunctionSpec,
-    GpuInfo,
     InstanceRetired,
-    NodeInventory,
-    PlaceReply,
-    PlaceRequest,
     Placement,
     Profile,
-    ProfileReady,
     RetireReply,
     RetireRequest,
 )
-from dilu.services.common.kvkeys import kv_keys
 from dilu.services.common.nodes import nodes_bucket
 from dilu.services.common.runner import running
 from dilu.services.scheduler.service import SchedulerService
+from scheduler_helpers import GiB, deploy, inventory, place, table, wait_for
 
 pytestmark = pytest.mark.nats
-
-GiB = 2**30
 # These tests are not about liveness: a TTL far beyond their run time, so one put of the inventory
 # keeps the node (test_scheduler_nodes.py heartbeats and lets nodes go stale).
 LONG_TTL_S = 3600.0
@@ -47,52 +37,13 @@ def scheduler(**kw) -> SchedulerService:
 async def join(nc, svc, node="node0", gpus=4, memory=40 * GiB):
     """Put ``node``'s inventory into dilu-nodes (as its agent would) and wait until the scheduler has it."""
     kv = await nodes_bucket(nc.jetstream())
-    inv = NodeInventory(node=node, agent_id="test", device="emulated", ts_ns=time.time_ns(), gpus=[
-        GpuInfo(index=i, uuid=f"GPU-{node}-{i}", name="NVIDIA A100-SXM4-40GB", memory_bytes=memory, sms=108)
-        for i in range(gpus)])
-    await kv.put(subjects.token(node), encode(inv))
-    for _ in range(1500):  # up to 30 s on a loaded host; leaves as soon as it holds
-        if node in svc.cluster.node_index:
-            return
-        await asyncio.sleep(0.02)
-    raise AssertionError(f"scheduler did not see node {node} join")
-
-
-async def deploy(nc, svc, name, request=0.5, limit=0.5, memory=4 * GiB, profile=True):
-    spec = FunctionSpec(name=name, model="bert_base", memory_bytes=memory, slo_ms=80)
-    await nc.publish(subjects.function_deployed(name), encode(FunctionDeployed(spec=spec)))
-    if profile:
-        p = Profile(function=name, request_quota=request, limit_quota=limit, batch_size=4)
-        await nc.publish(subjects.profile_ready(name), encode(ProfileReady(profile=p)))
-    await nc.flush()
-    for _ in range(1500):  # up to 30 s on a loaded host; leaves as soon as it holds  # the scheduler learns them asynchronously
-        if name in svc.functions and (not profile or name in svc.profiles):
-            return
-        await asyncio.sleep(0.02)
-    raise AssertionError("scheduler did not learn the function")
-
-
-async def place(nc, fn, count=1) -> PlaceReply:
-    msg = await nc.request(subjects.SCHEDULER_PLACE, encode(PlaceRequest(function=fn, count=count)), timeout=10)
-    return decode(msg.data, PlaceReply)
+    await kv.put(subjects.token(node), encode(inventory(node, gpus, memory)))
+    await wait_for(lambda: node in svc.cluster.node_index, f"scheduler saw node {node} join")
 
 
 async def retire(nc, fn, instance_id="") -> RetireReply:
     msg = await nc.request(subjects.SCHEDULER_RETIRE, encode(RetireRequest(function=fn, instance_id=instance_id)), timeout=10)
     return decode(msg.data, RetireReply)
-
-
-async def table(js) -> dict[str, Placement]:
-    """The placement table, listed like the scheduler lists it (:func:`kv_keys`: nats-py's own
-    ``keys()`` now and then ends its listing early)."""
-    kv = await js.key_value(subjects.PLACEMENT_BUCKET)
-    rows = {}
-    for k in await kv_keys(js, subjects.PLACEMENT_BUCKET):
-        try:
-            rows[k] = msgspec.json.decode((await kv.get(k)).value, type=Placement)
-        except (nats.js.errors.KeyNotFoundError, nats.js.errors.KeyDeletedError):  # deleted
-            pass
-    return rows
 
 
 async def retired(nc, p: Placement):
