@@ -22,6 +22,9 @@ from .bus import Bus
 from .metrics import HealthServer
 
 
+CANCEL_WAIT_S = 2.0  # how long a stop waits for a NATS connect in progress to give up
+
+
 class StartFailed(RuntimeError):
     """The service cannot run here (a device missing, a name taken, a port in use); the message
     is one line for the operator. :func:`run` prints it and exits with status 2."""
@@ -79,7 +82,11 @@ async def _connected(service: Service, nats_url: str, shutdown: asyncio.Event, s
     stopping.cancel()
     if not connecting.done():
         connecting.cancel()
-        await asyncio.gather(connecting, return_exceptions=True)
+        # nats-py's connect loop can swallow a cancellation that lands inside its wait_for
+        # (Python 3.11's wait_for race): wait a bounded time, never for ever
+        await asyncio.wait({connecting}, timeout=CANCEL_WAIT_S)
+        if connecting.done() and not connecting.cancelled() and connecting.exception() is None:
+            await connecting.result().close()  # it connected just as the stop came
         log.info("stopped before NATS was reachable", nats=nats_url)
         return
     bus = state["bus"] = connecting.result()
