@@ -33,7 +33,7 @@ class build_py_native(build_py):
             out = Path(self.build_lib) / "dilu" / "interceptor" / "build"
         native.build(verbose=True, out=out)
 
-FOLDERS = ["contracts", "services", "loadgen", "interceptor", "cli"]
+FOLDERS = ["contracts", "services", "loadgen", "interceptor", "cli", "client"]
 
 packages: list[str] = []
 package_dir: dict[str, str] = {}

@@ -20,7 +20,7 @@ Count = Annotated[int, msgspec.Meta(ge=0)]
 Bytes = Annotated[int, msgspec.Meta(ge=0, le=2**50)]  # memory sizes: up to 1 PiB
 GpuIndex = Annotated[int, msgspec.Meta(ge=0, le=1023)]
 
-FunctionKind = Literal["inference", "training"]
+FunctionKind = Literal["inference", "llm", "training"]
 PriorityClass = Literal["latency-sensitive", "training", "best-effort"]
 
 
@@ -31,35 +31,6 @@ class Event(msgspec.Struct, kw_only=True):
 
 
 # --------------------------------------------------------------------------- functions and profiles
-
-
-class FunctionSpec(msgspec.Struct, kw_only=True):
-    """A deployed function: a model plus a handler.
-
-    ``handler`` is an importable module path with ``load(ctx)`` and ``predict(model, batch)``
-    (see :mod:`dilu.services.node_agent.handlers`). ``slo_ms`` is the latency objective of one
-    request, measured from its scheduled send time (inference only; 0 for training).
-    ``memory_bytes`` is the GPU memory one instance needs (weights + documented allowance).
-    ``cold_start_ms`` is the model's load time on a fresh instance, excluding process start.
-    """
-
-    name: str
-    model: str
-    kind: FunctionKind = "inference"
-    slo_ms: float = 0.0
-    memory_bytes: int = 0
-    handler: str = "dilu.services.node_agent.handlers.emulated"
-    priority: PriorityClass = "latency-sensitive"
-    max_batch: int = 32
-    min_instances: int = 0
-    max_instances: int = 8
-    cold_start_ms: float = 0.0
-
-
-class FunctionDeployed(Event):
-    """A function was deployed (or redeployed with a new spec)."""
-
-    spec: FunctionSpec
 
 
 class Profile(msgspec.Struct, kw_only=True):
@@ -87,6 +58,68 @@ class Profile(msgspec.Struct, kw_only=True):
     limit_latency_ms: float = 0.0
     trials: int = 0
     backend: str = "surface"
+
+
+class FunctionSpec(msgspec.Struct, kw_only=True):
+    """A deployed function, as stored in KV ``dilu-functions`` (key = ``token(name)``), the single
+    source of truth every service rebuilds from. Written by ``dilu deploy`` from a spec file
+    (``dilu.client.spec``), which validates it.
+
+    - ``kind``: ``inference`` (one reply per request), ``llm`` (token chunks streamed, then the
+      reply) or ``training`` (a long-running job that takes no requests).
+    - ``entry``: the user's class, ``module:Name`` (module path relative to the function's code
+      bundle, or an installed package); ``code``: the object-store key of that bundle in
+      ``dilu-code`` (``sha256-<hex>``; empty: ``entry`` is importable on every node as it is).
+      ``handler``: the older module form (``load(ctx)``/``predict(model, batch)``), used when
+      ``entry`` is empty.
+    - ``model``: the performance surface an emulated GPU times the function by (a catalogue name
+      of :mod:`dilu.services.common.models`, e.g. ``resnet152``); empty: no emulated timing, so
+      the function runs only on nodes that execute its code (real GPUs, CPU nodes).
+    - ``slo_ms``: latency objective of one request from its scheduled send time; for ``llm`` the
+      objective of a whole reply (derived from ``ttft_ms`` and ``tpot_ms``, see
+      :func:`dilu.services.common.functions.request_slo_ms`); 0 for training.
+    - ``memory_bytes``: device memory one instance holds (its reservation); ``cold_start_ms``:
+      the model's load time on a fresh instance (emulated timing), excluding process start.
+    - ``initial_scale``: instances started at deploy, before any request (Knative's
+      ``initial-scale``; -1: the horizontal scaler's default); ``keep_alive_s``: how long an
+      idle function keeps one instance (0: the scaler's policy decides).
+    - ``profile``: a profile the operator gives (used as is, no trials); ``config``: string
+      settings handed to the user's class (``ctx.config``).
+    """
+
+    name: str
+    model: str = ""
+    kind: FunctionKind = "inference"
+    slo_ms: float = 0.0
+    ttft_ms: float = 0.0
+    tpot_ms: float = 0.0
+    memory_bytes: int = 0
+    handler: str = "dilu.services.node_agent.handlers.emulated"
+    entry: str = ""
+    code: str = ""
+    priority: PriorityClass = "latency-sensitive"
+    max_batch: int = 32
+    min_instances: int = 0
+    max_instances: int = 8
+    initial_scale: int = -1
+    keep_alive_s: float = 0.0
+    cold_start_ms: float = 0.0
+    profile: Profile | None = None
+    config: dict[str, str] = {}
+
+
+class FunctionDeployed(Event):
+    """A function was deployed (or redeployed with a new spec); its spec is already in KV
+    ``dilu-functions``."""
+
+    spec: FunctionSpec
+
+
+class FunctionUndeployed(Event):
+    """A function was removed (its key deleted from ``dilu-functions``): the scheduler drains its
+    instances, the horizontal scaler forgets it."""
+
+    name: str
 
 
 class ProfileReady(Event):
@@ -179,6 +212,22 @@ class PlaceRequest(Event):
 class PlaceReply(Event):
     ok: bool
     placements: list[Placement] = []
+    error: str = ""
+
+
+class AdmitRequest(Event):
+    """Request-reply on ``dilu.v1.scheduler.admit``: could one instance of ``spec`` ever be
+    placed (a node that can run it, a healthy GPU with its memory)? Asked by ``dilu deploy``
+    before anything is stored, so a deploy that cannot succeed fails to the deployer."""
+
+    spec: FunctionSpec
+
+
+class AdmitReply(Event):
+    """``ok``: some node could take an instance (``nodes``: how many); else ``error`` says why."""
+
+    ok: bool
+    nodes: int = 0
     error: str = ""
 
 
@@ -403,6 +452,33 @@ class BurstWindowBreach(Event):
     panic: bool = False
 
 
+class FunctionStats(Event):
+    """An instance's request counters over its last report period (about 1 s), published on
+    ``dilu.v1.telemetry.function.<fn>.<instance>`` while it served anything; the node agent turns
+    them into per-function Prometheus metrics.
+
+    ``latency_ms``: each answered request's latency from its scheduled send time (at most
+    :data:`STATS_MAX_LATENCIES` per report; the counts stay exact); ``ttft_ms``/``tpot_ms``: per
+    streamed (``llm``) request, time to first token and mean time per output token;
+    ``iterations``: training steps done in the period.
+    """
+
+    function: str
+    instance_id: str
+    node: str = ""
+    ok: Count = 0
+    errors: Count = 0
+    cold_starts: Count = 0
+    latency_ms: Annotated[list[float], msgspec.Meta(max_length=4096)] = []
+    ttft_ms: Annotated[list[float], msgspec.Meta(max_length=4096)] = []
+    tpot_ms: Annotated[list[float], msgspec.Meta(max_length=4096)] = []
+    iterations: Count = 0
+    period_ms: float = 0.0
+
+
+STATS_MAX_LATENCIES = 1024  # latencies carried per FunctionStats report (one instance, one period)
+
+
 class ScaleDecision(Event):
     """Informational: the horizontal scaler changed a function's instance count."""
 
@@ -414,8 +490,33 @@ class ScaleDecision(Event):
     reason: str = ""
 
 
+class FunctionState(msgspec.Struct, kw_only=True):
+    """The horizontal scaler's view of one function, kept in KV ``dilu-function-state`` (key =
+    ``token(function)``) for ``dilu status`` and the gateway.
+
+    ``instances``/``ready``: instances it counts (starting included) and those serving;
+    ``desired``: its last target; ``placeable``: False while the scheduler refuses the function's
+    instances (``reason`` says why, e.g. no GPU with room); ``decisions``: the last scale
+    decisions carried out, newest last (at most :data:`STATE_DECISIONS`); ``updated_ns``: Unix ns.
+    """
+
+    function: str
+    instances: Count = 0
+    ready: Count = 0
+    desired: Count = 0
+    backlog: int = -1
+    placeable: bool = True
+    reason: str = ""
+    decisions: list[ScaleDecision] = []
+    updated_ns: int = 0
+
+
+STATE_DECISIONS = 10
+
+
 EVENT_TYPES: tuple[type[Event], ...] = (
     FunctionDeployed,
+    FunctionUndeployed,
     ProfileReady,
     ProfileRequest,
     ProfileReply,
@@ -424,6 +525,8 @@ EVENT_TYPES: tuple[type[Event], ...] = (
     PlacementDecided,
     PlaceRequest,
     PlaceReply,
+    AdmitRequest,
+    AdmitReply,
     RetireRequest,
     RetireReply,
     InstanceLaunched,
@@ -435,4 +538,5 @@ EVENT_TYPES: tuple[type[Event], ...] = (
     BurstWindowBreach,
     ScaleDecision,
     NodeInventory,
+    FunctionStats,
 )

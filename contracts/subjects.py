@@ -30,6 +30,15 @@ def function_deployed(fn: str) -> str:
     return f"{PREFIX}.function.deployed.{token(fn)}"
 
 
+def function_undeployed(fn: str) -> str:
+    return f"{PREFIX}.function.undeployed.{token(fn)}"
+
+
+def function_stats(fn: str, instance: str) -> str:
+    """An instance's :class:`~dilu.contracts.events.FunctionStats` (request counters, ~1 s)."""
+    return f"{PREFIX}.telemetry.function.{token(fn)}.{token(instance)}"
+
+
 def profile_ready(fn: str) -> str:
     return f"{PREFIX}.profile.ready.{token(fn)}"
 
@@ -80,6 +89,7 @@ def node_trial(node: str) -> str:
 
 SCHEDULER_PLACE = f"{PREFIX}.scheduler.place"
 SCHEDULER_RETIRE = f"{PREFIX}.scheduler.retire"
+SCHEDULER_ADMIT = f"{PREFIX}.scheduler.admit"
 PROFILER_PROFILE = f"{PREFIX}.profiler.profile"
 
 # JetStream resources.
@@ -89,6 +99,8 @@ PROFILES_BUCKET = "dilu-profiles"
 PLACEMENT_BUCKET = "dilu-placement"
 FUNCTIONS_BUCKET = "dilu-functions"
 NODES_BUCKET = "dilu-nodes"  # key = node token, value = NodeInventory JSON
+FUNCTION_STATE_BUCKET = "dilu-function-state"  # key = function token, value = FunctionState JSON
+CODE_BUCKET = "dilu-code"  # object store: function code bundles (zip), name = FunctionSpec.code
 
 # Node liveness: an agent re-puts its inventory every NODE_HEARTBEAT_S; the scheduler treats a node
 # whose inventory is older than NODE_TTL_S as gone (three missed heartbeats) and places its
@@ -105,10 +117,17 @@ H_ERROR = "Dilu-Error"
 H_COLD_START = "Dilu-Cold-Start"  # reply: "1" when the request waited for an instance launch
 H_INSTANCE = "Dilu-Instance"
 H_ENQUEUED_NS = "Dilu-Enqueued-Ns"
+# Streamed replies (``llm`` functions): zero or more messages with H_STATUS = STATUS_CHUNK, each
+# one output chunk (a token's text) numbered from 0 in H_CHUNK, then the final reply (ok/error)
+# whose payload is the whole output and whose H_CHUNK holds the number of chunks sent.
+H_CHUNK = "Dilu-Chunk"
+STATUS_CHUNK = "chunk"
 
 # subject pattern (with '*' for ids) -> the one event type it carries
 SUBJECT_EVENTS: dict[str, type[ev.Event]] = {
     f"{PREFIX}.function.deployed.*": ev.FunctionDeployed,
+    f"{PREFIX}.function.undeployed.*": ev.FunctionUndeployed,
+    f"{PREFIX}.telemetry.function.*.*": ev.FunctionStats,
     f"{PREFIX}.profile.ready.*": ev.ProfileReady,
     f"{PREFIX}.placement.decided.*": ev.PlacementDecided,
     f"{PREFIX}.instance.launched.*": ev.InstanceLaunched,
@@ -123,5 +142,6 @@ SUBJECT_EVENTS: dict[str, type[ev.Event]] = {
     f"{PREFIX}.node.inventory.*": ev.NodeInventory,
     SCHEDULER_PLACE: ev.PlaceRequest,
     SCHEDULER_RETIRE: ev.RetireRequest,
+    SCHEDULER_ADMIT: ev.AdmitRequest,
     PROFILER_PROFILE: ev.ProfileRequest,
 }

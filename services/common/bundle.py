@@ -1,0 +1,127 @@
+"""Function code bundles: a folder of the user's code, zipped, kept in the JetStream object
+store ``dilu-code`` under its content digest, and unpacked on the nodes that run it.
+
+``dilu deploy`` packs the spec's ``code`` folder (:func:`pack`) and stores it (:func:`upload`);
+an instance fetches the bundle named by ``FunctionSpec.code`` and unpacks it once per digest
+into a cache folder (:func:`fetch`), then imports the entry from there. Equal code gives an
+equal digest, so a redeploy of unchanged code stores nothing new.
+"""
+from __future__ import annotations
+
+import hashlib
+import io
+import os
+import shutil
+import tempfile
+import zipfile
+from pathlib import Path
+
+from nats.js import JetStreamContext
+from nats.js.api import ObjectStoreConfig
+from nats.js.errors import NotFoundError, ObjectNotFoundError
+
+from dilu.contracts import subjects
+
+MAX_BUNDLE_BYTES = 64 * 2**20  # a function's code, not its weights: weights load at run time
+SKIP_DIRS = {"__pycache__", ".git", ".venv", "venv", "node_modules", ".mypy_cache", ".pytest_cache"}
+SKIP_SUFFIXES = (".pyc", ".pyo")
+# the fixed timestamp of every entry: the digest depends on names and contents only
+_ZIP_TIME = (1980, 1, 1, 0, 0, 0)
+
+
+class BundleError(ValueError):
+    """A code folder that cannot be bundled, or a bundle that cannot be fetched; one line."""
+
+
+def pack(folder: str | os.PathLike) -> tuple[bytes, str]:
+    """Zip ``folder`` (files sorted by path, fixed timestamps, caches and VCS folders left out);
+    returns ``(zip bytes, key)`` with key ``sha256-<hex of the zip>``.
+
+    Raises BundleError when the folder is missing or the bundle exceeds ``MAX_BUNDLE_BYTES``.
+    """
+    root = Path(folder)
+    if not root.is_dir():
+        raise BundleError(f"code folder {str(root)!r} does not exist or is not a folder")
+    files = []
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames[:] = sorted(d for d in dirnames if d not in SKIP_DIRS)
+        for name in sorted(filenames):
+            if not name.endswith(SKIP_SUFFIXES):
+                files.append(Path(dirpath) / name)
+    total = sum(f.stat().st_size for f in files)
+    if total > MAX_BUNDLE_BYTES:
+        raise BundleError(f"code folder {str(root)!r} holds {total} bytes, over the {MAX_BUNDLE_BYTES}-byte limit "
+                          "(load weights at run time instead of shipping them)")
+    buf = io.BytesIO()
+    with zipfile.ZipFile(buf, "w", zipfile.ZIP_DEFLATED) as zf:
+        for f in sorted(files):
+            info = zipfile.ZipInfo(f.relative_to(root).as_posix(), date_time=_ZIP_TIME)
+            info.external_attr = 0o644 << 16
+            zf.writestr(info, f.read_bytes(), compress_type=zipfile.ZIP_DEFLATED)
+    data = buf.getvalue()
+    return data, "sha256-" + hashlib.sha256(data).hexdigest()
+
+
+async def _store(js: JetStreamContext, *, create: bool):
+    if create:
+        return await js.create_object_store(subjects.CODE_BUCKET, ObjectStoreConfig(description="Dilu function code"))
+    return await js.object_store(subjects.CODE_BUCKET)
+
+
+async def upload(js: JetStreamContext, folder: str | os.PathLike) -> str:
+    """Pack ``folder`` and store it in ``dilu-code`` unless a bundle with its digest is there;
+    returns the key. Raises BundleError (see :func:`pack`)."""
+    data, key = pack(folder)
+    store = await _store(js, create=True)
+    try:
+        await store.get_info(key)
+        return key
+    except ObjectNotFoundError:
+        pass
+    await store.put(key, data)
+    return key
+
+
+def cache_root() -> Path:
+    """Where bundles are unpacked: ``$DILU_CODE_CACHE``, else ``$XDG_CACHE_HOME/dilu/code``
+    (``~/.cache/dilu/code``)."""
+    if os.environ.get("DILU_CODE_CACHE"):
+        return Path(os.environ["DILU_CODE_CACHE"])
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "dilu" / "code"
+
+
+async def fetch(js: JetStreamContext, key: str, root: Path | None = None) -> Path:
+    """The folder holding bundle ``key`` unpacked (fetched and unpacked on first use; a folder
+    is only ever renamed into place whole, so concurrent instances never see half of one).
+
+    Raises BundleError when the bundle is not in ``dilu-code`` or its digest does not match.
+    """
+    root = root or cache_root()
+    target = root / key
+    if target.is_dir():
+        return target
+    try:
+        store = await _store(js, create=False)
+        result = await store.get(key)
+    except (NotFoundError, ObjectNotFoundError):
+        raise BundleError(f"code bundle {key!r} is not in the {subjects.CODE_BUCKET!r} object store") from None
+    data = result.data or b""
+    if "sha256-" + hashlib.sha256(data).hexdigest() != key:
+        raise BundleError(f"code bundle {key!r} does not match its digest")
+    root.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=".unpack-", dir=root))
+    try:
+        with zipfile.ZipFile(io.BytesIO(data)) as zf:
+            for name in zf.namelist():  # no absolute paths or '..' escaping the folder
+                if name.startswith("/") or ".." in Path(name).parts:
+                    raise BundleError(f"code bundle {key!r} holds an unsafe path {name!r}")
+            zf.extractall(tmp)
+        try:
+            tmp.rename(target)
+        except OSError:  # another instance unpacked it first
+            if not target.is_dir():
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return target
