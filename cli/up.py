@@ -1,0 +1,276 @@
+"""``dilu up``: a whole local Dilu cluster in the foreground.
+
+nats-server with JetStream (its store in ``<data-dir>/nats``, kept across runs), the five
+services, the gateway and one node agent, each its own OS process (:class:`cli.cluster.Cluster`).
+It prints where everything listens, then waits: Ctrl-C or SIGTERM stops everything in order
+(nats-server last, the store kept); a service that dies is reported with the end of its log and
+stops the rest, with a non-zero exit. A later ``dilu up`` on the same data directory resumes: the
+deployed functions live in the JetStream buckets of the kept store, and the node keeps its name,
+so the services rebuild from them. One ``dilu up`` per data directory at a time (a lock file).
+"""
+from __future__ import annotations
+
+import fcntl
+import os
+import signal
+from dataclasses import dataclass
+from pathlib import Path
+
+import click
+import platformdirs
+
+from dilu.services.common.cliopts import ENV_PREFIX, check_node, default_node
+from dilu.services.common.natsserver import port_in_use
+from dilu.services.node_agent.__main__ import parse_gpus
+from dilu.services.node_agent.devices import MODES
+
+from .cluster import POLICIES, Cluster, StartInterrupted
+
+LOCK_NAME = "up.lock"
+HOST = "127.0.0.1"  # everything listens on loopback: a local cluster
+
+
+class Refused(click.ClickException):
+    """``dilu up`` cannot start here (a port taken, the data directory in use); exit status 2,
+    as the services exit when they cannot start."""
+
+    exit_code = 2
+
+
+@dataclass(frozen=True)
+class UpOptions:
+    """``dilu up``'s options, checked (see the click options for meanings)."""
+
+    nats_port: int
+    gateway_port: int
+    data_dir: Path
+    device: str
+    gpus: str
+    node: str
+    policy: str
+    log_dir: Path
+
+    @property
+    def store_dir(self) -> Path:
+        """The JetStream store: ``<data-dir>/nats``."""
+        return self.data_dir / "nats"
+
+
+class DataDirLock:
+    """An exclusive ``flock`` on ``<data-dir>/up.lock`` while ``dilu up`` runs, with its pid in
+    the file. The kernel releases it when the process ends, however it ends, so a stale lock
+    file never blocks a later run. A context manager; :meth:`acquire` raises :class:`Refused`
+    when another process holds it and OSError when the file cannot be opened."""
+
+    def __init__(self, data_dir: Path) -> None:
+        self.path = data_dir / LOCK_NAME
+        self._fd: int | None = None
+
+    def acquire(self) -> "DataDirLock":
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)  # not inherited by the services
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.read(fd, 32).decode(errors="replace").strip() or "?"
+            os.close(fd)
+            raise Refused(f"another dilu up (pid {holder}) is running on {self.path.parent}; "
+                          f"stop it first or pick another --data-dir") from None
+        os.ftruncate(fd, 0)
+        os.write(fd, f"{os.getpid()}\n".encode())
+        self._fd = fd
+        return self
+
+    def release(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)  # closing the only descriptor releases the flock
+            self._fd = None
+
+    def __enter__(self) -> "DataDirLock":
+        return self.acquire()
+
+    def __exit__(self, *exc) -> None:
+        self.release()
+
+
+def _directory(path: Path, what: str) -> Path:
+    """Create ``path`` (and parents) and check that files can be created in it (a write, since
+    root passes every access check). Raises click.ClickException naming ``what``."""
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        probe = path / f".dilu-write-check-{os.getpid()}"
+        probe.touch()
+        probe.unlink()
+    except OSError as exc:
+        raise click.ClickException(f"{what} {path} is not a writable directory: {exc.strerror or exc}") from None
+    return path
+
+
+def check_options(opts: UpOptions) -> None:
+    """What the click types cannot check alone; raises click.UsageError."""
+    if opts.gpus == "cpu" and opts.device != "auto":
+        raise click.UsageError(f"--gpus cpu runs functions on the CPU, but --device {opts.device} asks for a GPU: "
+                               f"leave --device at auto")
+    if opts.nats_port == opts.gateway_port:
+        raise click.UsageError(f"--nats-port and --gateway-port are both {opts.nats_port}")
+
+
+def check_ports(opts: UpOptions) -> None:
+    """Both listening ports must be free on loopback; raises :class:`Refused` naming the option."""
+    for port, option in ((opts.nats_port, "--nats-port"), (opts.gateway_port, "--gateway-port")):
+        if port_in_use(port, HOST):
+            raise Refused(f"port {port} on {HOST} is in use ({option}): is another dilu up or "
+                          f"nats-server running? Stop it or pick another port")
+
+
+class StopSignals:
+    """SIGINT and SIGTERM, while inside, only mark a stop as requested and wake :attr:`fd`
+    (``signal.set_wakeup_fd``), so that a wait on the services' exits and the signals is one
+    poll and a stop in progress is never interrupted. Main thread only."""
+
+    SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+    def __init__(self) -> None:
+        self.signum: int | None = None
+        self.fd = -1
+        self._w = -1
+        self._old: dict = {}
+        self._old_fd = -1
+
+    def requested(self) -> bool:
+        return self.signum is not None
+
+    def _on_signal(self, signum, _frame) -> None:
+        self.signum = signum
+
+    def __enter__(self) -> "StopSignals":
+        self.fd, self._w = os.pipe()
+        os.set_blocking(self.fd, False)
+        os.set_blocking(self._w, False)
+        self._old_fd = signal.set_wakeup_fd(self._w)
+        self._old = {sig: signal.signal(sig, self._on_signal) for sig in self.SIGNALS}
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for sig, handler in self._old.items():
+            signal.signal(sig, handler)
+        signal.set_wakeup_fd(self._old_fd)
+        os.close(self.fd)
+        os.close(self._w)
+
+
+def cluster_for(opts: UpOptions) -> Cluster:
+    """The Cluster ``dilu up`` runs for ``opts`` (not started)."""
+    return Cluster(log_dir=opts.log_dir, policy=opts.policy, gpus=opts.gpus, node=opts.node, device=opts.device,
+                   nats_port=opts.nats_port, nats_store=opts.store_dir, gateway=True, gateway_host=HOST,
+                   gateway_port=opts.gateway_port)
+
+
+def describe(cluster: Cluster, opts: UpOptions, resumed: bool) -> list[str]:
+    """The lines printed once the cluster is ready: where each part listens and logs."""
+    store = f"JetStream store {opts.store_dir}" + (", resumed" if resumed else ", new")
+    lines = [f"dilu up: node {opts.node}, policy {opts.policy}, device {opts.device}, gpus {opts.gpus}",
+             f"  NATS     {cluster.url}  ({store})",
+             f"  gateway  {cluster.gateway_url}"]
+    for name in cluster.service_names:
+        svc = cluster.services[name]
+        lines.append(f"  metrics  {name:<18} http://{HOST}:{svc.metrics_port}/metrics")
+    lines.append(f"  logs     {opts.log_dir}")
+    lines.append("ready: Ctrl-C or SIGTERM stops everything (the store is kept)")
+    return lines
+
+
+def run_up(opts: UpOptions) -> None:
+    """Check, lock the data directory, start, wait, stop (module docstring). Returns after a
+    requested stop; raises click.ClickException (exit 1) when the cluster does not start or a
+    part of it dies, :class:`Refused` (exit 2) when the data directory or a port is taken."""
+    check_options(opts)
+    _directory(opts.data_dir, "--data-dir")
+    _directory(opts.log_dir, "--log-dir")
+    try:
+        lock = DataDirLock(opts.data_dir).acquire()
+    except OSError as exc:
+        raise click.ClickException(f"cannot create the lock file in {opts.data_dir}: {exc.strerror or exc}") from None
+    try:
+        check_ports(opts)
+        resumed = (opts.store_dir / "jetstream").is_dir()
+        cluster = cluster_for(opts)
+        with StopSignals() as signals:
+            _serve(cluster, opts, signals, resumed)
+    finally:
+        lock.release()
+
+
+def _serve(cluster: Cluster, opts: UpOptions, signals: StopSignals, resumed: bool) -> None:
+    click.echo(f"starting nats-server and {len(cluster.service_names)} services; logs in {opts.log_dir}")
+    try:
+        cluster.start(abort=signals.requested)
+    except StartInterrupted:
+        click.echo("stopped before ready")
+        return
+    except (RuntimeError, TimeoutError, OSError, ValueError) as exc:
+        raise click.ClickException(str(exc)) from None
+    died = None
+    try:
+        for line in describe(cluster, opts, resumed):
+            click.echo(line)
+        while not signals.requested():
+            died = cluster.wait_exit(signals.fd)
+            if died:
+                break
+            _drain(signals.fd)
+    finally:
+        if died is None:
+            click.echo(f"stopping ({signal.Signals(signals.signum).name if signals.signum else 'exit'})")
+        cluster.stop()
+    if died:
+        name, code = died
+        log = cluster.log_path(name)
+        tail = cluster.log_tail(name)
+        raise click.ClickException(f"{name} exited with code {code} while up; everything stopped. "
+                                   f"End of {log}:\n{tail}")
+    click.echo(f"stopped; the store is kept in {opts.store_dir}")
+
+
+def _drain(fd: int) -> None:
+    try:
+        while os.read(fd, 64):
+            pass
+    except BlockingIOError:
+        pass
+
+
+def default_data_dir() -> Path:
+    """The user's state directory for Dilu (platformdirs: ``~/.local/state/dilu`` on Linux)."""
+    return Path(platformdirs.user_state_dir("dilu"))
+
+
+def _gpus(_ctx, _param, value: str) -> str:
+    parse_gpus(value)  # the node agent's own rule; raises click.BadParameter
+    return value
+
+
+@click.command(context_settings={"auto_envvar_prefix": ENV_PREFIX})
+@click.option("--nats-port", type=click.IntRange(1, 65535), default=4222, show_default=True,
+              help=f"NATS client port on {HOST}")
+@click.option("--gateway-port", type=click.IntRange(1, 65535), default=8080, show_default=True,
+              help=f"the gateway's HTTP port on {HOST}")
+@click.option("--data-dir", type=click.Path(path_type=Path), default=default_data_dir, show_default="user state dir",
+              help="JetStream store (nats/), logs (logs/) and the lock file; kept across runs")
+@click.option("--device", type=click.Choice(MODES), default="auto", show_default=True,
+              help="the node agent's GPUs: auto (this host's GPU when there is one, else emulated), nvml, emulated")
+@click.option("--gpus", default="all", show_default=True, callback=_gpus,
+              help="GPUs to use: all (an emulated node has 4), a count, or 'cpu' (functions run on the CPU)")
+@click.option("--node", default=default_node, show_default="host name", callback=check_node,
+              help="node name; keep it stable so a restart finds its placements")
+@click.option("--policy", type=click.Choice(list(POLICIES)), default="dilu", show_default=True)
+@click.option("--log-dir", type=click.Path(path_type=Path), default=None,
+              help="each service's log (default: <data-dir>/logs)")
+def up(nats_port, gateway_port, data_dir, device, gpus, node, policy, log_dir) -> None:
+    """Run a local Dilu cluster in the foreground: nats-server, the services, the gateway and a
+    node agent. Ctrl-C stops it; a later run on the same --data-dir resumes its functions.
+    Every option can also be set as DILU_<OPTION> (e.g. DILU_NATS_PORT)."""
+    data_dir = data_dir.expanduser().absolute()
+    log_dir = log_dir.expanduser().absolute() if log_dir else data_dir / "logs"
+    run_up(UpOptions(nats_port=nats_port, gateway_port=gateway_port, data_dir=data_dir, device=device, gpus=gpus,
+                     node=node, policy=policy, log_dir=log_dir))
+
