@@ -134,7 +134,9 @@ class FunctionParams:
     """Per-function sizing: ``target`` in-flight requests per instance (> 0, e.g. its batch size);
     instance bounds; ``instance_rps``, one instance's capacity in requests/s (0: unknown);
     ``burst_target``/``burst_rps``: the same for an instance scaled up to its limit quota, which
-    ``lazy`` mode sizes by (0: as at the request)."""
+    ``lazy`` mode sizes by (0: as at the request); ``initial_scale``: instances at deploy (-1:
+    the config's); ``keep_alive_s``: a fixed keep-alive window chosen by the function's owner
+    (0: the idle-time histogram and the config's fallback decide)."""
 
     target: float = 1.0
     min_instances: int = 0
@@ -142,12 +144,14 @@ class FunctionParams:
     instance_rps: float = 0.0
     burst_target: float = 0.0
     burst_rps: float = 0.0
+    initial_scale: int = -1
+    keep_alive_s: float = 0.0
 
     def __post_init__(self) -> None:
         if not self.target > 0 or self.min_instances < 0 or self.max_instances < max(1, self.min_instances):
             raise ValueError(f"need target > 0 and 0 <= min_instances <= max_instances >= 1, got {self}")
-        if self.burst_target < 0 or self.instance_rps < 0 or self.burst_rps < 0:
-            raise ValueError(f"need burst_target, instance_rps and burst_rps >= 0, got {self}")
+        if self.burst_target < 0 or self.instance_rps < 0 or self.burst_rps < 0 or self.keep_alive_s < 0:
+            raise ValueError(f"need burst_target, instance_rps, burst_rps and keep_alive_s >= 0, got {self}")
 
     def sizing(self, mode: str) -> tuple[float, float]:
         """(in-flight target, requests/s) one instance is sized for under ``mode``: its burst
@@ -356,6 +360,10 @@ class HorizontalPolicy:
             return
         f.fresh, f.active_before, f.idle_since = True, True, now_s
 
+    def remove_function(self, name: str) -> None:
+        """Stop tracking ``name`` (undeployed); unknown names are ignored."""
+        self._fns.pop(name, None)
+
     def functions(self) -> list[str]:
         return list(self._fns)
 
@@ -453,7 +461,18 @@ class HorizontalPolicy:
 
     def idle_windows(self, fn: str) -> IdleWindows:
         """The function's current pre-warm and keep-alive windows."""
-        return self._fn(fn).histogram.windows(self.config.keep_alive_s)
+        return self._windows(self._fn(fn))
+
+    def _windows(self, f: _Function) -> IdleWindows:
+        """A keep-alive the function's owner fixed wins (no pre-warm); else the histogram's."""
+        if f.params.keep_alive_s > 0:
+            return IdleWindows(0.0, f.params.keep_alive_s, False)
+        return f.histogram.windows(self.config.keep_alive_s)
+
+    def initial_scale(self, fn: str) -> int:
+        """Instances ``fn`` gets at deploy: its own setting, else the config's."""
+        p = self._fn(fn).params
+        return p.initial_scale if p.initial_scale >= 0 else self.config.initial_scale
 
     # ------------------------------------------------------------------ decisions
 
@@ -527,7 +546,7 @@ class HorizontalPolicy:
         """Keep-alive, pre-warm and scale to zero while the function has no backlog."""
         if f.idle_since is None or f.backlog or not f.active_before:
             return desired, reason
-        w = f.histogram.windows(self.config.keep_alive_s)
+        w = self._windows(f)
         idle_for = now_s - f.idle_since
         if w.prewarm_s > 0 and idle_for < w.prewarm_s:
             if idle_for >= self.config.idle_grace_s:
@@ -536,8 +555,9 @@ class HorizontalPolicy:
         if idle_for >= w.prewarm_s + w.keep_alive_s:
             return 0, f"idle {idle_for:.1f} s >= keep-alive {w.prewarm_s + w.keep_alive_s:.1f} s"
         if f.fresh:
-            n = max(desired, self.config.initial_scale)
-            return n, reason if desired >= n else f"initial scale {self.config.initial_scale}"
+            initial = self.initial_scale(f.name)
+            n = max(desired, initial)
+            return n, reason if desired >= n else f"initial scale {initial}"
         if w.prewarm_s > 0:
             return 1, f"pre-warmed for idle times ~{w.prewarm_s:.1f} s"
         return max(desired, 1), reason if desired else f"keep-alive ({w.keep_alive_s:.1f} s)"

@@ -52,6 +52,7 @@ from dilu.contracts import MalformedEvent, subjects
 from dilu.contracts.events import (
     BurstWindowBreach,
     FunctionDeployed,
+    FunctionUndeployed,
     FunctionSpec,
     GpuTelemetry,
     InstanceLaunched,
@@ -69,6 +70,7 @@ from dilu.contracts.events import (
 from dilu.services.common.bus import Bus
 from dilu.services.common.kvkeys import kv_keys
 
+from .state import FunctionStateStore
 from .policy import (Decision, FunctionParams, HorizontalConfig, HorizontalPolicy, InstanceShare, concurrency_target,
                      vertical_headroom)
 
@@ -129,6 +131,8 @@ class HorizontalScaler:
         self._loop_task: asyncio.Task | None = None
         self.backlog_errors = 0
         self.decisions: list[Decision] = []  # recent decisions carried out (bounded), for inspection
+        self.state = FunctionStateStore()  # KV dilu-function-state, for dilu status and the gateway
+        self._undeployed: set[str] = set()  # undeployed and not deployed since: late events ignored
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -136,12 +140,14 @@ class HorizontalScaler:
         self.bus = bus
         p = subjects.PREFIX
         await bus.subscribe(f"{p}.function.deployed.*", FunctionDeployed, self._on_deployed)
+        await bus.subscribe(f"{p}.function.undeployed.*", FunctionUndeployed, self._on_undeployed)
         await bus.subscribe(f"{p}.profile.ready.*", ProfileReady, self._on_profile)
         await bus.subscribe(f"{p}.instance.launched.*", InstanceLaunched, self._on_launched)
         await bus.subscribe(f"{p}.instance.ready.*", InstanceReady, self._on_ready)
         await bus.subscribe(f"{p}.instance.retired.*", InstanceRetired, self._on_retired)
         await bus.subscribe(f"{p}.telemetry.gpu.*.*", GpuTelemetry, self._on_telemetry)
         await bus.nc.flush()
+        await self.state.open(bus.js)
         await self._rebuild()
         self._loop_task = asyncio.create_task(self._loop(), name="horizontal-scaler-tick")
 
@@ -164,8 +170,10 @@ class HorizontalScaler:
         target = old.target if old else 1.0
         rps = old.instance_rps if old else 0.0
         lo, hi = (old.min_instances, old.max_instances) if old else (0, 8)
+        initial, keep_alive = (old.initial_scale, old.keep_alive_s) if old else (-1, 0.0)
         if spec is not None:
             lo, hi = spec.min_instances, max(1, spec.max_instances, spec.min_instances)
+            initial, keep_alive = spec.initial_scale, max(0.0, spec.keep_alive_s)
         burst_target = old.burst_target if old else 0.0
         burst_rps = old.burst_rps if old else 0.0
         if profile is not None:
@@ -181,7 +189,8 @@ class HorizontalScaler:
         if self.target:  # an operator's fixed target sizes every instance the same
             target, burst_target = self.target, 0.0
         return FunctionParams(target=target, min_instances=lo, max_instances=hi, instance_rps=rps,
-                              burst_target=burst_target, burst_rps=burst_rps)
+                              burst_target=burst_target, burst_rps=burst_rps, initial_scale=initial,
+                              keep_alive_s=keep_alive)
 
     def _learn(self, fn: str, spec: FunctionSpec | None = None, profile: Profile | None = None) -> None:
         if profile is None and spec is not None and fn in self._profiles:
@@ -198,9 +207,24 @@ class HorizontalScaler:
         self.policy.add_function(fn, self._params(spec, profile, old))
 
     async def _on_deployed(self, ev: FunctionDeployed, _msg) -> None:
+        self._undeployed.discard(ev.spec.name)
         self._learn(ev.spec.name, spec=ev.spec)
         self._deployed.add(ev.spec.name)
         self._maybe_initial_scale(ev.spec.name)
+
+    async def _on_undeployed(self, ev: FunctionUndeployed, _msg) -> None:
+        """Forget the function (the scheduler drains its instances); its state entry goes too."""
+        fn = ev.name
+        self.policy.remove_function(fn)
+        for known in (self._specs, self._profiles, self._counts, self._backoff):
+            known.pop(fn, None)
+        for known in (self._deployed, self._initialised, self._training, self._missing):
+            known.discard(fn)
+        self._undeployed.add(fn)
+        try:
+            await self.state.forget(fn)
+        except Exception as exc:  # the entry is informational: a stale one harms nothing
+            self.bus.log.warning("could not delete function state", function=fn, error=repr(exc))
 
     async def _on_profile(self, ev: ProfileReady, _msg) -> None:
         self._learn(ev.profile.function, profile=ev.profile)
@@ -215,15 +239,19 @@ class HorizontalScaler:
         self.policy.deployed(fn, self._now())
 
     def _known(self, fn: str) -> None:
-        if fn not in self.policy.functions():
+        if fn not in self.policy.functions() and fn not in self._undeployed:
             self._learn(fn)
 
     async def _on_launched(self, ev: InstanceLaunched, _msg) -> None:
         self._known(ev.function)
+        if ev.function not in self.policy.functions():  # undeployed: its instances are draining
+            return
         self.policy.instance_starting(ev.function, ev.instance_id, self._now())
 
     async def _on_ready(self, ev: InstanceReady, _msg) -> None:
         self._known(ev.function)
+        if ev.function not in self.policy.functions():
+            return
         self.policy.instance_ready(ev.function, ev.instance_id, self._now())
 
     async def _on_retired(self, ev: InstanceRetired, _msg) -> None:
@@ -262,7 +290,8 @@ class HorizontalScaler:
             self._learn(spec.name, spec=spec)
         elif kind == "profile":
             prof = msgspec.json.decode(raw, type=Profile)
-            self._learn(prof.function, profile=prof)
+            if prof.function in self._specs:  # a profile outlives its function's undeploy
+                self._learn(prof.function, profile=prof)
         else:
             pl = msgspec.json.decode(raw, type=Placement)
             if not pl.draining:
@@ -338,6 +367,8 @@ class HorizontalScaler:
             await self._place(fn, d, now)
         if d.retire:
             await self._retire(fn, d)
+        if fn in self.policy.functions():  # not undeployed meanwhile
+            await self.state.observe(fn, instances=self.policy.instances(fn), desired=d.desired, backlog=backlog)
         return d
 
     async def _backlog(self, fn: str) -> tuple[int | None, int | None]:
@@ -396,6 +427,7 @@ class HorizontalScaler:
         placed = [p for p in reply.placements if p.function == fn] if reply is not None and reply.ok else []
         for p in placed:
             self.policy.instance_starting(fn, p.instance_id, now)
+        self.state.placeable(fn, bool(placed), error or "no placements")
         if placed:
             self._backoff.pop(fn, None)
             SCALE_OUTS.labels(fn).inc(len(placed))
@@ -457,8 +489,10 @@ class HorizontalScaler:
         self.bus.log.info("scale decided", function=fn, direction=direction, count=count, current=d.current,
                           desired=d.desired, reason=d.reason)
         self.decisions = (self.decisions + [d])[-200:]
-        await self.bus.publish(subjects.scale_decided(fn), ScaleDecision(
-            function=fn, direction=direction, count=count, current=d.current, desired=d.desired, reason=d.reason))
+        event = ScaleDecision(function=fn, direction=direction, count=count, current=d.current, desired=d.desired,
+                              reason=d.reason, ts_ns=time.time_ns())
+        self.state.decided(event)
+        await self.bus.publish(subjects.scale_decided(fn), event)
 
     async def _publish_breach(self, d: Decision) -> None:
         assert self.bus is not None and d.breach is not None

@@ -23,7 +23,9 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from dilu.contracts.events import Profile
+import msgspec
+
+from dilu.contracts.events import FunctionSpec, Profile
 
 Setting = tuple[float, ...]
 Index = tuple[int, ...]  # (quota axis indices..., batch index)
@@ -453,3 +455,33 @@ class InferenceSearch(_Machine):
             limit_quota=lim.quota, limit_setting=lim.setting, burst_batch=self.batches[self._burst],
             te=te, throughput_rps=m.throughput_rps, latency_ms=m.latency_ms, trials=self.trials,
         )
+
+
+# --------------------------------------------------------------------------- profiles without trials
+
+# A CPU node is one slot that its instances share by quota like a GPU (scheduler/inventory.py): a
+# function profiled for one gets this share, so four instances fit a node, and batches of at most
+# CPU_BATCH (a CPU gains little from larger ones).
+CPU_SHARE = 0.25
+CPU_BATCH = 4
+
+
+def given_profile(spec: FunctionSpec) -> Profile:
+    """The operator's profile from the spec (``spec.profile``), for ``spec.name``: used as is, no
+    trials (``backend`` ``operator``); its batch is capped at the spec's ``max_batch`` and its
+    limit raised to its request. Raises ValueError when the spec gives none."""
+    if spec.profile is None:
+        raise ValueError(f"{spec.name}: the spec gives no profile")
+    p = spec.profile
+    batch = max(1, min(p.batch_size, spec.max_batch))
+    burst = max(batch, min(p.burst_batch, spec.max_batch))
+    return msgspec.structs.replace(p, function=spec.name, batch_size=batch, burst_batch=burst,
+                                   limit_quota=max(p.limit_quota, p.request_quota), trials=0, backend="operator")
+
+
+def cpu_profile(spec: FunctionSpec) -> Profile:
+    """The profile of a function on a cluster whose nodes are all CPU nodes (nothing to trial
+    on): :data:`CPU_SHARE` of a node as request and limit, batches up to :data:`CPU_BATCH`."""
+    batch = max(1, min(CPU_BATCH, spec.max_batch))
+    return Profile(function=spec.name, request_quota=CPU_SHARE, limit_quota=CPU_SHARE, batch_size=batch,
+                   burst_batch=batch, backend="cpu")

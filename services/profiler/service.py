@@ -36,7 +36,8 @@ from dilu.contracts.events import (
 from ..common.bus import Bus
 from ..common.nodes import read_inventories, trial_node
 from dilu.services.common import models
-from .policy import InferenceSearch, Measurement, NoFeasibleSetting, TrainingSearch, Trial
+from .policy import (InferenceSearch, Measurement, NoFeasibleSetting, TrainingSearch, Trial, cpu_profile,
+                     given_profile)
 from .surface import SurfaceBackend, model_surface
 
 TRIALS = Counter("dilu_profiler_trials", "Measurements the profiler made", ["backend"])
@@ -199,8 +200,11 @@ class ProfilerService:
         lock = self._locks.setdefault(key, asyncio.Lock())
         async with lock:  # concurrent deploys of one model share one search
             try:
+                profile = await self._without_trials(spec)
                 cached = self.cache.get(key)
-                if cached is not None:
+                if profile is not None:
+                    PROFILES.labels(profile.backend).inc()
+                elif cached is not None:
                     profile = msgspec.structs.replace(cached, function=spec.name, trials=0)
                     PROFILES.labels("cache").inc()
                 else:
@@ -216,6 +220,22 @@ class ProfilerService:
         self.bus.log.info("profile ready", function=spec.name, request_quota=profile.request_quota,
                           limit_quota=profile.limit_quota, batch=profile.batch_size, trials=profile.trials)
         return profile
+
+    async def _without_trials(self, spec: FunctionSpec) -> Profile | None:
+        """A profile that needs no search: the operator's (``spec.profile``), or, on a cluster
+        of CPU nodes only (no GPU to trial on), :func:`cpu_profile`. Raises ValueError when the
+        function can only be profiled on an emulated GPU's surface and it names none."""
+        if spec.profile is not None:
+            return given_profile(spec)
+        if self.backend == "surface" or self.node:
+            return None
+        found = {name: inv for name, (inv, _) in (await read_inventories(self.bus.js)).items()}
+        if found and trial_node(found) is None and all(inv.device == "cpu" for inv in found.values()):
+            return cpu_profile(spec)
+        if spec.model not in models.MODELS:
+            raise ValueError(f"{spec.name!r} cannot be profiled: trials run on an emulated GPU's surface and it names "
+                             "no [emulation] model; give the operator's [profile] in its spec")
+        return None
 
     async def _trial_node(self) -> str:
         """The node named by ``--node``, else one from the ``dilu-nodes`` inventory (see
@@ -238,7 +258,7 @@ class ProfilerService:
             search.record(trial, await backend.run(trial))
         result = search.result()
         limit = result.limit_quota
-        if spec.kind == "inference":  # room to burst vertically: up to the burst batch's knee
+        if spec.kind != "training":  # room to burst vertically: up to the burst batch's knee
             knee = knee_search_for(result.burst_batch or result.batch_size)
             while (trial := knee.next_trial()) is not None:
                 knee.record(trial, await backend.run(trial))
@@ -246,7 +266,7 @@ class ProfilerService:
         limit = max(limit, result.request_quota)
         burst = max(result.batch_size, result.burst_batch)
         at_limit = Measurement(result.latency_ms, result.throughput_rps)
-        if spec.kind == "inference" and (limit, burst) != (result.request_quota, result.batch_size):
+        if spec.kind != "training" and (limit, burst) != (result.request_quota, result.batch_size):
             # what an instance scaled up to its limit serves at its burst batch: the horizontal
             # scaler's lazy sizing
             at_limit = await backend.run(Trial((limit,), burst))

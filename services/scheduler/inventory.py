@@ -13,7 +13,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
-from dilu.contracts.events import GpuInfo, NodeInventory
+from dilu.contracts.events import FunctionSpec, GpuInfo, NodeInventory
+from dilu.services.common.functions import runs_on
 
 from .policy import GpuCapacity
 
@@ -197,3 +198,31 @@ def _differences(before: Sequence[GpuCapacity], after: Sequence[GpuCapacity]) ->
         if a.max_instances != b.max_instances:
             out.append(f"GPU {i} instance limit {a.max_instances or 'none'} -> {b.max_instances or 'none'}")
     return out
+
+
+def admission(spec: FunctionSpec, inventories: Mapping[str, NodeInventory]) -> tuple[list[str], str]:
+    """Could one instance of ``spec`` ever be placed? Returns ``(nodes, reason)``: the nodes that
+    can run it (a device that runs it, per :func:`~dilu.services.common.functions.runs_on`, and a
+    placeable GPU with at least ``spec.memory_bytes``) and, when there is none, why, in one line
+    (the first node's reason, or a summary). Ignores what is placed now: a full cluster frees up,
+    a cluster without a node that fits never does."""
+    if not inventories:
+        return [], "no node has joined the cluster (no inventory in dilu-nodes)"
+    fits, reasons = [], []
+    for name in sorted(inventories):
+        inv = inventories[name]
+        why = runs_on(spec, inv.device)
+        if why is None:
+            caps = [c for c in gpu_capacities(inv) if c.healthy]
+            largest = max((c.memory_bytes for c in caps), default=0)
+            if not caps:
+                why = f"node {name} has no placeable GPU"
+            elif largest < spec.memory_bytes:
+                why = f"node {name}: {spec.memory_bytes} bytes needed, its largest GPU has {largest}"
+        if why is None:
+            fits.append(name)
+        else:
+            reasons.append(why)
+    if fits:
+        return fits, ""
+    return [], reasons[0] + (f" (and {len(reasons) - 1} more nodes refuse it)" if len(reasons) > 1 else "")

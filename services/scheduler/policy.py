@@ -473,7 +473,7 @@ class Cluster:
             if multi:
                 return multi
         if allow_new:
-            fresh = self._open_gpus(d.gpus, d)
+            fresh = self._open_gpus(d.gpus, d, exclude)
             if fresh:
                 return fresh
         if not self.node_index:
@@ -505,9 +505,9 @@ class Cluster:
                     best = (total, tuple(pick))
         return best[1] if best else None
 
-    def _open_gpus(self, n: int, d: Demand) -> tuple[int, ...] | None:
+    def _open_gpus(self, n: int, d: Demand, exclude: set[int] | None = None) -> tuple[int, ...] | None:
         """``n`` empty GPUs with room for ``d`` on the node with the fewest such GPUs that still
-        has ``n``; on that node the smallest that fit."""
+        has ``n``; on that node the smallest that fit (none of ``exclude``)."""
         if d.limit_quota > self.gamma + EPS:
             return None
         k = bisect.bisect_left(self.classes, d.memory_bytes)
@@ -516,7 +516,10 @@ class Cluster:
         index = self._open[self.classes[k]]
         for count in range(n, len(index)):
             for nid in index[count]:
-                fit = [h for h in self._nodes[nid].open if self.gpus[h].cap >= d.memory_bytes]
+                fit = [h for h in self._nodes[nid].open
+                       if self.gpus[h].cap >= d.memory_bytes and (exclude is None or h not in exclude)]
+                if len(fit) < n:  # only with exclude: this node's open GPUs are ruled out
+                    continue
                 if len(fit) > n:
                     fit.sort(key=lambda h: self.gpus[h].cap)  # stable: join order among equals
                 return tuple(fit[:n])

@@ -61,8 +61,11 @@ from prometheus_client import Counter, Gauge
 
 from dilu.contracts import subjects
 from dilu.contracts.events import (
+    AdmitReply,
+    AdmitRequest,
     FunctionDeployed,
     FunctionSpec,
+    FunctionUndeployed,
     InstanceReady,
     InstanceRetired,
     NodeInventory,
@@ -80,7 +83,8 @@ from ..common.bus import Bus
 from ..common.metrics import MALFORMED
 from ..common.kvkeys import kv_keys
 from ..common.nodes import nodes_bucket
-from .inventory import NodeChange, Roster, inventory_age_s, orphans_due
+from ..common.functions import runs_on
+from .inventory import NodeChange, Roster, admission, inventory_age_s, orphans_due
 from .policy import Cluster, Demand, NoCapacity, Slot, allocation_batch, allocation_quotas
 
 MAX_PLACE_COUNT = 64  # instances one request may ask for (a whole rack of GPUs at most)
@@ -166,11 +170,13 @@ class SchedulerService:
         await self.rebuild()
         p = subjects.PREFIX  # wildcard patterns written out (the subject helpers sanitise "*")
         await bus.subscribe(f"{p}.function.deployed.*", FunctionDeployed, self._on_deployed)
+        await bus.subscribe(f"{p}.function.undeployed.*", FunctionUndeployed, self._on_undeployed)
         await bus.subscribe(f"{p}.profile.ready.*", ProfileReady, self._on_profile)
         await bus.subscribe(f"{p}.instance.ready.*", InstanceReady, self._on_ready)
         await bus.subscribe(f"{p}.instance.retired.*", InstanceRetired, self._on_retired)
         await bus.serve(subjects.SCHEDULER_PLACE, PlaceRequest, self._on_place)
         await bus.serve(subjects.SCHEDULER_RETIRE, RetireRequest, self._on_retire)
+        await bus.serve(subjects.SCHEDULER_ADMIT, AdmitRequest, self._on_admit)
         self._tasks.append(asyncio.create_task(self._watch_nodes()))
         self._tasks.append(asyncio.create_task(self._sweep_loop()))
         if self.defrag_interval_s > 0:
@@ -472,6 +478,24 @@ class SchedulerService:
     async def _on_deployed(self, ev: FunctionDeployed, _msg) -> None:
         self.functions[ev.spec.name] = ev.spec
 
+    async def _on_undeployed(self, ev: FunctionUndeployed, _msg) -> None:
+        """Drain every instance of the function and forget it (its spec is gone from KV)."""
+        async with self.lock:
+            self.functions.pop(ev.name, None)
+            self.profiles.pop(ev.name, None)
+            live = [i for i, (p, _) in self.placements.items() if p.function == ev.name and not p.draining]
+            for iid in live:
+                if not await self._drain(iid):
+                    break
+        self.bus.log.info("function undeployed: draining its instances", function=ev.name, instances=len(live))
+
+    async def _on_admit(self, req: AdmitRequest, _msg) -> AdmitReply:
+        """Whether some node could ever take an instance of the spec (see inventory.admission)."""
+        nodes, reason = admission(req.spec, self.roster.inventories)
+        if not nodes:
+            return self._refuse(AdmitReply, "not-admitted", f"function {req.spec.name!r} cannot be placed: {reason}")
+        return AdmitReply(ok=True, nodes=len(nodes))
+
     async def _on_profile(self, ev: ProfileReady, _msg) -> None:
         self.profiles[ev.profile.function] = ev.profile
 
@@ -528,9 +552,17 @@ class SchedulerService:
                     return PlaceReply(ok=False, placements=placed, error=str(exc))
         return PlaceReply(ok=True, placements=placed)
 
+    def _unfit_gpus(self, spec: FunctionSpec) -> set[int]:
+        """GPUs of nodes that cannot run ``spec`` (e.g. user code on an emulated node)."""
+        out: set[int] = set()
+        for name, inv in self.roster.inventories.items():
+            if runs_on(spec, inv.device) is not None and name in self.cluster.node_index:
+                out.update(self.cluster.gpu_id(s) for s in self.cluster.node_slots(name))
+        return out
+
     async def _place_one(self, spec: FunctionSpec, profile: Profile, demand: Demand) -> Placement:
         iid = f"{subjects.token(spec.name)}-{uuid.uuid4().hex[:10]}"
-        (g,) = self.cluster.choose(demand)
+        (g,) = self.cluster.choose(demand, exclude=self._unfit_gpus(spec) or None)
         slot = self.cluster.slot(g)
         p = Placement(
             instance_id=iid, function=spec.name, node=slot.node, gpu=slot.gpu,
@@ -567,21 +599,28 @@ class SchedulerService:
                 # an instance whose node has no inventory goes first; else the policy's choice
                 orphaned = [i for i in live if i in self.orphans]
                 victim = orphaned[-1] if orphaned else self.cluster.choose_victim(live, self.warm)
-            p, rev = self.placements[victim]
-            if p.draining:
-                return RetireReply(ok=True, instance_id=victim)  # already draining: idempotent
-            drained = msgspec.structs.replace(p, draining=True)
-            try:
-                new_rev = await self.kv.update(victim, msgspec.json.encode(drained), last=rev)
-            except KeyWrongLastSequenceError:
-                CONFLICTS.inc()
-                await self.rebuild()
+            if not await self._drain(victim):
                 return self._refuse(RetireReply, "conflict", "placement table changed under the scheduler; retry")
-            self.placements[victim] = (drained, new_rev)
-            RETIREMENTS.labels(p.function).inc()
-            await self.bus.publish(subjects.placement_decided(p.function),
-                                   PlacementDecided(placement=drained, action="retire", revision=new_rev))
         return RetireReply(ok=True, instance_id=victim)
+
+    async def _drain(self, iid: str) -> bool:
+        """Mark placement ``iid`` draining in the table (the agent drains and retires it); True
+        when done or already draining, False on a table conflict (state rebuilt). Hold the lock."""
+        p, rev = self.placements[iid]
+        if p.draining:
+            return True
+        drained = msgspec.structs.replace(p, draining=True)
+        try:
+            new_rev = await self.kv.update(iid, msgspec.json.encode(drained), last=rev)
+        except KeyWrongLastSequenceError:
+            CONFLICTS.inc()
+            await self.rebuild()
+            return False
+        self.placements[iid] = (drained, new_rev)
+        RETIREMENTS.labels(p.function).inc()
+        await self.bus.publish(subjects.placement_decided(p.function),
+                               PlacementDecided(placement=drained, action="retire", revision=new_rev))
+        return True
 
     # ------------------------------------------------------------------ defragmentation
 
