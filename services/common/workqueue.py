@@ -153,7 +153,8 @@ class Request:
     ``scheduled_ns``: the caller's intended send time, Unix epoch ns (latency counts from it).
     ``enqueued_ns``: when JetStream stored it, Unix epoch ns. ``delivered``: delivery count
     (> 1 means a redelivery). ``status`` ("ok" / "error") and ``error`` are filled in once the
-    request is answered, before the ``on_done`` hook sees it.
+    request is answered, before the ``on_done`` hook sees it. ``chunks``: streamed chunks sent
+    to the caller so far (:meth:`BatchPuller.send_chunk`).
     """
 
     request_id: str
@@ -164,6 +165,7 @@ class Request:
     delivered: int = 1
     status: str = ""
     error: str = ""
+    chunks: int = 0
 
 
 class MalformedRequest(ValueError):
@@ -225,6 +227,9 @@ class BatchPuller:
       of the consumer's ack wait, so a handler longer than the ack wait causes no redelivery.
     - ``handler_timeout_s``: if set, a batch whose ``process`` runs longer is answered with an
       error (a hung handler would otherwise hold its requests forever, kept alive by +WPI).
+    - ``stream``: the function streams its replies (``llm``): while ``process`` runs it sends
+      chunks with :meth:`send_chunk`, and every final reply carries ``Dilu-Chunk`` = the number of
+      chunks sent before it (0 included). Without it, only a request that got chunks carries it.
 
     Counters: ``batches``, ``handled`` (answered and acked), ``errors`` (answered with an
     error), ``malformed`` (rejected), ``redelivered`` (requests seen with delivery count > 1).
@@ -243,6 +248,7 @@ class BatchPuller:
         on_done: OnDone | None = None,
         progress_interval_s: float | None = None,
         handler_timeout_s: float | None = None,
+        stream: bool = False,
     ) -> None:
         if max_batch < 1:
             raise ValueError(f"max_batch must be >= 1, got {max_batch}")
@@ -254,6 +260,7 @@ class BatchPuller:
         self.on_done = on_done
         self.progress_interval_s = progress_interval_s
         self.handler_timeout_s = handler_timeout_s
+        self.stream = stream
         self.log = log.bind(function=function, instance=instance_id)
         self.batches = self.handled = self.errors = self.malformed = self.redelivered = 0
 
@@ -370,6 +377,24 @@ class BatchPuller:
             except Exception as exc:  # e.g. reconnecting: try again next interval
                 self.log.warning("in-progress ack failed", error=repr(exc))
 
+    async def send_chunk(self, req: Request, chunk: bytes) -> None:
+        """Send one output chunk of ``req`` to its caller now, before its final reply (call it
+        from ``process``, in order): headers ``Dilu-Status: chunk``, ``Dilu-Chunk`` = the chunk's
+        number from 0, ``Dilu-Request-Id``, ``Dilu-Instance``; payload the chunk. A chunk that
+        cannot be sent (connection lost) is logged and skipped: the final reply still carries
+        the whole output."""
+        headers = {
+            subj.H_REQUEST_ID: req.request_id,
+            subj.H_STATUS: subj.STATUS_CHUNK,
+            subj.H_CHUNK: str(req.chunks),
+            subj.H_INSTANCE: self.instance_id,
+        }
+        req.chunks += 1
+        try:
+            await self.nc.publish(req.reply_to, bytes(chunk), headers=headers)
+        except Exception as exc:
+            self.log.warning("chunk not sent", request_id=req.request_id, chunk=req.chunks - 1, error=repr(exc))
+
     async def _answer(self, req: Request, msg: Msg, result: bytes | Exception) -> None:
         if isinstance(result, Exception):
             req.status, req.error = "error", f"{type(result).__name__}: {result}"
@@ -385,6 +410,8 @@ class BatchPuller:
         }
         if req.error:
             headers[subj.H_ERROR] = _header_value(req.error)
+        if self.stream or req.chunks:
+            headers[subj.H_CHUNK] = str(req.chunks)
         try:
             await self.nc.publish(req.reply_to, data, headers=headers)
             await msg.ack()  # after the reply: a crash in between means redelivery, not loss

@@ -1,33 +1,53 @@
 """One function instance: a process the node agent launches (``python -m dilu.services.node_agent.instance``).
 
-Life: load the handler's model (the cold start), print ``READY`` on stdout (the node agent waits
-for that line), then pull batches from the function's JetStream work queue, run them through the
-handler in a worker thread, reply to each caller's inbox and ack. SIGTERM drains: the batch in
-hand finishes and is answered, nothing more is fetched, the process exits 0.
+Life: connect to NATS, read the function's spec from KV ``dilu-functions`` (absent: the command
+line's model and handler, as older callers expect), load what the spec says to run
+(:mod:`.runtime`: the emulated handler, the user's class from its code bundle, or a handler
+module; this is the cold start), print ``READY`` on stdout (the node agent waits for that line),
+then by the function's kind:
 
-On an emulated or real GPU the process runs under the interceptor (LD_PRELOAD), which meters its
-kernel launches against the tokens in its control block; this runtime only adds request-level
-counters to that block (ready, requests, latency EWMA, queue depth).
+- ``inference``: pull batches from the function's JetStream work queue, run ``predict`` in a
+  worker thread, reply to each caller's inbox and ack;
+- ``llm``: the same queue, but ``generate`` runs step by step and each step's chunks go to their
+  callers as they are produced (``Dilu-Status: chunk``), then each request's final reply;
+- ``training``: no requests; ``train_step`` runs in a loop, iterations are counted.
+
+SIGTERM drains: the batch (or training step) in hand finishes and is answered, nothing more is
+fetched, the process exits 0. A function that cannot load makes the process exit 1 after one
+log line naming the function and the reason (the node agent sees the crash).
+
+About once a second, when it did anything, the instance publishes :class:`FunctionStats` on
+``dilu.v1.telemetry.function.<fn>.<instance>`` (the node agent exports them as per-function
+Prometheus metrics). On an emulated or real GPU the process runs under the interceptor
+(LD_PRELOAD), which meters its kernel launches against the tokens in its control block; this
+runtime also writes request-level counters into that block (ready, requests, latency EWMA,
+queue depth).
 """
 from __future__ import annotations
 
 import asyncio
 import ctypes
+import os
 import signal
 import sys
 import time
 
 import click
+import msgspec
 import nats
 import uvloop
+from nats.js.errors import BucketNotFoundError, KeyDeletedError, KeyNotFoundError
 
+from dilu.contracts import encode, subjects
+from dilu.contracts import events as ev
 from dilu.services.common import logging as dlog
 from dilu.services.common.workqueue import BatchPuller, Request, ensure_consumer, ensure_stream
 
-from .handlers import HandlerContext, load_module
+from . import runtime
 
 PR_SET_PDEATHSIG = 1
 LATENCY_EWMA_ALPHA = 0.2  # weight of the newest batch in the latency EWMA written to the block
+STATS_PERIOD_S = 1.0  # FunctionStats period (the brief of the node agent's per-function metrics)
 
 
 class RuntimeStats:
@@ -65,72 +85,214 @@ def die_with_parent() -> None:
         pass
 
 
+def ready_channel():
+    """The stdout the node agent reads ``READY`` from, kept for this runtime alone: fd 1 then
+    points at stderr, so whatever the function's code prints cannot fake or delay that line."""
+    out = os.fdopen(os.dup(1), "w", buffering=1)
+    os.dup2(2, 1)
+    sys.stdout = sys.stderr
+    return out
+
+
+async def read_spec(js, function: str) -> ev.FunctionSpec | None:
+    """The function's spec from KV ``dilu-functions`` (FunctionSpec JSON, or FunctionDeployed as
+    the scheduler also accepts); None when the bucket or the key is absent. Raises
+    runtime.LoadError for a value that decodes as neither."""
+    try:
+        kv = await js.key_value(subjects.FUNCTIONS_BUCKET)
+        raw = (await kv.get(subjects.token(function))).value or b""
+    except (BucketNotFoundError, KeyNotFoundError, KeyDeletedError):
+        return None
+    try:
+        return msgspec.json.decode(raw, type=ev.FunctionSpec)
+    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        try:
+            return msgspec.json.decode(raw, type=ev.FunctionDeployed).spec
+        except (msgspec.DecodeError, msgspec.ValidationError):
+            raise runtime.LoadError(function, f"its spec in {subjects.FUNCTIONS_BUCKET!r} is malformed: {exc}") from None
+
+
+class Instance:
+    """The serving half of an instance process, once its function is loaded."""
+
+    def __init__(self, nc, js, rt: runtime.FunctionRuntime, *, instance_id: str, function: str, node: str,
+                 batch_size: int, cb_path: str | None, log, ready_out=None) -> None:
+        self.nc, self.js, self.rt = nc, js, rt
+        self.ready_out = ready_out or sys.stdout
+        self.instance_id, self.function, self.batch_size = instance_id, function, batch_size
+        self.log = log
+        self.cb = RuntimeStats(cb_path)
+        self.window = runtime.StatsWindow(function, instance_id, node, start_ns=time.time_ns())
+        self.puller: BatchPuller | None = None
+        self.stats_subject = subjects.function_stats(function, instance_id)
+
+    # ---------------------------------------------------------------- stats
+
+    def on_done(self, req: Request, done_ns: int) -> None:
+        """BatchPuller hook: one answered request into the stats period."""
+        cold = self.puller is not None and req.enqueued_ns < self.puller.ready_ns
+        self.window.request(ok=req.status == "ok", latency_ms=(done_ns - req.scheduled_ns) / 1e6, cold_start=cold)
+
+    async def publish_stats(self) -> None:
+        stats = self.window.take(time.time_ns())
+        if stats is None:
+            return
+        try:
+            await self.nc.publish(self.stats_subject, encode(stats))
+        except Exception as exc:  # reconnecting: this period's counts are lost, serving goes on
+            self.log.warning("function stats not published", error=repr(exc))
+
+    async def stats_loop(self) -> None:
+        while True:
+            await asyncio.sleep(STATS_PERIOD_S)
+            await self.publish_stats()
+
+    # ---------------------------------------------------------------- kinds
+
+    async def predict(self, batch: list[Request]) -> list[bytes | Exception]:
+        self.cb.queue_depth = len(batch)
+        self.cb.flush()
+        try:
+            outputs = await asyncio.to_thread(self.rt.predict, [r.payload for r in batch])
+            if len(outputs) != len(batch):
+                raise ValueError(f"predict returned {len(outputs)} outputs for {len(batch)} inputs")
+        except Exception as exc:  # the whole batch is answered with the error, none is lost
+            self.log.warning("batch failed", error=repr(exc))
+            outputs = [exc] * len(batch)
+        self._batch_done(batch)
+        return outputs
+
+    async def generate(self, batch: list[Request]) -> list[bytes | Exception]:
+        """One llm batch: chunks to their callers as ``generate`` yields them; ttft (from the
+        scheduled send time to the first chunk sent) and tpot (mean gap between chunks) per
+        request into the stats period."""
+        self.cb.queue_depth = len(batch)
+        self.cb.flush()
+        first_ns = [0] * len(batch)
+        last_ns = [0] * len(batch)
+        count = [0] * len(batch)
+
+        async def on_chunk(i: int, chunk: bytes) -> None:
+            await self.puller.send_chunk(batch[i], chunk)
+            now = time.time_ns()
+            first_ns[i] = first_ns[i] or now
+            last_ns[i] = now
+            count[i] += 1
+
+        outputs = await runtime.run_generate(self.rt, [r.payload for r in batch], on_chunk)
+        for i, (req, out) in enumerate(zip(batch, outputs)):
+            if isinstance(out, Exception):
+                self.log.warning("request failed", request_id=req.request_id, error=repr(out))
+            elif count[i]:
+                tpot = (last_ns[i] - first_ns[i]) / 1e6 / (count[i] - 1) if count[i] > 1 else None
+                self.window.stream(ttft_ms=(first_ns[i] - req.scheduled_ns) / 1e6, tpot_ms=tpot)
+        self._batch_done(batch)
+        return outputs
+
+    def _batch_done(self, batch: list[Request]) -> None:
+        now = time.time_ns()
+        self.cb.queue_depth = 0
+        self.cb.record([(now - r.scheduled_ns) / 1000.0 for r in batch])
+
+    # ---------------------------------------------------------------- serve
+
+    async def serve(self, kind: str, stop: asyncio.Event) -> None:
+        """Serve until ``stop`` (then drain). Raises what a training step raises."""
+        if kind != "training":  # the queue must exist before READY: requests may wait in it
+            await ensure_stream(self.js)
+            await ensure_consumer(self.js, self.function)
+        ready_ns = time.time_ns()
+        self.cb.ready = True
+        self.cb.flush()
+        self.ready_out.write("READY\n")
+        self.ready_out.flush()
+        self.log.info("instance ready", kind=kind)
+        stats = asyncio.create_task(self.stats_loop())
+        try:
+            if kind == "training":
+                done = await runtime.train_loop(self.rt, stop, self.window.iteration)
+                self.log.info("training stopped", iterations=done)
+            else:
+                self.puller = BatchPuller(self.nc, self.js, self.function, instance_id=self.instance_id,
+                                          max_batch=self.batch_size, ready_ns=ready_ns, on_done=self.on_done,
+                                          stream=kind == "llm")
+                await self.puller.run(self.generate if kind == "llm" else self.predict, stop)
+                self.log.info("instance drained", requests=self.cb.requests)
+        finally:
+            stats.cancel()
+            await self.publish_stats()  # the last, partial period
+            self.cb.ready = False
+            self.cb.flush()
+
+
 async def serve_instance(
     *, instance_id: str, function: str, model: str, handler: str, batch_size: int, width: float,
-    device: str, nats_url: str, cb_path: str | None,
+    device: str, nats_url: str, cb_path: str | None, node: str = "", ready_out=None,
 ) -> int:
+    """Run the instance until ``stop`` (SIGTERM/SIGINT); returns the exit code: 0 after a drain,
+    1 when the function cannot load or fails (one log line says why). ``ready_out``: where
+    ``READY`` is written (default stdout)."""
     log = dlog.get("instance").bind(instance=instance_id, function=function)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
 
-    module = load_module(handler)
-    ctx = HandlerContext(instance_id=instance_id, function=function, model=model,
-                         batch_size=batch_size, width=width, device=device)
-    stats = RuntimeStats(cb_path)
-    state = await asyncio.to_thread(module.load, ctx)  # the cold start: weights onto the device
-
-    nc = await nats.connect(nats_url, name=f"dilu-instance-{instance_id}", max_reconnect_attempts=-1)
+    # NATS first: reading the spec (and the code bundle) is part of the cold start
+    try:
+        nc = await nats.connect(nats_url, name=f"dilu-instance-{instance_id}", max_reconnect_attempts=-1)
+    except Exception as exc:
+        log.error("instance failed to connect to NATS", url=nats_url, error=f"{type(exc).__name__}: {exc}")
+        return 1
     js = nc.jetstream()
-    await ensure_stream(js)
-    await ensure_consumer(js, function)
-    ready_ns = time.time_ns()
-    stats.ready = True
-    stats.flush()
-    print("READY", flush=True)
-    log.info("instance ready")
-
-    async def process(batch: list[Request]) -> list[bytes | Exception]:
-        stats.queue_depth = len(batch)
-        stats.flush()
+    rt = None
+    try:
+        spec = await read_spec(js, function)
+        plan = runtime.choose(spec, function=function, device=device, model=model, handler=handler)
+        ctx = runtime.context_for(plan, instance_id=instance_id, batch_size=batch_size, width=width, device=device)
+        rt = await runtime.open_runtime(js, plan, ctx)
+        log.info("function loaded", source=plan.source, target=plan.target, kind=plan.kind, model=plan.model)
+        inst = Instance(nc, js, rt, instance_id=instance_id, function=function, node=node,
+                        batch_size=batch_size, cb_path=cb_path, log=log, ready_out=ready_out)
+        await inst.serve(plan.kind, stop)
+        return 0
+    except runtime.LoadError as exc:
+        log.error("instance failed to load", reason=exc.reason, error=str(exc))
+        return 1
+    except Exception as exc:  # e.g. a training step raising: one line, and the agent sees the crash
+        log.error("instance failed", error=f"{type(exc).__name__}: {' '.join(str(exc).split())}")
+        return 1
+    finally:
+        if rt is not None:
+            try:
+                await asyncio.to_thread(rt.close)
+            except Exception as exc:
+                log.warning("close failed", error=repr(exc))
         try:
-            outputs = await asyncio.to_thread(module.predict, state, [r.payload for r in batch])
-            if len(outputs) != len(batch):
-                raise ValueError(f"handler returned {len(outputs)} outputs for {len(batch)} inputs")
-        except Exception as exc:  # the whole batch is answered with the error, none is lost
-            log.warning("batch failed", error=repr(exc))
-            outputs = [exc] * len(batch)
-        now = time.time_ns()
-        stats.queue_depth = 0
-        stats.record([(now - r.scheduled_ns) / 1000.0 for r in batch])
-        return outputs
-
-    puller = BatchPuller(nc, js, function, instance_id=instance_id, max_batch=batch_size, ready_ns=ready_ns)
-    await puller.run(process, stop)
-    log.info("instance drained", requests=stats.requests)
-    stats.ready = False
-    stats.flush()
-    await nc.drain()
-    return 0
+            await asyncio.wait_for(nc.drain(), 5)
+        except Exception:
+            pass
 
 
 @click.command()
 @click.option("--instance-id", required=True)
 @click.option("--function", required=True)
-@click.option("--model", required=True)
-@click.option("--handler", default="dilu.services.node_agent.handlers.emulated", show_default=True)
+@click.option("--model", required=True, help="emulation model when the function has no spec in KV ('none': empty)")
+@click.option("--handler", default=runtime.EMULATED_HANDLER, show_default=True,
+              help="handler module when the function has no spec in KV")
 @click.option("--batch-size", type=click.IntRange(1, 1024), default=1, show_default=True)
 @click.option("--width", type=click.FloatRange(0.01, 1.0), default=1.0, show_default=True)
 @click.option("--device", type=click.Choice(["emulated", "cpu", "cuda"]), default="emulated", show_default=True)
 @click.option("--nats-url", required=True)
 @click.option("--cb", "cb_path", default=None, help="control block path (the node agent creates it)")
+@click.option("--node", default="", help="the node agent's node name, carried in FunctionStats")
 @click.option("--log-level", default="info", show_default=True)
 def main(log_level: str, **kwargs) -> None:
     """Run one function instance until SIGTERM (then drain and exit)."""
     die_with_parent()
+    ready_out = ready_channel()
     dlog.configure("instance", log_level)
-    sys.exit(uvloop.run(serve_instance(**kwargs)))
+    sys.exit(uvloop.run(serve_instance(ready_out=ready_out, **kwargs)))
 
 
 if __name__ == "__main__":

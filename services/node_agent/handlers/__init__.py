@@ -1,38 +1,44 @@
-"""Function handlers: a user's module with ``load(ctx)`` and ``predict(model, batch)``.
+"""Function handlers: the older module form of a function, ``load(ctx)`` and ``predict(model, batch)``.
 
-The contract (what a user writes to deploy a function):
+The contract of a handler module (the class form, ``entry = "module:Name"``, is described in
+:mod:`dilu.client.functions`; :mod:`dilu.services.node_agent.runtime` hosts both):
 
-- ``load(ctx: HandlerContext) -> model``: load weights, warm up. Called once per instance; its
+- ``load(ctx: FunctionContext) -> model``: load weights, warm up. Called once per instance; its
   duration is part of the instance's cold start.
 - ``predict(model, batch: list[bytes]) -> list[bytes]``: one output per input, same order.
   Raising fails the whole batch (each request is answered with an error, none is lost).
+- optional, by the function's kind: ``generate(model, batch) -> Iterator[list[bytes | None]]``
+  (``llm``: one chunk per request per step), ``train_step(model) -> None`` (``training``: one
+  iteration), and ``close(model)`` (called when the instance stops).
 
-``predict`` runs in a worker thread, so it may block (GPU synchronisation, torch).
+Every function runs in a worker thread, so it may block (GPU synchronisation, torch).
 """
 from __future__ import annotations
 
 import importlib
-from dataclasses import dataclass
 from types import ModuleType
 
+from dilu.client.functions import FunctionContext
 
-@dataclass(frozen=True)
-class HandlerContext:
-    """What an instance tells its handler. ``width`` is the SM fraction 0..1 of its GPU
-    (1.0 without MPS); ``device`` is ``emulated`` (fake driver), ``cpu`` or ``cuda``."""
+# The older name of the context (handlers written before the class form import it).
+HandlerContext = FunctionContext
 
-    instance_id: str
-    function: str
-    model: str
-    batch_size: int
-    width: float = 1.0
-    device: str = "emulated"
+# The function each kind needs from a handler module (besides ``load``) or a class.
+KIND_METHODS = {"inference": "predict", "llm": "generate", "training": "train_step"}
+
+__all__ = ["FunctionContext", "HandlerContext", "KIND_METHODS", "load_module"]
 
 
-def load_module(path: str) -> ModuleType:
-    """Import a handler module by dotted path; ValueError when it lacks ``load``/``predict``."""
+def load_module(path: str, kind: str = "inference") -> ModuleType:
+    """Import a handler module by dotted path.
+
+    Raises ValueError when it lacks ``load`` or the function its ``kind`` needs (``predict`` for
+    inference, ``generate`` for llm, ``train_step`` for training); ImportError (and whatever the
+    module raises at import) when it cannot be imported.
+    """
     module = importlib.import_module(path)
-    missing = [name for name in ("load", "predict") if not callable(getattr(module, name, None))]
+    needed = ("load", KIND_METHODS.get(kind, "predict"))
+    missing = [name for name in needed if not callable(getattr(module, name, None))]
     if missing:
-        raise ValueError(f"handler {path!r} has no {', '.join(missing)} function")
+        raise ValueError(f"handler {path!r} has no {', '.join(missing)} function (kind {kind})")
     return module
