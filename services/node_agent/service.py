@@ -15,6 +15,8 @@
   :class:`GpuTelemetry` per GPU and advances the GPU-cost integrals (exported as Prometheus
   counters, which the demo's report reads).
 - Writes each :class:`TokenGrant` from the vertical scaler into the instance's block.
+- Exports per-function Prometheus metrics (:mod:`.function_metrics`) from the
+  :class:`FunctionStats` its own instances publish (those naming this node).
 - Serves profiling trials (``dilu.v1.node.trial.<node>``) on a trial worker under the interceptor
   (emulated GPUs only: a trial replays a model's kernels on the fake driver).
 
@@ -51,6 +53,8 @@ from .mps import FAILURE_WINDOW_S as MPS_FAILURE_WINDOW_S
 from .mps import server_failed as mps_server_failed
 from .accounting import Counters, GpuCost, Slot, stretch, window_use
 from .claim import claim_refusal, host_identity
+from .function_metrics import FunctionMetrics
+from .function_metrics import problem as stats_problem
 
 LAUNCHES = Counter("dilu_instance_launches", "Instances launched", ["function"])
 GRANT_CHANGES = Counter("dilu_grant_changes", "TokenGrants that changed an instance's quota")
@@ -65,6 +69,7 @@ REACTION_MS = Gauge("dilu_vertical_reaction_ms", "Stretch detected -> grant writ
 GPU_HEALTHY = Gauge("dilu_gpu_healthy", "1 while NVML reports the GPU healthy", ["gpu"])
 OOM_REFUSALS = Counter("dilu_instance_oom_refusals", "Device allocations the interceptor refused past a reservation", ["function"])
 
+FUNCTION_STATS_SUBJECTS = f"{subjects.PREFIX}.telemetry.function.*.*"  # every instance's FunctionStats
 READY_TIMEOUT_S = 180.0
 DRAIN_TIMEOUT_S = 25.0
 MAX_RESTARTS = 3
@@ -146,6 +151,7 @@ class NodeAgent:
         self._mps_servers: set[int] = set()  # MPS server PIDs at the last heartbeat
         self._mps_failed_at: dict[int, float] = {}  # GPU -> when its MPS server failed (monotonic s)
         self.request_stop = lambda: None  # the runner makes this stop the service
+        self.function_metrics = FunctionMetrics()
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -171,6 +177,7 @@ class NodeAgent:
         await self._claim_node()
         await bus.subscribe(f"{subjects.PREFIX}.grant.issued.{subjects.token(self.node)}.*", ev.TokenGrant, self._on_grant)
         await bus.serve(subjects.node_trial(self.node), ev.TrialRequest, self._on_trial)
+        await bus.subscribe(FUNCTION_STATS_SUBJECTS, ev.FunctionStats, self._on_function_stats)
         kv = await self._placement_bucket()
         self._watcher = await kv.watchall()
         self._tasks.append(asyncio.create_task(self._watch_placements()))
@@ -355,7 +362,7 @@ class NodeAgent:
             "--instance-id", p.instance_id, "--function", p.function, "--model", p.model or "none",
             "--handler", p.handler or "dilu.services.node_agent.handlers.emulated",
             "--batch-size", str(max(1, p.batch_size)), "--width", f"{max(0.01, min(1.0, p.width)):.4f}",
-            "--device", device, "--nats-url", self.nats_url,
+            "--device", device, "--nats-url", self.nats_url, "--node", self.node,
         ]
         if inst.cb_path:
             args += ["--cb", inst.cb_path]
@@ -462,6 +469,18 @@ class NodeAgent:
             await self.bus.publish(subjects.instance_state(state, self.node), event)
 
     # ------------------------------------------------------------------ grants
+
+    async def _on_function_stats(self, stats: ev.FunctionStats, msg) -> None:
+        """An instance's FunctionStats: exported when it names this node (other nodes' reports
+        are theirs); one that makes no sense is rejected and counted as malformed."""
+        if stats.node != self.node:
+            return
+        reason = stats_problem(stats)
+        if reason:
+            MALFORMED.labels(self.name, FUNCTION_STATS_SUBJECTS).inc()
+            self.log.warning("function stats rejected", subject=msg.subject, reason=reason)
+            return
+        self.function_metrics.observe(stats)
 
     async def _on_grant(self, grant: ev.TokenGrant, _msg) -> None:
         inst = self.instances.get(grant.instance_id)
