@@ -10,8 +10,8 @@ onto the device, warm-up) and its duration is part of the instance's cold start.
 - ``llm``: ``generate(self, batch: list[bytes]) -> Iterator[list[bytes | None]]``: each item is
   one decoding step, one chunk per request of the batch (``None``: that request produced nothing
   this step, e.g. it has finished). Each chunk reaches its caller as it is produced; the final
-  reply carries the request's whole output (its chunks joined). Raising fails the requests of
-  the batch that have not finished.
+  reply carries the request's whole output (its chunks joined). Raising fails every request of
+  the batch (each gets an error reply after the chunks it already received).
 - ``training``: ``train_step(self) -> None``: one iteration; the runtime calls it in a loop
   until the instance is retired and reports iterations/s. No requests reach a training job.
 
