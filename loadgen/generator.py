@@ -38,18 +38,28 @@ class Outcome(msgspec.Struct, frozen=True, kw_only=True):
     service waited for an instance launch; ``done_ns``: when it was answered, in the generator
     clock's time base (``clock.now_ns()``), or 0 to let the generator stamp the moment ``invoke``
     returns (the usual choice); ``detail``: error text, free form.
+
+    Streamed replies (``llm`` functions; see :func:`token_times_ms`): ``ttft_ms`` time to first
+    token, ms from the *scheduled* send to the first chunk's arrival; ``tpot_ms`` time per output
+    token, ms, ``(last chunk - first chunk) / (chunks - 1)``; ``output_tokens`` chunks received.
+    None, None and 0 when the reply was not streamed (TPOT also None for a single chunk).
     """
 
     status: Status = "ok"
     cold_start: bool = False
     done_ns: int = 0
     detail: str = ""
+    ttft_ms: float | None = None
+    tpot_ms: float | None = None
+    output_tokens: int = 0
 
 
 class Record(msgspec.Struct, frozen=True, kw_only=True):
     """One offered request. Times are ns offsets from the start of the replay:
     ``scheduled_ns`` intended send, ``sent_ns`` actual send, ``done_ns`` answer (or the moment
-    it was given up). Latency is ``done_ns - scheduled_ns``; lateness ``sent_ns - scheduled_ns``."""
+    it was given up). Latency is ``done_ns - scheduled_ns``; lateness ``sent_ns - scheduled_ns``.
+    ``ttft_ms``, ``tpot_ms`` and ``output_tokens`` are the :class:`Outcome`'s (None, None, 0 when
+    the reply was not streamed)."""
 
     id: str
     function: str
@@ -59,6 +69,9 @@ class Record(msgspec.Struct, frozen=True, kw_only=True):
     status: Status
     cold_start: bool = False
     detail: str = ""
+    ttft_ms: float | None = None
+    tpot_ms: float | None = None
+    output_tokens: int = 0
 
     @property
     def latency_ns(self) -> int:
@@ -89,6 +102,23 @@ class RunResult(msgspec.Struct, kw_only=True):
     max_late_ms: float
     not_sent: int = 0
     stopped: bool = False
+
+
+def token_times_ms(
+    scheduled_ns: int, chunks: int, first_chunk_ns: int, last_chunk_ns: int
+) -> tuple[float | None, float | None]:
+    """``(ttft_ms, tpot_ms)`` of a streamed reply, for an :class:`Outcome`.
+
+    All times in one time base, ns (e.g. Unix ns: ``gen.started_unix_ns + inv.scheduled_ns`` and
+    the client's chunk arrival stamps). TTFT = ``first_chunk_ns - scheduled_ns``; TPOT =
+    ``(last_chunk_ns - first_chunk_ns) / (chunks - 1)``. No chunk: ``(None, None)``; one chunk:
+    ``(ttft, None)`` (no gap between tokens was seen).
+    """
+    if chunks <= 0:
+        return None, None
+    ttft = (first_chunk_ns - scheduled_ns) / 1e6
+    tpot = (last_chunk_ns - first_chunk_ns) / 1e6 / (chunks - 1) if chunks > 1 else None
+    return ttft, tpot
 
 
 Invoke = Callable[[Invocation], Awaitable[Outcome]]
@@ -223,7 +253,8 @@ class OpenLoopGenerator:
         self._records.append(Record(
             id=inv.id, function=inv.function, scheduled_ns=inv.scheduled_ns, sent_ns=sent,
             done_ns=done_abs - self._start_ns, status=status, cold_start=outcome.cold_start,
-            detail=outcome.detail,
+            detail=outcome.detail, ttft_ms=outcome.ttft_ms, tpot_ms=outcome.tpot_ms,
+            output_tokens=outcome.output_tokens,
         ))
 
     async def _drain(self) -> None:

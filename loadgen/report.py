@@ -21,6 +21,29 @@ Definitions (DESIGN.md section 8, pinned):
   active GPUs of 1 - sum of measured SM-time shares) for the whole run only, as they are
   properties of GPUs; and the mechanism counters.
 
+Token-level figures, for ``llm`` functions only (``FunctionMeta.kind == "llm"``; their replies
+stream one chunk per generated token):
+
+- ``ttft_ms`` (time to first token) = first chunk's arrival - scheduled send; ``tpot_ms`` (time per
+  output token) = (last chunk's arrival - first chunk's arrival) / (chunks - 1). Both over
+  completed requests, in HDR histograms like latency (1 µs, 3 digits), reported in ms as ``p50``,
+  ``p99``, ``p999``. A completed reply that streamed no chunk has TTFT = its latency (its first
+  token came with the reply) and no TPOT; a reply of one chunk has no TPOT.
+- ``token_slo_violation_rate`` = (completed requests whose TTFT exceeds the function's ``ttft_ms``
+  objective or whose TPOT exceeds its ``tpot_ms`` objective + dropped + failed + timed out) /
+  offered (0 when nothing was offered). An objective that is None or 0 is not checked.
+- Totals take these over the requests of llm functions only (histograms of all of them, never
+  averages of percentiles; offered = the llm functions' offered). Inference functions, and totals
+  of a run without an llm function, have no token figures: the fields are absent from the JSON
+  (None in :class:`Figures`). ``slo_violation_rate`` and goodput of an llm function stay the
+  request-level ones, against its whole-reply objective ``slo_ms``.
+
+Training jobs (``kind == "training"``) take no requests: they are not among ``functions`` and
+add nothing to the request figures (their launches and quota-seconds are in the totals). The
+``training`` section has one entry per training job (those in :attr:`RunFacts.training` and
+those deployed as training): ``iterations_per_s`` = ``iterations / seconds`` (None when no second
+was accounted), ``seconds`` being the time the job ran. Absent from the JSON when there is none.
+
 :func:`render` prints one report as rich tables; :func:`render_compare` prints several policies'
 reports side by side in one table.
 """
@@ -36,6 +59,7 @@ from rich.table import Table
 
 from .arrivals import ReplayPlan
 from .generator import Record, RunResult
+from .llm import LlmPlan
 
 HDR_LOWEST_US = 1
 HDR_HIGHEST_US = 3_600_000_000  # one hour; longer latencies are clamped to it
@@ -47,10 +71,15 @@ PERCENTILES = {"p50": 50.0, "p99": 99.0, "p999": 99.9}
 
 
 class FunctionMeta(msgspec.Struct, frozen=True, kw_only=True):
-    """A replayed function as deployed: its ``model`` and latency objective ``slo_ms``."""
+    """A replayed function as deployed: its ``model``, request latency objective ``slo_ms``, its
+    ``kind`` (``inference``, ``llm`` or ``training``, as in FunctionSpec) and, for llm, its token
+    objectives ``ttft_ms`` and ``tpot_ms`` (ms; None or 0: not checked)."""
 
     model: str
     slo_ms: float
+    kind: str = "inference"
+    ttft_ms: float | None = None
+    tpot_ms: float | None = None
 
 
 class FunctionFacts(msgspec.Struct, kw_only=True):
@@ -59,6 +88,13 @@ class FunctionFacts(msgspec.Struct, kw_only=True):
 
     instance_launches: int = 0
     quota_seconds: float = 0.0
+
+
+class TrainingFacts(msgspec.Struct, kw_only=True):
+    """What a training job did: ``iterations`` completed and ``seconds`` it ran (s, >= 0)."""
+
+    iterations: int = 0
+    seconds: float = 0.0
 
 
 class Mechanism(msgspec.Struct, kw_only=True):
@@ -83,20 +119,39 @@ class RunFacts(msgspec.Struct, kw_only=True):
 
     ``functions``: per-function facts by function name; ``active_gpu_seconds``: seconds during
     which each GPU hosted at least one instance, summed over GPUs; ``allocation_fragmentation``
-    and ``idle_fragmentation``: fractions 0..1 as defined in the module docstring.
+    and ``idle_fragmentation``: fractions 0..1 as defined in the module docstring; ``training``:
+    per training job (by function name) its iterations and seconds.
     """
 
     functions: dict[str, FunctionFacts] = msgspec.field(default_factory=dict)
+    training: dict[str, TrainingFacts] = msgspec.field(default_factory=dict)
     active_gpu_seconds: float = 0.0
     allocation_fragmentation: float = 0.0
     idle_fragmentation: float = 0.0
     mechanism: Mechanism = msgspec.field(default_factory=Mechanism)
 
 
+class LlmRunInfo(msgspec.Struct, kw_only=True):
+    """The LLM trace replayed beside (or instead of) the functions trace: the file ``trace``, the
+    llm ``function`` it drove, ``start_s`` (trace seconds), ``duration_s`` (wall seconds planned),
+    ``speedup``, ``sample`` (fraction of the span's requests kept), ``max_new_tokens_cap`` (None:
+    uncapped) and ``requests`` planned."""
+
+    trace: str
+    function: str
+    start_s: float = 0.0
+    duration_s: float = 0.0
+    speedup: float = 1.0
+    sample: float = 1.0
+    max_new_tokens_cap: int | None = None
+    requests: int = 0
+
+
 class RunInfo(msgspec.Struct, kw_only=True):
     """How the run was made. ``wall_s`` (> 0) is the goodput denominator; ``share`` the fraction
     of the span's invocations the replayed functions carry; ``late_sends`` sends more than
-    ``late_threshold_ms`` behind schedule; ``not_sent`` planned requests never sent (stopped)."""
+    ``late_threshold_ms`` behind schedule; ``not_sent`` planned requests never sent (stopped);
+    ``llm`` the LLM trace replayed, if any."""
 
     wall_s: float
     policy: str = "dilu"
@@ -112,16 +167,43 @@ class RunInfo(msgspec.Struct, kw_only=True):
     max_late_ms: float = 0.0
     not_sent: int = 0
     gpus: int = 0
+    llm: LlmRunInfo | None = None
 
 
-def run_info(plan: ReplayPlan, result: RunResult, *, policy: str = "dilu", gpus: int = 0) -> RunInfo:
-    """The :class:`RunInfo` of a replay from its plan and the generator's result."""
-    return RunInfo(
-        wall_s=result.wall_s, policy=policy, seed=plan.seed, trace=plan.trace, start_minute=plan.start_minute,
-        speedup=plan.speedup, duration_s=plan.duration_s, functions=len(plan.functions), share=plan.share,
-        late_sends=result.late_sends, late_threshold_ms=result.late_threshold_ms,
-        max_late_ms=result.max_late_ms, not_sent=result.not_sent, gpus=gpus,
+def run_info(
+    plan: ReplayPlan | None, result: RunResult, *, policy: str = "dilu", gpus: int = 0,
+    llm_plan: LlmPlan | None = None,
+) -> RunInfo:
+    """The :class:`RunInfo` of a replay from its plan(s) and the generator's result.
+
+    ``plan``: the functions-trace plan (the top-level trace, duration, functions and share are
+    its own); ``llm_plan``: the LLM-trace plan replayed with it, described in ``llm`` (or alone,
+    ``plan`` None: then seed, trace, speed-up and duration are the LLM plan's, ``functions`` 1).
+    Raises ValueError when both are None.
+    """
+    common = dict(
+        wall_s=result.wall_s, policy=policy, late_sends=result.late_sends,
+        late_threshold_ms=result.late_threshold_ms, max_late_ms=result.max_late_ms, not_sent=result.not_sent,
+        gpus=gpus,
     )
+    llm = None
+    if llm_plan is not None:
+        llm = LlmRunInfo(
+            trace=llm_plan.trace, function=llm_plan.function, start_s=llm_plan.start_s,
+            duration_s=llm_plan.duration_s, speedup=llm_plan.speedup,
+            sample=llm_plan.sample, max_new_tokens_cap=llm_plan.max_new_tokens_cap,
+            requests=len(llm_plan.invocations),
+        )
+    if plan is not None:
+        return RunInfo(
+            seed=plan.seed, trace=plan.trace, start_minute=plan.start_minute, speedup=plan.speedup,
+            duration_s=plan.duration_s, functions=len(plan.functions), share=plan.share, llm=llm, **common,
+        )
+    if llm_plan is None:
+        raise ValueError("run_info needs a plan or an llm_plan")
+    share = len(llm_plan.invocations) / llm_plan.span_requests if llm_plan.span_requests else 0.0
+    return RunInfo(seed=llm_plan.seed, trace=llm_plan.trace, speedup=llm_plan.speedup,
+                   duration_s=llm_plan.duration_s, functions=1, share=share, llm=llm, **common)
 
 
 # ------------------------------------------------------------------------------------ outputs
@@ -135,8 +217,11 @@ class LatencyMs(msgspec.Struct, kw_only=True):
     p999: float | None = None
 
 
-class Figures(msgspec.Struct, kw_only=True):
-    """The request and cost figures a function and the whole run both have (module docstring)."""
+class Figures(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """The request and cost figures a function and the whole run both have (module docstring).
+
+    ``ttft_ms``, ``tpot_ms`` and ``token_slo_violation_rate`` are set only where llm requests
+    are counted; None (and absent from the JSON) elsewhere."""
 
     offered: int
     completed: int
@@ -149,14 +234,22 @@ class Figures(msgspec.Struct, kw_only=True):
     cold_start_requests: int
     instance_launches: int
     quota_seconds: float
+    ttft_ms: LatencyMs | None = None
+    tpot_ms: LatencyMs | None = None
+    token_slo_violation_rate: float | None = None
 
 
 class FunctionReport(Figures, kw_only=True):
-    """One function's figures (see the module docstring for each definition)."""
+    """One function's figures (see the module docstring for each definition). ``kind`` (absent
+    from the JSON for ``inference``), and for llm ``ttft_slo_ms`` / ``tpot_slo_ms``: the token
+    objectives the violation rate was judged against (None: not checked)."""
 
     name: str
     model: str
     slo_ms: float
+    kind: str = "inference"
+    ttft_slo_ms: float | None = None
+    tpot_slo_ms: float | None = None
 
 
 class Totals(Figures, kw_only=True):
@@ -167,14 +260,28 @@ class Totals(Figures, kw_only=True):
     idle_fragmentation: float
 
 
-class Report(msgspec.Struct, kw_only=True):
-    """``{"totals": ..., "functions": [...], "mechanism": ..., "run": ...}``; functions sorted by
-    offered requests, most first."""
+class TrainingReport(msgspec.Struct, kw_only=True):
+    """One training job: ``iterations`` and ``seconds`` (s) it ran, ``iterations_per_s`` (None
+    when no second was accounted), and its ``instance_launches`` and ``quota_seconds``."""
+
+    name: str
+    model: str
+    iterations: int
+    seconds: float
+    iterations_per_s: float | None
+    instance_launches: int = 0
+    quota_seconds: float = 0.0
+
+
+class Report(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """``{"totals": ..., "functions": [...], "mechanism": ..., "run": ..., "training": [...]}``;
+    functions sorted by offered requests, most first; ``training`` by name, absent when empty."""
 
     totals: Totals
     functions: list[FunctionReport]
     mechanism: Mechanism
     run: RunInfo
+    training: list[TrainingReport] = msgspec.field(default_factory=list)
 
     def to_dict(self) -> dict:
         """Plain JSON-ready dict."""
@@ -202,27 +309,65 @@ def read_report(path: str | Path) -> Report:
 # ---------------------------------------------------------------------------------- building
 
 
-class _Tally:
-    """Counts and the latency histogram of one function (or of all)."""
+def _record_us(hist: HdrHistogram, us: float) -> None:
+    """Record a duration in µs, clamped to the histogram's range (negative -> the lowest)."""
+    hist.record_value(min(max(int(us), HDR_LOWEST_US), HDR_HIGHEST_US))
 
-    def __init__(self) -> None:
+
+def _percentiles(hist: HdrHistogram) -> LatencyMs:
+    if not hist.get_total_count():
+        return LatencyMs()
+    values = hist.get_percentile_to_value_dict(list(PERCENTILES.values()))
+    return LatencyMs(**{k: values[p] / 1000.0 for k, p in PERCENTILES.items()})
+
+
+def _new_hist() -> HdrHistogram:
+    return HdrHistogram(HDR_LOWEST_US, HDR_HIGHEST_US, HDR_DIGITS)
+
+
+class _Tally:
+    """Counts and the latency histogram of one function (or of all); with ``tokens``, also the
+    token figures of its llm requests."""
+
+    def __init__(self, tokens: bool = False) -> None:
         self.counts = {"ok": 0, "dropped": 0, "error": 0, "timeout": 0}
         self.good = 0
         self.late = 0
         self.cold = 0
-        self.hist = HdrHistogram(HDR_LOWEST_US, HDR_HIGHEST_US, HDR_DIGITS)
+        self.hist = _new_hist()
+        self.tokens = tokens
+        self.token_offered = 0
+        self.token_bad = 0
+        self.ttft = _new_hist()
+        self.tpot = _new_hist()
 
-    def add(self, r: Record, slo_ns: float) -> None:
+    def add(self, r: Record, meta: FunctionMeta) -> None:
         self.counts[r.status] += 1
         self.cold += r.cold_start
+        if meta.kind == "llm":
+            self._add_tokens(r, meta)
         if r.status != "ok":
             return
         latency_ns = r.latency_ns
-        self.hist.record_value(min(max(latency_ns // 1000, HDR_LOWEST_US), HDR_HIGHEST_US))
-        if latency_ns > slo_ns:
+        _record_us(self.hist, latency_ns // 1000)
+        if latency_ns > meta.slo_ms * 1e6:
             self.late += 1
         else:
             self.good += 1
+
+    def _add_tokens(self, r: Record, meta: FunctionMeta) -> None:
+        self.token_offered += 1
+        if r.status != "ok":
+            self.token_bad += 1
+            return
+        # an unstreamed reply brought its first token with it
+        ttft = r.ttft_ms if r.ttft_ms is not None else r.latency_ns / 1e6
+        _record_us(self.ttft, ttft * 1000)
+        if r.tpot_ms is not None:
+            _record_us(self.tpot, r.tpot_ms * 1000)
+        slow_first = bool(meta.ttft_ms) and ttft > meta.ttft_ms
+        slow_rest = bool(meta.tpot_ms) and r.tpot_ms is not None and r.tpot_ms > meta.tpot_ms
+        self.token_bad += slow_first or slow_rest
 
     @property
     def offered(self) -> int:
@@ -231,18 +376,18 @@ class _Tally:
     def figures(self, wall_s: float) -> dict:
         offered = self.offered
         bad = self.late + offered - self.counts["ok"]
-        return dict(
+        out = dict(
             offered=offered, completed=self.counts["ok"], dropped=self.counts["dropped"],
             failed=self.counts["error"], timed_out=self.counts["timeout"],
             goodput_rps=self.good / wall_s, slo_violation_rate=bad / offered if offered else 0.0,
-            latency_ms=self.latency(), cold_start_requests=self.cold,
+            latency_ms=_percentiles(self.hist), cold_start_requests=self.cold,
         )
-
-    def latency(self) -> LatencyMs:
-        if not self.hist.get_total_count():
-            return LatencyMs()
-        values = self.hist.get_percentile_to_value_dict(list(PERCENTILES.values()))
-        return LatencyMs(**{k: values[p] / 1000.0 for k, p in PERCENTILES.items()})
+        if self.tokens:
+            out.update(
+                ttft_ms=_percentiles(self.ttft), tpot_ms=_percentiles(self.tpot),
+                token_slo_violation_rate=self.token_bad / self.token_offered if self.token_offered else 0.0,
+            )
+        return out
 
 
 def build_report(
@@ -251,28 +396,26 @@ def build_report(
     """Build the report from the generator's records, the deployed functions, the platform's
     accounting and the run's facts.
 
-    Every record's function must be in ``functions`` (ValueError otherwise); a function without
-    records reports zeros. Raises ValueError if ``run.wall_s`` is not positive.
+    Every record's function must be in ``functions`` and not a training job (ValueError
+    otherwise); a function without records reports zeros; training jobs (kind ``training`` in
+    ``functions``, or in ``facts.training``) go to the ``training`` section. Raises ValueError if
+    ``run.wall_s`` is not positive.
     """
     if not run.wall_s > 0:
         raise ValueError(f"run.wall_s must be positive, got {run.wall_s}")
-    tallies = {name: _Tally() for name in functions}
-    total = _Tally()
+    serving = {name: meta for name, meta in functions.items() if meta.kind != "training"}
+    tallies = {name: _Tally(tokens=meta.kind == "llm") for name, meta in serving.items()}
+    total = _Tally(tokens=any(meta.kind == "llm" for meta in serving.values()))
     for r in records:
-        meta = functions.get(r.function)
+        meta = serving.get(r.function)
         if meta is None:
-            raise ValueError(f"record {r.id} is for function {r.function!r}, which is not among the replayed functions")
-        slo_ns = meta.slo_ms * 1e6
-        tallies[r.function].add(r, slo_ns)
-        total.add(r, slo_ns)
-    per_function = [
-        FunctionReport(
-            name=name, model=meta.model, slo_ms=meta.slo_ms, **tallies[name].figures(run.wall_s),
-            instance_launches=facts.functions.get(name, FunctionFacts()).instance_launches,
-            quota_seconds=facts.functions.get(name, FunctionFacts()).quota_seconds,
-        )
-        for name, meta in functions.items()
-    ]
+            why = "a training job, which takes no requests" if r.function in functions else \
+                "not among the replayed functions"
+            raise ValueError(f"record {r.id} is for function {r.function!r}, which is {why}")
+        tallies[r.function].add(r, meta)
+        total.add(r, meta)
+    per_function = [_function_report(name, meta, tallies[name].figures(run.wall_s), facts)
+                    for name, meta in serving.items()]
     per_function.sort(key=lambda f: (-f.offered, f.name))
     totals = Totals(
         **total.figures(run.wall_s),
@@ -282,7 +425,33 @@ def build_report(
         allocation_fragmentation=float(facts.allocation_fragmentation),
         idle_fragmentation=float(facts.idle_fragmentation),
     )
-    return Report(totals=totals, functions=per_function, mechanism=facts.mechanism, run=run)
+    return Report(totals=totals, functions=per_function, mechanism=facts.mechanism, run=run,
+                  training=_training(functions, facts))
+
+
+def _function_report(name: str, meta: FunctionMeta, figures: dict, facts: RunFacts) -> FunctionReport:
+    f = facts.functions.get(name, FunctionFacts())
+    llm = meta.kind == "llm"
+    return FunctionReport(
+        name=name, model=meta.model, slo_ms=meta.slo_ms, kind=meta.kind, **figures,
+        ttft_slo_ms=(meta.ttft_ms or None) if llm else None, tpot_slo_ms=(meta.tpot_ms or None) if llm else None,
+        instance_launches=f.instance_launches, quota_seconds=f.quota_seconds,
+    )
+
+
+def _training(functions: Mapping[str, FunctionMeta], facts: RunFacts) -> list[TrainingReport]:
+    names = {n for n, m in functions.items() if m.kind == "training"} | set(facts.training)
+    out = []
+    for name in sorted(names):
+        t = facts.training.get(name, TrainingFacts())
+        f = facts.functions.get(name, FunctionFacts())
+        meta = functions.get(name)
+        out.append(TrainingReport(
+            name=name, model=meta.model if meta else "", iterations=t.iterations, seconds=float(t.seconds),
+            iterations_per_s=t.iterations / t.seconds if t.seconds > 0 else None,
+            instance_launches=f.instance_launches, quota_seconds=f.quota_seconds,
+        ))
+    return out
 
 
 # --------------------------------------------------------------------------------- rendering
@@ -292,8 +461,8 @@ def _ms(v: float | None) -> str:
     return "–" if v is None else (f"{v:,.1f}" if v < 1000 else f"{v:,.0f}")
 
 
-def _pct(v: float) -> str:
-    return f"{100 * v:.1f} %"
+def _pct(v: float | None) -> str:
+    return "–" if v is None else f"{100 * v:.1f} %"
 
 
 def _row(f: FunctionReport | Totals) -> list[str]:
@@ -305,35 +474,50 @@ def _row(f: FunctionReport | Totals) -> list[str]:
     ]
 
 
+def _token_row(f: FunctionReport | Totals) -> list[str]:
+    """TTFT p50/p99, TPOT p50/p99 and the token SLO violation rate; dashes where not llm."""
+    ttft, tpot = f.ttft_ms or LatencyMs(), f.tpot_ms or LatencyMs()
+    return [_ms(ttft.p50), _ms(ttft.p99), _ms(tpot.p50), _ms(tpot.p99), _pct(f.token_slo_violation_rate)]
+
+
+def _token_slo(f: FunctionReport) -> str:
+    if f.kind != "llm":
+        return ""
+    return f"{_ms(f.ttft_slo_ms)} / {_ms(f.tpot_slo_ms)}"
+
+
 _FIGURE_COLUMNS = [
     "offered", "completed", "dropped", "failed", "timed out", "goodput/s", "SLO viol.",
     "p50 ms", "p99 ms", "p99.9 ms", "cold starts", "launches", "quota·s",
 ]
+_TOKEN_COLUMNS = ["TTFT p50 ms", "TTFT p99 ms", "TPOT p50 ms", "TPOT p99 ms", "token SLO viol."]
 
 
 def render(report: Report, console: Console) -> None:
-    """Print the report: one row per function plus a total row, then GPU figures and the
-    mechanism counters, with the run's facts as a caption."""
+    """Print the report: one row per function plus a total row, then the training jobs (when
+    there are any), GPU figures and the mechanism counters, with the run's facts as a caption.
+    The token columns (TTFT/TPOT objectives and percentiles, token SLO violations) appear only
+    when an llm function is in the report."""
     run = report.run
-    table = Table(
-        title=f"Dilu replay — policy {run.policy}",
-        caption=(
-            f"trace {Path(run.trace).name or run.trace} from minute {run.start_minute}, "
-            f"{run.duration_s:g} s at speed-up {run.speedup:g}, seed {run.seed}; {run.functions} functions carry "
-            f"{_pct(run.share)} of the span's invocations; wall {run.wall_s:.1f} s; "
-            f"late sends (> {run.late_threshold_ms:g} ms) {run.late_sends}, worst {run.max_late_ms:.1f} ms"
-            + (f"; not sent {run.not_sent}" if run.not_sent else "")
-        ),
-    )
+    tokens = any(f.kind == "llm" for f in report.functions)
+    table = Table(title=f"Dilu replay — policy {run.policy}", caption=_caption(run))
     table.add_column("function")
     table.add_column("model")
     table.add_column("SLO ms", justify="right")
     for name in _FIGURE_COLUMNS:
         table.add_column(name, justify="right")
+    if tokens:
+        table.add_column("TTFT / TPOT SLO ms", justify="right", no_wrap=True)
+        for name in _TOKEN_COLUMNS:
+            table.add_column(name, justify="right")
     for i, f in enumerate(report.functions):
-        table.add_row(f.name, f.model, _ms(f.slo_ms), *_row(f), end_section=i == len(report.functions) - 1)
-    table.add_row("total", "", "", *_row(report.totals), style="bold")
+        extra = [_token_slo(f), *_token_row(f)] if tokens else []
+        table.add_row(f.name, f.model, _ms(f.slo_ms), *_row(f), *extra, end_section=i == len(report.functions) - 1)
+    table.add_row("total", "", "", *_row(report.totals), *(["", *_token_row(report.totals)] if tokens else []),
+                  style="bold")
     console.print(table)
+    if report.training:
+        console.print(_training_table(report.training))
 
     t, m = report.totals, report.mechanism
     gpu = Table(title="GPUs and mechanism", show_header=True)
@@ -347,6 +531,39 @@ def render(report: Report, console: Console) -> None:
         _reaction(m),
     )
     console.print(gpu)
+
+
+def _caption(run: RunInfo) -> str:
+    llm = run.llm
+    llm_only = llm is not None and run.trace == llm.trace
+    text = "" if llm_only else (
+        f"trace {Path(run.trace).name or run.trace} from minute {run.start_minute}, "
+        f"{run.duration_s:g} s at speed-up {run.speedup:g}, seed {run.seed}; {run.functions} functions carry "
+        f"{_pct(run.share)} of the span's invocations; "
+    )
+    if llm is not None:
+        cap = f", output capped at {llm.max_new_tokens_cap} tokens" if llm.max_new_tokens_cap else ""
+        sample = f", {_pct(llm.sample)} sampled" if llm.sample < 1 else ""
+        text += (f"LLM trace {Path(llm.trace).name} -> {llm.function} from {llm.start_s:g} s, "
+                 f"{llm.duration_s:g} s at speed-up {llm.speedup:g}" + (f", seed {run.seed}" if llm_only else "")
+                 + f": {llm.requests:,} requests{sample}{cap}; ")
+    return text + (
+        f"wall {run.wall_s:.1f} s; late sends (> {run.late_threshold_ms:g} ms) {run.late_sends}, "
+        f"worst {run.max_late_ms:.1f} ms" + (f"; not sent {run.not_sent}" if run.not_sent else "")
+    )
+
+
+def _training_table(training: list[TrainingReport]) -> Table:
+    table = Table(title="Training jobs")
+    table.add_column("function")
+    table.add_column("model")
+    for name in ("iterations", "seconds", "iterations/s", "launches", "quota·s"):
+        table.add_column(name, justify="right")
+    for t in training:
+        rate = "–" if t.iterations_per_s is None else f"{t.iterations_per_s:,.2f}"
+        table.add_row(t.name, t.model, f"{t.iterations:,}", f"{t.seconds:,.1f}", rate,
+                      f"{t.instance_launches:,}", f"{t.quota_seconds:,.1f}")
+    return table
 
 
 def _reaction(m: "Mechanism") -> str:
@@ -387,17 +604,56 @@ _COMPARE_ROWS: list[tuple[str, object, object, str | None]] = [
 ]
 
 
+def _totals_token(key: str, p: str):
+    def get(r: Report) -> float | None:
+        figures = getattr(r.totals, key)
+        return None if figures is None else getattr(figures, p)
+    return get
+
+
+_TOKEN_COMPARE_ROWS: list[tuple[str, object, object, str | None]] = [
+    ("TTFT p50 ms", _totals_token("ttft_ms", "p50"), _ms, "low"),
+    ("TTFT p99 ms", _totals_token("ttft_ms", "p99"), _ms, "low"),
+    ("TPOT p50 ms", _totals_token("tpot_ms", "p50"), _ms, "low"),
+    ("TPOT p99 ms", _totals_token("tpot_ms", "p99"), _ms, "low"),
+    ("token SLO violation rate", lambda r: r.totals.token_slo_violation_rate, _pct, "low"),
+]
+
+
+def _training_rate(name: str):
+    def get(r: Report) -> float | None:
+        return next((t.iterations_per_s for t in r.training if t.name == name), None)
+    return get
+
+
+def _compare_rows(reports: Iterable[Report]) -> list[tuple[str, object, object, str | None]]:
+    """The compare rows: the token rows after the latency ones when some report has llm totals,
+    and one iterations/s row per training job after the GPU figures."""
+    reports = list(reports)
+    rows = list(_COMPARE_ROWS)
+    if any(r.totals.token_slo_violation_rate is not None for r in reports):
+        at = next(i for i, row in enumerate(rows) if row[0] == "latency p99.9 ms") + 1
+        rows[at:at] = _TOKEN_COMPARE_ROWS
+    jobs = sorted({t.name for r in reports for t in r.training})
+    if jobs:
+        at = next(i for i, row in enumerate(rows) if row[0] == "idle fragmentation") + 1
+        rows[at:at] = [(f"{name} iterations/s", _training_rate(name), "{:,.2f}", "high") for name in jobs]
+    return rows
+
+
 def render_compare(reports: Mapping[str, Report], console: Console) -> None:
     """Print several policies' totals side by side, one column per policy (in the mapping's
     order), one row per figure; the best value of a row is bold where lower or higher is
-    plainly better. Raises ValueError on an empty mapping."""
+    plainly better. Token rows (TTFT, TPOT, token SLO violations) appear when some report has
+    an llm function, an iterations/s row per training job when some report has one. Raises
+    ValueError on an empty mapping."""
     if not reports:
         raise ValueError("nothing to compare")
     table = Table(title="Policies compared on the same replay")
     table.add_column("figure")
     for policy in reports:
         table.add_column(policy, justify="right")
-    for label, get, fmt, better in _COMPARE_ROWS:
+    for label, get, fmt, better in _compare_rows(reports.values()):
         values = [get(r) for r in reports.values()]
         present = [v for v in values if v is not None]
         best = None
