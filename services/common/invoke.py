@@ -9,6 +9,12 @@ wildcard subscription receives every reply and routes it by request id.
 Every call ends in exactly one :class:`InvokeResult` whose status is ``ok``, ``error``,
 ``timeout`` or ``dropped`` (DESIGN.md section 8: offered = completed + dropped + failed + timed
 out). A second reply for the same request id (after a redelivery) is ignored and counted.
+
+Streamed replies (``llm`` functions): before its final reply an instance may send chunk messages
+(``Dilu-Status: chunk``, ``Dilu-Chunk`` = sequence number from 0). A chunk never ends the call;
+the final reply does. Only the next expected sequence number is taken, so a redelivered request
+that restreams from 0 adds nothing until it passes the chunks already received. Pass
+``on_chunk`` to :meth:`InvokeClient.invoke` to receive each chunk as it arrives.
 """
 from __future__ import annotations
 
@@ -16,6 +22,8 @@ import asyncio
 import itertools
 import time
 from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Literal
 
 import msgspec
@@ -42,7 +50,10 @@ class InvokeResult(msgspec.Struct, frozen=True, kw_only=True):
     ``done_ns``: Unix epoch ns when the reply arrived (or when the call gave up); latency is
     ``done_ns - scheduled_ns``. ``cold_start``: the request was stored before the answering
     instance became ready. ``enqueued_ns``: when JetStream stored it (0 if unknown).
-    ``payload``: the handler's reply bytes (``ok`` only).
+    ``payload``: the handler's reply bytes (``ok`` only; for a streamed reply the whole output).
+    ``chunks``: streamed chunks received in order (0 for a plain reply); ``first_chunk_ns`` /
+    ``last_chunk_ns``: Unix epoch ns at which the first / last of them arrived (0: none), so
+    TTFT = ``first_chunk_ns - scheduled_ns`` and TPOT = ``(last - first) / (chunks - 1)``.
     """
 
     request_id: str
@@ -53,6 +64,23 @@ class InvokeResult(msgspec.Struct, frozen=True, kw_only=True):
     error: str = ""
     enqueued_ns: int = 0
     payload: bytes = b""
+    chunks: int = 0
+    first_chunk_ns: int = 0
+    last_chunk_ns: int = 0
+
+
+OnChunk = Callable[[bytes], None]
+
+
+@dataclass(slots=True)
+class _Pending:
+    """A request waiting for its final reply, and the chunks taken so far."""
+
+    fut: asyncio.Future
+    on_chunk: OnChunk | None = None
+    chunks: int = 0  # also the next expected chunk sequence number
+    first_chunk_ns: int = 0
+    last_chunk_ns: int = 0
 
 
 class InvokeStats(msgspec.Struct, kw_only=True):
@@ -67,6 +95,9 @@ class InvokeStats(msgspec.Struct, kw_only=True):
     late_replies: int = 0  # a reply for a request that had already timed out
     unknown_replies: int = 0  # a reply naming no request of this client
     closed_outstanding: int = 0  # requests still waiting when the client closed (counted as timeout)
+    cancelled: int = 0  # calls cancelled by their caller before a reply (counted as timeout)
+    chunks: int = 0  # streamed chunks taken (in order, first time)
+    ignored_chunks: int = 0  # chunks out of order, repeated by a restream, or for no waiting request
 
 
 class InvokeClient:
@@ -91,7 +122,7 @@ class InvokeClient:
         self.stats = InvokeStats()
         self.log = dlog.get("invoke")
         self._seq = itertools.count()
-        self._waiting: dict[str, asyncio.Future[InvokeResult]] = {}
+        self._waiting: dict[str, _Pending] = {}
         self._done: OrderedDict[str, bool] = OrderedDict()  # id -> True answered / False timed out
         self._sub = None
 
@@ -103,14 +134,24 @@ class InvokeClient:
         await settle(self.nc)
 
     async def invoke(
-        self, function: str, payload: bytes, *, request_id: str, scheduled_ns: int, timeout_s: float
+        self,
+        function: str,
+        payload: bytes,
+        *,
+        request_id: str,
+        scheduled_ns: int,
+        timeout_s: float,
+        on_chunk: OnChunk | None = None,
     ) -> InvokeResult:
         """Invoke ``function`` with ``payload`` and wait for its reply, at most ``timeout_s``
         seconds from this call (publishing included).
 
         ``request_id`` must be unique among this client's requests (a repeat of one still in
         flight is ``dropped``); ``scheduled_ns`` is the intended send time, Unix epoch ns.
-        Never raises for a failed invocation: the result says what happened.
+        ``on_chunk(data)`` is called in the event loop with each streamed chunk, in order, as it
+        arrives (it must not block; an exception it raises is logged and the call goes on).
+        Never raises for a failed invocation: the result says what happened. Cancelling the
+        call forgets the request (a reply arriving later is counted as late).
         """
         if self._sub is None:
             raise RuntimeError("InvokeClient.start() was not called")
@@ -119,7 +160,7 @@ class InvokeClient:
         if request_id in self._waiting:
             return self._finish_dropped(request_id, "request id already in flight")
         fut: asyncio.Future[InvokeResult] = asyncio.get_running_loop().create_future()
-        self._waiting[request_id] = fut
+        self._waiting[request_id] = _Pending(fut, on_chunk)
         headers = {
             subj.H_REQUEST_ID: request_id,
             subj.H_SCHEDULED_NS: str(scheduled_ns),
@@ -132,12 +173,19 @@ class InvokeClient:
                 headers=headers,
                 timeout=max(0.001, min(self.publish_timeout_s, deadline - time.monotonic())),
             )
+        except asyncio.CancelledError:
+            self._forget_cancelled(request_id)
+            raise
         except Exception as exc:  # not stored: no instance will ever see it
             self._waiting.pop(request_id, None)
             self._remember(request_id, answered=False)  # it may have been stored after all
             return self._finish_dropped(request_id, f"publish failed: {type(exc).__name__}: {exc}")
         try:
             return await asyncio.wait_for(asyncio.shield(fut), timeout=max(0.0, deadline - time.monotonic()))
+        except asyncio.CancelledError:
+            if not fut.done():
+                self._forget_cancelled(request_id)
+            raise
         except asyncio.TimeoutError:
             if fut.done():  # the reply won the race against the timer
                 return fut.result()
@@ -147,6 +195,13 @@ class InvokeClient:
             return InvokeResult(
                 request_id=request_id, status="timeout", done_ns=time.time_ns(), error=f"no reply within {timeout_s} s"
             )
+
+    def _forget_cancelled(self, request_id: str) -> None:
+        """The caller gave up (cancelled): stop waiting, so a late reply is counted, not routed."""
+        if self._waiting.pop(request_id, None) is not None:
+            self._remember(request_id, answered=False)
+            self.stats.cancelled += 1
+            self.stats.timeout += 1
 
     def _finish_dropped(self, request_id: str, reason: str) -> InvokeResult:
         self.stats.dropped += 1
@@ -158,11 +213,35 @@ class InvokeClient:
         if len(self._done) > _REMEMBER_DONE:
             self._done.popitem(last=False)
 
+    def _on_chunk(self, request_id: str, headers: dict, msg: Msg, now_ns: int) -> None:
+        """Take a chunk if it is the next one its request expects; ignore it otherwise."""
+        pending = self._waiting.get(request_id)
+        try:
+            seq = int(headers.get(subj.H_CHUNK, ""))
+        except ValueError:
+            seq = -1
+        if pending is None or pending.fut.done() or seq != pending.chunks:
+            self.stats.ignored_chunks += 1
+            return
+        pending.chunks += 1
+        pending.first_chunk_ns = pending.first_chunk_ns or now_ns
+        pending.last_chunk_ns = now_ns
+        self.stats.chunks += 1
+        if pending.on_chunk is not None:
+            try:
+                pending.on_chunk(msg.data)
+            except Exception as exc:  # the caller's callback must not break the reply route
+                self.log.warning("on_chunk callback failed", request_id=request_id, error=repr(exc))
+
     async def _on_reply(self, msg: Msg) -> None:
         done_ns = time.time_ns()
         headers = msg.headers or {}
         request_id = headers.get(subj.H_REQUEST_ID, "")
-        fut = self._waiting.pop(request_id, None)
+        if headers.get(subj.H_STATUS) == subj.STATUS_CHUNK:  # a chunk never ends the request
+            self._on_chunk(request_id, headers, msg, done_ns)
+            return
+        pending = self._waiting.pop(request_id, None)
+        fut = pending.fut if pending is not None else None
         if fut is None or fut.done():
             if request_id in self._done:
                 if self._done[request_id]:
@@ -187,6 +266,9 @@ class InvokeClient:
             error=headers.get(subj.H_ERROR, "" if status == "ok" else "error reply without a reason"),
             enqueued_ns=enqueued_ns,
             payload=msg.data if status == "ok" else b"",
+            chunks=pending.chunks,
+            first_chunk_ns=pending.first_chunk_ns,
+            last_chunk_ns=pending.last_chunk_ns,
         )
         self._remember(request_id, answered=True)
         setattr(self.stats, status, getattr(self.stats, status) + 1)
@@ -209,7 +291,8 @@ class InvokeClient:
             except Exception as exc:  # connection already gone: nothing more can arrive anyway
                 self.log.warning("unsubscribe failed", error=repr(exc))
         closed = 0
-        for request_id, fut in list(self._waiting.items()):
+        for request_id, pending in list(self._waiting.items()):
+            fut = pending.fut
             if fut.done():
                 continue
             closed += 1
