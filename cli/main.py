@@ -14,6 +14,10 @@ COMMANDS: dict[str, str] = {
     "up": "dilu.cli.up:up",
     "service": "dilu.cli.service:service",
     "profile": "dilu.services.profiler.cli:profile",
+    "deploy": "dilu.cli.functions:deploy",
+    "undeploy": "dilu.cli.functions:undeploy",
+    "invoke": "dilu.cli.functions:invoke",
+    "status": "dilu.cli.functions:status",
 }
 BENCHES: dict[str, str] = {
     "interceptor": "dilu.interceptor.bench:bench_interceptor",

@@ -1,0 +1,303 @@
+"""``dilu deploy``, ``dilu undeploy``, ``dilu invoke``, ``dilu status``: functions on a running
+cluster, through the client library (:mod:`dilu.client`).
+
+Every option can also come from ``DILU_<OPTION>`` (``--nats-url`` -> ``DILU_NATS_URL``). Errors
+are one line on stderr; the exit codes are those of :data:`dilu.client.errors.EXIT_CODES`
+(1 the function or the deploy failed, 2 bad input or not deployed, 3 timeout, 4 no capacity,
+5 NATS unreachable). ``--json`` puts the machine-readable result on stdout.
+"""
+from __future__ import annotations
+
+import asyncio
+import base64
+import os
+import sys
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any, TypeVar
+
+import click
+import msgspec
+import nats.errors
+from rich.console import Console
+from rich.table import Table
+
+from dilu.client import admin
+from dilu.client.aio import AsyncClient, Reply
+from dilu.client.errors import DiluError, exit_code
+from dilu.client.spec import SpecError, load_spec
+from dilu.services.common.cliopts import ENV_PREFIX, Finite, nats_url_option
+
+T = TypeVar("T")
+CONTEXT = {"auto_envvar_prefix": ENV_PREFIX}  # --nats-url <- DILU_NATS_URL, as for the services
+EPILOG = "Every option can also be set as DILU_<OPTION>, e.g. DILU_NATS_URL."
+USAGE, UNREACHABLE = 2, 5
+
+
+class Failed(click.ClickException):
+    """One line on stderr (``Error: ...``) and the given exit code."""
+
+    def __init__(self, message: str, code: int = 1) -> None:
+        super().__init__(message)
+        self.exit_code = code
+
+
+def json_option(f):
+    return click.option("--json", "as_json", is_flag=True, help="print the result as JSON on stdout")(f)
+
+
+def run(nats_url: str, work: Callable[[AsyncClient], Awaitable[T]]) -> T:
+    """Connect (failing within seconds when NATS is unreachable), run ``work(client)``, close;
+    every error becomes a one-line :class:`Failed` with its exit code."""
+
+    async def main() -> T:
+        client = await AsyncClient.connect(nats_url, name="dilu-cli", connect_attempts=1, reconnect=False)
+        try:
+            return await work(client)
+        finally:
+            await client.close()
+
+    try:
+        return asyncio.run(main())
+    except DiluError as exc:
+        raise Failed(str(exc), exit_code(exc)) from None
+    except (nats.errors.Error, OSError) as exc:  # e.g. the connection lost mid-call, JetStream off
+        raise Failed(f"NATS at {nats_url}: {type(exc).__name__}: {exc}", UNREACHABLE) from None
+
+
+def _out() -> Console:
+    # not a terminal (a pipe, a log): wide enough that tables do not wrap; a terminal: its width
+    wide = not sys.stdout.isatty() and "COLUMNS" not in os.environ
+    return Console(highlight=False, width=200 if wide else None)  # sys.stdout as it is when printing
+
+
+def _err() -> Console:
+    return Console(stderr=True, highlight=False)
+
+
+def _print_json(obj: Any) -> None:
+    click.echo(msgspec.json.format(msgspec.json.encode(obj), indent=2).decode())
+
+
+def _quota(q: float | None) -> str:
+    return "-" if q is None else f"{q:.2f}"
+
+
+def _bytes(n: int) -> str:
+    return f"{n / 2**30:.1f} GiB" if n >= 2**30 else f"{n / 2**20:.0f} MiB"
+
+
+# ---------------------------------------------------------------------------- deploy
+
+
+@click.command(context_settings=CONTEXT, epilog=EPILOG)
+@click.argument("spec_file", type=click.Path(dir_okay=False, path_type=Path))
+@nats_url_option
+@click.option("--timeout", "timeout_s", type=Finite(min=1), default=150.0, metavar="S", show_default=True,
+              help="seconds to wait for the profile")
+@click.option("--wait-ready", "wait_ready_s", type=Finite(min=0), default=60.0, metavar="S", show_default=True,
+              help="seconds to wait for the first instance (still starting after it is no error)")
+@json_option
+def deploy(spec_file: Path, nats_url: str, timeout_s: float, wait_ready_s: float, as_json: bool) -> None:
+    """Deploy the function described by SPEC_FILE (function.toml): ship its code folder, have
+    the scheduler admit it and the profiler profile it, store it, and wait for its first
+    instance. Redeploying a name replaces its spec."""
+    try:
+        loaded = load_spec(spec_file)
+    except SpecError as exc:
+        raise Failed(str(exc), USAGE) from None
+    progress = None if as_json else (lambda text: _err().print(f"[dim]… {text}[/dim]"))
+    result = run(nats_url, lambda c: admin.deploy(c, loaded, timeout_s=timeout_s, wait_ready_s=wait_ready_s,
+                                                  on_step=progress))
+    if as_json:
+        _print_json(result)
+        return
+    _print_deployed(result, wait_ready_s)
+
+
+def _print_deployed(r: admin.DeployResult, wait_ready_s: float) -> None:
+    out, s, p = _out(), r.spec, r.profile
+    objective = f"SLO {s.slo_ms:g} ms" if s.kind != "training" else "training job"
+    if s.kind == "llm":
+        objective += f" (TTFT {s.ttft_ms:g} ms, TPOT {s.tpot_ms:g} ms)"
+    out.print(f"deployed [bold]{s.name}[/bold] ({s.kind}, {objective}, {_bytes(s.memory_bytes)} per instance)"
+              + (f", code {r.code[:19]}…" if r.code else ""))
+    if p is not None:
+        out.print(f"profile ({p.backend}): request quota {p.request_quota:.2f}, limit quota {p.limit_quota:.2f}, "
+                  f"batch {p.batch_size}" + (f", {p.throughput_rps:.1f} req/s at the request" if p.throughput_rps else ""))
+    if r.ready is not None:
+        out.print(f"ready: instance {r.ready.instance_id} on {r.ready.node} GPU {r.ready.gpu}, "
+                  f"cold start {r.ready.cold_start_ms:.0f} ms")
+    elif r.existing_instances:
+        out.print(f"{r.existing_instances} instance(s) already running; they take the new spec as the scheduler "
+                  "replaces them")
+    elif s.kind == "training" or max(s.initial_scale, s.min_instances) >= 1:
+        out.print(f"no instance ready after {wait_ready_s:g} s: still starting (see dilu status)")
+    else:
+        out.print("no instance started at deploy: the first request (or the scaler) starts one")
+
+
+# ---------------------------------------------------------------------------- undeploy
+
+
+@click.command(context_settings=CONTEXT, epilog=EPILOG)
+@click.argument("name")
+@nats_url_option
+@click.option("--wait", "wait_s", type=Finite(min=0), default=30.0, metavar="S", show_default=True,
+              help="seconds to wait for its instances to drain before removing its queue")
+@json_option
+def undeploy(name: str, nats_url: str, wait_s: float, as_json: bool) -> None:
+    """Remove function NAME: its instances drain and stop, then its queue of requests goes."""
+    result = run(nats_url, lambda c: admin.undeploy(c, name, wait_s=wait_s))
+    if as_json:
+        _print_json(result)
+    elif result.cleaned:
+        _out().print(f"undeployed [bold]{name}[/bold]: no instance left, its queue removed")
+    else:
+        _out().print(f"undeployed [bold]{name}[/bold]: {result.remaining_instances} instance(s) still draining "
+                     "(its queue stays until they are gone; run undeploy again later to remove it)")
+
+
+# ---------------------------------------------------------------------------- invoke
+
+
+def read_data(data: str) -> bytes:
+    """``--data``: ``@FILE`` (its bytes), ``-`` (stdin's bytes) or the text itself (UTF-8)."""
+    if data == "-":
+        return sys.stdin.buffer.read()
+    if data.startswith("@"):
+        try:
+            return Path(data[1:]).read_bytes()
+        except OSError as exc:
+            raise Failed(f"--data: cannot read {data[1:]!r}: {exc.strerror or exc}", USAGE) from None
+    return data.encode()
+
+
+def _reply_json(reply: Reply) -> dict:
+    try:
+        text = reply.payload.decode()
+    except UnicodeDecodeError:
+        text = None
+    fields = msgspec.structs.asdict(reply)
+    fields.pop("payload")
+    return {**fields, "payload": text, "payload_base64": base64.b64encode(reply.payload).decode()}
+
+
+@click.command(context_settings=CONTEXT, epilog=EPILOG)
+@click.argument("name")
+@click.option("--data", default="", show_default=False, metavar="@FILE|-|TEXT",
+              help="the request: @FILE (its bytes), - (stdin) or the text itself [default: empty]")
+@click.option("--timeout", "timeout_s", type=Finite(min=0.001), default=30.0, metavar="S", show_default=True,
+              help="seconds to wait for the reply")
+@click.option("--stream", is_flag=True, help="write each chunk of a streamed (llm) reply as it arrives")
+@nats_url_option
+@json_option
+def invoke(name: str, data: str, timeout_s: float, stream: bool, nats_url: str, as_json: bool) -> None:
+    """Call function NAME and write its reply, raw, to stdout.
+
+    With --json the reply's payload (text and base64) and its figures (instance, cold start,
+    latency, chunks, TTFT, TPOT) are printed as JSON instead.
+
+    \b
+    Exit codes:
+      0  the reply was written
+      1  the function raised an error (its message on stderr)
+      2  bad input, or NAME is not deployed
+      3  no reply within --timeout
+      4  no capacity: the request was refused, or the function cannot be placed now
+      5  NATS unreachable
+    """
+    payload = read_data(data)
+    sink = sys.stdout.buffer
+
+    async def call(c: AsyncClient) -> Reply:
+        if not stream or as_json:
+            return await c.invoke(name, payload, timeout_s=timeout_s)
+        async with c.stream(name, payload, timeout_s=timeout_s) as s:
+            async for chunk in s:
+                sink.write(chunk)
+                sink.flush()
+            return s.reply
+
+    reply = run(nats_url, call)
+    if as_json:
+        _print_json(_reply_json(reply))
+    elif not stream:
+        sink.write(reply.payload)
+        sink.flush()
+
+
+# ---------------------------------------------------------------------------- status
+
+
+@click.command(context_settings=CONTEXT, epilog=EPILOG)
+@nats_url_option
+@click.option("--listen", "listen_s", type=Finite(min=0, max=60), default=2.0, metavar="S", show_default=True,
+              help="seconds to listen for telemetry (each instance's current grant)")
+@json_option
+def status(nats_url: str, listen_s: float, as_json: bool) -> None:
+    """Nodes and GPUs; functions with their profile, instances (quotas and current grant),
+    backlog and last scale decisions."""
+    st = run(nats_url, lambda c: admin.status(c, telemetry_s=listen_s))
+    if as_json:
+        _print_json(st)
+        return
+    out = _out()
+    out.print(_nodes_table(st) if st.nodes else "No nodes: no node agent has registered in dilu-nodes.")
+    out.print(_functions_table(st) if st.functions else "No functions deployed.")
+    if any(f.instances for f in st.functions):
+        out.print(_instances_table(st))
+
+
+def _nodes_table(st: admin.Status) -> Table:
+    t = Table(title=f"Nodes ({len(st.nodes)})", title_justify="left")
+    for col in ("node", "device", "mps", "gpu", "name", "memory", "SMs", "health", "seen"):
+        t.add_column(col)
+    for n in st.nodes:
+        inv = n.inventory
+        seen = f"{n.age_s:.0f} s ago"
+        if not inv.gpus:
+            t.add_row(inv.node, inv.device, inv.mps, "-", "", "", "", "", seen)
+        for g in inv.gpus:
+            health = "ok" if g.healthy else f"[red]{g.health_reason or 'unhealthy'}[/red]"
+            t.add_row(inv.node, inv.device, inv.mps, str(g.index), g.name, _bytes(g.memory_bytes), str(g.sms),
+                      health, seen)
+            seen = ""
+    return t
+
+
+def _decision_text(d, now_ns: int) -> str:
+    ago = f", {(now_ns - d.ts_ns) / 1e9:.0f} s ago" if d.ts_ns else ""
+    return f"{d.direction} {d.count}" + (f" ({d.reason})" if d.reason else "") + ago
+
+
+def _functions_table(st: admin.Status) -> Table:
+    t = Table(title=f"Functions ({len(st.functions)})", title_justify="left")
+    for col in ("function", "kind", "objective", "profile req/lim/batch", "instances", "backlog", "last decisions"):
+        t.add_column(col)
+    for f in st.functions:
+        s, p, state = f.spec, f.profile, f.state
+        kind = s.kind if s else "[dim]undeployed[/dim]"
+        objective = "-" if s is None or s.kind == "training" else f"{s.slo_ms:g} ms"
+        prof = f"{p.request_quota:.2f} / {p.limit_quota:.2f} / {p.batch_size}" if p else "-"
+        count = str(len(f.instances))
+        if state is not None:
+            count += f" (ready {state.ready}, desired {state.desired})"
+            if not state.placeable:
+                count += f" [red]unplaceable: {state.reason}[/red]"
+        backlog = "-" if f.backlog is None else str(f.backlog)
+        decisions = "\n".join(_decision_text(d, st.taken_ns) for d in (state.decisions[-3:] if state else [])) or "-"
+        t.add_row(f.name, kind, objective, prof, count, backlog, decisions)
+    return t
+
+
+def _instances_table(st: admin.Status) -> Table:
+    t = Table(title="Instances", title_justify="left")
+    for col in ("function", "instance", "node", "gpu", "request", "limit", "grant", "memory", "batch", "draining"):
+        t.add_column(col)
+    for f in st.functions:
+        for i in f.instances:
+            t.add_row(f.name, i.instance_id, i.node, str(i.gpu), _quota(i.request_quota), _quota(i.limit_quota),
+                      _quota(i.grant), _bytes(i.memory_bytes), str(i.batch_size), "yes" if i.draining else "")
+    return t
+

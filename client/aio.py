@@ -1,0 +1,452 @@
+"""The asyncio client: call deployed functions over NATS and read what is deployed.
+
+    async with await AsyncClient.connect("nats://127.0.0.1:4222") as c:
+        reply = await c.invoke("image-classifier", image_bytes, timeout_s=10)
+        async for chunk in c.stream("chat", b"hello"):
+            print(chunk.decode(), end="", flush=True)
+
+A call publishes into the JetStream work queue (the request is stored even while no instance is
+warm) and waits for the reply on this client's inbox (:class:`~dilu.services.common.invoke.InvokeClient`).
+Before publishing, the client checks that the function is deployed, against a cache of KV
+``dilu-functions`` kept current by a KV watch (a miss is read once from the bucket, so a function
+deployed a moment ago is found), and refuses at once a function the horizontal scaler reports
+as unplaceable with no instance (KV ``dilu-function-state``).
+"""
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import Callable
+from typing import Any, Generic, TypeVar
+
+import msgspec
+import nats
+import nats.errors
+import nats.js.errors
+from nats.aio.client import Client as NATS
+from nats.js import JetStreamContext
+
+from dilu.contracts import subjects
+from dilu.contracts.events import FunctionDeployed, FunctionSpec, FunctionState
+from dilu.services.common import logging as dlog
+from dilu.services.common.invoke import InvokeClient, InvokeResult
+from dilu.services.common.kvkeys import kv_keys
+
+from .errors import (
+    BadRequest,
+    FunctionError,
+    InvocationTimeout,
+    NoCapacity,
+    NotDeployed,
+    Unreachable,
+)
+
+DEFAULT_NATS_URL = "nats://127.0.0.1:4222"
+DEFAULT_TIMEOUT_S = 30.0
+WATCH_RETRY_S = 5.0  # how often a cache whose bucket does not exist yet tries to watch it again
+_KV_DELETES = ("DEL", "PURGE")
+_MALFORMED_PREFIX = "malformed request"  # the instance's answer to a request it cannot parse
+
+log = dlog.get("client")
+V = TypeVar("V")
+
+
+class Reply(msgspec.Struct, frozen=True, kw_only=True):
+    """A function's answer.
+
+    ``payload``: its output bytes (for a streamed reply, the whole output); ``instance``: the
+    instance that served it; ``cold_start``: the request waited for that instance's launch;
+    ``latency_ms``: from the call to the final reply; ``chunks``: streamed chunks received (0: a
+    plain reply); ``ttft_ms``: time to the first chunk, ``tpot_ms``: mean time between chunks
+    after it (None when not streamed, or one chunk for ``tpot_ms``).
+    """
+
+    payload: bytes
+    request_id: str
+    instance: str = ""
+    cold_start: bool = False
+    latency_ms: float = 0.0
+    chunks: int = 0
+    ttft_ms: float | None = None
+    tpot_ms: float | None = None
+
+
+def reply_from(result: InvokeResult, scheduled_ns: int) -> Reply:
+    """The :class:`Reply` of an ``ok`` invocation result sent at ``scheduled_ns`` (Unix ns)."""
+    ttft = (result.first_chunk_ns - scheduled_ns) / 1e6 if result.chunks else None
+    tpot = (result.last_chunk_ns - result.first_chunk_ns) / (result.chunks - 1) / 1e6 if result.chunks > 1 else None
+    return Reply(payload=result.payload, request_id=result.request_id, instance=result.instance,
+                 cold_start=result.cold_start, latency_ms=(result.done_ns - scheduled_ns) / 1e6,
+                 chunks=result.chunks, ttft_ms=ttft, tpot_ms=tpot)
+
+
+def raise_for(function: str, result: InvokeResult, timeout_s: float) -> None:
+    """Raise the client error a failed invocation result stands for (nothing for ``ok``):
+    FunctionError (the function's message), BadRequest (an instance refused it as malformed),
+    InvocationTimeout, NoCapacity (refused or dropped before any instance saw it)."""
+    if result.status == "ok":
+        return
+    if result.status == "error":
+        if result.error.startswith(_MALFORMED_PREFIX):
+            raise BadRequest(f"{function}: {result.error}")
+        raise FunctionError(result.error)
+    if result.status == "timeout":
+        closed = f" ({result.error})" if "closed" in result.error else ""
+        raise InvocationTimeout(f"no reply from {function!r} within {timeout_s:g} s{closed}")
+    raise NoCapacity(f"request to {function!r} was not accepted: {result.error}")
+
+
+def decode_spec(raw: bytes) -> FunctionSpec:
+    """A ``dilu-functions`` value: FunctionSpec JSON (what deploy writes), or FunctionDeployed
+    JSON (the scheduler reads both). Raises msgspec.ValidationError / DecodeError."""
+    try:
+        return msgspec.json.decode(raw, type=FunctionSpec)
+    except (msgspec.DecodeError, msgspec.ValidationError):
+        return msgspec.json.decode(raw, type=FunctionDeployed).spec
+
+
+async def read_bucket(js: JetStreamContext, bucket: str) -> dict[str, bytes]:
+    """Every live key of KV ``bucket`` and its value (empty when the bucket does not exist)."""
+    try:
+        kv = await js.key_value(bucket)
+        keys = await kv_keys(js, bucket)
+    except nats.js.errors.NotFoundError:  # BucketNotFoundError is one
+        return {}
+    out = {}
+    for key in keys:
+        try:
+            entry = await kv.get(key)
+        except (nats.js.errors.KeyNotFoundError, nats.js.errors.KeyDeletedError):
+            continue
+        if entry.value:
+            out[key] = entry.value
+    return out
+
+
+class KvCache(Generic[V]):
+    """The decoded values of one KV bucket, kept current by a watch.
+
+    ``get(key)`` answers from the cache; on a miss it reads the bucket once (so a key put a
+    moment ago, before the watch delivered it, is found). While the watch runs, what a read
+    found (a value, or that the key is absent) is kept, since the watch reports every later
+    change; values carry their revision and only newer ones replace them, so a slow read never
+    undoes a later update. A bucket that does not exist yet is watched as soon as it does (tried
+    at most every :data:`WATCH_RETRY_S` seconds); meanwhile each miss reads the bucket, unless
+    ``optional_bucket`` (its absence means "no values": no read until it exists). Undecodable
+    values read as absent.
+    """
+
+    def __init__(self, js: JetStreamContext, bucket: str, decode: Callable[[bytes], V], *,
+                 optional_bucket: bool = False) -> None:
+        self.js, self.bucket, self.decode = js, bucket, decode
+        self.optional_bucket = optional_bucket
+        self._values: dict[str, tuple[int, V | None]] = {}
+        self._watcher = None
+        self._task: asyncio.Task | None = None
+        self._tried = -WATCH_RETRY_S
+        self._no_bucket = False
+
+    async def start(self) -> None:
+        """Start watching the bucket if it exists (best effort: a failure leaves reads direct)."""
+        self._tried = time.monotonic()
+        try:
+            kv = await self.js.key_value(self.bucket)
+            self._watcher = await kv.watchall()
+        except nats.js.errors.NotFoundError:
+            self._no_bucket = True
+            return
+        except Exception as exc:  # e.g. a JetStream hiccup: lookups read the bucket instead
+            log.warning("cannot watch bucket", bucket=self.bucket, error=repr(exc))
+            return
+        self._no_bucket = False
+        self._task = asyncio.create_task(self._follow(self._watcher))
+
+    async def _follow(self, watcher) -> None:
+        async for entry in watcher:
+            if entry is None:  # the watcher's "initial values done" marker
+                continue
+            value = None
+            if entry.operation not in _KV_DELETES and entry.value:
+                value = self._decode(entry.value)
+            self._store(entry.key, entry.revision, value)
+
+    def _decode(self, raw: bytes) -> V | None:
+        try:
+            return self.decode(raw)
+        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+            log.warning("undecodable value in bucket", bucket=self.bucket, error=str(exc))
+            return None
+
+    def _store(self, key: str, revision: int, value: V | None) -> None:
+        held = self._values.get(key)
+        if held is None or revision > held[0]:
+            self._values[key] = (revision, value)
+
+    @property
+    def watching(self) -> bool:
+        return self._task is not None and not self._task.done()
+
+    def peek(self, key: str) -> V | None:
+        """The cached value of ``key`` (None: absent or not known yet); no I/O."""
+        held = self._values.get(key)
+        return held[1] if held else None
+
+    async def get(self, key: str) -> V | None:
+        """The value of ``key``: cached, else read from the bucket (see the class)."""
+        if not self.watching and time.monotonic() - self._tried >= WATCH_RETRY_S:
+            await self.start()
+        held = self._values.get(key)
+        if held is not None and (held[1] is not None or self.watching):
+            return held[1]
+        if self._no_bucket and self.optional_bucket and not self.watching:
+            return None
+        try:
+            entry = await (await self.js.key_value(self.bucket)).get(key)
+            revision, value = entry.revision, (self._decode(entry.value) if entry.value else None)
+        except nats.js.errors.NotFoundError:  # no bucket, no key, or a deleted key
+            revision, value = 0, None  # older than any put: the watch's news wins
+        if self.watching:  # the watch will tell of a later change; unwatched values are not kept
+            self._store(key, revision, value)
+        return value
+
+    async def stop(self) -> None:
+        if self._watcher is not None:
+            try:
+                await self._watcher.stop()
+            except Exception as exc:  # the connection may be gone already
+                log.debug("watch stop failed", bucket=self.bucket, error=repr(exc))
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+        self._watcher = self._task = None
+
+
+_END = object()
+
+
+class Stream:
+    """The chunks of one streamed invocation, as they arrive (an async iterator of bytes).
+
+    The request is published on the first ``__anext__``. A function that does not stream
+    (``inference``) yields its whole reply as one chunk. When the stream ends, :attr:`reply`
+    holds the final :class:`Reply`; a failed request raises its client error (FunctionError,
+    InvocationTimeout, NoCapacity, NotDeployed, BadRequest) from the iteration instead.
+    Use ``async with`` (or :meth:`aclose`) to give up early.
+    """
+
+    def __init__(self, client: "AsyncClient", function: str, payload: bytes, timeout_s: float) -> None:
+        self._client, self.function, self._payload, self._timeout_s = client, function, payload, timeout_s
+        self._queue: asyncio.Queue = asyncio.Queue()
+        self._task: asyncio.Task | None = None
+        self._scheduled_ns = 0
+        self._yielded = 0
+        self._done = False
+        self.reply: Reply | None = None
+
+    def __aiter__(self) -> "Stream":
+        return self
+
+    async def __anext__(self) -> bytes:
+        if self._done:
+            raise StopAsyncIteration
+        if self._task is None:
+            await self._client._check(self.function)
+            self._scheduled_ns = time.time_ns()
+            self._task = asyncio.create_task(self._client._send(
+                self.function, self._payload, self._timeout_s, self._scheduled_ns, on_chunk=self._queue.put_nowait))
+            self._task.add_done_callback(lambda _t: self._queue.put_nowait(_END))
+        item = await self._queue.get()
+        if item is not _END:
+            self._yielded += 1
+            return item
+        self._done = True
+        result = self._task.result()
+        raise_for(self.function, result, self._timeout_s)
+        self.reply = reply_from(result, self._scheduled_ns)
+        if result.chunks == 0 and self._yielded == 0 and result.payload:
+            return result.payload  # a plain reply: its payload is the one chunk
+        raise StopAsyncIteration
+
+    async def aclose(self) -> None:
+        """Stop waiting for the reply (the request itself stays queued or in flight)."""
+        self._done = True
+        if self._task is not None and not self._task.done():
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+
+    async def __aenter__(self) -> "Stream":
+        return self
+
+    async def __aexit__(self, *exc: Any) -> None:
+        await self.aclose()
+
+
+class AsyncClient:
+    """A connection to a Dilu cluster for calling functions. Create with :meth:`connect` (owns
+    its NATS connection) or :meth:`attach` (uses yours); :meth:`close` at the end, or use it as
+    an async context manager."""
+
+    def __init__(self, nc: NATS, *, owns_connection: bool) -> None:
+        self.nc = nc
+        self.js: JetStreamContext = nc.jetstream()
+        self._owns = owns_connection
+        self._invoker = InvokeClient(nc, self.js)
+        self._specs: KvCache[FunctionSpec] = KvCache(self.js, subjects.FUNCTIONS_BUCKET, decode_spec)
+        self._states: KvCache[FunctionState] = KvCache(  # written by the horizontal scaler, if one runs
+            self.js, subjects.FUNCTION_STATE_BUCKET, lambda raw: msgspec.json.decode(raw, type=FunctionState),
+            optional_bucket=True)
+
+    @classmethod
+    async def connect(cls, nats_url: str = DEFAULT_NATS_URL, *, name: str = "dilu-client",
+                      connect_timeout_s: float = 2.0, connect_attempts: int = 2,
+                      reconnect: bool = True) -> "AsyncClient":
+        """Connect to NATS at ``nats_url`` and start the client.
+
+        The first connection is tried ``connect_attempts`` times, each bounded by
+        ``connect_timeout_s`` seconds, so an unreachable server fails within seconds; once
+        connected, a lost connection is retried for ever (``reconnect``) or closes the client.
+        Raises :class:`Unreachable` (one line naming the URL and the reason).
+        """
+        errors: list[Exception] = []
+
+        async def quiet(exc: Exception) -> None:  # nats-py would print a traceback per attempt
+            errors.append(exc)
+            log.debug("NATS connection error", url=nats_url, error=repr(exc))
+
+        try:
+            # (nats-py reads max_reconnect_attempts 0 as "no limit": one attempt is allow_reconnect off)
+            nc = await nats.connect(nats_url, name=name, connect_timeout=connect_timeout_s,
+                                    allow_reconnect=connect_attempts > 1,
+                                    max_reconnect_attempts=max(1, connect_attempts - 1), reconnect_time_wait=0.5,
+                                    error_cb=quiet)
+        except (OSError, asyncio.TimeoutError, nats.errors.Error) as exc:
+            cause = errors[-1] if errors else exc  # nats-py's own error only says "no servers"
+            if isinstance(cause, ConnectionRefusedError):
+                reason = "connection refused (is nats-server running there?)"
+            elif isinstance(cause, (asyncio.TimeoutError, TimeoutError)):
+                reason = f"no answer within {connect_timeout_s:g} s"
+            else:
+                reason = str(cause) or type(cause).__name__
+            raise Unreachable(f"cannot reach NATS at {nats_url}: {reason}") from None
+        # the limits above were for the first connection; a live client rides out outages
+        nc.options["allow_reconnect"] = reconnect
+        nc.options["max_reconnect_attempts"] = -1
+        client = cls(nc, owns_connection=True)
+        try:
+            await client.start()
+        except BaseException:
+            await nc.close()
+            raise
+        return client
+
+    @classmethod
+    async def attach(cls, nc: NATS) -> "AsyncClient":
+        """A client over an existing connection ``nc`` (not closed by :meth:`close`)."""
+        client = cls(nc, owns_connection=False)
+        await client.start()
+        return client
+
+    async def start(self) -> None:
+        """Subscribe to replies and start watching the deployed functions."""
+        await self._invoker.start(ensure=False)  # deploy creates the stream; a caller never does
+        await self._specs.start()
+        await self._states.start()
+
+    async def close(self) -> None:
+        """Stop watching and receiving replies (calls still waiting end with InvocationTimeout);
+        close the connection if this client opened it."""
+        await self._specs.stop()
+        await self._states.stop()
+        await self._invoker.close()
+        if self._owns and not self.nc.is_closed:
+            try:
+                await asyncio.wait_for(self.nc.drain(), timeout=5)
+            except Exception:  # draining a broken connection: just close it
+                await self.nc.close()
+
+    async def __aenter__(self) -> "AsyncClient":
+        return self
+
+    async def __aexit__(self, *exc: Any) -> None:
+        await self.close()
+
+    # ------------------------------------------------------------------ reading
+
+    async def functions(self) -> dict[str, FunctionSpec]:
+        """Every deployed function's spec, by name, read from KV ``dilu-functions`` now."""
+        out = {}
+        for raw in (await read_bucket(self.js, subjects.FUNCTIONS_BUCKET)).values():
+            try:
+                spec = decode_spec(raw)
+            except (msgspec.DecodeError, msgspec.ValidationError):
+                continue
+            out[spec.name] = spec
+        return out
+
+    async def function(self, name: str) -> FunctionSpec:
+        """The spec of deployed function ``name``; raises :class:`NotDeployed`."""
+        spec = await self._specs.get(_key(name))
+        if spec is None:
+            raise NotDeployed(name)
+        return spec
+
+    # ------------------------------------------------------------------ calling
+
+    async def invoke(self, function: str, payload: bytes, *, timeout_s: float = DEFAULT_TIMEOUT_S) -> Reply:
+        """Call ``function`` with ``payload`` and wait (at most ``timeout_s`` seconds) for its
+        reply; streamed chunks are counted in the reply, not returned separately (see
+        :meth:`stream`).
+
+        Raises NotDeployed, BadRequest (not bytes, a bad timeout, a training function, or
+        refused as malformed), FunctionError (the function raised: its message),
+        InvocationTimeout, NoCapacity.
+        """
+        data, timeout_s = _payload(payload), _timeout(timeout_s)
+        await self._check(function)
+        scheduled_ns = time.time_ns()
+        result = await self._send(function, data, timeout_s, scheduled_ns)
+        raise_for(function, result, timeout_s)
+        return reply_from(result, scheduled_ns)
+
+    def stream(self, function: str, payload: bytes, *, timeout_s: float = DEFAULT_TIMEOUT_S) -> Stream:
+        """The chunks of ``function``'s reply as they arrive: ``async for chunk in c.stream(...)``
+        (see :class:`Stream`; errors as :meth:`invoke`, raised from the iteration)."""
+        return Stream(self, function, _payload(payload), _timeout(timeout_s))
+
+    async def _check(self, function: str) -> FunctionSpec:
+        """The function's spec, after checking it can take a request now."""
+        spec = await self.function(function)
+        if spec.kind == "training":
+            raise BadRequest(f"function {function!r} is a training job: it takes no requests")
+        state = await self._states.get(_key(function))
+        if state is not None and not state.placeable and state.instances == 0:
+            raise NoCapacity(f"function {function!r} cannot be placed now and has no instance: "
+                             f"{state.reason or 'no GPU with room'}")
+        return spec
+
+    async def _send(self, function: str, payload: bytes, timeout_s: float, scheduled_ns: int,
+                    on_chunk: Callable[[bytes], None] | None = None) -> InvokeResult:
+        return await self._invoker.invoke(function, payload, request_id=uuid.uuid4().hex, scheduled_ns=scheduled_ns,
+                                          timeout_s=timeout_s, on_chunk=on_chunk)
+
+
+def _key(name: str) -> str:
+    try:
+        return subjects.token(name)
+    except ValueError:
+        raise BadRequest("empty function name") from None
+
+
+def _payload(payload: Any) -> bytes:
+    if isinstance(payload, str):
+        raise BadRequest("payload must be bytes, got str (encode it, e.g. text.encode())")
+    if not isinstance(payload, (bytes, bytearray, memoryview)):
+        raise BadRequest(f"payload must be bytes, got {type(payload).__name__}")
+    return bytes(payload)
+
+
+def _timeout(timeout_s: float) -> float:
+    if not (timeout_s > 0) or timeout_s == float("inf"):
+        raise BadRequest(f"timeout_s must be a positive number of seconds, got {timeout_s!r}")
+    return float(timeout_s)

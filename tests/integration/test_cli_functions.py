@@ -1,0 +1,192 @@
+"""``dilu deploy / undeploy / invoke / status`` through click's CliRunner against a real
+nats-server and stand-in services (tests/client_fakes.py): outputs, --json, exit codes, and
+bad input as one line.
+
+The commands block (each runs its own event loop), so they run in a worker thread while the
+stand-ins serve from the test's loop.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+
+import msgspec
+import nats
+import pytest
+from click.testing import CliRunner, Result
+
+from client_fakes import FakeInstance, FakeServices, put_state, spec_toml
+from dilu.cli.main import main
+from dilu.client import admin
+from dilu.client.spec import parse_spec
+from dilu.contracts import encode
+from dilu.contracts import events as ev
+from dilu.services.common.natsserver import free_port
+from dilu.services.common.nodes import nodes_bucket
+
+pytestmark = pytest.mark.nats
+
+
+@pytest.fixture
+async def nc(nats_url):
+    conn = await nats.connect(nats_url)
+    yield conn
+    await conn.close()
+
+
+@pytest.fixture
+async def services(nc):
+    fakes = await FakeServices(nc).start()
+    yield fakes
+    await fakes.stop()
+
+
+async def dilu(*args: str, env: dict | None = None, stdin: bytes | None = None) -> Result:
+    """Run ``dilu ARGS`` in a worker thread; the result has stdout and stderr apart."""
+    return await asyncio.to_thread(CliRunner().invoke, main, list(args), input=stdin, env=env)
+
+
+def one_line_error(result: Result, code: int) -> str:
+    """The error line (after any "… step" progress lines of deploy), checked to be the only one."""
+    assert result.exit_code == code, (result.exit_code, result.stdout, result.stderr)
+    lines = [line for line in result.stderr.splitlines() if not line.startswith("… ")]
+    assert len(lines) == 1 and lines[0].startswith("Error: ") and "Traceback" not in result.output, result.stderr
+    return lines[0]
+
+
+async def deployed(nc, name="echo", kind="inference") -> FakeInstance:
+    fakes = await FakeServices(nc, ready=False).start()
+    await admin.deploy(nc, parse_spec(spec_toml(name, kind=kind, extra="initial_scale = 0")))
+    await fakes.stop()
+    return await FakeInstance(nc, name).start()
+
+
+# ---------------------------------------------------------------- deploy
+
+
+async def test_deploy_prints_the_profile_and_the_ready_instance(nc, nats_url, services, tmp_path):
+    (tmp_path / "model.py").write_text("class Model:\n    pass\n")
+    (tmp_path / "function.toml").write_text(
+        'name = "cls"\nentry = "model:Model"\nslo_ms = 80\nmemory_bytes = 2_000_000_000\ninitial_scale = 1\n')
+    r = await dilu("deploy", str(tmp_path / "function.toml"), "--nats-url", nats_url)
+    assert r.exit_code == 0, r.output
+    assert "deployed cls (inference, SLO 80 ms" in r.stdout
+    assert "request quota 0.30, limit quota 0.60, batch 4" in r.stdout
+    assert "ready: instance cls-i1 on node-a GPU 1, cold start 1234 ms" in r.stdout
+    assert "profiling" in r.stderr  # progress goes to stderr
+
+
+async def test_deploy_json_is_the_deploy_result(nats_url, services, tmp_path):
+    (tmp_path / "f.toml").write_text(spec_toml("echo", extra="initial_scale = 0"))
+    r = await dilu("deploy", str(tmp_path / "f.toml"), "--json", env={"DILU_NATS_URL": nats_url})
+    assert r.exit_code == 0, r.output
+    result = msgspec.json.decode(r.stdout, type=admin.DeployResult)
+    assert result.spec.name == "echo" and result.profile.batch_size == 4 and result.ready is None
+
+
+async def test_deploy_bad_input_is_one_line_and_exit_2(nats_url, tmp_path):
+    r = await dilu("deploy", str(tmp_path / "missing.toml"), "--nats-url", nats_url)
+    assert "missing.toml: cannot read the spec file" in one_line_error(r, 2)
+    (tmp_path / "bad.toml").write_text('name = "x\n')
+    r = await dilu("deploy", str(tmp_path / "bad.toml"), "--nats-url", nats_url)
+    assert "bad.toml: not valid TOML" in one_line_error(r, 2)
+    (tmp_path / "typo.toml").write_text(spec_toml("x", extra="slo = 5"))
+    r = await dilu("deploy", str(tmp_path / "typo.toml"), "--nats-url", nats_url)
+    assert "typo.toml: slo: unknown key" in one_line_error(r, 2)
+
+
+async def test_deploy_refused_by_the_scheduler_says_why(nc, nats_url, tmp_path):
+    fakes = await FakeServices(nc, admit_error="no GPU has 90 GB of memory").start()
+    (tmp_path / "f.toml").write_text(spec_toml("big"))
+    r = await dilu("deploy", str(tmp_path / "f.toml"), "--nats-url", nats_url)
+    assert "big cannot be placed: no GPU has 90 GB of memory" in one_line_error(r, 1)
+    await fakes.stop()
+
+
+# ---------------------------------------------------------------- invoke
+
+
+async def test_invoke_writes_the_raw_reply_from_text_file_and_stdin(nc, nats_url, tmp_path):
+    inst = await deployed(nc)
+    r = await dilu("invoke", "echo", "--data", "hello", "--nats-url", nats_url)
+    assert r.exit_code == 0 and r.stdout_bytes == b"echo:hello"
+    (tmp_path / "in.bin").write_bytes(b"\x00\xff")
+    r = await dilu("invoke", "echo", "--data", f"@{tmp_path / 'in.bin'}", "--nats-url", nats_url)
+    assert r.stdout_bytes == b"echo:\x00\xff"
+    r = await dilu("invoke", "echo", "--data", "-", "--nats-url", nats_url, stdin=b"piped")
+    assert r.stdout_bytes == b"echo:piped"
+    r = await dilu("invoke", "echo", "--data", "hi", "--json", "--nats-url", nats_url)
+    out = json.loads(r.stdout)
+    assert out["payload"] == "echo:hi" and out["instance"] == "inst-1" and out["latency_ms"] > 0
+    await inst.stop()
+
+
+async def test_invoke_stream_writes_each_chunk(nc, nats_url):
+    inst = await deployed(nc, "chat", kind="llm")
+    r = await dilu("invoke", "chat", "--stream", "--data", "stream:Hel,lo", "--nats-url", nats_url)
+    assert r.exit_code == 0 and r.stdout_bytes == b"Hello"
+    r = await dilu("invoke", "chat", "--stream", "--json", "--data", "restream:a,b,c", "--nats-url", nats_url)
+    out = json.loads(r.stdout)
+    assert out["payload"] == "abc" and out["chunks"] == 3 and out["ttft_ms"] > 0
+    await inst.stop()
+
+
+async def test_invoke_exit_codes(nc, nats_url, tmp_path):
+    inst = await deployed(nc)
+    r = await dilu("invoke", "ghost", "--nats-url", nats_url)
+    assert "'ghost' is not deployed" in one_line_error(r, 2)
+    r = await dilu("invoke", "echo", "--data", "fail:bad pixels", "--nats-url", nats_url)
+    assert one_line_error(r, 1) == "Error: ValueError: bad pixels"
+    r = await dilu("invoke", "echo", "--data", "hang", "--timeout", "0.5", "--nats-url", nats_url)
+    assert "within 0.5 s" in one_line_error(r, 3)
+    r = await dilu("invoke", "echo", "--data", f"@{tmp_path / 'nope'}", "--nats-url", nats_url)
+    assert "--data: cannot read" in one_line_error(r, 2)
+    r = await dilu("invoke", "echo", "--timeout", "-1", "--nats-url", nats_url)
+    assert r.exit_code == 2  # click's usage error
+    await inst.stop()
+    await put_state(nc.jetstream(), ev.FunctionState(function="echo", placeable=False, reason="no room"))
+    r = await dilu("invoke", "echo", "--nats-url", nats_url)
+    assert "cannot be placed now" in one_line_error(r, 4)
+
+
+async def test_every_command_fails_fast_on_unreachable_nats(tmp_path):
+    url = f"nats://127.0.0.1:{free_port()}"
+    (tmp_path / "f.toml").write_text(spec_toml("echo"))
+    for args in (["invoke", "echo"], ["status"], ["undeploy", "echo"], ["deploy", str(tmp_path / "f.toml")]):
+        started = time.monotonic()
+        r = await dilu(*args, "--nats-url", url)
+        assert f"cannot reach NATS at {url}" in one_line_error(r, 5)
+        assert time.monotonic() - started < 10
+    r = await dilu("status", "--nats-url", "http://x:1")
+    assert r.exit_code == 2 and "not a NATS URL" in r.stderr
+
+
+# ---------------------------------------------------------------- status and undeploy
+
+
+async def test_status_shows_nodes_functions_and_instances(nc, nats_url, services, tmp_path):
+    (tmp_path / "f.toml").write_text(spec_toml("echo", extra="initial_scale = 1"))
+    assert (await dilu("deploy", str(tmp_path / "f.toml"), "--nats-url", nats_url)).exit_code == 0
+    gpu = ev.GpuInfo(index=1, uuid="GPU-1", name="NVIDIA A100-SXM4-40GB", memory_bytes=40 * 2**30, sms=108)
+    await (await nodes_bucket(nc.jetstream())).put("node-a", encode(ev.NodeInventory(node="node-a", gpus=[gpu])))
+    decision = ev.ScaleDecision(function="echo", direction="out", count=1, reason="burst", ts_ns=time.time_ns())
+    await put_state(nc.jetstream(), ev.FunctionState(function="echo", instances=1, ready=1, desired=1,
+                                                     decisions=[decision]))
+    r = await dilu("status", "--listen", "0.2", "--nats-url", nats_url)
+    assert r.exit_code == 0, r.output
+    for text in ("Nodes (1)", "NVIDIA A100-SXM4-40GB", "40.0 GiB", "108", "Functions (1)", "echo", "500 ms", "0.30 / 0.60 / 4", "ready 1, desired 1",
+                 "out 1 (burst)", "echo-i1", "node-a"):
+        assert text in r.stdout, text
+    r = await dilu("status", "--listen", "0", "--json", "--nats-url", nats_url)
+    st = msgspec.json.decode(r.stdout, type=admin.Status)
+    assert [f.name for f in st.functions] == ["echo"] and st.functions[0].instances[0].instance_id == "echo-i1"
+
+
+async def test_undeploy_reports_and_an_unknown_name_is_exit_2(nats_url, services, tmp_path):
+    (tmp_path / "f.toml").write_text(spec_toml("echo", extra="initial_scale = 1"))
+    assert (await dilu("deploy", str(tmp_path / "f.toml"), "--nats-url", nats_url)).exit_code == 0
+    r = await dilu("undeploy", "echo", "--nats-url", nats_url)
+    assert r.exit_code == 0 and "undeployed echo: no instance left, its queue removed" in r.stdout
+    r = await dilu("undeploy", "echo", "--nats-url", nats_url)
+    assert "'echo' is not deployed" in one_line_error(r, 2)
