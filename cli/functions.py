@@ -133,8 +133,10 @@ def _print_deployed(r: admin.DeployResult, wait_ready_s: float) -> None:
                   "replaces them")
     elif s.kind == "training" or max(s.initial_scale, s.min_instances) >= 1:
         out.print(f"no instance ready after {wait_ready_s:g} s: still starting (see dilu status)")
+    elif s.initial_scale < 0:
+        out.print("its initial instances are the horizontal scaler's default (its --initial-scale); see dilu status")
     else:
-        out.print("no instance started at deploy: the first request (or the scaler) starts one")
+        out.print("no instance started at deploy (initial_scale = 0): the first request starts one")
 
 
 # ---------------------------------------------------------------------------- undeploy
@@ -152,7 +154,8 @@ def undeploy(name: str, nats_url: str, wait_s: float, as_json: bool) -> None:
     if as_json:
         _print_json(result)
     elif result.cleaned:
-        _out().print(f"undeployed [bold]{name}[/bold]: no instance left, its queue removed")
+        queue = "" if result.kind == "training" else ", its request queue removed"
+        _out().print(f"undeployed [bold]{name}[/bold]: no instance left{queue}")
     else:
         _out().print(f"undeployed [bold]{name}[/bold]: {result.remaining_instances} instance(s) still draining "
                      "(its queue stays until they are gone; run undeploy again later to remove it)")

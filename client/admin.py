@@ -76,6 +76,7 @@ class UndeployResult(msgspec.Struct, kw_only=True):
     removed (only once no instance remains, since instances pull from that consumer)."""
 
     name: str
+    kind: str = "inference"
     remaining_instances: int = 0
     cleaned: bool = False
 
@@ -277,9 +278,13 @@ async def undeploy(target: NATS | AsyncClient, name: str, *, wait_s: float = 30.
     key = subjects.token(name)
     try:
         kv = await js.key_value(subjects.FUNCTIONS_BUCKET)
-        await kv.get(key)
+        entry = await kv.get(key)
     except nats.js.errors.NotFoundError:  # no bucket, no key, or a deleted key
         raise NotDeployed(name) from None
+    try:
+        kind = decode_spec(entry.value).kind
+    except (msgspec.DecodeError, msgspec.ValidationError):  # removed all the same
+        kind = "inference"
     await kv.delete(key)
     await nc.publish(subjects.function_undeployed(name), encode(ev.FunctionUndeployed(name=name)))
     await nc.flush()
@@ -287,7 +292,7 @@ async def undeploy(target: NATS | AsyncClient, name: str, *, wait_s: float = 30.
     while (remaining := len(await placements(js, name))) and time.monotonic() < deadline:
         await asyncio.sleep(min(UNDEPLOY_POLL_S, max(0.0, deadline - time.monotonic())))
     if remaining:
-        return UndeployResult(name=name, remaining_instances=remaining)
+        return UndeployResult(name=name, kind=kind, remaining_instances=remaining)
     try:
         await js.delete_consumer(subjects.INVOKE_STREAM, workqueue.consumer_name(name))
     except nats.js.errors.NotFoundError:  # a training function has no queue
@@ -296,7 +301,7 @@ async def undeploy(target: NATS | AsyncClient, name: str, *, wait_s: float = 30.
         await js.purge_stream(subjects.INVOKE_STREAM, subject=subjects.invoke(name))
     except nats.js.errors.NotFoundError:  # no invocation stream at all
         pass
-    return UndeployResult(name=name, cleaned=True)
+    return UndeployResult(name=name, kind=kind, cleaned=True)
 
 
 async def _grants(nc: NATS, instance_ids: set[str], listen_s: float) -> dict[str, float]:

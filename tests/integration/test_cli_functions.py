@@ -187,6 +187,6 @@ async def test_undeploy_reports_and_an_unknown_name_is_exit_2(nats_url, services
     (tmp_path / "f.toml").write_text(spec_toml("echo", extra="initial_scale = 1"))
     assert (await dilu("deploy", str(tmp_path / "f.toml"), "--nats-url", nats_url)).exit_code == 0
     r = await dilu("undeploy", "echo", "--nats-url", nats_url)
-    assert r.exit_code == 0 and "undeployed echo: no instance left, its queue removed" in r.stdout
+    assert r.exit_code == 0 and "undeployed echo: no instance left, its request queue removed" in r.stdout
     r = await dilu("undeploy", "echo", "--nats-url", nats_url)
     assert "'echo' is not deployed" in one_line_error(r, 2)

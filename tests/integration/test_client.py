@@ -165,6 +165,19 @@ async def test_a_missing_code_folder_fails_the_deploy(nc, services, tmp_path):
     assert services.admitted == []
 
 
+async def test_a_profiler_that_never_answers_times_the_deploy_out(nc):
+    fakes = await FakeServices(nc).start(profiler=False)
+
+    async def silent(msg):  # takes the request, never answers
+        pass
+    sub = await nc.subscribe(subjects.PROFILER_PROFILE, cb=silent)
+    with pytest.raises(DeployError, match="the profiler did not answer within 0.5 s"):
+        await admin.deploy(nc, loaded(), timeout_s=0.5)
+    assert fakes.deployed == []
+    await sub.unsubscribe()
+    await fakes.stop()
+
+
 async def test_a_service_answering_garbage_is_a_deploy_error(nc):
     async def garbage(msg):
         await msg.respond(b"not json")
@@ -234,6 +247,8 @@ async def test_training_functions_take_no_requests(nc, client):
     await admin.deploy(nc, loaded("job", kind="training"), wait_ready_s=0.2)
     with pytest.raises(BadRequest, match="training job"):
         await client.invoke("job", b"x")
+    result = await admin.undeploy(nc, "job", wait_s=1)
+    assert result.kind == "training" and result.cleaned  # no queue to remove is no error
     await fakes.stop()
 
 
