@@ -1,4 +1,5 @@
-# Dilu control plane: the profiler, the scheduler and the horizontal scaler (one group each).
+# Dilu control plane: the profiler, the scheduler, the horizontal scaler and the HTTP gateway (one
+# group each).
 #
 #   nomad job run -var='nats_url=nats://nats.dilu.internal:4222' deploy/nomad/dilu-control.nomad.hcl
 #
@@ -289,6 +290,116 @@ job "dilu-control" {
         PYTHONUNBUFFERED  = "1"
       }
 
+      kill_signal  = "SIGTERM"
+      kill_timeout = "35s"
+
+      logs {
+        max_files     = 5
+        max_file_size = 20
+      }
+
+      resources {
+        cpu    = 1000
+        memory = 512
+      }
+    }
+  }
+
+  # The HTTP gateway: stateless, so count may be raised; its ports are static, so each copy
+  # needs a host of its own (distinct_hosts). Put a load balancer in front of dilu-gateway-http.
+  group "gateway" {
+    count = 1
+
+    constraint {
+      operator = "distinct_hosts"
+      value    = "true"
+    }
+
+    restart {
+      attempts = 3
+      interval = "5m"
+      delay    = "10s"
+      mode     = "delay"
+    }
+
+    network {
+      port "metrics" {
+        static = 9106
+      }
+      port "http" {
+        static = 8080
+      }
+    }
+
+    service {
+      name     = "dilu-gateway"
+      provider = "nomad"
+      port     = "metrics"
+      tags     = ["dilu", "prometheus"]
+
+      # Readiness: NATS connected and the function list loaded. Gates deployments.
+      check {
+        name     = "readyz"
+        type     = "http"
+        path     = "/readyz"
+        interval = "10s"
+        timeout  = "2s"
+      }
+
+      # Liveness: the process answers at all. Three misses restart the task.
+      check {
+        name     = "healthz"
+        type     = "http"
+        path     = "/healthz"
+        interval = "10s"
+        timeout  = "2s"
+
+        check_restart {
+          limit = 3
+          grace = "30s"
+        }
+      }
+    }
+
+    # The HTTP API, for load balancers: in rotation only while ready.
+    service {
+      name     = "dilu-gateway-http"
+      provider = "nomad"
+      port     = "http"
+      tags     = ["dilu", "http"]
+
+      check {
+        name     = "api-readyz"
+        type     = "http"
+        path     = "/readyz"
+        interval = "10s"
+        timeout  = "2s"
+      }
+    }
+
+    task "gateway" {
+      driver = "raw_exec"
+      user   = var.run_user
+
+      config {
+        command = "${var.venv}/bin/python"
+        args = [
+          "-m", "dilu.services.gateway",
+          "--nats-url", var.nats_url,
+          "--port", "${NOMAD_PORT_http}",
+          "--metrics-port", "${NOMAD_PORT_metrics}",
+        ]
+      }
+
+      env {
+        DILU_NATS_URL     = var.nats_url
+        DILU_HOST         = "${NOMAD_IP_http}"
+        DILU_METRICS_HOST = "${NOMAD_IP_metrics}"
+        DILU_LOG_LEVEL    = var.log_level
+        PYTHONUNBUFFERED  = "1"
+      }
+
+      # SIGTERM: in-flight requests get the drain time (10 s), the rest are answered 503.
       kill_signal  = "SIGTERM"
       kill_timeout = "35s"
 

@@ -24,6 +24,7 @@ METRICS_PORTS = {
     "horizontal_scaler": 9103,
     "vertical_scaler": 9104,
     "node_agent": 9105,
+    "gateway": 9106,  # its HTTP API is --port (8080); this is the runner's health server
 }
 
 

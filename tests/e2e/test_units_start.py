@@ -1,5 +1,6 @@
-"""The five services started exactly as the shipped systemd units start them (their ExecStart and
-Environment lines, the example environment file), on this machine's emulated node, serve requests.
+"""The services started exactly as the shipped systemd units start them (their ExecStart and
+Environment lines, the example environment file), on this machine's emulated node, serve requests,
+also over HTTP through the gateway.
 
 What systemd does around a unit is reproduced: ``${VAR}`` expansion in ExecStart from the
 environment file, the unit's Environment= assignments, and State/Cache/RuntimeDirectory= folders
@@ -22,6 +23,7 @@ import pytest
 from unitfiles import DEPLOY, env_file, exec_start, parse_unit, unit_environment
 
 from dilu.cli.deploy import deploy, function_spec
+from dilu.client.admin import functions_bucket
 from dilu.contracts import subjects
 from dilu.contracts.events import NodeInventory
 from dilu.services.common.cliopts import METRICS_PORTS, default_node
@@ -66,7 +68,7 @@ async def test_units_start_a_cluster_that_serves(nats_url, tmp_path):
     env = {**os.environ, **{k: v.replace(PREFIX, ROOT) for k, v in shipped.items()}, "DILU_NATS_URL": nats_url}
     procs: dict[str, tuple[subprocess.Popen, int]] = {}
     try:
-        for pkg in ("scheduler", "profiler", "node_agent", "vertical_scaler", "horizontal_scaler"):
+        for pkg in ("scheduler", "profiler", "node_agent", "vertical_scaler", "horizontal_scaler", "gateway"):
             procs[pkg] = _start(pkg, env, tmp_path)
         deadline = time.monotonic() + 90
         while not all(_ready(port) for _, port in procs.values()):
@@ -85,7 +87,8 @@ async def test_units_start_a_cluster_that_serves(nats_url, tmp_path):
         assert len({g.uuid for g in inv.gpus}) == 4
 
         # deployed as the demo does: profiled on that node, given its initial instance, invoked
-        await deploy(nc, [function_spec("unit-fn", "resnet152", peak_rps=20)], timeout_s=150)
+        spec = function_spec("unit-fn", "resnet152", peak_rps=20)
+        await deploy(nc, [spec], timeout_s=150)
         client = InvokeClient(nc, js)
         await client.start()
         now = time.time_ns()
@@ -93,6 +96,15 @@ async def test_units_start_a_cluster_that_serves(nats_url, tmp_path):
                                                        timeout_s=120) for i in range(20)))
         await client.close()
         assert [r.status for r in results] == ["ok"] * 20, {r.error for r in results}
+        # and over HTTP, on the address and port the gateway's unit and the environment file give;
+        # the gateway knows deployed functions from KV dilu-functions, where `dilu deploy` keeps
+        # them (this test's deploy helper only announces the function)
+        await (await functions_bucket(js)).put(subjects.token(spec.name), msgspec.json.encode(spec))
+        argv = exec_start(parse_unit(UNITS["gateway"]), env)
+        url = f"http://{env['DILU_HOST']}:{argv[argv.index('--port') + 1]}/v1/functions/unit-fn:invoke"
+        request = urllib.request.Request(url, data=b"x", headers={"Dilu-Timeout": "60"}, method="POST")
+        with urllib.request.urlopen(request, timeout=90) as resp:
+            assert resp.status == 200 and resp.headers["Dilu-Instance"]
         await nc.drain()
     finally:
         for proc, _ in procs.values():

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import hcl2
 import pytest
-from unitfiles import parse_unit, unit_value
+from unitfiles import env_file, parse_unit, unit_value
 
 from dilu.contracts import subjects
 
@@ -30,11 +30,12 @@ NOMAD_FILES = sorted((DEPLOY / "nomad").glob("*.nomad.hcl"))
 UNIT_FILES = sorted((DEPLOY / "systemd").glob("*.service")) + sorted((DEPLOY / "systemd").glob("*.target"))
 NATS_CONFS = sorted((DEPLOY / "nats").glob("*.conf"))
 
-# The five services: python package -> how the deployment runs it.
+# The services: python package -> how the deployment runs it.
 SERVICES = {
     "profiler": "service",
     "scheduler": "service",
     "horizontal_scaler": "service",
+    "gateway": "service",
     "vertical_scaler": "system",
     "node_agent": "system",
 }
@@ -116,6 +117,12 @@ def metrics_port_arg(args: list[str]) -> str:
     return args[args.index("--metrics-port") + 1]
 
 
+def group_ports(group: dict) -> dict[str, dict]:
+    """A group's network ports by label (every service has ``metrics``; the gateway also ``http``)."""
+    (net,) = group["network"]
+    return dict(labelled(net["port"]))
+
+
 # ------------------------------------------------------------------------------------------- Nomad
 
 
@@ -163,11 +170,13 @@ def test_service_task_runs_from_the_venv_with_sigterm(pkg):
 @pytest.mark.parametrize("pkg", sorted(SERVICES))
 def test_service_declares_its_metrics_port_and_checks_readyz_and_healthz(pkg):
     t = dilu_tasks()[pkg]
-    ports = {label: body for net in t.group["network"] for label, body in labelled(net.get("port"))}
+    ports = group_ports(t.group)
     services = t.group.get("service", []) + t.task.get("service", [])
-    assert len(services) == 1, f"{pkg}: expected one service block"
-    service = services[0]
-    assert service["port"] in ports, f"{pkg}: service port {service['port']!r} is not declared"
+    for s in services:
+        assert s["port"] in ports, f"{pkg}: service port {s['port']!r} is not declared"
+    health = [s for s in services if s["port"] == "metrics"]
+    assert len(health) == 1, f"{pkg}: expected one service on the metrics port"
+    service = health[0]
     # The process must listen on the port Nomad checks.
     assert metrics_port_arg(t.task["config"][0]["args"]) == f"${{NOMAD_PORT_{service['port']}}}"
     checks = {c["path"]: c for c in service["check"] if c["type"] == "http"}
@@ -180,10 +189,10 @@ def test_service_declares_its_metrics_port_and_checks_readyz_and_healthz(pkg):
 def test_metrics_ports_are_static_and_distinct():
     ports = {}
     for pkg, t in dilu_tasks().items():
-        (net,) = t.group["network"]
-        ((label, body),) = labelled(net["port"])
-        ports[pkg] = body["static"]
-    assert len(set(ports.values())) == len(SERVICES), ports
+        for label, body in group_ports(t.group).items():
+            ports[f"{pkg}/{label}"] = body["static"]
+    assert set(ports) == {f"{pkg}/metrics" for pkg in SERVICES} | {"gateway/http"}
+    assert len(set(ports.values())) == len(ports), ports
 
 
 @pytest.mark.parametrize("path", NOMAD_FILES, ids=lambda p: p.name)
@@ -209,6 +218,22 @@ def test_node_agent_gets_gpus_shm_and_the_interceptor():
     assert env["DILU_INTERCEPTOR_LIB"].startswith("${var.")
     assert "LD_PRELOAD" not in env, "the agent itself must not be intercepted"
     assert env["DILU_NODE"] == "${node.unique.name}"
+
+
+def test_gateway_serves_http_on_its_declared_port_behind_a_ready_check():
+    t = dilu_tasks()["gateway"]
+    args = t.task["config"][0]["args"]
+    assert args[args.index("--port") + 1] == "${NOMAD_PORT_http}"
+    assert t.task["env"][0]["DILU_HOST"] == "${NOMAD_IP_http}"
+    (api,) = [s for s in t.group["service"] if s["port"] == "http"]
+    assert [c["path"] for c in api["check"]] == ["/readyz"]
+    if t.group["count"] > 1:  # static ports: one copy per host
+        assert any(c.get("operator") == "distinct_hosts" for c in t.group.get("constraint", []))
+    # systemd runs it on the same HTTP port, at the address the environment file names
+    unit = parse_unit(DEPLOY / "systemd" / "dilu-gateway.service")
+    exec_start = unit_value(unit, "Service", "ExecStart").split()
+    assert exec_start[exec_start.index("--port") + 1] == str(group_ports(t.group)["http"]["static"])
+    assert "DILU_HOST" in env_file(DEPLOY / "systemd" / "dilu.env.example")
 
 
 def test_vertical_scaler_knows_its_node():
@@ -259,9 +284,7 @@ def test_node_agent_unit_shares_dev_and_shm():
 @pytest.mark.parametrize("pkg", sorted(SERVICES))
 def test_systemd_and_nomad_use_the_same_metrics_port(pkg):
     exec_start = unit_value(parse_unit(DEPLOY / "systemd" / UNIT_OF[pkg]), "Service", "ExecStart").split()
-    (net,) = dilu_tasks()[pkg].group["network"]
-    ((_, body),) = labelled(net["port"])
-    assert int(metrics_port_arg(exec_start)) == body["static"]
+    assert int(metrics_port_arg(exec_start)) == group_ports(dilu_tasks()[pkg].group)["metrics"]["static"]
 
 
 def verify_units(files: list[Path], tmp_path: Path) -> str:
