@@ -13,6 +13,7 @@ SERVICES = {
     "vertical-scaler": "vertical_scaler",
     "horizontal-scaler": "horizontal_scaler",
     "node-agent": "node_agent",
+    "gateway": "gateway",
 }
 
 
@@ -20,7 +21,7 @@ SERVICES = {
 @click.argument("name", required=False)
 @click.pass_context
 def service(ctx: click.Context, name: str | None) -> None:
-    """Run service NAME (profiler, scheduler, vertical-scaler, horizontal-scaler, node-agent;
+    """Run service NAME (profiler, scheduler, vertical-scaler, horizontal-scaler, node-agent, gateway;
     underscores work too); its own options follow: ``dilu service NAME --help``."""
     if name in (None, "--help", "-h"):
         click.echo(ctx.get_help())
