@@ -24,18 +24,19 @@ import uvloop
 from rich.console import Console
 
 from dilu.loadgen import arrivals, assign, generator, report, trace
+from dilu.loadgen import llm as llmtrace
 from dilu.services.common import logging as dlog
 from dilu.services.common.cliopts import writable_output
 from dilu.services.common import models
 from dilu.services.common.invoke import InvokeClient
-from dilu.services.common.workqueue import ensure_consumer, ensure_stream
+from dilu.services.common.workqueue import ensure_stream
 
 from dilu.services.node_agent.__main__ import parse_gpus
 from dilu.services.node_agent.devices import EMULATED_DEFAULT_COUNT
 
 from .cluster import POLICIES, Cluster
-from .deploy import (WarmWatch, cluster_facts, cpu_function_spec, deploy, function_spec, operator_profile,
-                     profile_all)
+from .deploy import (WarmWatch, cluster_facts, cpu_function_spec, deploy_all, function_spec, llm_spec, profile_all,
+                     training_iterations, training_spec)
 
 DRAIN_GRACE_S = 20.0  # after the last send, how long answers may still arrive
 WARM_UP_TIMEOUT_S = 30.0  # longest wait for the functions' initial instances before the replay
@@ -55,7 +56,16 @@ class RunOptions:
     gpus: str
     nats_url: str | None
     log_dir: str | None
+    training_jobs: int | None = None
+    llm_share: float = 0.0
     progress: bool = True
+
+    def training_count(self) -> int:
+        """Training jobs to run beside the inference functions: ``--training-jobs``, else one per
+        emulated GPU (none on a CPU node)."""
+        if self.gpus == "cpu":
+            return 0
+        return int(self.gpus) if self.training_jobs is None else self.training_jobs
 
 
 def _functions(value: str) -> int | str:
@@ -94,20 +104,54 @@ def run_options(f):
         click.option("--gpus", default="4", show_default=True, callback=lambda c, p, v: _gpus(v), help="emulated A100 40 GB GPUs on the node (1..64), or 'cpu'"),
         click.option("--nats-url", default=None, help="use a running NATS server instead of starting one"),
         click.option("--log-dir", default=None, type=click.Path(file_okay=False), help="where the services' JSON logs go (default: a temp dir)"),
+        click.option("--training-jobs", type=click.IntRange(min=0, max=64), default=None, help="training jobs collocated with the inference functions (default: one per GPU; 0: none)"),
+        click.option("--llm-share", type=click.FloatRange(min=0.0, max=1.0), default=0.0, show_default=True, help="also replay this fraction of the Azure LLM 2023 code trace's requests (real arrival times, prompt and output lengths) against an llm function on LLaMA2-7B; 0: none"),
     ]
     for opt in reversed(opts):
         f = opt(f)
     return f
 
 
+LLM_FUNCTION = "llm-code"
+LLM_MAX_NEW_TOKENS = 256  # the trace's longest outputs (1,899 tokens) would hold a GPU for minutes
+
+
 def build_plan(opts: RunOptions, run_id: str):
-    """The replay plan and each selected function's model (seeded rule in :mod:`loadgen.assign`)."""
+    """The replay plan, each selected function's model (seeded rule in :mod:`loadgen.assign`) and,
+    with ``--llm-share``, the LLM replay plan (the trace at its own speed: its arrivals are
+    seconds apart already)."""
     tr = trace.read_trace(opts.trace_dir)
     plan = arrivals.plan_replay(tr, seed=opts.seed, duration_s=opts.duration, speedup=opts.speedup,
                                 start_minute=opts.start_minute, functions=opts.functions, id_prefix=f"{run_id}-")
     capacity = assign.catalogue_capacity(models.latency_ms, models.default_slo_ms)
     chosen = assign.assign_models(plan.functions, opts.seed, opts.speedup, capacity)
-    return plan, chosen
+    llm_plan = None
+    if opts.llm_share > 0:
+        llm_plan = llmtrace.plan_llm_replay(llmtrace.read_llm_trace(), function=LLM_FUNCTION, seed=opts.seed,
+                                            duration_s=opts.duration, speedup=1.0, sample=opts.llm_share,
+                                            max_new_tokens_cap=LLM_MAX_NEW_TOKENS, id_prefix=f"{run_id}-")
+    return plan, chosen, llm_plan
+
+
+def _specs(opts: RunOptions, plan, chosen: dict[str, str], llm_plan) -> list:
+    """What the run deploys: the replayed functions, the LLM function and the training jobs."""
+    if opts.gpus == "cpu":  # a CPU node runs the real torch handler; there is no GPU to profile on
+        return [cpu_function_spec(f.name, len(plan.functions)) for f in plan.functions]
+    specs = [function_spec(f.name, chosen[f.name], peak_rps=f.peak_rps) for f in plan.functions]
+    if llm_plan is not None and llm_plan.invocations:
+        prompt = sum(i.prompt_tokens for i in llm_plan.invocations) / len(llm_plan.invocations)
+        specs.append(llm_spec(LLM_FUNCTION, prompt))
+    specs += [training_spec(f"train-{i}") for i in range(opts.training_count())]
+    return specs
+
+
+def _timeout_s(spec, inv) -> float:
+    """How long a request may go unanswered before it counts as timed out: 10 x its objective
+    (an llm reply's for its own output length), at least REQUEST_TIMEOUT_MIN_S."""
+    objective_ms = spec.slo_ms
+    if spec.kind == "llm" and isinstance(inv, llmtrace.LlmInvocation):
+        objective_ms = spec.ttft_ms + inv.output_tokens * spec.tpot_ms
+    return max(REQUEST_TIMEOUT_MIN_S, 10 * objective_ms / 1000.0)
 
 
 def scaler_windows(speedup: float) -> list[str]:
@@ -122,35 +166,34 @@ def scaler_windows(speedup: float) -> list[str]:
             "--scale-down-delay-s", f"{max(1.0, 120.0 / speedup):g}"]
 
 
-def run_facts(facts: dict) -> report.RunFacts:
-    """The cluster's scraped counters (:func:`cluster_facts`) as the report's RunFacts."""
+def run_facts(facts: dict, training: dict | None = None) -> report.RunFacts:
+    """The cluster's scraped counters (:func:`cluster_facts`) and the training jobs' iterations
+    during the replay as the report's RunFacts."""
     per_fn = {fn: report.FunctionFacts(instance_launches=f.get("instance_launches", 0),
                                        quota_seconds=f.get("quota_seconds", 0.0))
               for fn, f in facts["per_function"].items()}
-    return report.RunFacts(functions=per_fn, mechanism=report.Mechanism(**facts["mechanism"]), **facts["gpu"])
+    return report.RunFacts(functions=per_fn, mechanism=report.Mechanism(**facts["mechanism"]),
+                           training=training or {}, **facts["gpu"])
 
 
-async def _replay(opts: RunOptions, cluster: Cluster, plan, chosen: dict[str, str], console: Console,
+async def _replay(opts: RunOptions, cluster: Cluster, plan, chosen: dict[str, str], llm_plan, console: Console,
                   stop: asyncio.Event):
-    """Deploy, profile, replay; returns (generator result, function specs)."""
+    """Deploy, replay; returns (generator result, deployed specs, training facts)."""
     nc = await nats.connect(cluster.url, name="dilu-loadgen", max_reconnect_attempts=-1)
     js = nc.jetstream()
     try:
         await ensure_stream(js)
-        if opts.gpus == "cpu":  # a CPU node runs the real torch handler; there is no GPU to profile on
-            specs = [cpu_function_spec(f.name) for f in plan.functions]
-            given = {s.name: operator_profile(s.name, len(specs)) for s in specs}
-            console.print(f"[dim]deploying {len(specs)} torch CNN functions on the CPU node[/dim]")
-        else:
-            specs = [function_spec(f.name, chosen[f.name], peak_rps=f.peak_rps) for f in plan.functions]
-            given = None
-            console.print(f"[dim]deploying {len(specs)} functions; the profiler measures them on the emulated GPUs[/dim]")
-        for spec in specs:
-            await ensure_consumer(js, spec.name)
-        if given is None and not await _unless_stopped(profile_all(nc, specs), stop):
+        specs = _specs(opts, plan, chosen, llm_plan)
+        serving = [s for s in specs if s.kind != "training"]
+        training = [s for s in specs if s.kind == "training"]
+        console.print(f"[dim]deploying {len(serving)} functions"
+                      + (f" and {len(training)} training jobs" if training else "")
+                      + ("; the profiler measures them on the emulated GPUs" if opts.gpus != "cpu" else
+                         " (torch CNN on the CPU node)") + "[/dim]")
+        if not await _unless_stopped(profile_all(nc, [s for s in specs if s.profile is None]), stop):
             raise Interrupted("stopped while profiling: nothing was offered")
         warm = await WarmWatch({s.name for s in specs}).start(nc)
-        if not await _unless_stopped(deploy(nc, specs, given=given), stop):
+        if not await _unless_stopped(deploy_all(nc, specs), stop):
             raise Interrupted("stopped while deploying: nothing was offered")
         # each function's initial instance (the horizontal scaler's initial scale) starts before
         # the replay, as on a platform where functions are deployed ahead of their traffic
@@ -163,23 +206,35 @@ async def _replay(opts: RunOptions, cluster: Cluster, plan, chosen: dict[str, st
                           f"{WARM_UP_TIMEOUT_S:.0f} s; their first requests start them[/yellow]")
         client = InvokeClient(nc, js)
         await client.start()
-        timeouts = {s.name: max(REQUEST_TIMEOUT_MIN_S, 10 * s.slo_ms / 1000.0) for s in specs}
+        by_name = {s.name: s for s in specs}
         gen: generator.OpenLoopGenerator
 
         async def invoke(inv) -> generator.Outcome:
-            r = await client.invoke(inv.function, inv.id.encode(), request_id=inv.id,
-                                    scheduled_ns=gen.started_unix_ns + inv.scheduled_ns,
-                                    timeout_s=timeouts[inv.function])
-            return generator.Outcome(status=r.status, cold_start=r.cold_start, detail=r.error)
+            scheduled = gen.started_unix_ns + inv.scheduled_ns
+            streamed = isinstance(inv, llmtrace.LlmInvocation)
+            body = llmtrace.payload(inv) if streamed else inv.id.encode()
+            r = await client.invoke(inv.function, body, request_id=inv.id, scheduled_ns=scheduled,
+                                    timeout_s=_timeout_s(by_name[inv.function], inv))
+            ttft, tpot = generator.token_times_ms(scheduled, r.chunks, r.first_chunk_ns, r.last_chunk_ns)
+            return generator.Outcome(status=r.status, cold_start=r.cold_start, detail=r.error,
+                                     ttft_ms=ttft if streamed else None, tpot_ms=tpot if streamed else None,
+                                     output_tokens=r.chunks)
 
+        invocations = sorted([*plan.invocations, *(llm_plan.invocations if llm_plan else ())],
+                             key=lambda i: (i.scheduled_ns, i.id))
+        duration = max(plan.duration_s, llm_plan.duration_s if llm_plan else 0.0)
         gen = generator.OpenLoopGenerator(invoke, drain_timeout_s=DRAIN_GRACE_S, progress=opts.progress, console=console)
         watcher = asyncio.create_task(_stop_on(stop, gen))
+        before = await asyncio.to_thread(training_iterations, cluster)
         try:
-            result = await gen.run(plan.invocations, duration_s=plan.duration_s)
+            result = await gen.run(invocations, duration_s=duration)
         finally:
             watcher.cancel()
+        after = await asyncio.to_thread(training_iterations, cluster)
+        trained = {s.name: report.TrainingFacts(iterations=int(after.get(s.name, 0) - before.get(s.name, 0)),
+                                                seconds=result.wall_s) for s in training}
         await client.close()
-        return result, specs
+        return result, specs, trained
     finally:
         await nc.drain()
 
@@ -210,7 +265,7 @@ async def _stop_on(stop: asyncio.Event, gen) -> None:
 async def run_once(opts: RunOptions, policy: str, console: Console, stop: asyncio.Event) -> dict:
     """One full run under ``policy``; returns the report as a JSON-ready dict."""
     run_id = uuid.uuid4().hex[:6]
-    plan, chosen = build_plan(opts, run_id)
+    plan, chosen, llm_plan = build_plan(opts, run_id)
     log_dir = Path(opts.log_dir or tempfile.mkdtemp(prefix="dilu-logs-")) / policy
     n = len(plan.functions)
     console.print(f"[bold]policy {policy}[/bold]: {n} function{'s' if n != 1 else ''} carrying "
@@ -225,14 +280,15 @@ async def run_once(opts: RunOptions, policy: str, console: Console, stop: asynci
                       extra_args={"horizontal_scaler": scaler_windows(opts.speedup)})
     await asyncio.to_thread(cluster.start)
     try:
-        result, specs = await _replay(opts, cluster, plan, chosen, console, stop)
+        result, specs, trained = await _replay(opts, cluster, plan, chosen, llm_plan, console, stop)
         facts = cluster_facts(cluster)
     finally:
         await asyncio.to_thread(cluster.stop)
-    meta = {s.name: report.FunctionMeta(model=s.model, slo_ms=s.slo_ms) for s in specs}
+    meta = {s.name: report.FunctionMeta(model=s.model, slo_ms=s.slo_ms, kind=s.kind, ttft_ms=s.ttft_ms or None,
+                                        tpot_ms=s.tpot_ms or None) for s in specs}
     gpus = 0 if opts.gpus == "cpu" else int(opts.gpus)
-    info = report.run_info(plan, result, policy=policy, gpus=gpus)
-    return report.build_report(result.records, meta, run_facts(facts), info).to_dict()
+    info = report.run_info(plan, result, policy=policy, gpus=gpus, llm_plan=llm_plan)
+    return report.build_report(result.records, meta, run_facts(facts, trained), info).to_dict()
 
 
 def _run_or_explain(main):

@@ -3,9 +3,13 @@ from __future__ import annotations
 
 import asyncio
 
+from dilu.client import admin
+from dilu.client.errors import DeployError
 from dilu.contracts import decode, encode, subjects
 from dilu.contracts import events as ev
 from dilu.services.common import models
+from dilu.services.common.functions import request_slo_ms
+from dilu.services.node_agent.handlers import emulated
 
 from .cluster import Cluster
 
@@ -44,14 +48,15 @@ CPU_HANDLER = "dilu.services.node_agent.handlers.torch_cnn"
 CPU_SLO_MS = 2000.0  # a small CNN on one CPU thread: ~10 ms a batch, plus queueing on 2 cores
 
 
-def cpu_function_spec(name: str) -> ev.FunctionSpec:
-    """A function for a CPU node (``--gpus cpu``): the real torch CNN handler."""
-    return ev.FunctionSpec(name=name, model="torch_cnn", slo_ms=CPU_SLO_MS, memory_bytes=2**28,
-                           handler=CPU_HANDLER, max_batch=4, max_instances=2)
+def cpu_function_spec(name: str, functions: int = 1) -> ev.FunctionSpec:
+    """A function for a CPU node (``--gpus cpu``): the real torch CNN handler, with the
+    operator's profile (:func:`operator_profile`: a CPU node has no GPU to profile on)."""
+    return ev.FunctionSpec(name=name, slo_ms=CPU_SLO_MS, memory_bytes=2**28, handler=CPU_HANDLER, max_batch=4,
+                           max_instances=2, profile=operator_profile(name, functions))
 
 
 def operator_profile(name: str, functions: int) -> ev.Profile:
-    """A CPU node has no GPU to profile on: the operator's profile shares the node evenly."""
+    """The node shared evenly by ``functions`` functions."""
     share = max(0.01, int(10_000 / max(1, functions)) / 10_000)  # rounded down: n shares fit in 1
     return ev.Profile(function=name, request_quota=share, limit_quota=share, batch_size=4, backend="operator")
 
@@ -117,42 +122,62 @@ async def profile_all(nc, specs: list[ev.FunctionSpec], timeout_s: float = PROFI
     return {s.name: r.profile for s, r in zip(specs, replies)}
 
 
-async def deploy(nc, specs: list[ev.FunctionSpec], timeout_s: float = PROFILE_TIMEOUT_S,
-                 given: dict[str, ev.Profile] | None = None) -> dict[str, ev.Profile]:
-    """Publish FunctionDeployed for each spec and wait for every ProfileReady (``given``:
-    ones the operator supplies, published as ready instead of waiting for the profiler).
+async def deploy_all(nc, specs: list[ev.FunctionSpec], timeout_s: float = PROFILE_TIMEOUT_S) -> dict[str, ev.Profile]:
+    """Deploy every spec the way ``dilu deploy`` does (:func:`dilu.client.admin.deploy`: admission,
+    profile, queue, KV ``dilu-functions``, FunctionDeployed), all at once and without waiting for
+    instances. Profile them first (:func:`profile_all`) so that the profiler answers here from its
+    cache and the initial instances start together.
 
-    Raises TimeoutError naming the functions still without a profile.
+    Raises DeployError naming each function that failed and why.
     """
-    wanted = {s.name for s in specs}
-    profiles: dict[str, ev.Profile] = {}
-    done = asyncio.Event()
+    results = await asyncio.gather(*(admin.deploy(nc, s, timeout_s=timeout_s, wait_ready_s=0) for s in specs),
+                                   return_exceptions=True)
+    failed = [f"{s.name}: {r}" for s, r in zip(specs, results) if isinstance(r, BaseException)]
+    if failed:
+        raise DeployError("deploy failed for " + "; ".join(failed))
+    return {s.name: r.profile for s, r in zip(specs, results)}
 
-    async def on_ready(msg) -> None:
-        try:
-            profile = decode(msg.data, ev.ProfileReady).profile
-        except Exception:
-            return
-        if profile.function in wanted:
-            profiles[profile.function] = profile
-            if wanted <= set(profiles):
-                done.set()
 
-    sub = await nc.subscribe(f"{subjects.PREFIX}.profile.ready.*", cb=on_ready)
-    try:
-        for spec in specs:
-            await nc.publish(subjects.function_deployed(spec.name), encode(ev.FunctionDeployed(spec=spec)))
-        for profile in (given or {}).values():
-            await nc.publish(subjects.profile_ready(profile.function), encode(ev.ProfileReady(profile=profile)))
-        await nc.flush()
-        try:
-            await asyncio.wait_for(done.wait(), timeout=timeout_s)
-        except asyncio.TimeoutError:
-            missing = sorted(wanted - set(profiles))
-            raise TimeoutError(f"no profile after {timeout_s:.0f} s for: {', '.join(missing)}") from None
-    finally:
-        await sub.unsubscribe()
-    return profiles
+# A demo training job soaks what inference leaves idle: a small guaranteed share, a limit that
+# keeps it to one job per GPU (two limits of TRAINING_LIMIT exceed the scheduler's gamma of 1.5)
+# and leaves 0.7 of that budget to the inference functions packed beside it.
+TRAINING_MODEL = "resnet152"
+TRAINING_REQUEST = 0.1
+TRAINING_LIMIT = 0.8
+TRAINING_BATCH = 32
+
+
+def training_spec(name: str) -> ev.FunctionSpec:
+    """A training job on an emulated GPU (ResNet152 iterations at batch 32, timed by its surface),
+    priority ``training``, one instance for the whole run, with the operator's profile."""
+    return ev.FunctionSpec(
+        name=name, model=TRAINING_MODEL, kind="training", priority="training", max_batch=TRAINING_BATCH,
+        memory_bytes=models.memory_bytes(TRAINING_MODEL), cold_start_ms=models.cold_start_ms(TRAINING_MODEL),
+        min_instances=1, max_instances=1,
+        profile=ev.Profile(function=name, request_quota=TRAINING_REQUEST, limit_quota=TRAINING_LIMIT,
+                           batch_size=TRAINING_BATCH, backend="operator"))
+
+
+LLM_MODEL = "llama2"
+
+
+def llm_spec(name: str, prompt_tokens: float, *, max_batch: int = 8) -> ev.FunctionSpec:
+    """An ``llm`` function on the emulated LLaMA2-7B surface. Objectives, the catalogue's rule
+    (``DEFAULT_SLO_FACTOR`` x the unloaded full-GPU figure): time per output token 5 x one decode
+    step at batch 1; time to first token 5 x (the prefill of a ``prompt_tokens`` prompt + one step)."""
+    step_ms = models.step_latency_ms(LLM_MODEL, 1, 1.0)
+    tpot = models.DEFAULT_SLO_FACTOR * step_ms
+    ttft = models.DEFAULT_SLO_FACTOR * (emulated.prefill_ms(LLM_MODEL, max(1, round(prompt_tokens)), 1.0) + step_ms)
+    return ev.FunctionSpec(
+        name=name, model=LLM_MODEL, kind="llm", ttft_ms=round(ttft, 1), tpot_ms=round(tpot, 1),
+        slo_ms=round(request_slo_ms("llm", ttft_ms=ttft, tpot_ms=tpot), 1), max_batch=max_batch,
+        memory_bytes=models.memory_bytes(LLM_MODEL), cold_start_ms=models.cold_start_ms(LLM_MODEL), max_instances=4)
+
+
+def training_iterations(cluster: Cluster) -> dict[str, float]:
+    """Training iterations per function so far, from the node agent's
+    ``dilu_training_iterations_total`` (reported by the instances)."""
+    return _by_label(cluster.metrics("node_agent"), "dilu_training_iterations", "function")
 
 
 def _sum(metrics: dict[str, float], name: str) -> float:

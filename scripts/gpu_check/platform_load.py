@@ -183,7 +183,7 @@ async def drive(cluster, result: dict, args, deadline: float) -> None:
     import msgspec
     import nats
 
-    from dilu.cli.deploy import cluster_facts, deploy
+    from dilu.cli.deploy import cluster_facts, deploy_all
     from dilu.contracts import decode, subjects
     from dilu.contracts import events as ev
     from dilu.services.common.nodes import read_inventories
@@ -213,7 +213,7 @@ async def drive(cluster, result: dict, args, deadline: float) -> None:
     await nc.subscribe(f"{subjects.PREFIX}.instance.ready.*", cb=on_ready)
     await nc.subscribe(f"{subjects.PREFIX}.placement.decided.*", cb=on_placed)
     t_deploy = time.monotonic()
-    await deploy(nc, specs, given=given, timeout_s=30)
+    await deploy_all(nc, [msgspec.structs.replace(s, profile=given[s.name]) for s in specs], timeout_s=30)
     say(STEP, f"deployed {', '.join(s.name for s in specs)} (request {REQUEST}, limit {LIMIT}, batch {BATCH}); "
               f"waiting for instances")
     wait_s = max(5.0, min(READY_WAIT_S, deadline - time.monotonic() - 30))

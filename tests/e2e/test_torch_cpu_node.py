@@ -8,7 +8,7 @@ import nats
 import pytest
 
 from dilu.cli.cluster import Cluster
-from dilu.cli.deploy import cpu_function_spec, deploy, operator_profile
+from dilu.cli.deploy import cpu_function_spec, deploy_all
 from dilu.contracts import encode, subjects
 from dilu.contracts import events as ev
 from dilu.services.common.invoke import InvokeClient
@@ -26,8 +26,8 @@ async def test_torch_handler_serves_real_inferences(tmp_path):
         js = nc.jetstream()
         await ensure_stream(js)
         await ensure_consumer(js, "cnn")
-        # a CPU node has no GPU to profile on: the operator supplies the profile
-        await deploy(nc, [cpu_function_spec("cnn")], given={"cnn": operator_profile("cnn", 2)})
+        # a CPU node has no GPU to profile on: the spec carries the operator's profile
+        await deploy_all(nc, [cpu_function_spec("cnn", 2)])
         await asyncio.sleep(0.5)
         reply = await nc.request(subjects.SCHEDULER_PLACE, encode(ev.PlaceRequest(function="cnn")), timeout=10)
         assert b'"ok":true' in reply.data, reply.data

@@ -22,8 +22,7 @@ import nats
 import pytest
 from unitfiles import DEPLOY, env_file, exec_start, parse_unit, unit_environment
 
-from dilu.cli.deploy import deploy, function_spec
-from dilu.client.admin import functions_bucket
+from dilu.cli.deploy import deploy_all, function_spec
 from dilu.contracts import subjects
 from dilu.contracts.events import NodeInventory
 from dilu.services.common.cliopts import METRICS_PORTS, default_node
@@ -86,9 +85,10 @@ async def test_units_start_a_cluster_that_serves(nats_url, tmp_path):
         assert {g.memory_bytes for g in inv.gpus} == {40 * 2**30} and {g.sms for g in inv.gpus} == {108}
         assert len({g.uuid for g in inv.gpus}) == 4
 
-        # deployed as the demo does: profiled on that node, given its initial instance, invoked
+        # deployed as `dilu deploy` does: admitted, profiled on that node, stored in KV
+        # dilu-functions, given its initial instance, invoked
         spec = function_spec("unit-fn", "resnet152", peak_rps=20)
-        await deploy(nc, [spec], timeout_s=150)
+        await deploy_all(nc, [spec], timeout_s=150)
         client = InvokeClient(nc, js)
         await client.start()
         now = time.time_ns()
@@ -96,10 +96,7 @@ async def test_units_start_a_cluster_that_serves(nats_url, tmp_path):
                                                        timeout_s=120) for i in range(20)))
         await client.close()
         assert [r.status for r in results] == ["ok"] * 20, {r.error for r in results}
-        # and over HTTP, on the address and port the gateway's unit and the environment file give;
-        # the gateway knows deployed functions from KV dilu-functions, where `dilu deploy` keeps
-        # them (this test's deploy helper only announces the function)
-        await (await functions_bucket(js)).put(subjects.token(spec.name), msgspec.json.encode(spec))
+        # and over HTTP, on the address and port the gateway's unit and the environment file give
         argv = exec_start(parse_unit(UNITS["gateway"]), env)
         url = f"http://{env['DILU_HOST']}:{argv[argv.index('--port') + 1]}/v1/functions/unit-fn:invoke"
         request = urllib.request.Request(url, data=b"x", headers={"Dilu-Timeout": "60"}, method="POST")
