@@ -346,7 +346,8 @@ def demo(json_path, policy, **kw) -> None:
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None, callback=writable_output)
 def compare(json_path, policies, **kw) -> None:
     """Run the same trace and seed under several policies back to back; print one table.
-    Ctrl-C stops the policy under way; the ones already finished are still reported."""
+    Ctrl-C stops the policy under way; the ones already finished are still reported. No training
+    jobs unless --training-jobs asks (the exclusive policy gives each a whole GPU)."""
     names = [p.strip() for p in policies.split(",") if p.strip()]
     bad = [p for p in names if p not in POLICIES]
     if not names:
@@ -356,6 +357,8 @@ def compare(json_path, policies, **kw) -> None:
     if len(set(names)) != len(names):
         raise click.BadParameter(f"a policy is named twice in {names}", param_hint="--policies")
     opts = RunOptions(**kw)
+    if opts.training_jobs is None:  # an exclusive GPU per instance leaves no room to collocate
+        opts.training_jobs = 0
     console = make_console()
 
     async def main() -> dict:
