@@ -51,7 +51,7 @@ async def test_malformed_event_is_rejected_counted_and_the_next_one_handled(bus,
     before = MALFORMED.labels("bus-test", pattern)._value.get()
     with capture_logs() as logs:
         await peer.publish(subject, b"{not json")
-        await peer.publish(subject, msgspec.json.encode({"spec": {"name": "f1"}}))  # no model
+        await peer.publish(subject, msgspec.json.encode({"spec": {"model": "bert_base"}}))  # no name
         await peer.publish(subject, encode(deployed("f1")))
         event = await asyncio.wait_for(seen.get(), 5)
     assert event.spec.name == "f1" and seen.empty()
@@ -59,7 +59,7 @@ async def test_malformed_event_is_rejected_counted_and_the_next_one_handled(bus,
     # counted per subscription pattern: random subjects cannot mint new time series
     assert MALFORMED.labels("bus-test", pattern)._value.get() - before == 2
     reasons = [e["reason"] for e in rejections(logs)]
-    assert len(reasons) == 2 and any("model" in r for r in reasons), reasons
+    assert len(reasons) == 2 and any("name" in r for r in reasons), reasons
 
 
 async def test_raising_handler_is_counted_and_does_not_stop_the_subscription(bus, peer):
