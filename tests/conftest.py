@@ -1,6 +1,7 @@
 """Shared fixtures. ``nats_url``: a real nats-server with JetStream in a temp dir, one per test."""
 from __future__ import annotations
 
+import nats
 import pytest
 
 from dilu.services.common.natsserver import EmbeddedNats
@@ -10,3 +11,21 @@ from dilu.services.common.natsserver import EmbeddedNats
 def nats_url():
     with EmbeddedNats() as server:
         yield server.url
+
+
+@pytest.fixture
+async def nc(nats_url):
+    """A NATS connection to ``nats_url``, closed after the test."""
+    conn = await nats.connect(nats_url)
+    yield conn
+    await conn.close()
+
+
+@pytest.fixture
+async def services(nc):
+    """Fake scheduler, profiler and node answering as the real services do (tests/client_fakes.py)."""
+    from client_fakes import FakeServices
+
+    fakes = await FakeServices(nc).start()
+    yield fakes
+    await fakes.stop()

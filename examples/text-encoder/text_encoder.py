@@ -33,14 +33,9 @@ EMBEDDING_VALUES = 8                  # how many embedding values an answer carr
 
 
 def model_sizes(ctx: FunctionContext) -> tm.Sizes:
-    """The model's dimensions from ``ctx.config["size"]``: ``tiny`` or ``full``; unset: full
-    unless ``DILU_TORCH_TINY=1``. Raises ValueError for any other value."""
-    size = ctx.config.get("size", "")
-    if size not in ("", "tiny", "full"):
-        raise ValueError(f"config size must be 'tiny' or 'full', not {size!r}")
-    if size == "tiny":
-        return tm.TINY
-    return tm.FULL if size == "full" else tm.sizes_from_env()
+    """The model's dimensions from ``ctx.config["size"]`` (``tiny`` or ``full``; unset: full
+    unless ``DILU_TORCH_TINY=1``). Raises ValueError for any other value."""
+    return tm.sizes_from_config(ctx.config)
 
 
 def word_id(word: str, vocab: int) -> int:

@@ -12,7 +12,6 @@ import json
 import time
 
 import msgspec
-import nats
 import pytest
 from click.testing import CliRunner, Result
 
@@ -26,20 +25,6 @@ from dilu.services.common.natsserver import free_port
 from dilu.services.common.nodes import nodes_bucket
 
 pytestmark = pytest.mark.nats
-
-
-@pytest.fixture
-async def nc(nats_url):
-    conn = await nats.connect(nats_url)
-    yield conn
-    await conn.close()
-
-
-@pytest.fixture
-async def services(nc):
-    fakes = await FakeServices(nc).start()
-    yield fakes
-    await fakes.stop()
 
 
 async def dilu(*args: str, env: dict | None = None, stdin: bytes | None = None) -> Result:

@@ -7,7 +7,6 @@ import asyncio
 import time
 
 import msgspec
-import nats
 import pytest
 
 from client_fakes import FAKE_PROFILE, FakeInstance, FakeServices, put_state, spec_toml
@@ -32,20 +31,6 @@ from dilu.services.common.natsserver import free_port
 from dilu.services.common.nodes import nodes_bucket
 
 pytestmark = pytest.mark.nats
-
-
-@pytest.fixture
-async def nc(nats_url):
-    conn = await nats.connect(nats_url)
-    yield conn
-    await conn.close()
-
-
-@pytest.fixture
-async def services(nc):
-    fakes = await FakeServices(nc).start()
-    yield fakes
-    await fakes.stop()
 
 
 @pytest.fixture

@@ -18,13 +18,6 @@ FN = "bert"
 
 
 @pytest.fixture
-async def nc(nats_url):
-    conn = await nats.connect(nats_url)
-    yield conn
-    await conn.close()
-
-
-@pytest.fixture
 async def js(nc):
     js = nc.jetstream()
     await ensure_stream(js)

@@ -30,13 +30,6 @@ FN = "resnet.152"  # a dot on purpose: the subject token must sanitise it
 
 
 @pytest.fixture
-async def nc(nats_url):
-    conn = await nats.connect(nats_url)
-    yield conn
-    await conn.close()
-
-
-@pytest.fixture
 async def js(nc):
     js = nc.jetstream()
     await ensure_stream(js)

@@ -97,6 +97,17 @@ def sizes_from_env() -> Sizes:
     return TINY if os.environ.get(TINY_ENV, "").strip().lower() in ("1", "true", "yes", "on") else FULL
 
 
+def sizes_from_config(config: dict[str, str]) -> Sizes:
+    """The sizes a function's ``[config] size`` asks for: ``tiny`` or ``full``; unset:
+    :func:`sizes_from_env`. Raises ValueError for any other value."""
+    size = config.get("size", "")
+    if size not in ("", "tiny", "full"):
+        raise ValueError(f"config size must be 'tiny' or 'full', not {size!r}")
+    if size == "tiny":
+        return TINY
+    return FULL if size == "full" else sizes_from_env()
+
+
 # ---------------------------------------------------------------------------------------- ResNet-50
 
 
