@@ -1,6 +1,6 @@
 """Function spec files (``function.toml``): read, check, and turn into a :class:`FunctionSpec`.
 
-The file's format is pinned in the project's spec brief and mirrored by :class:`SpecFile`
+The file's format is the README's ("Your own functions") and is mirrored by :class:`SpecFile`
 (msgspec decodes the TOML into it, refusing unknown keys, so a typo'd key is an error naming
 it); :func:`load_spec` then applies the cross-field rules and the defaults that depend on other
 fields (by kind, by emulation model) and returns a :class:`LoadedSpec`: the spec with ``code``

@@ -47,7 +47,7 @@ from . import runtime
 
 PR_SET_PDEATHSIG = 1
 LATENCY_EWMA_ALPHA = 0.2  # weight of the newest batch in the latency EWMA written to the block
-STATS_PERIOD_S = 1.0  # FunctionStats period (the brief of the node agent's per-function metrics)
+STATS_PERIOD_S = 1.0  # FunctionStats period: per-function metrics a second behind at most
 
 
 class RuntimeStats:
