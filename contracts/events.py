@@ -201,8 +201,12 @@ class PlacementDecided(Event):
     revision: int = 0
 
 
+MAX_PLACE_COUNT = 64  # instances one PlaceRequest may ask for
+
+
 class PlaceRequest(Event):
-    """Request-reply on ``dilu.v1.scheduler.place``: place ``count`` new instances of ``function``."""
+    """Request-reply on ``dilu.v1.scheduler.place``: place ``count`` new instances of ``function``
+    (1..:data:`MAX_PLACE_COUNT`; ask again for more)."""
 
     function: str
     count: int = 1
@@ -274,10 +278,24 @@ class InstanceReady(InstanceEvent):
 
 
 class InstanceRetired(InstanceEvent):
-    """The instance was drained and its process ended (``reason``: retired, crashed, ...)."""
+    """The instance was drained and its process ended.
+
+    ``reason``: ``retired`` (drained on the scheduler's word), ``crashed`` (it exited on its own;
+    the agent launches it again), :data:`LOAD_FAILED` (its function could not be loaded: the
+    agent does not launch it again), :data:`GAVE_UP` (it kept crashing: not launched again) or
+    another word; ``error``: the instance's own one-line reason when it gave one (e.g. the
+    function's import error), else empty.
+    """
 
     reason: str = "retired"
     exit_code: int = 0
+    error: str = ""
+
+
+# InstanceRetired reasons after which the node agent launches the instance no more: the
+# scheduler removes its placement, and `dilu deploy` reports the error to the deployer.
+LOAD_FAILED = "load-failed"
+GAVE_UP = "gave-up"
 
 
 # --------------------------------------------------------------------------- telemetry and grants

@@ -61,6 +61,7 @@ from prometheus_client import Counter, Gauge
 
 from dilu.contracts import subjects
 from dilu.contracts.events import (
+    MAX_PLACE_COUNT,
     AdmitReply,
     AdmitRequest,
     FunctionDeployed,
@@ -87,7 +88,6 @@ from ..common.functions import runs_on
 from .inventory import NodeChange, Roster, admission, inventory_age_s, orphans_due
 from .policy import Cluster, Demand, NoCapacity, Slot, allocation_batch, allocation_quotas
 
-MAX_PLACE_COUNT = 64  # instances one request may ask for (a whole rack of GPUs at most)
 PLACEMENTS = Counter("dilu_scheduler_placements", "Instances placed", ["function"])
 RETIREMENTS = Counter("dilu_scheduler_retirements", "Instances marked draining", ["function"])
 REFUSALS = Counter("dilu_scheduler_refusals", "Place/retire requests answered ok=false", ["reason"])
