@@ -131,10 +131,8 @@ def _print_deployed(r: admin.DeployResult, wait_ready_s: float) -> None:
     elif r.existing_instances:
         out.print(f"{r.existing_instances} instance(s) already running; they take the new spec as the scheduler "
                   "replaces them")
-    elif s.kind == "training" or max(s.initial_scale, s.min_instances) >= 1:
+    elif s.kind == "training" or s.initial_scale != 0 or s.min_instances >= 1:
         out.print(f"no instance ready after {wait_ready_s:g} s: still starting (see dilu status)")
-    elif s.initial_scale < 0:
-        out.print("its initial instances are the horizontal scaler's default (its --initial-scale); see dilu status")
     else:
         out.print("no instance started at deploy (initial_scale = 0): the first request starts one")
 

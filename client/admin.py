@@ -168,12 +168,14 @@ async def placements(js, function: str | None = None) -> list[ev.Placement]:
 
 
 class _ReadyWatch:
-    """The first InstanceReady of one function (subscribed before the deploy is announced)."""
+    """The first InstanceReady of one function, or the first instance of it that failed to load
+    (InstanceRetired with reason LOAD_FAILED or GAVE_UP: the deploy fails with its error).
+    Subscribed before the deploy is announced."""
 
     def __init__(self, function: str) -> None:
         self.function = function
         self.ready: asyncio.Future[ReadyInstance] = asyncio.get_running_loop().create_future()
-        self._sub = None
+        self._subs = []
 
     async def start(self, nc: NATS) -> "_ReadyWatch":
         async def on_ready(msg) -> None:
@@ -185,7 +187,18 @@ class _ReadyWatch:
                 self.ready.set_result(ReadyInstance(instance_id=e.instance_id, node=e.node, gpu=e.gpu,
                                                     cold_start_ms=e.cold_start_ms))
 
-        self._sub = await nc.subscribe(f"{subjects.PREFIX}.instance.ready.*", cb=on_ready)
+        async def on_retired(msg) -> None:
+            try:
+                e = decode(msg.data, ev.InstanceRetired)
+            except MalformedEvent:
+                return
+            if e.function == self.function and e.reason in (ev.LOAD_FAILED, ev.GAVE_UP) and not self.ready.done():
+                why = e.error or f"exit code {e.exit_code}"
+                self.ready.set_exception(DeployError(
+                    f"{self.function}: its instance on {e.node} could not start ({e.reason}): {why}"))
+
+        self._subs = [await nc.subscribe(f"{subjects.PREFIX}.instance.ready.*", cb=on_ready),
+                      await nc.subscribe(f"{subjects.PREFIX}.instance.retired.*", cb=on_retired)]
         await nc.flush()
         return self
 
@@ -196,8 +209,10 @@ class _ReadyWatch:
             return None
 
     async def stop(self) -> None:
-        if self._sub is not None:
-            await self._sub.unsubscribe()
+        for sub in self._subs:
+            await sub.unsubscribe()
+        if self.ready.done() and not self.ready.cancelled():
+            self.ready.exception()  # retrieved: a failure nobody awaited is not logged as lost
 
 
 async def deploy(target: NATS | AsyncClient, loaded: LoadedSpec | ev.FunctionSpec, *, code_dir=None,
@@ -236,7 +251,7 @@ async def deploy(target: NATS | AsyncClient, loaded: LoadedSpec | ev.FunctionSpe
     admit = await _ask(nc, subjects.SCHEDULER_ADMIT, ev.AdmitRequest(spec=spec), ev.AdmitReply, who="scheduler",
                        timeout_s=min(ADMIT_TIMEOUT_S, timeout_s))
     if not admit.ok:
-        raise DeployError(f"{spec.name} cannot be placed: {admit.error or 'refused by the scheduler'}")
+        raise DeployError(admit.error or f"{spec.name} cannot be placed: refused by the scheduler")
     step("profiling (operator profile)" if spec.profile else "profiling")
     prof = await _ask(nc, subjects.PROFILER_PROFILE, ev.ProfileRequest(spec=spec), ev.ProfileReply, who="profiler",
                       timeout_s=timeout_s)
@@ -246,7 +261,8 @@ async def deploy(target: NATS | AsyncClient, loaded: LoadedSpec | ev.FunctionSpe
         await workqueue.ensure_stream(js)
         await workqueue.ensure_consumer(js, spec.name)
     running = [p for p in await placements(js, spec.name) if not p.draining]
-    due = spec.kind == "training" or max(spec.initial_scale, spec.min_instances) >= 1
+    # the scaler's default initial scale (-1) is Knative's 1: an instance is due unless the spec says 0
+    due = spec.kind == "training" or spec.initial_scale != 0 or spec.min_instances >= 1
     watch = await _ReadyWatch(spec.name).start(nc) if due and not running else None
     try:
         kv = await functions_bucket(js)

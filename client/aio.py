@@ -251,7 +251,7 @@ class Stream:
         if self._done:
             raise StopAsyncIteration
         if self._task is None:
-            await self._client._check(self.function)
+            await self._client._check(self.function, len(self._payload))
             self._scheduled_ns = time.time_ns()
             self._task = asyncio.create_task(self._client._send(
                 self.function, self._payload, self._timeout_s, self._scheduled_ns, on_chunk=self._queue.put_nowait))
@@ -403,7 +403,7 @@ class AsyncClient:
         InvocationTimeout, NoCapacity.
         """
         data, timeout_s = _payload(payload), _timeout(timeout_s)
-        await self._check(function)
+        await self._check(function, len(data))
         scheduled_ns = time.time_ns()
         result = await self._send(function, data, timeout_s, scheduled_ns)
         raise_for(function, result, timeout_s)
@@ -414,8 +414,11 @@ class AsyncClient:
         (see :class:`Stream`; errors as :meth:`invoke`, raised from the iteration)."""
         return Stream(self, function, _payload(payload), _timeout(timeout_s))
 
-    async def _check(self, function: str) -> FunctionSpec:
-        """The function's spec, after checking it can take a request now."""
+    async def _check(self, function: str, size: int = 0) -> FunctionSpec:
+        """The function's spec, after checking it can take a request of ``size`` bytes now."""
+        limit = payload_limit(self.nc.max_payload)
+        if limit and size > limit:
+            raise BadRequest(f"the payload is {size} bytes; the NATS server carries at most {limit}")
         spec = await self.function(function)
         if spec.kind == "training":
             raise BadRequest(f"function {function!r} is a training job: it takes no requests")
@@ -429,6 +432,17 @@ class AsyncClient:
                     on_chunk: Callable[[bytes], None] | None = None) -> InvokeResult:
         return await self._invoker.invoke(function, payload, request_id=uuid.uuid4().hex, scheduled_ns=scheduled_ns,
                                           timeout_s=timeout_s, on_chunk=on_chunk)
+
+
+# Of the NATS server's max_payload, what a request's headers may take (about 200 bytes are used);
+# the rest is the largest payload a call can carry.
+HEADER_ROOM_BYTES = 4096
+
+
+def payload_limit(max_payload: int) -> int:
+    """The largest payload (bytes) an invocation can carry on a server whose ``max_payload`` is
+    given (0 or less: unknown, no limit)."""
+    return max_payload - HEADER_ROOM_BYTES if max_payload > 0 else 0
 
 
 def _key(name: str) -> str:

@@ -30,6 +30,7 @@ MAX_BATCH_LIMIT = 1024
 MAX_MEMORY_BYTES = 2**50  # the events' Bytes bound (1 PiB)
 DEFAULT_MAX_BATCH = 8
 DEFAULT_MAX_INSTANCES = 8
+MAX_INSTANCES_LIMIT = 1024  # instances of one function: more is a typo, not a plan
 
 
 class SpecError(ValueError):
@@ -274,8 +275,9 @@ def _memory(c: _Checker, raw: SpecFile, model: str) -> int:
 
 def _scale(c: _Checker, raw: SpecFile) -> tuple[int, int, int]:
     default_min = 1 if raw.kind == "training" else 0
-    lo = c.integer("min_instances", raw.min_instances, 0) if _given(raw.min_instances) else default_min
-    hi = c.integer("max_instances", raw.max_instances, max(1, lo))
+    lo = (c.integer("min_instances", raw.min_instances, 0, MAX_INSTANCES_LIMIT) if _given(raw.min_instances)
+          else default_min)
+    hi = c.integer("max_instances", raw.max_instances, max(1, lo), MAX_INSTANCES_LIMIT)
     initial = c.integer("initial_scale", raw.initial_scale, -1, hi)
     return lo, hi, initial
 

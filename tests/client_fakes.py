@@ -56,7 +56,8 @@ class FakeServices:
     async def _admit(self, msg) -> None:
         spec = decode(msg.data, ev.AdmitRequest).spec
         self.admitted.append(spec)
-        reply = ev.AdmitReply(ok=not self.admit_error, nodes=0 if self.admit_error else 1, error=self.admit_error)
+        error = f"function {spec.name!r} cannot be placed: {self.admit_error}" if self.admit_error else ""  # as the scheduler says it
+        reply = ev.AdmitReply(ok=not error, nodes=0 if error else 1, error=error)
         await msg.respond(encode(reply))
 
     async def _profile(self, msg) -> None:

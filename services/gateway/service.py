@@ -27,6 +27,7 @@ from typing import Any
 import uvicorn
 
 from dilu.client import AsyncClient, NotDeployed
+from dilu.client.aio import payload_limit
 from dilu.contracts import subjects
 from dilu.contracts.events import FunctionDeployed, FunctionSpec, FunctionUndeployed
 from dilu.services.common import logging as dlog
@@ -38,7 +39,6 @@ from .app import Limits, Stopping, build_app
 CONNECT_TIMEOUT_S = 10.0  # the bus is connected already: starting the client is quick or failing
 CUT_GRACE_S = 2.0  # after the drain time: for the 503s to go out before uvicorn cancels the rest
 STARTUP_TIMEOUT_S = 10.0
-HEADER_ROOM_BYTES = 4096  # of NATS's max_payload, kept for a request's headers (about 200 bytes used)
 
 log = dlog.get("gateway")
 
@@ -142,7 +142,7 @@ class Gateway:
     def _fit_body_limit(self, max_payload: int) -> None:
         """Lower the body limit to what NATS carries (its max_payload, less room for the
         request's headers), so that an oversized body is a 413 here, not a failed publish."""
-        fits = max_payload - HEADER_ROOM_BYTES
+        fits = payload_limit(max_payload)
         if max_payload > 0 and self.limits.max_body_bytes > fits:
             log.warning("body limit lowered to the NATS server's max_payload", asked=self.limits.max_body_bytes,
                         max_payload=max_payload, limit=fits)

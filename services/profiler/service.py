@@ -223,13 +223,16 @@ class ProfilerService:
 
     async def _without_trials(self, spec: FunctionSpec) -> Profile | None:
         """A profile that needs no search: the operator's (``spec.profile``), or, on a cluster
-        of CPU nodes only (no GPU to trial on), :func:`cpu_profile`. Raises ValueError when the
+        of CPU nodes only (or a ``--node`` that is a CPU node: no GPU to trial on),
+        :func:`cpu_profile`. Raises ValueError when the
         function can only be profiled on an emulated GPU's surface and it names none."""
         if spec.profile is not None:
             return given_profile(spec)
-        if self.backend == "surface" or self.node:
+        if self.backend == "surface":
             return None
         found = {name: inv for name, (inv, _) in (await read_inventories(self.bus.js)).items()}
+        if self.node:  # trials run on that node only: a CPU node has nothing to trial on
+            found = {self.node: found[self.node]} if self.node in found else {}
         if found and trial_node(found) is None and all(inv.device == "cpu" for inv in found.values()):
             return cpu_profile(spec)
         if spec.model not in models.MODELS:

@@ -130,7 +130,7 @@ async def test_deploy_names_the_service_that_does_not_answer(nc, missing, messag
 
 async def test_refused_admission_reaches_the_deployer_before_profiling(nc):
     fakes = await FakeServices(nc, admit_error="no node has a GPU with 80 GB free").start()
-    with pytest.raises(DeployError, match="cannot be placed: no node has a GPU with 80 GB free"):
+    with pytest.raises(DeployError, match="^function .echo. cannot be placed: no node has a GPU with 80 GB free$"):
         await admin.deploy(nc, loaded())
     assert fakes.profiled == [] and fakes.deployed == []
     await fakes.stop()
@@ -447,3 +447,29 @@ async def test_invoke_client_forgets_a_cancelled_call(nc):
     assert client.outstanding == 0 and s.cancelled == 1 and s.sent == s.ok + s.error + s.timeout + s.dropped
     await client.close()
     await inst.stop()
+
+
+async def test_an_instance_that_cannot_load_fails_the_deploy_with_its_error(nc):
+    fakes = await FakeServices(nc, ready=False).start()  # the node launches nothing itself
+
+    async def fail_to_load(msg):  # the node agent's word once the instance printed FAILED
+        spec = decode(msg.data, ev.FunctionDeployed).spec
+        await nc.publish(subjects.instance_state("retired", "n1"), encode(ev.InstanceRetired(
+            instance_id="i1", function=spec.name, node="n1", gpu=0, reason=ev.LOAD_FAILED, exit_code=1,
+            error="ImportError: no module named 'app'")))
+
+    sub = await nc.subscribe(subjects.function_deployed("echo"), cb=fail_to_load)
+    with pytest.raises(DeployError, match=r"echo: its instance on n1 could not start \(load-failed\): ImportError"):
+        await admin.deploy(nc, loaded(), wait_ready_s=20)  # initial_scale unset: the scaler's default is due
+    await sub.unsubscribe()
+    await fakes.stop()
+
+
+async def test_a_payload_over_what_nats_carries_is_bad_input_before_it_is_sent(nc, client, services):
+    await deployed(nc, instance=False)
+    too_big = b"x" * nc.max_payload
+    with pytest.raises(BadRequest, match=f"{len(too_big)} bytes; the NATS server carries at most"):
+        await client.invoke("echo", too_big, timeout_s=5)
+    with pytest.raises(BadRequest):
+        async for _ in client.stream("echo", too_big, timeout_s=5):
+            pass

@@ -149,6 +149,17 @@ async def test_profiler_uses_the_operators_profile_a_cpu_share_or_refuses_with_t
     await nc.close()
 
 
+async def test_a_profiler_named_to_a_cpu_node_gives_the_cpu_share(nats_url):
+    """`dilu up --gpus cpu` runs the profiler with --node <the CPU node>, beside GPU nodes or not."""
+    nc = await nats.connect(nats_url)
+    await put_inventory(nc, NodeInventory(node="cpu-b", device="cpu"))
+    await put_inventory(nc, inventory("gpu-a", gpus=1))
+    async with running(ProfilerService(node="cpu-b"), nats_url):
+        r = await profile(nc, FunctionSpec(name="u", **USER))
+        assert r.ok and r.profile.backend == "cpu", r.error
+    await nc.close()
+
+
 async def test_scaler_keeps_each_functions_state_in_kv_and_drops_it_on_undeploy(nats_url):
     nc = await nats.connect(nats_url)
     js = nc.jetstream()

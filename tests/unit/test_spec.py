@@ -191,7 +191,8 @@ def test_training_has_no_objectives_and_defaults_to_one_instance_and_its_priorit
 @pytest.mark.parametrize("line, field", [
     ("max_batch = 0", "max_batch"), ("max_batch = 1025", "max_batch"),
     ("min_instances = -1", "min_instances"), ("max_instances = 0", "max_instances"),
-    ("min_instances = 3\nmax_instances = 2", "max_instances"),
+    ("min_instances = 3\nmax_instances = 2", "max_instances"), ("min_instances = 1000\nmax_instances = 100000", "max_instances"),
+    ("min_instances = 2000", "min_instances"),
     ("initial_scale = -2", "initial_scale"), ("initial_scale = 9", "initial_scale"),
     ("keep_alive_s = -1", "keep_alive_s"), ("cold_start_ms = -1", "cold_start_ms"),
 ])
