@@ -202,12 +202,22 @@ class Cluster:
             for name in sorted(pending):
                 svc = self.services[name]
                 if svc.proc.poll() is not None:
-                    raise RuntimeError(f"service {name} exited with code {svc.proc.returncode}:\n{self.log_tail(name)}")
+                    raise RuntimeError(self._exit_reason(name, svc.proc.returncode))
                 if _http_ok(f"http://127.0.0.1:{svc.metrics_port}/readyz"):
                     pending.discard(name)
             if pending and time.monotonic() > deadline:
                 raise RuntimeError(f"services not ready after {timeout_s:.0f} s: {', '.join(sorted(pending))}")
             time.sleep(0.1)
+
+    def _exit_reason(self, name: str, code: int) -> str:
+        """Why service ``name`` stopped at start: its own one-line reason when it refused to
+        start (status 2, last log line ``dilu <name>: ...``, see services/common/runner.py),
+        else its exit code and the tail of its log."""
+        tail = self.log_tail(name)
+        last = tail.splitlines()[-1] if tail else ""
+        if code == 2 and last.startswith(f"dilu {name}: "):
+            return last
+        return f"service {name} exited with code {code}:\n{tail}"
 
     def log_path(self, name: str) -> Path:
         """Where the log of ``name`` (a service, or NATS = "nats-server") goes."""
