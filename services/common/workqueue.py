@@ -282,7 +282,7 @@ class BatchPuller:
         """Serve until ``stop`` is set, then drain: finish the batch in hand, fetch nothing more.
 
         ``process(requests)`` returns one result per request, in order: reply bytes, or an
-        Exception that becomes an error reply. If ``process`` itself raises, every request of the
+        Exception that becomes an error reply (so does anything else, e.g. a str). If ``process`` itself raises, every request of the
         batch gets an error reply. Either way each request is answered, then acknowledged.
         Raises only when binding to the consumer fails.
         """
@@ -396,6 +396,9 @@ class BatchPuller:
             self.log.warning("chunk not sent", request_id=req.request_id, chunk=req.chunks - 1, error=repr(exc))
 
     async def _answer(self, req: Request, msg: Msg, result: bytes | Exception) -> None:
+        if not isinstance(result, (Exception, bytes, bytearray, memoryview)):
+            # bytes(str) raises and bytes(int) is zeros: an error for this request alone
+            result = TypeError(f"handler returned {type(result).__name__} for request {req.request_id}; expected bytes")
         if isinstance(result, Exception):
             req.status, req.error = "error", f"{type(result).__name__}: {result}"
             data = b""

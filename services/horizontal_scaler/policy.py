@@ -47,6 +47,9 @@ pending plus in flight: the concurrency Knative measures at its queue proxy) and
   requests do not all wait for a launch. Deployment counts as the start of an idle period: the
   instances stay for the keep-alive window unless requests come, and the wait for the first
   request is not recorded as an idle time. 0 leaves a new function at zero.
+- **Restored** (:meth:`HorizontalPolicy.restored`): a function read back from stored state when
+  the platform restarts starts an idle period then, without initial scale: the instances it
+  had stay for the keep-alive window, and one with none stays at zero until requests come.
 - **Unknown backlog** (missing consumer, monitoring error): the current count is held, never
   raised to the maximum nor dropped; no sample is recorded. It is still raised to
   ``min_instances``, and, so that requests are not stranded, to one instance when there is none
@@ -298,6 +301,7 @@ class _Function:
     idle_since: float | None = None
     active_before: bool = False
     fresh: bool = False  # deployed and not invoked yet (initial scale applies)
+    restored: bool = False  # restored after a restart and not invoked since (no initial scale)
     panic_since: float | None = None
     panic_last: float | None = None
     max_panic: int = 0
@@ -359,6 +363,18 @@ class HorizontalPolicy:
         if f.active_before and not f.fresh:
             return
         f.fresh, f.active_before, f.idle_since = True, True, now_s
+
+    def restored(self, name: str, now_s: float) -> None:
+        """``name`` was restored at ``now_s`` from stored state (a restart of the platform), with
+        the instances the placement table holds: its keep-alive runs from ``now_s`` (they are
+        not scaled to zero at once for lack of history), it gets no initial scale (restored
+        with no instance it stays at zero until requests come), and the wait for its next
+        request is not recorded as an idle time. No effect on a function already deployed or
+        invoked since. Raises KeyError for an unknown function."""
+        f = self._fn(name)
+        if f.active_before:
+            return
+        f.restored, f.active_before, f.idle_since = True, True, now_s
 
     def remove_function(self, name: str) -> None:
         """Stop tracking ``name`` (undeployed); unknown names are ignored."""
@@ -455,9 +471,9 @@ class HorizontalPolicy:
         if backlog == 0 and f.idle_since is None:
             f.idle_since = now_s
         elif backlog > 0:
-            if f.idle_since is not None and f.active_before and not f.fresh:
+            if f.idle_since is not None and f.active_before and not (f.fresh or f.restored):
                 f.histogram.add(now_s - f.idle_since)  # the wait for a first request is no idle time
-            f.idle_since, f.active_before, f.fresh = None, True, False
+            f.idle_since, f.active_before, f.fresh, f.restored = None, True, False, False
 
     def idle_windows(self, fn: str) -> IdleWindows:
         """The function's current pre-warm and keep-alive windows."""
@@ -554,6 +570,8 @@ class HorizontalPolicy:
             return desired, reason
         if idle_for >= w.prewarm_s + w.keep_alive_s:
             return 0, f"idle {idle_for:.1f} s >= keep-alive {w.prewarm_s + w.keep_alive_s:.1f} s"
+        if f.restored and not f.count("starting", "ready"):
+            return desired, reason  # nothing was running before the restart: nothing to keep alive
         if f.fresh:
             initial = self.initial_scale(f.name)
             n = max(desired, initial)

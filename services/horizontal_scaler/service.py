@@ -12,7 +12,8 @@ Learns, from the bus:
   each GPU could give; telemetry older than ``telemetry_stale_s`` is ignored).
 
 On start it rebuilds what it can from JetStream KV (``dilu-functions``, ``dilu-profiles`` and the
-placement table ``dilu-placement``), so a restarted scaler does not forget running instances.
+placement table ``dilu-placement``), so a restarted scaler does not forget running instances;
+each function so restored starts its keep-alive then (:meth:`HorizontalPolicy.restored`).
 
 Every tick (``tick_s``), per function (ticks of one function never overlap; training functions
 have no invocations and are only held at their ``min_instances``):
@@ -24,9 +25,12 @@ have no invocations and are only held at their ``min_instances``):
    policy holds the current count (except that a function with no instance and requests stored
    on its subject gets one instance: instances create the consumer when they bind);
 2. the policy decides; scale-out asks ``dilu.v1.scheduler.place`` (PlaceRequest -> PlaceReply;
-   after a refusal the function backs off, doubling up to ``place_backoff_max_s``); scale-in asks
-   ``dilu.v1.scheduler.retire`` per victim (RetireRequest -> RetireReply; the scheduler drains
-   it, or cancels a starting one); a refused retirement is counted back;
+   at most ``MAX_PLACE_COUNT`` at once; after a refusal the function backs off, doubling up to
+   ``place_backoff_max_s``, and so it does after an instance of it is retired as
+   ``load-failed`` or ``gave-up``, its FunctionState then not placeable with that error until
+   an instance is ready); scale-in asks ``dilu.v1.scheduler.retire`` per victim (RetireRequest
+   -> RetireReply; the scheduler drains it, or cancels a starting one); a refused retirement is
+   counted back, except one of an instance the scheduler does not know, which is forgotten;
 3. publishes ScaleDecision on ``dilu.v1.scale.decided.<fn>`` for what was done and
    BurstWindowBreach on ``dilu.v1.event.burst_window_breach.<fn>``.
 
@@ -50,6 +54,9 @@ from prometheus_client import Counter, Gauge
 
 from dilu.contracts import MalformedEvent, subjects
 from dilu.contracts.events import (
+    GAVE_UP,
+    LOAD_FAILED,
+    MAX_PLACE_COUNT,
     BurstWindowBreach,
     FunctionDeployed,
     FunctionUndeployed,
@@ -84,6 +91,9 @@ PLACE_FAILURES = Counter("dilu_place_failures", "Scale-outs the scheduler refuse
 BREACHES = Counter("dilu_burst_window_breaches", "Burst windows whose load exceeded capacity", ["function", "panic"])
 DESIRED = Gauge("dilu_desired_instances", "Instances the horizontal scaler aims at", ["function"])
 BACKLOG = Gauge("dilu_backlog", "Requests pending plus in flight", ["function"])
+
+
+NO_INSTANCE = "no instance"  # how the scheduler's refusal to retire an instance it lacks begins
 
 
 def consumer_name(function: str) -> str:
@@ -127,6 +137,7 @@ class HorizontalScaler:
         self._initialised: set[str] = set()  # initial scale started
         self._busy: set[str] = set()
         self._backoff: dict[str, tuple[float, float]] = {}  # fn -> (until, current delay)
+        self._load_failed: dict[str, str] = {}  # fn -> its instances' load error, until one is ready
         self._tasks: set[asyncio.Task] = set()
         self._loop_task: asyncio.Task | None = None
         self.backlog_errors = 0
@@ -216,7 +227,7 @@ class HorizontalScaler:
         """Forget the function (the scheduler drains its instances); its state entry goes too."""
         fn = ev.name
         self.policy.remove_function(fn)
-        for known in (self._specs, self._profiles, self._counts, self._backoff):
+        for known in (self._specs, self._profiles, self._counts, self._backoff, self._load_failed):
             known.pop(fn, None)
         for known in (self._deployed, self._initialised, self._training, self._missing):
             known.discard(fn)
@@ -253,10 +264,34 @@ class HorizontalScaler:
         if ev.function not in self.policy.functions():
             return
         self.policy.instance_ready(ev.function, ev.instance_id, self._now())
+        if self._load_failed.pop(ev.function, None) is not None:  # its function loads again
+            self._backoff.pop(ev.function, None)
+            self.state.placeable(ev.function, True)
 
     async def _on_retired(self, ev: InstanceRetired, _msg) -> None:
-        if ev.function in self.policy.functions():
-            self.policy.instance_retired(ev.function, ev.instance_id)
+        if ev.function not in self.policy.functions():
+            return
+        self.policy.instance_retired(ev.function, ev.instance_id)
+        if ev.reason in (LOAD_FAILED, GAVE_UP):
+            self._failed_instance(ev)
+
+    def _failed_instance(self, ev: InstanceRetired) -> None:
+        """An instance of the function failed for good (its function does not load, or it kept
+        crashing; the scheduler removed its placement): back off as after a refused placement,
+        so a broken function is not placed again in a tight loop, and say why in its state."""
+        assert self.bus is not None
+        fn, error = ev.function, ev.error or ev.reason
+        self._load_failed[fn] = error
+        self._back_off(fn, self._now())
+        self.state.placeable(fn, False, error)
+        self.bus.log.warning("instance failed for good; backing off", function=fn, instance=ev.instance_id,
+                             reason=ev.reason, error=error, retry_in_s=self._backoff[fn][1])
+
+    def _back_off(self, fn: str, now: float) -> None:
+        """No placement for ``fn`` for a while: the tick first, doubling up to the maximum."""
+        delay = self._backoff.get(fn, (0.0, 0.0))[1]
+        delay = min(self.place_backoff_max_s, max(self.tick_s, delay * 2))
+        self._backoff[fn] = (now + delay, delay)
 
     async def _on_telemetry(self, ev: GpuTelemetry, _msg) -> None:
         shares = [InstanceShare(t.instance_id, t.function, t.priority, t.quota, t.request_quota, t.limit_quota)
@@ -280,6 +315,9 @@ class HorizontalScaler:
                     self._restore(kind, raw)
                 except (MalformedEvent, msgspec.DecodeError, msgspec.ValidationError, ValueError) as exc:
                     self.bus.log.warning("skipped a stored entry", bucket=bucket, error=str(exc))
+        now = self._now()
+        for fn in self.policy.functions():  # keep-alive from now: no history is no idleness
+            self.policy.restored(fn, now)
 
     def _restore(self, kind: str, raw: bytes) -> None:
         if kind == "spec":
@@ -415,11 +453,12 @@ class HorizontalScaler:
 
     async def _place(self, fn: str, d: Decision, now: float) -> None:
         assert self.bus is not None
-        until, delay = self._backoff.get(fn, (0.0, 0.0))
+        until, _ = self._backoff.get(fn, (0.0, 0.0))
         if now < until:
             return
         try:
-            reply = await self.bus.request(subjects.SCHEDULER_PLACE, PlaceRequest(function=fn, count=d.place, reason=d.reason),
+            count = min(d.place, MAX_PLACE_COUNT)  # the next tick asks for the rest
+            reply = await self.bus.request(subjects.SCHEDULER_PLACE, PlaceRequest(function=fn, count=count, reason=d.reason),
                                            PlaceReply, timeout=self.timeout)
             error = "" if reply.ok else (reply.error or "refused")
         except (nats.errors.TimeoutError, nats.errors.NoRespondersError, MalformedEvent) as exc:
@@ -427,15 +466,16 @@ class HorizontalScaler:
         placed = [p for p in reply.placements if p.function == fn] if reply is not None and reply.ok else []
         for p in placed:
             self.policy.instance_starting(fn, p.instance_id, now)
-        self.state.placeable(fn, bool(placed), error or "no placements")
+        failing = self._load_failed.get(fn)  # placed, but its instances have not loaded yet
+        self.state.placeable(fn, bool(placed) and failing is None, error or failing or "no placements")
         if placed:
-            self._backoff.pop(fn, None)
+            if failing is None:  # a function still failing to load keeps its growing delay
+                self._backoff.pop(fn, None)
             SCALE_OUTS.labels(fn).inc(len(placed))
             await self._decided(fn, d, d.direction, len(placed))
         else:
             PLACE_FAILURES.labels(fn).inc()
-            delay = min(self.place_backoff_max_s, max(self.tick_s, delay * 2))
-            self._backoff[fn] = (now + delay, delay)
+            self._back_off(fn, now)
             self.bus.log.warning("scale-out not placed", function=fn, count=d.place, error=error or "no placements")
             if d.current == 0:
                 await self._make_room(fn)
@@ -479,6 +519,10 @@ class HorizontalScaler:
             error = reply.error or "refused"
         except (nats.errors.TimeoutError, nats.errors.NoRespondersError, MalformedEvent) as exc:
             error = repr(exc)
+        if error.startswith(NO_INSTANCE):  # the scheduler has no such placement: nothing to retry
+            self.policy.instance_retired(fn, iid)
+            self.bus.log.info("instance unknown to the scheduler: forgotten", function=fn, instance=iid, error=error)
+            return False
         self.policy.retire_failed(fn, iid)
         self.bus.log.warning("retirement refused", function=fn, instance=iid, error=error)
         return False

@@ -14,7 +14,9 @@ then by the function's kind:
 
 SIGTERM drains: the batch (or training step) in hand finishes and is answered, nothing more is
 fetched, the process exits 0. A function that cannot load makes the process exit 1 after one
-log line naming the function and the reason (the node agent sees the crash).
+log line naming the function and the reason and one line ``FAILED <reason>`` on stdout (the node
+agent does not launch it again); a function that fails once serving (e.g. a training step
+raising) prints the same line and exits 1 (the agent relaunches it, a few times).
 
 About once a second, when it did anything, the instance publishes :class:`FunctionStats` on
 ``dilu.v1.telemetry.function.<fn>.<instance>`` (the node agent exports them as per-function
@@ -112,6 +114,31 @@ async def read_spec(js, function: str) -> ev.FunctionSpec | None:
             raise runtime.LoadError(function, f"its spec in {subjects.FUNCTIONS_BUCKET!r} is malformed: {exc}") from None
 
 
+FAILED_PREFIX = "FAILED "  # the line the node agent reads an instance's own error from
+MAX_FAILED_CHARS = 500
+
+
+def report_failure(out, reason: str) -> None:
+    """Write ``FAILED <reason>`` (one line, at most ``MAX_FAILED_CHARS``) on ``out``, the
+    channel the node agent reads; an agent gone already (broken pipe) is ignored."""
+    line = " ".join(str(reason).split())[:MAX_FAILED_CHARS]
+    try:
+        out.write(f"{FAILED_PREFIX}{line}\n")
+        out.flush()
+    except (OSError, ValueError):
+        pass
+
+
+def checked_outputs(outputs: list, batch: list[Request]) -> list[bytes | Exception]:
+    """``predict``'s outputs with each one that is not bytes (bytearray, memoryview) replaced
+    by a TypeError for its request alone (a str must not fail the batch or the instance)."""
+    return [
+        bytes(out) if isinstance(out, (bytes, bytearray, memoryview)) else TypeError(
+            f"predict returned {type(out).__name__} for request {req.request_id}; expected bytes")
+        for out, req in zip(outputs, batch)
+    ]
+
+
 class Instance:
     """The serving half of an instance process, once its function is loaded."""
 
@@ -124,6 +151,7 @@ class Instance:
         self.cb = RuntimeStats(cb_path)
         self.window = runtime.StatsWindow(function, instance_id, node, start_ns=time.time_ns())
         self.puller: BatchPuller | None = None
+        self.serving = False  # READY written
         self.stats_subject = subjects.function_stats(function, instance_id)
 
     # ---------------------------------------------------------------- stats
@@ -156,6 +184,7 @@ class Instance:
             outputs = await asyncio.to_thread(self.rt.predict, [r.payload for r in batch])
             if len(outputs) != len(batch):
                 raise ValueError(f"predict returned {len(outputs)} outputs for {len(batch)} inputs")
+            outputs = checked_outputs(outputs, batch)
         except Exception as exc:  # the whole batch is answered with the error, none is lost
             self.log.warning("batch failed", error=repr(exc))
             outputs = [exc] * len(batch)
@@ -206,6 +235,7 @@ class Instance:
         self.cb.flush()
         self.ready_out.write("READY\n")
         self.ready_out.flush()
+        self.serving = True
         self.log.info("instance ready", kind=kind)
         stats = asyncio.create_task(self.stats_loop())
         try:
@@ -245,7 +275,8 @@ async def serve_instance(
         log.error("instance failed to connect to NATS", url=nats_url, error=f"{type(exc).__name__}: {exc}")
         return 1
     js = nc.jetstream()
-    rt = None
+    rt = inst = None
+    out = ready_out or sys.stdout
     try:
         spec = await read_spec(js, function)
         plan = runtime.choose(spec, function=function, device=device, model=model, handler=handler)
@@ -258,9 +289,13 @@ async def serve_instance(
         return 0
     except runtime.LoadError as exc:
         log.error("instance failed to load", reason=exc.reason, error=str(exc))
+        report_failure(out, exc.reason)
         return 1
     except Exception as exc:  # e.g. a training step raising: one line, and the agent sees the crash
-        log.error("instance failed", error=f"{type(exc).__name__}: {' '.join(str(exc).split())}")
+        error = f"{type(exc).__name__}: {' '.join(str(exc).split())}"
+        log.error("instance failed", error=error)
+        if inst is not None and inst.serving:  # before READY it may be the platform's (NATS) fault
+            report_failure(out, error)
         return 1
     finally:
         if rt is not None:

@@ -14,6 +14,12 @@
   publishes :class:`KernelCycleStretch` at once; every ``telemetry_ms`` publishes one
   :class:`GpuTelemetry` per GPU and advances the GPU-cost integrals (exported as Prometheus
   counters, which the demo's report reads).
+- An instance that exits on its own is launched again (same id, after ``RESTART_DELAY_S``) only
+  while the table still places it on this node and not draining, at most ``MAX_RESTARTS``
+  times; then it is retired as ``gave-up``. One that prints ``FAILED <reason>`` before ``READY``
+  (its function cannot load) is retired as ``load-failed`` at once. Both InstanceRetired carry
+  the error, and the scheduler removes their placements. An instance drained while still
+  launching is stopped, never taken for a crash.
 - Writes each :class:`TokenGrant` from the vertical scaler into the instance's block.
 - Exports per-function Prometheus metrics (:mod:`.function_metrics`) from the
   :class:`FunctionStats` its own instances publish (those naming this node).
@@ -55,6 +61,7 @@ from .accounting import Counters, GpuCost, Slot, stretch, window_use
 from .claim import claim_refusal, host_identity
 from .function_metrics import FunctionMetrics
 from .function_metrics import problem as stats_problem
+from .instance import FAILED_PREFIX
 
 LAUNCHES = Counter("dilu_instance_launches", "Instances launched", ["function"])
 GRANT_CHANGES = Counter("dilu_grant_changes", "TokenGrants that changed an instance's quota")
@@ -147,6 +154,8 @@ class NodeAgent:
         self._started = False
         self._reaction = HdrHistogram(1, 60_000_000, 3)  # µs
         self._restarts: dict[str, int] = {}
+        self._last_error: dict[str, str] = {}  # instance -> its last FAILED line
+        self._placements: dict[str, ev.Placement] = {}  # this node's placements in the table now
         self._crashes: dict[int, list[float]] = {}  # GPU -> recent instance crash times (monotonic s)
         self._mps_servers: set[int] = set()  # MPS server PIDs at the last heartbeat
         self._mps_failed_at: dict[int, float] = {}  # GPU -> when its MPS server failed (monotonic s)
@@ -289,6 +298,7 @@ class NodeAgent:
 
     async def _on_entry(self, entry) -> None:
         if entry.operation in ("DEL", "PURGE"):
+            self._placements.pop(entry.key, None)
             inst = self.instances.get(entry.key)
             if inst is not None:
                 await self._retire(inst, "placement removed")
@@ -302,11 +312,17 @@ class NodeAgent:
             self.log.warning("malformed placement rejected", key=entry.key, reason=str(exc))
             return
         if placement.node != self.node:
+            self._placements.pop(placement.instance_id, None)
             return
+        self._placements[placement.instance_id] = placement
         inst = self.instances.get(placement.instance_id)
         if placement.draining:
             if inst is not None:
                 asyncio.create_task(self._retire(inst, "drained by scheduler"))
+            elif not self._stopping:  # nothing runs it (it crashed, or ended before): say so, the scheduler frees it
+                await self._publish_instance("retired", ev.InstanceRetired(
+                    instance_id=placement.instance_id, function=placement.function, node=self.node,
+                    gpu=placement.gpu, reason="retired"))
             return
         if inst is None and not self._stopping:
             if not 0 <= placement.gpu < len(self.gpus):
@@ -332,12 +348,35 @@ class NodeAgent:
                 inst.cb.close()
                 Path(inst.cb_path).unlink(missing_ok=True)
             raise
+        if inst.state != "launching":  # drained or removed while its process was being started
+            await self._abandon(inst)
+            return
         LAUNCHES.labels(p.function).inc()
         await self._publish_instance("launched", ev.InstanceLaunched(
             instance_id=p.instance_id, function=p.function, node=self.node, gpu=p.gpu, pid=inst.proc.pid))
         inst.tasks.append(asyncio.create_task(self._await_ready(inst)))
         self.log.info("instance launched", instance=p.instance_id, function=p.function, gpu=p.gpu, quota=inst.quota,
                       width=p.width)
+
+    async def _abandon(self, inst: ManagedInstance) -> None:
+        """Stop the process and free the block of an instance retired (InstanceRetired already
+        published) before its launch finished: it has served nothing, so no drain."""
+        if inst.proc is not None and inst.proc.returncode is None:
+            try:
+                inst.proc.kill()
+            except ProcessLookupError:
+                pass
+            await inst.proc.wait()
+        if inst.cb is not None:
+            inst.cb.close()
+            Path(inst.cb_path).unlink(missing_ok=True)
+            inst.cb = None
+        self.log.info("instance launch abandoned: its placement was drained", instance=inst.placement.instance_id)
+
+    def _placement_live(self, instance_id: str) -> ev.Placement | None:
+        """The table's placement of ``instance_id`` if it is on this node and not draining."""
+        p = self._placements.get(instance_id)
+        return p if p is not None and p.node == self.node and not p.draining else None
 
     async def _start_process(self, inst: ManagedInstance) -> None:
         """The instance's control block, environment and process (see :meth:`_launch`)."""
@@ -370,30 +409,72 @@ class NodeAgent:
         inst.proc = await asyncio.create_subprocess_exec(*args, env=env, stdout=asyncio.subprocess.PIPE)
 
     async def _await_ready(self, inst: ManagedInstance) -> None:
+        """Follow the instance's stdout (``READY``, ``FAILED <reason>``) until it exits, then
+        handle an exit the agent did not ask for (see :meth:`_exited`)."""
         proc, p = inst.proc, inst.placement
+        ready, failed = False, ""
         try:
-            while True:
+            while not ready:
                 line = await asyncio.wait_for(proc.stdout.readline(), timeout=READY_TIMEOUT_S)
                 if not line:
                     break
-                if line.strip() == b"READY":
-                    inst.state = "ready" if inst.state == "launching" else inst.state
-                    cold_ms = (time.time_ns() - inst.launched_ns) / 1e6
-                    await self._publish_instance("ready", ev.InstanceReady(
-                        instance_id=p.instance_id, function=p.function, node=self.node, gpu=p.gpu, cold_start_ms=cold_ms))
-                    self.log.info("instance ready", instance=p.instance_id, cold_start_ms=round(cold_ms, 1))
-                    break
+                ready, failed = await self._on_line(inst, line, failed)
         except asyncio.TimeoutError:
             self.log.error("instance not ready in time; retiring", instance=p.instance_id)
         # keep reading stdout so the pipe never blocks the instance, until it exits
-        while proc.stdout and await proc.stdout.readline():
-            pass
+        while proc.stdout and (line := await proc.stdout.readline()):
+            ready, failed = await self._on_line(inst, line, failed, ready=ready)
         code = await proc.wait()
-        if inst.state != "draining" and not self._stopping:
-            self.log.warning("instance exited unexpectedly", instance=p.instance_id, exit_code=code)
-            mps_failure = await self._mps_failed(p.gpu)
-            await self._finish(inst, "mps server failed" if mps_failure else "crashed", code)
-            await self._relaunch(p, counted=not mps_failure)
+        await self._exited(inst, code, failed, ready)
+
+    async def _on_line(self, inst: ManagedInstance, line: bytes, failed: str, ready: bool = False) -> tuple[bool, str]:
+        """One stdout line of the instance: (READY seen, its FAILED reason so far)."""
+        p = inst.placement
+        text = line.decode(errors="replace").strip()
+        if text.startswith(FAILED_PREFIX):
+            return ready, text[len(FAILED_PREFIX):].strip() or "no reason given"
+        if text != "READY" or ready:
+            return ready, failed
+        if inst.state == "launching":  # not for one being drained already
+            inst.state = "ready"
+            cold_ms = (time.time_ns() - inst.launched_ns) / 1e6
+            await self._publish_instance("ready", ev.InstanceReady(
+                instance_id=p.instance_id, function=p.function, node=self.node, gpu=p.gpu, cold_start_ms=cold_ms))
+            self.log.info("instance ready", instance=p.instance_id, cold_start_ms=round(cold_ms, 1))
+        return True, failed
+
+    async def _exited(self, inst: ManagedInstance, code: int, failed: str, ready: bool) -> None:
+        """The instance's process ended. Asked to (being drained, or retired already, or the
+        agent stopping): nothing to do, :meth:`_retire` finishes it. Otherwise: before
+        ``READY`` with a ``FAILED`` line, its function cannot load: retired as LOAD_FAILED and
+        not launched again; else a crash, relaunched (:meth:`_relaunch`) up to ``MAX_RESTARTS``
+        times and then retired as GAVE_UP. Those two InstanceRetired carry the error."""
+        p = inst.placement
+        if inst.state not in ("launching", "ready") or self._stopping:
+            return
+        self.log.warning("instance exited unexpectedly", instance=p.instance_id, exit_code=code, error=failed)
+        if failed and not ready:
+            self.log.error("instance cannot load its function; not relaunched", instance=p.instance_id, error=failed)
+            await self._finish(inst, ev.LOAD_FAILED, code, error=failed)
+            self._forget(p.instance_id)
+            return
+        if failed:
+            self._last_error[p.instance_id] = failed
+        mps_failure = await self._mps_failed(p.gpu)
+        n = self._restarts.get(p.instance_id, 0) + (not mps_failure)
+        self._restarts[p.instance_id] = n
+        if n > MAX_RESTARTS:
+            error = self._last_error.get(p.instance_id) or f"exit code {code}"
+            self.log.error("instance keeps crashing; not relaunched", instance=p.instance_id, restarts=n - 1, error=error)
+            await self._finish(inst, ev.GAVE_UP, code, error=error)
+            self._forget(p.instance_id)
+            return
+        await self._finish(inst, "mps server failed" if mps_failure else "crashed", code, error=failed)
+        await self._relaunch(p)
+
+    def _forget(self, instance_id: str) -> None:
+        self._restarts.pop(instance_id, None)
+        self._last_error.pop(instance_id, None)
 
     async def _mps_failed(self, gpu: int) -> bool:
         """Whether this crash is part of an MPS server failure on ``gpu`` (every client of the
@@ -415,18 +496,19 @@ class NodeAgent:
             self.log.error("MPS server failed: relaunching the GPU's clients", gpu=gpu)
         return failed
 
-    async def _relaunch(self, p: ev.Placement, counted: bool = True) -> None:
-        """A crashed instance keeps its placement: launch it again (the table still says so),
-        at most ``MAX_RESTARTS`` times, after ``RESTART_DELAY_S``. ``counted``: False for a crash
-        that was the MPS server's, not the instance's (it does not use up the instance's budget)."""
-        n = self._restarts.get(p.instance_id, 0) + counted
-        self._restarts[p.instance_id] = n
-        if n > MAX_RESTARTS:
-            self.log.error("instance keeps crashing; not relaunched", instance=p.instance_id, restarts=n - 1)
-            return
+    async def _relaunch(self, p: ev.Placement) -> None:
+        """A crashed instance keeps its placement: launch it again after ``RESTART_DELAY_S``,
+        only while the table still places it on this node and not draining (a placement
+        drained or removed meanwhile ends it for good), as the table now has it."""
         await asyncio.sleep(RESTART_DELAY_S)
-        if not self._stopping and p.instance_id not in self.instances:
-            await self._launch(p)
+        if self._stopping or p.instance_id in self.instances:
+            return
+        live = self._placement_live(p.instance_id)
+        if live is None:
+            self.log.info("crashed instance not relaunched: its placement is gone or draining", instance=p.instance_id)
+            self._forget(p.instance_id)
+            return
+        await self._launch(live)
 
     async def _retire(self, inst: ManagedInstance, reason: str) -> None:
         """Drain: SIGTERM (the instance finishes its batch and stops pulling), SIGKILL after
@@ -447,7 +529,7 @@ class NodeAgent:
                 pass
         await self._finish(inst, reason, code if code is not None else 0)
 
-    async def _finish(self, inst: ManagedInstance, reason: str, code: int) -> None:
+    async def _finish(self, inst: ManagedInstance, reason: str, code: int, error: str = "") -> None:
         if inst.state == "gone":
             return
         inst.state = "gone"
@@ -461,7 +543,8 @@ class NodeAgent:
                 pass
             inst.cb = None
         await self._publish_instance("retired", ev.InstanceRetired(
-            instance_id=p.instance_id, function=p.function, node=self.node, gpu=p.gpu, reason=reason, exit_code=code or 0))
+            instance_id=p.instance_id, function=p.function, node=self.node, gpu=p.gpu, reason=reason, exit_code=code or 0,
+            error=error))
         self.log.info("instance retired", instance=p.instance_id, reason=reason, exit_code=code)
 
     async def _publish_instance(self, state: str, event: ev.InstanceEvent) -> None:

@@ -30,7 +30,9 @@ bucket and launch or drain instances; PlacementDecided events are for informatio
 - ``dilu.v1.scheduler.retire`` (RetireRequest -> RetireReply): marks the placement ``draining`` with
   a compare-and-set on its revision; the key is deleted (again compare-and-set) when the node
   agent's InstanceRetired arrives (``dilu.v1.instance.retired.*``). The capacity stays reserved
-  while the instance drains.
+  while the instance drains. An InstanceRetired from the placement's node with reason
+  ``load-failed`` or ``gave-up`` (the agent will not launch it again) deletes the placement too,
+  draining or not.
 - Defragmentation (``defrag_interval_s`` > 0): every interval, the policy's planner proposes
   migrations that empty whole GPUs; each is applied as relaunch-then-drain (a new placement on the
   target, the old one marked draining), only when the GPU-seconds gained exceed the migrations'
@@ -61,6 +63,8 @@ from prometheus_client import Counter, Gauge
 
 from dilu.contracts import subjects
 from dilu.contracts.events import (
+    GAVE_UP,
+    LOAD_FAILED,
     MAX_PLACE_COUNT,
     AdmitReply,
     AdmitRequest,
@@ -509,9 +513,13 @@ class SchedulerService:
             if known is None:
                 return
             p, rev = known
-            if not p.draining:  # it ended without being retired (a crash): the agent relaunches it
+            failed = ev.reason in (LOAD_FAILED, GAVE_UP) and ev.node == p.node
+            if not p.draining and not failed:  # it ended without being retired (a crash): the agent relaunches it
                 self.bus.log.warning("instance ended while placed", instance=ev.instance_id, reason=ev.reason)
                 return
+            if failed:  # the agent launches it no more: its capacity comes back
+                self.bus.log.warning("instance failed for good: placement removed", instance=ev.instance_id,
+                                     function=ev.function, reason=ev.reason, error=ev.error)
             try:
                 await self.kv.delete(ev.instance_id, last=rev)
             except APIError:  # wrong last revision (KV delete raises the plain API error)

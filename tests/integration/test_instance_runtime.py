@@ -223,7 +223,8 @@ async def test_a_function_that_cannot_load_exits_with_one_clear_line(nats_url, t
         await env.kv.put(subjects.token("broken"), encode(s))
         proc = await env.launch("b1", "broken", ready=False)
         assert await asyncio.wait_for(proc.wait(), 60) != 0
-        assert await proc.stdout.read() == b""  # never READY
+        out = (await proc.stdout.read()).decode().splitlines()  # never READY: one FAILED line for the agent
+        assert len(out) == 1 and out[0].startswith("FAILED ") and reason in out[0], out
         errors = [json.loads(line) for line in proc.log_path.read_text().splitlines() if '"level": "error"' in line]
         assert len(errors) == 1, errors
         assert errors[0]["function"] == "broken" and reason in errors[0]["error"] and "'broken'" in errors[0]["error"]
