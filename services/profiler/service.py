@@ -235,9 +235,10 @@ class ProfilerService:
             found = {self.node: found[self.node]} if self.node in found else {}
         if found and trial_node(found) is None and all(inv.device == "cpu" for inv in found.values()):
             return cpu_profile(spec)
-        if spec.model not in models.MODELS:
+        if not spec.model:
             raise ValueError(f"{spec.name!r} cannot be profiled: trials run on an emulated GPU's surface and it names "
                              "no [emulation] model; give the operator's [profile] in its spec")
+        models.spec(spec.model)  # KeyError: unknown model, naming the known ones
         return None
 
     async def _trial_node(self) -> str:

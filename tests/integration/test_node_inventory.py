@@ -121,10 +121,10 @@ async def test_memory_reservation_and_nvml_telemetry(nats_url):
         await kv.put("ok1", encode(good))
         await kv.put("greedy1", encode(greedy))
 
-        # the greedy one crashes at load (its weights do not fit its reservation) and is not
-        # relaunched for ever; the good one serves and shows its memory in telemetry
-        await wait_for(lambda: any(r.instance_id == "greedy1" and r.reason == "crashed" for r in retired),
-                       "the over-allocating instance crashed")
+        # the greedy one fails at load (its weights do not fit its reservation: the interceptor
+        # refuses the allocation) and is not relaunched; the good one serves and shows its memory
+        await wait_for(lambda: any(r.instance_id == "greedy1" and r.reason == ev.LOAD_FAILED and "cuMemAlloc" in r.error
+                                   for r in retired), "the over-allocating instance failed to load")
 
         def memory():
             for t in tel:
