@@ -35,6 +35,18 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def free_ports(n: int) -> list[int]:
+    """``n`` distinct free loopback ports (all bound at once, so none repeats)."""
+    socks = [socket.socket() for _ in range(n)]
+    try:
+        for s in socks:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
 def port_in_use(port: int, host: str = "127.0.0.1") -> bool:
     """True when something listens on (or holds) ``host:port``. SO_REUSEADDR as a server sets it,
     so connections of a stopped server still in TIME_WAIT do not count as the port being taken."""

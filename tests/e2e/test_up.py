@@ -7,7 +7,6 @@ import os
 import queue
 import re
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -18,6 +17,8 @@ from pathlib import Path
 
 import pytest
 
+from dilu.services.common.natsserver import free_ports
+
 from dilu.cli.cluster import STOP_STAGES, STOP_TIMEOUT_S
 
 pytestmark = [pytest.mark.nats, pytest.mark.native, pytest.mark.slow]
@@ -27,17 +28,6 @@ READY_TIMEOUT_S = 120.0
 # the longest a stop may take: each stage's timeout, nats-server's, and slack for a busy machine
 STOP_BOUND_S = STOP_TIMEOUT_S * len(STOP_STAGES) + 10 + 15
 METRICS_LINE = re.compile(r"^\s*metrics\s+(\w+)\s+http://127\.0\.0\.1:(\d+)/metrics")
-
-
-def free_ports(n: int) -> list[int]:
-    socks = [socket.socket() for _ in range(n)]
-    try:
-        for s in socks:
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
 
 
 def status(url: str) -> int:

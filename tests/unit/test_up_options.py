@@ -8,6 +8,8 @@ import sys
 from pathlib import Path
 
 import pytest
+
+from dilu.services.common.natsserver import free_ports
 from click.testing import CliRunner
 
 from dilu.cli.main import main
@@ -35,17 +37,6 @@ def listening():
         s.bind(("127.0.0.1", 0))
         s.listen()
         yield s.getsockname()[1]
-
-
-def free_ports(n: int) -> list[int]:
-    socks = [socket.socket() for _ in range(n)]
-    try:
-        for s in socks:
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
 
 
 @pytest.mark.parametrize("args, needle", [
