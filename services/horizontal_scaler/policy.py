@@ -302,6 +302,7 @@ class _Function:
     active_before: bool = False
     fresh: bool = False  # deployed and not invoked yet (initial scale applies)
     restored: bool = False  # restored after a restart and not invoked since (no initial scale)
+    restored_at: float | None = None  # when restored: no scale-in before a full stable window after it
     panic_since: float | None = None
     panic_last: float | None = None
     max_panic: int = 0
@@ -369,12 +370,14 @@ class HorizontalPolicy:
         the instances the placement table holds: its keep-alive runs from ``now_s`` (they are
         not scaled to zero at once for lack of history), it gets no initial scale (restored
         with no instance it stays at zero until requests come), and the wait for its next
-        request is not recorded as an idle time. No effect on a function already deployed or
-        invoked since. Raises KeyError for an unknown function."""
+        request is not recorded as an idle time; and for one stable window it is not scaled in
+        (a restarted scaler has no history: its windows would read low and halve the count
+        every tick). No effect on a function already deployed or invoked since. Raises KeyError
+        for an unknown function."""
         f = self._fn(name)
         if f.active_before:
             return
-        f.restored, f.active_before, f.idle_since = True, True, now_s
+        f.restored, f.active_before, f.idle_since, f.restored_at = True, True, now_s, now_s
 
     def remove_function(self, name: str) -> None:
         """Stop tracking ``name`` (undeployed); unknown names are ignored."""
@@ -512,10 +515,22 @@ class HorizontalPolicy:
         desired = min(max(desired, f.params.min_instances), f.params.max_instances)
         desired, reason = self._lazy(f, now_s, cur, ready, desired, headroom, reason)
         desired, reason = self._scale_down_delay(f, now_s, cur, desired, reason)
+        desired, reason = self._after_restore(f, now_s, cur, desired, reason)
         d.desired, d.reason = desired, reason
         d.breach = self._breach(f, now_s, ready, stable_avg, panic_avg)
         self._act(f, d)
         return d
+
+    def _after_restore(self, f: _Function, now_s: float, cur: int, desired: int, reason: str) -> tuple[int, str]:
+        """No scale-in within one stable window of a restore: the windows hold too little to
+        judge the load by (scale-out is not held back)."""
+        if f.restored_at is None or desired >= cur:
+            return desired, reason
+        since = now_s - f.restored_at
+        if since >= self.config.stable_window_s:
+            f.restored_at = None
+            return desired, reason
+        return cur, f"restored {since:.1f} s ago: no scale-in before a full stable window"
 
     @staticmethod
     def _hold(f: _Function, d: Decision) -> Decision:

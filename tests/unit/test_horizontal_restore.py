@@ -44,3 +44,20 @@ def test_restored_does_not_undo_a_live_deploy():
     pol.deployed("f", 100.0)
     pol.restored("f", 100.0)
     assert step(pol, 100.5).place == 2  # the initial scale still applies
+
+
+def test_a_restarted_scaler_does_not_halve_a_busy_function_before_a_full_window():
+    """14 instances restored under a steady load of 7 in flight: a restarted scaler with no history
+    once went 14 -> 7 -> 3 within a second; now it holds 14 for a stable window, then follows
+    the load (KPA halving at most per decision)."""
+    pol = restored(14)
+    counts = []
+    t = 100.0
+    while t < 100.0 + CFG.stable_window_s - 0.5:
+        t = round(t + 0.5, 3)
+        d = step(pol, t, backlog=7)
+        assert d.retire == [], (t, d.reason)
+        counts.append(d.desired)
+    assert set(counts) == {14}
+    later = [step(pol, round(t + k * 0.5, 3), backlog=7) for k in range(1, 4)]
+    assert any(d.retire for d in later), "after a full window the count follows the load"
