@@ -532,13 +532,16 @@ class HorizontalPolicy:
             return desired, reason
         return cur, f"restored {since:.1f} s ago: no scale-in before a full stable window"
 
-    @staticmethod
-    def _hold(f: _Function, d: Decision) -> Decision:
-        """Unknown backlog: hold, but never below ``min_instances``, and with requests stored and
-        no instance start one (holding at zero would strand them; the instance's binding creates
-        the consumer). Never more: an unknown backlog is not a large one."""
+    def _hold(self, f: _Function, d: Decision) -> Decision:
+        """Unknown backlog: hold, but never below ``min_instances`` nor, for a function just
+        deployed, its initial scale (its consumer may not exist yet: the instance's binding creates
+        it), and with requests stored and no instance start one (holding at zero would strand
+        them). Never more: an unknown backlog is not a large one."""
         want = max(d.current, f.params.min_instances)
         d.reason = "backlog unknown: holding the current count"
+        if f.fresh and want < self.initial_scale(f.name):
+            want = self.initial_scale(f.name)
+            d.reason = f"backlog unknown: initial scale {want}"
         if d.current == 0 and f.stored > 0:
             want = max(want, 1)
             d.reason = f"backlog unknown, {f.stored} requests stored and no instance: one instance"

@@ -61,3 +61,14 @@ def test_a_restarted_scaler_does_not_halve_a_busy_function_before_a_full_window(
     assert set(counts) == {14}
     later = [step(pol, round(t + k * 0.5, 3), backlog=7) for k in range(1, 4)]
     assert any(d.retire for d in later), "after a full window the count follows the load"
+
+
+def test_a_function_deployed_before_its_consumer_exists_gets_its_initial_scale_at_once():
+    """Its backlog is unknown (no consumer yet: the first instance creates it); waiting for the
+    consumer once left it without an instance for 40 s."""
+    pol = HorizontalPolicy(CFG)
+    pol.add_function("f", FunctionParams(target=1.0))
+    pol.deployed("f", 100.0)
+    pol.record("f", 100.5, None)
+    d = pol.decide("f", 100.5)
+    assert d.place == CFG.initial_scale and "initial scale" in d.reason
