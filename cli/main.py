@@ -23,6 +23,7 @@ BENCHES: dict[str, str] = {
     "interceptor": "dilu.interceptor.bench:bench_interceptor",
     "scheduler": "dilu.services.scheduler.bench:bench_scheduler",
     "vertical": "dilu.services.vertical_scaler.bench:bench_vertical",
+    "loadgen": "dilu.loadgen.bench:bench_loadgen",
 }
 
 

@@ -56,8 +56,9 @@ class Outcome(msgspec.Struct, frozen=True, kw_only=True):
 
 class Record(msgspec.Struct, frozen=True, kw_only=True):
     """One offered request. Times are ns offsets from the start of the replay:
-    ``scheduled_ns`` intended send, ``sent_ns`` actual send, ``done_ns`` answer (or the moment
-    it was given up). Latency is ``done_ns - scheduled_ns``; lateness ``sent_ns - scheduled_ns``.
+    ``scheduled_ns`` intended send, ``sent_ns`` actual send (when ``invoke`` was called),
+    ``done_ns`` answer (or the moment it was given up). Latency is ``done_ns - scheduled_ns``;
+    lateness ``sent_ns - scheduled_ns``.
     ``ttft_ms``, ``tpot_ms`` and ``output_tokens`` are the :class:`Outcome`'s (None, None, 0 when
     the reply was not streamed)."""
 
@@ -215,19 +216,21 @@ class OpenLoopGenerator:
             await self._clock.sleep_until(self._start_ns + inv.scheduled_ns)
             if self._before_send is not None:
                 await self._before_send(inv)
-            sent = self._clock.now_ns() - self._start_ns
-            late = sent - inv.scheduled_ns
-            self._max_late_ns = max(self._max_late_ns, late)
-            self._late += late > self._late_ns
             self._sent += 1
-            task = asyncio.create_task(self._one(inv, sent, bar))
+            task = asyncio.create_task(self._one(inv, bar))
             self._inflight.add(task)
             task.add_done_callback(self._inflight.discard)
-            bar.sent(self._late)
         if until_ns is not None and not self._stopped:
             await self._clock.sleep_until(until_ns)
 
-    async def _one(self, inv: Invocation, sent: int, bar: _Bar) -> None:
+    async def _one(self, inv: Invocation, bar: _Bar) -> None:
+        # The send time is stamped here, when the task runs and ``invoke`` starts sending, not
+        # when the task was queued: a burst of due requests queued in one pass leaves one by one.
+        sent = self._clock.now_ns() - self._start_ns
+        late = sent - inv.scheduled_ns
+        self._max_late_ns = max(self._max_late_ns, late)
+        self._late += late > self._late_ns
+        bar.sent(self._late)
         try:
             call = self._invoke(inv)
             if self._request_timeout_s is not None:

@@ -1,0 +1,117 @@
+"""``dilu bench loadgen``: how fast one load-generator process sends, and how close to schedule.
+
+Runs the real :class:`~dilu.loadgen.generator.OpenLoopGenerator` on a steady schedule of
+``--rate`` requests/s for ``--seconds`` with a no-op ``invoke`` (it returns at once), so what is
+measured is the generator alone: its send rate and its send-time error (actual send - scheduled
+send, the moment ``invoke`` is called). With ``--nats-url`` each no-op invoke also publishes the
+request as one core NATS message nobody answers (the socket write of a real send, no reply).
+
+Writes ``{"rate_rps", "seconds", "sent", "send_rate_rps", "send_error_ms_p50",
+"send_error_ms_p99", "send_error_ms_max", "late_sends", "late_threshold_ms", "goal", "setup"}``
+(HDR histogram, µs resolution). Goal (informational): >= 5,000 req/s with p99 error < 1 ms.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+from pathlib import Path
+
+import click
+import nats
+import uvloop
+from hdrh.histogram import HdrHistogram
+
+from dilu.services.common.cliopts import check_nats_url, writable_output
+
+from .arrivals import NS_PER_S, Invocation
+from .generator import DEFAULT_LATE_THRESHOLD_MS, OpenLoopGenerator, Outcome
+
+GOAL_RATE_RPS = 5000.0
+GOAL_SEND_ERROR_MS_P99 = 1.0
+SUBJECT = "dilu.bench.loadgen"  # core NATS subject of --nats-url sends (no subscriber)
+
+
+def steady_plan(rate_rps: float, seconds: float, function: str = "bench-noop") -> list[Invocation]:
+    """Invocations evenly spaced at ``rate_rps`` requests/s over ``seconds`` s (offsets in ns).
+
+    Raises ValueError when either is not positive."""
+    if rate_rps <= 0 or seconds <= 0:
+        raise ValueError(f"rate and seconds must be positive, got {rate_rps} req/s, {seconds} s")
+    n = max(1, round(rate_rps * seconds))
+    return [Invocation(id=f"r{i}", function=function, scheduled_ns=round(i * NS_PER_S / rate_rps), trace_minute=0)
+            for i in range(n)]
+
+
+def ms_histogram() -> HdrHistogram:
+    """An HDR histogram of µs values from 1 µs to 10 min, 3 significant digits."""
+    return HdrHistogram(1, 600_000_000, 3)
+
+
+async def run_bench(rate_rps: float, seconds: float, nats_url: str | None = None) -> dict:
+    """Run the generator with a no-op invoke and return the figures (see the module docstring)."""
+    nc = await nats.connect(nats_url, max_reconnect_attempts=0) if nats_url else None
+
+    async def invoke(inv: Invocation) -> Outcome:
+        if nc is not None:
+            await nc.publish(SUBJECT, inv.id.encode())
+        return Outcome()
+
+    try:
+        result = await OpenLoopGenerator(invoke).run(steady_plan(rate_rps, seconds))
+    finally:
+        if nc is not None:
+            await nc.close()
+    hist = ms_histogram()
+    for r in result.records:
+        hist.record_value(max(1, r.late_ns // 1000))
+    sent = len(result.records)
+    sends = [r.sent_ns for r in result.records]
+    span_s = (max(sends) - min(sends)) / 1e9 if sent > 1 else 0.0
+    p99 = hist.get_value_at_percentile(99) / 1000.0
+    send_rate = (sent - 1) / span_s if span_s > 0 else None
+    return {
+        "rate_rps": rate_rps,
+        "seconds": seconds,
+        "sent": sent,
+        "send_rate_rps": send_rate,
+        "send_error_ms_p50": hist.get_value_at_percentile(50) / 1000.0,
+        "send_error_ms_p99": p99,
+        "send_error_ms_max": hist.get_max_value() / 1000.0,
+        "late_sends": result.late_sends,
+        "late_threshold_ms": result.late_threshold_ms,
+        "goal": {"send_rate_rps": GOAL_RATE_RPS, "send_error_ms_p99": GOAL_SEND_ERROR_MS_P99,
+                 "met": send_rate is not None and send_rate >= GOAL_RATE_RPS * 0.99
+                 and p99 < GOAL_SEND_ERROR_MS_P99},
+        "setup": {"invoke": "no-op" + (" + core NATS publish" if nc is not None else ""),
+                  "clock": "time.monotonic_ns", "measured": "Record.sent_ns - Record.scheduled_ns",
+                  "send_rate": "(sent - 1) / (last send - first send)"},
+    }
+
+
+def reachable_or_exit(nats_url: str | None) -> None:
+    """Exit with one clear line (click error) when ``nats_url`` is given and nothing answers there."""
+    if nats_url:
+        from dilu.cli.cluster import check_reachable
+
+        try:
+            check_reachable(nats_url)
+        except RuntimeError as exc:
+            raise click.ClickException(str(exc)) from None
+
+
+@click.command("loadgen")
+@click.option("--rate", type=click.FloatRange(1, 1_000_000), default=5000.0, show_default=True,
+              help="scheduled sends per second")
+@click.option("--seconds", type=click.FloatRange(0.1, 3600), default=5.0, show_default=True)
+@click.option("--nats-url", default=None, callback=lambda c, p, v: v and check_nats_url(c, p, v),
+              help="also publish each request (core NATS, no reply) to this server")
+@click.option("--json", "json_path", type=click.Path(dir_okay=False, path_type=Path), default=None,
+              callback=writable_output, help="write the figures here")
+def bench_loadgen(rate, seconds, nats_url, json_path):
+    """Open-loop generator send rate and send-time error with a no-op invoke (goal >= 5,000 req/s, p99 < 1 ms)."""
+    reachable_or_exit(nats_url)
+    result = uvloop.run(run_bench(rate, seconds, nats_url))
+    text = json.dumps(result, indent=2)
+    if json_path:
+        json_path.write_text(text + "\n")
+    click.echo(text)
