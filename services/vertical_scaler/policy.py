@@ -39,7 +39,12 @@ The rules, in order of strength:
    (60 s, 16 functions) it sped up lightly loaded functions (seed 6: violations 0.5 % -> 0.0 %)
    and slowed a busy one reclaiming it (seed 2: 0.6 % -> 2.6 %, one more instance), so it is off
    by default.
-6. **Hysteresis.** Only changes of at least ``hysteresis`` are sent (plus any change needed to
+6. **The window is not trusted to be whole.** An instance the policy knows that a telemetry window
+   omits still holds the quota last granted to it: it is kept, *absent*, at that grant (counted in
+   Σ and given first claim after the floors, never raised) until it has been missing for
+   ``forget_after_ms``, then taken for retired and forgotten. An instance listed twice in one
+   window is counted once (its first row; the rest are counted in ``duplicate_rows``).
+7. **Hysteresis.** Only changes of at least ``hysteresis`` are sent (plus any change needed to
    restore a floor, a limit or Σ ≤ 1); decreases are listed before increases so that a node agent
    applying them in order never oversubscribes the GPU, even transiently.
 
@@ -65,8 +70,9 @@ MODES: tuple[str, ...] = ("dilu", "static", "static-limit", "off")
 # Allocation above the floors, in order: a pressured latency-sensitive instance up to its limit;
 # best-effort up to its request (guaranteed unless someone is under pressure); then the extras of
 # latency-sensitive, training and best-effort instances up to what they want.
-_ORDER = (("pressured", "want"), ("best-effort", "request"), ("latency-sensitive", "want"),
-          ("training", "want"), ("best-effort", "want"))
+# Absent instances (omitted by the latest window) come first: they keep their last grant.
+_ORDER = (("absent", "want"), ("pressured", "want"), ("best-effort", "request"),
+          ("latency-sensitive", "want"), ("training", "want"), ("best-effort", "want"))
 _EPS = 1e-9
 
 
@@ -79,7 +85,9 @@ class VerticalConfig:
     Reno halves its window); ``recovery_per_s`` 0.5 re-grows a fully cut victim in about 2 s;
     ``release_per_s`` 0.5 lets an instance whose demand fell give its share back over about a
     second rather than at once (so bursty demand does not flap between limit and use);
-    ``hysteresis`` 0.02 keeps telemetry noise (a few percent per window) from producing grants.
+    ``hysteresis`` 0.02 keeps telemetry noise (a few percent per window) from producing grants;
+    ``forget_after_ms`` 2000 (8 windows of the node agent's 250 ms telemetry) is how long an
+    instance omitted from telemetry keeps its grant before it is taken for retired.
     """
 
     mode: Mode = "dilu"
@@ -97,6 +105,7 @@ class VerticalConfig:
     idle_margin: float = 0.25
     settle_ms: float = 250.0
     park_idle: bool = False
+    forget_after_ms: float = 2000.0
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -131,8 +140,11 @@ class _Instance:
     pressure_until_ms: float = -math.inf
     pressure_cause: str = ""
     ceiling: float = 1.0  # AIMD ceiling (training and best-effort only)
+    absent_since_ms: float | None = None  # omitted from telemetry since then (still holds `granted`)
 
     def tier(self, now_ms: float) -> str:
+        if self.absent_since_ms is not None:
+            return "absent"
         if self.priority == "latency-sensitive" and now_ms < self.pressure_until_ms:
             return "pressured"
         return self.priority
@@ -169,28 +181,48 @@ class VerticalPolicy:
     def __init__(self, config: VerticalConfig | None = None) -> None:
         self.config = config or VerticalConfig()
         self._gpus: dict[int, _Gpu] = {}
+        self.duplicate_rows = 0  # telemetry rows ignored: their instance was already listed in the window
+        self.omitted_rows = 0  # known instances missing from a window (kept at their grant)
 
     # ------------------------------------------------------------------ inputs
 
     def on_telemetry(self, gpu: int, now_ms: float, instances: Sequence[InstanceTelemetry]) -> list[Grant]:
-        """One GPU's telemetry window: the instances listed are all the instances on that GPU.
+        """One GPU's telemetry window, meant to list every instance on that GPU. Returns the grants
+        to send.
 
-        Instances absent from the list are forgotten (retired). Returns the grants to send.
+        The window is not trusted to be whole: a known instance it omits keeps its last grant
+        (counted in Σ, never raised; ``omitted_rows`` += 1) and is forgotten only once it has been
+        missing for ``forget_after_ms``. A second row for the same instance id is ignored (the
+        first one counts; ``duplicate_rows`` += 1). Raises ValueError for a malformed row (the
+        state is left unchanged).
         """
-        parsed = [self._validate(t) for t in instances]
+        parsed: dict[str, InstanceTelemetry] = {}
+        duplicates = 0
+        for t in instances:
+            self._validate(t)
+            if t.instance_id in parsed:
+                duplicates += 1
+            else:
+                parsed[t.instance_id] = t
+        self.duplicate_rows += duplicates
         g = self._gpus.setdefault(gpu, _Gpu())
         self._recover(g, now_ms)
-        seen = set()
-        for t in parsed:
-            seen.add(t.instance_id)
+        for t in parsed.values():
             inst = g.instances.get(t.instance_id)
             if inst is None:
                 inst = g.instances[t.instance_id] = _Instance(
                     t.instance_id, t.function, t.priority, 0.0, 0.0, 1.0,
                     granted=t.quota if t.quota > 0 else t.request_quota)
+            inst.absent_since_ms = None
             self._update(inst, t, now_ms)
-        for gone in set(g.instances) - seen:
-            del g.instances[gone]
+        for iid in set(g.instances) - set(parsed):
+            inst = g.instances[iid]
+            if inst.absent_since_ms is None:
+                inst.absent_since_ms = now_ms
+            if now_ms - inst.absent_since_ms >= self.config.forget_after_ms:
+                del g.instances[iid]  # missing long enough: retired
+            else:
+                self.omitted_rows += 1
         return self._rebalance(g, now_ms)
 
     def on_stretch(self, gpu: int, now_ms: float, instance_id: str, ratio: float) -> list[Grant]:
@@ -279,7 +311,10 @@ class VerticalPolicy:
     def _want(self, inst: _Instance, now_ms: float, dt_ms: float) -> float:
         cfg = self.config
         floor = inst.floor(cfg)
-        if inst.tier(now_ms) == "pressured":
+        tier = inst.tier(now_ms)
+        if tier == "absent":  # holds its last grant; we know nothing newer about its demand
+            return min(max(inst.granted, floor), inst.limit)
+        if tier == "pressured":
             return inst.limit
         cap = inst.limit if inst.priority == "latency-sensitive" else min(inst.limit, inst.ceiling)
         if inst.hungry:

@@ -179,10 +179,12 @@ def test_malformed_telemetry_is_rejected_without_touching_state():
     assert policy.quotas(GPU) == before
 
 
-def test_retired_instances_are_forgotten():
-    node = Node(VerticalPolicy(), SPECS)
+def test_retired_instances_are_forgotten_once_missing_for_forget_after_ms():
+    node = Node(VerticalPolicy(VerticalConfig(forget_after_ms=1000.0)), SPECS)
     node.report(0.0)
     node.policy.on_telemetry(GPU, 100.0, [tel("ls")])
+    assert set(node.policy.quotas(GPU)) == {"ls", "tr", "be"}  # one window's omission: kept
+    node.policy.on_telemetry(GPU, 1100.0, [tel("ls")])
     assert set(node.policy.quotas(GPU)) == {"ls"}
 
 
