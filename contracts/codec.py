@@ -34,7 +34,8 @@ def decode(data: bytes, kind: type[E]) -> E:  # kind: an Event or any contracts 
     """JSON bytes -> ``kind``. Unknown fields are skipped (forward compatible).
 
     Raises MalformedEvent with the decoder's reason (e.g. "Expected `float`, got `str` - at
-    `$.quota`") for invalid JSON, wrong types or missing required fields.
+    `$.quota`") for invalid JSON, wrong types, values out of bounds, missing required fields
+    or nesting deeper than the decoder's recursion limit.
     """
     dec = _decoders.get(kind)
     if dec is None:
@@ -42,4 +43,10 @@ def decode(data: bytes, kind: type[E]) -> E:  # kind: an Event or any contracts 
     try:
         return dec.decode(data)
     except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-        raise MalformedEvent(f"{kind.__name__}: {exc}") from None
+        raise MalformedEvent(f"{kind.__name__}: {_one_line(str(exc))}") from None
+    except RecursionError:  # msgspec's depth limit, reached even in skipped unknown fields
+        raise MalformedEvent(f"{kind.__name__}: JSON nested too deeply") from None
+
+
+def _one_line(text: str) -> str:
+    return " ".join(text.split())
