@@ -24,6 +24,7 @@ BENCHES: dict[str, str] = {
     "scheduler": "dilu.services.scheduler.bench:bench_scheduler",
     "vertical": "dilu.services.vertical_scaler.bench:bench_vertical",
     "loadgen": "dilu.loadgen.bench:bench_loadgen",
+    "invoke": "dilu.loadgen.bench_invoke:bench_invoke",
 }
 
 
