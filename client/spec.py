@@ -34,7 +34,15 @@ MAX_INSTANCES_LIMIT = 1024  # instances of one function: more is a typo, not a p
 
 
 class SpecError(ValueError):
-    """A spec file that cannot be used; the message is one line: ``<file>: <field>: <why>``."""
+    """A spec file that cannot be used; the message is one line: ``<file>: <field>: <why>``
+    (a line break taken from the file, e.g. in a quoted key, is written as its escape)."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(_LINE_BREAK.sub(lambda m: m.group().encode("unicode_escape").decode(), message))
+
+
+# every character str.splitlines() breaks on
+_LINE_BREAK = re.compile("[\n\r\x0b\x0c\x1c\x1d\x1e\x85\u2028\u2029]")
 
 
 class EmulationTable(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
@@ -91,7 +99,7 @@ class LoadedSpec:
 # msgspec's type names in its messages -> the words a TOML author knows
 _TYPE_WORDS = (("`float`", "number"), ("`int`", "integer"), ("`str`", "string"), ("`object`", "table"),
                ("`array`", "array"), ("`bool`", "boolean"))
-_AT = re.compile(r"^(?P<msg>.*?)(?: - at `\$(?P<path>[^`]*)`)?$")
+_AT = re.compile(r"^(?P<msg>.*?)(?: - at `\$(?P<path>[^`]*)`)?$", re.DOTALL)  # keys may hold line breaks
 
 
 def _known(struct: type[msgspec.Struct]) -> str:
@@ -106,7 +114,7 @@ def _validation_message(source: str, exc: msgspec.ValidationError) -> str:
     """msgspec's ``Expected `float`, got `str` - at `$.slo_ms``` -> ``<file>: slo_ms: Expected number, got str``."""
     m = _AT.match(str(exc))
     msg, path = m.group("msg"), (m.group("path") or "").lstrip(".")
-    unknown = re.match(r"Object contains unknown field `(.+)`", msg)
+    unknown = re.match(r"Object contains unknown field `(.+)`", msg, re.DOTALL)
     if unknown:
         table = _tables().get(path, SpecFile)
         field = f"{path}.{unknown.group(1)}" if path else unknown.group(1)
@@ -115,7 +123,7 @@ def _validation_message(source: str, exc: msgspec.ValidationError) -> str:
             hint = f"; a key written below [{path}] belongs to that table: move it above the first [table]"
         return (f"{source}: {field}: unknown key (known keys{' of [' + path + ']' if path else ''}: "
                 f"{_known(table)}){hint}")
-    missing = re.match(r"Object missing required field `(.+)`", msg)
+    missing = re.match(r"Object missing required field `(.+)`", msg, re.DOTALL)
     if missing:
         field = f"{path}.{missing.group(1)}" if path else missing.group(1)
         return f"{source}: {field}: required"
@@ -183,6 +191,8 @@ def parse_spec(text: str | bytes, *, source: str = "function.toml", base_dir: st
         raise SpecError(_validation_message(source, exc)) from None
     except msgspec.DecodeError as exc:
         raise SpecError(f"{source}: not valid TOML: {exc}") from None
+    except RecursionError:  # arrays or tables nested past the parser's recursion limit
+        raise SpecError(f"{source}: not valid TOML: nested too deeply") from None
     c = _Checker(source)
     if not NAME_RE.fullmatch(raw.name):
         c.fail("name", f"{raw.name!r} is not 1..63 characters of A-Z a-z 0-9 _ -")
@@ -308,8 +318,12 @@ def _config(c: _Checker, raw: SpecFile) -> dict[str, str]:
 def _code_dir(c: _Checker, raw: SpecFile, base_dir: str | os.PathLike | None) -> Path | None:
     if not raw.entry or not raw.code:
         return None  # emulated-only (no user code runs) or an entry importable everywhere
-    folder = (Path(base_dir or ".") / raw.code).resolve()
-    if not folder.is_dir():
+    try:
+        folder = (Path(base_dir or ".") / raw.code).resolve()
+        is_dir = folder.is_dir()
+    except (OSError, ValueError) as exc:  # e.g. a NUL in the path, a name too long
+        c.fail("code", f"{raw.code!r} is not a usable folder path: {exc}")
+    if not is_dir:
         c.fail("code", f"folder {str(folder)!r} does not exist or is not a folder")
     return folder
 
