@@ -9,17 +9,27 @@ wake-ups go through the C helpers of dilu_cb.h compiled in cffi API mode.
 Quotas and widths are fractions 0..1 here and parts per million in the block. Memory is in bytes
 everywhere: the instance's reservation (``memory_limit_bytes``, written at creation) and what the
 interceptor counts against it.
+
+A writer killed mid-write (its seqlock left odd) never hangs a reader: ``snapshot`` waits it out for
+a bounded time (``DILU_SEQ_GIVE_UP_NS``, dilu_cb.h), then returns the last consistent snapshot
+marked ``torn`` (to be treated as stale) and counts it (``ControlBlock.torn_reads``, Prometheus
+``dilu_cb_torn_reads_total``); the next write repairs the sequence.
 """
 from __future__ import annotations
 
 import mmap
 import os
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+
+from prometheus_client import Counter
 
 from dilu.interceptor.native import cffi_module
 
 PPM = 1_000_000
+
+TORN_READS = Counter("dilu_cb_torn_reads", "Control block snapshots that gave up on a writer killed "
+                     "mid-write (sequence held odd) and answered the last consistent values", ["group"])
 
 
 class ControlBlockError(RuntimeError):
@@ -43,6 +53,11 @@ class CbSnapshot:
     through the allocations the interceptor counted; memory_peak_bytes: the most it has held;
     oom_refusals: allocations refused with CUDA_ERROR_OUT_OF_MEMORY because they would have gone
     past the reservation (the driver's own refusals are not counted). All in bytes but the last.
+    torn: the block held a group's sequence odd past the bound (its writer killed mid-write), so
+    this is the last consistent reading (the torn one's own values when there was none before):
+    treat it as stale. torn_grant_reads: the interceptor's grant reads that gave up the same way
+    (it then runs at the request quota). grant_torn: the interceptor is running at the request
+    quota for that reason now.
     """
 
     instance_id: str
@@ -74,6 +89,9 @@ class CbSnapshot:
     memory_used_bytes: int = 0
     memory_peak_bytes: int = 0
     oom_refusals: int = 0
+    torn: bool = False
+    torn_grant_reads: int = 0
+    grant_torn: bool = False
 
 
 def _ppm(fraction: float, name: str) -> int:
@@ -91,7 +109,9 @@ class ControlBlock:
         self.path = path
         self._mm = mm
         self._cb = self._ffi.from_buffer("struct dilu_cb *", mm)
-        self._out = self._ffi.new("struct dilu_cb *")
+        self._out = self._ffi.new("struct dilu_cb *")  # kept: it remembers a dead writer's sequence
+        self._last_good: CbSnapshot | None = None
+        self.torn_reads = 0  # snapshots that gave up on a writer killed mid-write
 
     @staticmethod
     def size() -> int:
@@ -183,9 +203,25 @@ class ControlBlock:
                                       int(latency_us_ewma), int(queue_depth))
 
     def snapshot(self) -> CbSnapshot:
-        """A consistent copy of the block's grant, telemetry and runtime fields."""
+        """A consistent copy of the block's grant, telemetry and runtime fields.
+
+        Never blocks longer than the seqlock bound (``DILU_SEQ_GIVE_UP_NS``, 5 ms; at once while
+        the same dead writer's sequence stays odd). When a group's writer held its sequence odd
+        that long (killed mid-write), returns the last consistent snapshot with ``torn=True`` and
+        counts it in ``torn_reads``. Raises ControlBlockError once closed."""
         o = self._out
         self._lib.dilu_cb_snapshot(self._live(), o)
+        torn = [g for g, seq in (("grant", o.grant_seq), ("telemetry", o.t_seq)) if seq & 1]
+        snap = self._decode(o)
+        if not torn:
+            self._last_good = snap
+            return snap
+        self.torn_reads += 1
+        for group in torn:
+            TORN_READS.labels(group).inc()
+        return replace(self._last_good or snap, torn=True)
+
+    def _decode(self, o) -> CbSnapshot:
         return CbSnapshot(
             instance_id=self._ffi.string(o.instance_id).decode(errors="replace"),
             launches=o.t_launches, throttled=o.t_throttled, busy_us=o.t_busy_us,
@@ -198,7 +234,8 @@ class ControlBlock:
             heartbeat_ns=o.agent_heartbeat_ns, ready=bool(o.r_ready), requests=o.r_requests,
             latency_us_ewma=o.r_latency_us_ewma, queue_depth=o.r_queue_depth,
             memory_limit_bytes=o.mem_limit_bytes, memory_used_bytes=o.t_mem_used_bytes,
-            memory_peak_bytes=o.t_mem_peak_bytes, oom_refusals=o.t_oom_refusals)
+            memory_peak_bytes=o.t_mem_peak_bytes, oom_refusals=o.t_oom_refusals,
+            torn_grant_reads=o.t_torn_grant_reads, grant_torn=bool(o.t_flags & 2))
 
     def wait_applied(self, epoch: int, timeout_ms: float) -> bool:
         """Polls (1 ms steps) until the interceptor applied ``epoch``; True if it did in time."""

@@ -61,5 +61,8 @@ struct dilu_cb {
     uint64_t t_mem_peak_bytes;     /* interceptor, under t_seq: the most t_mem_used_bytes has been */
     uint64_t t_oom_refusals;       /* interceptor, under t_seq: allocations refused past the reservation */
 
-    uint64_t reserved[9];
+    uint64_t t_torn_grant_reads;   /* interceptor, under t_seq: grant reads that gave up on a grant
+                                      writer holding grant_seq odd (killed mid-write) */
+
+    uint64_t reserved[8];
 };

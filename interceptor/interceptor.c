@@ -265,6 +265,8 @@ static struct {
     int forked; /* a forked child of the writer (shares its bucket and counters) */
     uint64_t next_open_ns;
     uint64_t next_stale_check_ns;
+    uint64_t grant_torn_seq; /* odd grant_seq a grant read gave up on (its writer died mid-write) */
+    uint64_t torn_grant_reads;
     /* token bucket */
     uint64_t quota_ppm; /* in effect (floored) */
     double rate;        /* µs of busy time per µs of wall time */
@@ -377,6 +379,7 @@ static void publish(void)
         cb->t_flags = S.flags;
         cb->t_samples = S.samples;
         cb->t_quota_ppm = S.quota_ppm;
+        cb->t_torn_grant_reads = S.torn_grant_reads;
     }
     dilu_seq_write_end(&cb->t_seq);
 }
@@ -432,14 +435,16 @@ static void try_open_block(uint64_t now)
         SH->wait_us += (double)cb->t_wait_us;
         S.cycles += cb->t_cycles;
         S.samples += cb->t_samples;
+        S.torn_grant_reads += cb->t_torn_grant_reads;
         SH->oom_refusals += cb->t_oom_refusals;
         if (cb->t_mem_peak_bytes > SH->mem_peak)
             SH->mem_peak = cb->t_mem_peak_bytes;
         publish_mem(); /* used: this process tree's own (a previous process's memory died with it) */
     }
     uint64_t q, r, w;
-    dilu_cb_read_grant(cb, &q, &r, &w);
-    if (w)
+    if (dilu_cb_read_grant(cb, &q, &r, &w, &S.grant_torn_seq))
+        S.torn_grant_reads++; /* width stays the environment's; refresh_grant falls back */
+    else if (w)
         S.width_ppm = w;
     S.applied_epoch = (uint64_t)-1; /* force the first refresh to apply the block's grant */
     if (g_debug)
@@ -460,8 +465,16 @@ static void refresh_grant(uint64_t now)
     uint32_t epoch = dilu_load_u32(&cb->grant_epoch);
     if ((uint64_t)epoch != S.applied_epoch) {
         uint64_t q, r, w;
-        dilu_cb_read_grant(cb, &q, &r, &w);
-        set_rate(q);
+        if (dilu_cb_read_grant(cb, &q, &r, &w, &S.grant_torn_seq)) {
+            /* the agent died mid-write: never wait on it; run at the request quota until a
+             * grant writer repairs the sequence and bumps the epoch */
+            S.torn_grant_reads++;
+            S.flags |= DILU_CB_FLAG_TORN_GRANT;
+            set_rate(S.request_ppm);
+        } else {
+            S.flags &= ~DILU_CB_FLAG_TORN_GRANT;
+            set_rate(q);
+        }
         S.applied_epoch = epoch;
         S.applied_ns = now;
     }

@@ -6,6 +6,16 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 STRETCH_RATIO = 1.5  # a cycle 1.5 x its baseline is contention (Dilu paper: kernel-cycle stretch)
+SAMPLE_STALL_PERIODS = 10  # the sample loop is stuck after this many sample periods without a round
+SAMPLE_STALL_MIN_S = 3.0  # ... and never sooner than this (s): a busy host delays a round a little
+
+
+def sample_loop_stalled(last_round_s: float, now_s: float, sample_s: float) -> bool:
+    """True when the sample loop last completed a round (or started) at ``last_round_s`` and, at
+    ``now_s``, more than max(SAMPLE_STALL_PERIODS x ``sample_s``, SAMPLE_STALL_MIN_S) has passed:
+    its telemetry, stretch detection and relaunch checks have stopped (the agent is not ready).
+    All times in seconds on one monotonic clock."""
+    return now_s - last_round_s > max(SAMPLE_STALL_PERIODS * sample_s, SAMPLE_STALL_MIN_S)
 
 
 @dataclass(frozen=True)

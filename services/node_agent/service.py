@@ -57,7 +57,7 @@ from dilu.services.common.runner import StartFailed
 from . import devices
 from .mps import FAILURE_WINDOW_S as MPS_FAILURE_WINDOW_S
 from .mps import server_failed as mps_server_failed
-from .accounting import Counters, GpuCost, Slot, stretch, window_use
+from .accounting import Counters, GpuCost, Slot, sample_loop_stalled, stretch, window_use
 from .claim import claim_refusal, host_identity
 from .function_metrics import FunctionMetrics
 from .function_metrics import problem as stats_problem
@@ -140,6 +140,7 @@ class NodeAgent:
         self._inv_rev = 0
         self._started_ns = time.time_ns()
         self.sample_s = sample_ms / 1000.0
+        self._round_s = time.monotonic()  # when the sample loop last completed a round (monotonic s)
         self.telemetry_every = max(1, round(telemetry_ms / sample_ms))
         self.initial_grant = initial_grant
         self.instances: dict[str, ManagedInstance] = {}
@@ -165,7 +166,10 @@ class NodeAgent:
     # ------------------------------------------------------------------ lifecycle
 
     def ready(self) -> bool:
-        return self._started and not self._stopping
+        """Started, not stopping, and the sample loop has completed a round lately (a stuck loop
+        means no telemetry and no stretch detection: see accounting.sample_loop_stalled)."""
+        return self._started and not self._stopping and \
+            not sample_loop_stalled(self._round_s, time.monotonic(), self.sample_s)
 
     async def start(self, bus: Bus) -> None:
         """Discover the GPUs, claim the node name in ``dilu-nodes``, then follow placements.
@@ -592,6 +596,7 @@ class NodeAgent:
     async def _sample_loop(self) -> None:
         tick = 0
         last_window_ns = time.monotonic_ns()
+        self._round_s = time.monotonic()
         while True:
             await asyncio.sleep(self.sample_s)
             tick += 1
@@ -604,6 +609,7 @@ class NodeAgent:
             if tick % self.telemetry_every == 0:
                 await self._publish_window((now - last_window_ns) / 1e9)
                 last_window_ns = now
+            self._round_s = time.monotonic()
 
     async def _sample(self, inst: ManagedInstance, now: int) -> None:
         if inst.cb is None or inst.state == "gone":
