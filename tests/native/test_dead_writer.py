@@ -8,7 +8,6 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 from prometheus_client import REGISTRY
@@ -24,12 +23,22 @@ HANG = 20  # s: a call that has not returned by then is taken for hung
 
 
 def bounded(fn, *args):
-    """fn(*args), failing the test when it has not returned within HANG s (a spinning reader)."""
-    pool = ThreadPoolExecutor(1)
-    try:
-        return pool.submit(fn, *args).result(timeout=HANG)
-    finally:
-        pool.shutdown(wait=False)
+    """fn(*args), failing the test when it has not returned within HANG s (a spinning reader; a
+    daemon thread, so a reader that never returns cannot hold the test run at exit either)."""
+    done, box = threading.Event(), {}
+
+    def call():
+        try:
+            box["value"] = fn(*args)
+        except BaseException as exc:  # re-raised in the test
+            box["error"] = exc
+        done.set()
+
+    threading.Thread(target=call, daemon=True).start()
+    assert done.wait(HANG), f"{fn.__qualname__} did not return within {HANG} s"
+    if "error" in box:
+        raise box["error"]
+    return box["value"]
 
 
 def torn_count(group: str) -> float:
