@@ -229,7 +229,12 @@ def _timestamp(path: Path, line: int, cell: str) -> datetime:
     except ValueError:
         raise TraceError(path, line, f"{TIMESTAMP} {cell!r} is not an ISO 8601 date-time") from None
     # an explicit offset is honoured by converting to UTC; naive times are taken as they are
-    return ts.astimezone(timezone.utc).replace(tzinfo=None) if ts.tzinfo is not None else ts
+    if ts.tzinfo is None:
+        return ts
+    try:
+        return ts.astimezone(timezone.utc).replace(tzinfo=None)
+    except OverflowError:  # e.g. 9999-12-31T23:59:59-01:00 is past the last representable UTC time
+        raise TraceError(path, line, f"{TIMESTAMP} {cell!r} is out of range in UTC") from None
 
 
 def _tokens(path: Path, line: int, column: str, cell: str) -> int:

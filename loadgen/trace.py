@@ -7,7 +7,9 @@ A trace is a directory holding:
   number of invocations that started in that minute (a non-negative integer).
 - ``durations.csv`` (optional): ``HashOwner,HashApp,HashFunction,Average,...``, execution time in ms.
 - ``memory.csv`` (optional): ``HashFunction,HashOwner,HashApp,SampleCount,AverageAllocatedMb,...``,
-  allocated memory in MB.
+  allocated memory in MB; or the raw trace's per-application table
+  (``HashOwner,HashApp,SampleCount,AverageAllocatedMb,...``, no ``HashFunction``), in which case
+  every function of an application gets the application's figure.
 
 Every malformed file raises :class:`TraceError` naming the file and the line (1-based, as an
 editor shows it), so a user handing ``--trace DIR`` a broken trace learns where it breaks.
@@ -15,6 +17,7 @@ editor shows it), so a user handing ``--trace DIR`` a broken trace learns where 
 from __future__ import annotations
 
 import csv
+import math
 import re
 from collections.abc import Iterator
 from importlib import resources
@@ -26,22 +29,25 @@ INVOCATIONS = "invocations.csv"
 DURATIONS = "durations.csv"
 MEMORY = "memory.csv"
 KEY_COLUMNS = ("HashOwner", "HashApp", "HashFunction", "Trigger")
+FUNCTION_KEY = KEY_COLUMNS[:3]
 NAME_PREFIX = "fn-"
 # Shortest hash prefix used in a function name; lengthened until names are unique.
 NAME_HASH_CHARS = 8
 _UNSAFE = re.compile(r"[^A-Za-z0-9_-]")
+_LINE_BREAK = re.compile("[\n\r\x0b\x0c\x1c\x1d\x1e\x85\u2028\u2029]")  # what str.splitlines() breaks on
 
 
 class TraceError(ValueError):
     """A trace file is missing or malformed. ``path`` is the file, ``line`` the 1-based line
-    (0 when the fault is the file as a whole)."""
+    (0 when the fault is the file as a whole). The message is one line: a line break taken from
+    the file (e.g. inside a quoted cell) is written as its escape."""
 
     def __init__(self, path: Path | str, line: int, reason: str):
         self.path = Path(path)
         self.line = line
         self.reason = reason
         where = f"{self.path}" + (f" line {line}" if line else "")
-        super().__init__(f"{where}: {reason}")
+        super().__init__(_LINE_BREAK.sub(lambda m: m.group().encode("unicode_escape").decode(), f"{where}: {reason}"))
 
 
 class TraceFunction(msgspec.Struct, frozen=True, kw_only=True):
@@ -107,13 +113,14 @@ def read_trace(directory: str | Path | None = None) -> Trace:
     if not inv_path.is_file():
         raise TraceError(inv_path, 0, f"missing; a trace directory needs {INVOCATIONS}")
     first_minute, n_minutes, rows = _read_invocations(inv_path)
-    durations = _read_optional(root / DURATIONS, ("HashOwner", "HashApp", "HashFunction"), "Average")
-    memory = _read_optional(root / MEMORY, ("HashOwner", "HashApp", "HashFunction"), "AverageAllocatedMb")
+    durations = _read_optional(root / DURATIONS, FUNCTION_KEY, "Average")
+    memory = _read_optional(root / MEMORY, FUNCTION_KEY, "AverageAllocatedMb", per_app=True)
     names = _unique_names([r[2] for r in rows])
     functions = tuple(
         TraceFunction(
             name=name, owner=owner, app=app, function=fn, trigger=trigger, counts=counts,
-            duration_ms=durations.get((owner, app, fn)), memory_mb=memory.get((owner, app, fn)),
+            duration_ms=durations.get((owner, app, fn)),
+            memory_mb=memory.get((owner, app, fn), memory.get((owner, app))),
         )
         for name, (owner, app, fn, trigger, counts) in zip(names, rows)
     )
@@ -126,7 +133,11 @@ def read_trace(directory: str | Path | None = None) -> Trace:
 def _rows(path: Path) -> Iterator[tuple[int, list[str]]]:
     """Yield (1-based line, cells) of a CSV file, skipping blank lines."""
     try:
-        with path.open(newline="", encoding="utf-8") as fh:
+        fh = path.open(newline="", encoding="utf-8")
+    except OSError as exc:
+        raise TraceError(path, 0, f"cannot read: {exc.strerror or exc}") from None
+    try:
+        with fh:
             reader = csv.reader(fh)
             try:
                 for cells in reader:
@@ -136,6 +147,8 @@ def _rows(path: Path) -> Iterator[tuple[int, list[str]]]:
                 raise TraceError(path, reader.line_num, f"not valid CSV: {exc}") from exc
     except UnicodeDecodeError as exc:
         raise TraceError(path, 0, f"not UTF-8 text: {exc}") from exc
+    except OSError as exc:
+        raise TraceError(path, 0, f"cannot read: {exc.strerror or exc}") from None
 
 
 def _read_invocations(path: Path) -> tuple[int, int, list[tuple[str, str, str, str, tuple[int, ...]]]]:
@@ -145,7 +158,7 @@ def _read_invocations(path: Path) -> tuple[int, int, list[tuple[str, str, str, s
     except StopIteration:
         raise TraceError(path, 0, "empty file") from None
     if tuple(header[:4]) != KEY_COLUMNS:
-        raise TraceError(path, line, f"header must start with {','.join(KEY_COLUMNS)}, got {','.join(header[:4])}")
+        raise TraceError(path, line, f"header must start with {','.join(KEY_COLUMNS)}, got {','.join(header[:4])!r}")
     minutes = header[4:]
     if not minutes:
         raise TraceError(path, line, "header has no minute columns")
@@ -182,14 +195,17 @@ def _counts(path: Path, line: int, cells: list[str], labels: list[int]) -> tuple
             value = float(cell)
         except ValueError:
             raise TraceError(path, line, f"minute {label}: count {cell!r} is not a number") from None
-        if value < 0 or value != int(value):
+        if not math.isfinite(value) or value < 0 or value != int(value):
             raise TraceError(path, line, f"minute {label}: count {cell!r} is not a non-negative integer")
         counts.append(int(value))
     return tuple(counts)
 
 
-def _read_optional(path: Path, keys: tuple[str, ...], column: str) -> dict[tuple[str, ...], float]:
-    """Read one numeric column of an optional per-function file, keyed by (owner, app, function)."""
+def _read_optional(path: Path, keys: tuple[str, ...], column: str, *,
+                   per_app: bool = False) -> dict[tuple[str, ...], float]:
+    """Read one numeric column (finite, >= 0) of an optional per-function file, keyed by ``keys``
+    (owner, app, function). ``per_app``: a file without the function column is taken as a
+    per-application table, keyed by (owner, app)."""
     if not path.exists():
         return {}
     rows = _rows(path)
@@ -197,6 +213,8 @@ def _read_optional(path: Path, keys: tuple[str, ...], column: str) -> dict[tuple
         line, header = next(rows)
     except StopIteration:
         raise TraceError(path, 0, "empty file") from None
+    if per_app and keys[-1] not in header:
+        keys = keys[:-1]
     missing = [c for c in (*keys, column) if c not in header]
     if missing:
         raise TraceError(path, line, f"header lacks column(s) {', '.join(missing)}")
@@ -210,8 +228,8 @@ def _read_optional(path: Path, keys: tuple[str, ...], column: str) -> dict[tuple
             value = float(cells[col])
         except ValueError:
             raise TraceError(path, line, f"{column} {cells[col]!r} is not a number") from None
-        if not value >= 0:  # also rejects NaN
-            raise TraceError(path, line, f"{column} {cells[col]!r} must be >= 0")
+        if not (math.isfinite(value) and value >= 0):
+            raise TraceError(path, line, f"{column} {cells[col]!r} must be >= 0 and finite")
         out[tuple(cells[i] for i in idx)] = value
     return out
 
