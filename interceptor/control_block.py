@@ -230,12 +230,12 @@ class ControlBlock:
             quota=o.quota_ppm / PPM, request_quota=o.request_ppm / PPM, width=o.width_ppm / PPM,
             applied_quota=o.t_quota_ppm / PPM, applied_epoch=o.t_applied_epoch,
             applied_ns=o.t_applied_ns, grant_epoch=o.grant_epoch, pid=o.t_pid,
-            samples=o.t_samples, stale=bool(o.t_flags & 1), last_launch_ns=o.t_last_launch_ns,
+            samples=o.t_samples, stale=bool(o.t_flags & self._lib.DILU_CB_FLAG_STALE), last_launch_ns=o.t_last_launch_ns,
             heartbeat_ns=o.agent_heartbeat_ns, ready=bool(o.r_ready), requests=o.r_requests,
             latency_us_ewma=o.r_latency_us_ewma, queue_depth=o.r_queue_depth,
             memory_limit_bytes=o.mem_limit_bytes, memory_used_bytes=o.t_mem_used_bytes,
             memory_peak_bytes=o.t_mem_peak_bytes, oom_refusals=o.t_oom_refusals,
-            torn_grant_reads=o.t_torn_grant_reads, grant_torn=bool(o.t_flags & 2))
+            torn_grant_reads=o.t_torn_grant_reads, grant_torn=bool(o.t_flags & self._lib.DILU_CB_FLAG_TORN_GRANT))
 
     def wait_applied(self, epoch: int, timeout_ms: float) -> bool:
         """Polls (1 ms steps) until the interceptor applied ``epoch``; True if it did in time."""
