@@ -8,6 +8,12 @@ consumer's pending plus in-flight count is the queue-depth signal of the horizon
 
 Delivery is at least once: an instance replies first and acknowledges after, so a crash in
 between causes a redelivery (and a duplicate reply that the caller ignores), never a lost request.
+
+A request that kills its instance (a poison request) is bounded: a redelivered request runs alone,
+never batched with others, so a crash is charged to it and not to batch-mates; one delivered
+:data:`MAX_DELIVERIES` times is answered with an error and terminated without running. The
+consumer's ``max_deliver`` (:data:`MAX_DELIVER_BACKSTOP`) stops the server from redelivering
+forever should no instance get to do that.
 """
 from __future__ import annotations
 
@@ -42,6 +48,14 @@ from .bus import settle
 # instead of old requests vanishing silently.
 STREAM_MAX_AGE_S = 600.0
 STREAM_MAX_BYTES = 1 << 30
+
+# A request delivered this many times is answered with an error and terminated without running:
+# each earlier delivery ended with its instance gone before it answered (crashed, killed, hung
+# past the ack wait). 3 = a batch crash (the request may be a bystander), then a crash running
+# alone (it is the cause), then give up.
+MAX_DELIVERIES = 3
+# The consumer's max_deliver: the server stops redelivering even if no instance terminates it.
+MAX_DELIVER_BACKSTOP = MAX_DELIVERIES + 2
 
 _ERR_STREAM_NAME_IN_USE = 10058  # "stream name already in use with a different configuration"
 _MAX_HEADER_CHARS = 512
@@ -110,7 +124,7 @@ async def ensure_consumer(
 
     ``ack_wait_s``: seconds an instance may hold a request without acknowledging it (or sending
     an in-progress ack) before JetStream redelivers it. ``max_ack_pending``: requests in flight
-    across all instances of the function. Idempotent (create-or-update by name, nats-server >= 2.9);
+    across all instances of the function. ``max_deliver`` is :data:`MAX_DELIVER_BACKSTOP`. Idempotent (create-or-update by name, nats-server >= 2.9);
     the stream must exist (:func:`ensure_stream`).
     """
     name = consumer_name(function)
@@ -124,6 +138,7 @@ async def ensure_consumer(
             deliver_policy=DeliverPolicy.ALL,
             ack_wait=ack_wait_s,
             max_ack_pending=max_ack_pending,
+            max_deliver=MAX_DELIVER_BACKSTOP,
         ),
     )
     return name
@@ -210,6 +225,14 @@ def parse_request(msg: Msg) -> Request:
     )
 
 
+def _delivered(msg: Msg) -> int:
+    """JetStream delivery count of ``msg`` (1 when it carries none)."""
+    try:
+        return int(msg.metadata.num_delivered)
+    except Exception:
+        return 1
+
+
 Process = Callable[[list[Request]], Awaitable[list["bytes | Exception"]]]
 OnDone = Callable[[Request, int], None]
 
@@ -231,8 +254,15 @@ class BatchPuller:
       chunks with :meth:`send_chunk`, and every final reply carries ``Dilu-Chunk`` = the number of
       chunks sent before it (0 included). Without it, only a request that got chunks carries it.
 
+    Poison requests: a puller starts fetching one request at a time and keeps doing so while
+    what it fetches is redelivered; a redelivered request (delivery count > 1) is run alone, never
+    batched with others, so an instance crash is charged to the request that caused it. A request
+    whose delivery count reaches :data:`MAX_DELIVERIES` is answered with an error and terminated
+    without running.
+
     Counters: ``batches``, ``handled`` (answered and acked), ``errors`` (answered with an
-    error), ``malformed`` (rejected), ``redelivered`` (requests seen with delivery count > 1).
+    error), ``malformed`` (rejected), ``redelivered`` (requests seen with delivery count > 1),
+    ``poisoned`` (given up after :data:`MAX_DELIVERIES`, answered and terminated).
     """
 
     def __init__(
@@ -262,7 +292,7 @@ class BatchPuller:
         self.handler_timeout_s = handler_timeout_s
         self.stream = stream
         self.log = log.bind(function=function, instance=instance_id)
-        self.batches = self.handled = self.errors = self.malformed = self.redelivered = 0
+        self.batches = self.handled = self.errors = self.malformed = self.redelivered = self.poisoned = 0
 
     async def _bind(self) -> JetStreamContext.PullSubscription:
         """Bind to the function's consumer (creating it with defaults if absent)."""
@@ -288,10 +318,13 @@ class BatchPuller:
         """
         psub = await self._bind()
         self.log.info("pulling", max_batch=self.max_batch)
+        # One at a time while redeliveries come (and at start: a crashed sibling's requests come
+        # first): a redelivered request held beside one that crashes us would be charged a delivery.
+        probing = True
         try:
             while not stop.is_set():
                 try:
-                    msgs = await psub.fetch(self.max_batch, timeout=self.fetch_timeout_s)
+                    msgs = await psub.fetch(1 if probing else self.max_batch, timeout=self.fetch_timeout_s)
                 except asyncio.TimeoutError:  # nothing queued (nats-py raises several subclasses)
                     continue
                 except (nats.errors.ConnectionClosedError, nats.errors.ConnectionDrainingError):
@@ -301,10 +334,21 @@ class BatchPuller:
                     self.log.warning("fetch failed", error=repr(exc))
                     await asyncio.sleep(self.fetch_timeout_s)
                     continue
-                await self._serve_batch(msgs, process)
+                if probing and all(_delivered(m) <= 1 for m in msgs):  # fresh: fill the batch
+                    msgs += await self._top_up(psub, self.max_batch - len(msgs))
+                probing = await self._serve_batch(msgs, process)
         finally:
             await self._release(psub)
         self.log.info("drained", handled=self.handled, errors=self.errors, malformed=self.malformed)
+
+    async def _top_up(self, psub: JetStreamContext.PullSubscription, n: int) -> list[Msg]:
+        """Up to ``n`` more requests that are queued now (no waiting for new ones)."""
+        if n <= 0:
+            return []
+        try:
+            return await psub.fetch(n, timeout=0.05)
+        except Exception:  # nothing queued, or a transient error: serve what we have
+            return []
 
     async def _release(self, psub: JetStreamContext.PullSubscription) -> None:
         """Hand back requests that reached us after the last fetch (nak: redeliver at once)."""
@@ -322,32 +366,46 @@ class BatchPuller:
         except Exception as exc:
             self.log.warning("unsubscribe failed", error=repr(exc))
 
-    async def _serve_batch(self, msgs: list[Msg], process: Process) -> None:
-        requests: list[Request] = []
-        held: list[Msg] = []
+    async def _serve_batch(self, msgs: list[Msg], process: Process) -> bool:
+        """Answer the fetched ``msgs``; returns whether any of them was a redelivery.
+
+        Requests delivered :data:`MAX_DELIVERIES` times are answered with an error and terminated;
+        redelivered ones run first, each alone; the fresh ones then run as one batch. Every request
+        not yet answered gets in-progress acks meanwhile."""
+        fresh: list[tuple[Request, Msg]] = []
+        redelivered: list[tuple[Request, Msg]] = []
+        seen_redelivery = False
         for msg in msgs:
             try:
                 req = parse_request(msg)
             except (MalformedRequest, ValueError, nats.errors.Error) as exc:
                 await self._reject(msg, str(exc))
                 continue
-            if req.delivered > 1:
-                self.redelivered += 1
-                REDELIVERIES.labels(self.function).inc()
-            requests.append(req)
-            held.append(msg)
-        if not requests:
-            await self._flush()
-            return
-        self.batches += 1
-        progress = asyncio.create_task(self._keep_in_progress(held))
+            if req.delivered <= 1:
+                fresh.append((req, msg))
+                continue
+            seen_redelivery = True
+            self.redelivered += 1
+            REDELIVERIES.labels(self.function).inc()
+            if req.delivered >= MAX_DELIVERIES:
+                await self._give_up(req, msg)
+            else:
+                redelivered.append((req, msg))
+        groups = [[r] for r in redelivered] + ([fresh] if fresh else [])
+        unanswered = [msg for group in groups for _, msg in group]
+        progress = asyncio.create_task(self._keep_in_progress(unanswered)) if groups else None
         try:
-            results = await self._run_process(process, requests)
+            for group in groups:
+                requests = [req for req, _ in group]
+                self.batches += 1
+                results = await self._run_process(process, requests)
+                for (req, msg), result in zip(group, results):
+                    await self._answer(req, msg, result)
+                    unanswered.remove(msg)
         finally:
-            progress.cancel()
-        for req, msg, result in zip(requests, held, results):
-            await self._answer(req, msg, result)
-        await self._flush()
+            if progress is not None:
+                progress.cancel()
+        return seen_redelivery
 
     async def _run_process(self, process: Process, requests: list[Request]) -> list[bytes | Exception]:
         try:
@@ -367,12 +425,12 @@ class BatchPuller:
     async def _keep_in_progress(self, msgs: list[Msg]) -> None:
         """Send +WPI for every held request each interval, resetting their ack-wait timers.
 
-        Runs only while ``process`` does; the batch is acknowledged after this task is cancelled.
+        ``msgs``: the requests not yet answered (the caller removes each as it is answered).
         """
         while True:
             await asyncio.sleep(self.progress_interval_s)
             try:
-                for msg in msgs:
+                for msg in list(msgs):  # a copy: answered requests leave the list meanwhile
                     await msg.in_progress()
             except Exception as exc:  # e.g. reconnecting: try again next interval
                 self.log.warning("in-progress ack failed", error=repr(exc))
@@ -395,7 +453,16 @@ class BatchPuller:
         except Exception as exc:
             self.log.warning("chunk not sent", request_id=req.request_id, chunk=req.chunks - 1, error=repr(exc))
 
-    async def _answer(self, req: Request, msg: Msg, result: bytes | Exception) -> None:
+    async def _give_up(self, req: Request, msg: Msg) -> None:
+        """A request delivered :data:`MAX_DELIVERIES` times: answer it with an error, terminate it."""
+        self.poisoned += 1
+        self.log.warning("request given up after repeated deliveries", request_id=req.request_id,
+                         delivered=req.delivered)
+        reason = RuntimeError(f"request was delivered {req.delivered} times; "
+                              "each earlier time its instance ended before answering")
+        await self._answer(req, msg, reason, terminate=True)
+
+    async def _answer(self, req: Request, msg: Msg, result: bytes | Exception, *, terminate: bool = False) -> None:
         if not isinstance(result, (Exception, bytes, bytearray, memoryview)):
             # bytes(str) raises and bytes(int) is zeros: an error for this request alone
             result = TypeError(f"handler returned {type(result).__name__} for request {req.request_id}; expected bytes")
@@ -417,7 +484,9 @@ class BatchPuller:
             headers[subj.H_CHUNK] = str(req.chunks)
         try:
             await self.nc.publish(req.reply_to, data, headers=headers)
-            await msg.ack()  # after the reply: a crash in between means redelivery, not loss
+            # after the reply: a crash in between means redelivery, not loss. No flush: acks are
+            # published in order on this connection, and the next fetch follows them.
+            await (msg.term() if terminate else msg.ack())
         except Exception as exc:  # not acked: JetStream redelivers after the ack wait
             self.log.warning("reply failed, request left for redelivery", request_id=req.request_id, error=repr(exc))
             return
@@ -452,10 +521,3 @@ class BatchPuller:
             await msg.term()
         except Exception as exc:
             self.log.warning("reject failed", error=repr(exc))
-
-    async def _flush(self) -> None:
-        """Wait until the server has the batch's replies and acks (so backlog reads are exact)."""
-        try:
-            await settle(self.nc)
-        except Exception as exc:
-            self.log.warning("flush failed", error=repr(exc))
