@@ -24,6 +24,7 @@ import nats
 import uvloop
 from hdrh.histogram import HdrHistogram
 
+from dilu.cli.cluster import check_reachable
 from dilu.contracts import decode, encode, subjects
 from dilu.contracts.events import GpuTelemetry, InstanceTelemetry, KernelCycleStretch, TokenGrant
 from dilu.services.common import logging as dlog
@@ -36,6 +37,7 @@ from .service import VerticalScaler
 
 NODE, GPU = "bench-node", 0
 GOAL_MS_P99 = 10.0
+READY_TIMEOUT_S = 15.0  # the scaler's connection and subscriptions, on a loopback server
 INSTANCES = {  # id -> (priority, request, limit)
     "ls": ("latency-sensitive", 0.3, 0.7),
     "tr": ("training", 0.3, 0.6),
@@ -114,9 +116,13 @@ async def run_bench(events: int, interval_ms: float, telemetry_ms: float, nats_u
     service = asyncio.create_task(serve(scaler, url, shutdown=shutdown, install_signals=False))
     nc = None
     try:
+        ready_by = time.monotonic() + READY_TIMEOUT_S
         while not scaler.ready():
             if service.done():
                 service.result()
+            if time.monotonic() > ready_by:
+                raise RuntimeError(f"the vertical scaler did not get ready on NATS at {url} within "
+                                   f"{READY_TIMEOUT_S:g} s (is a NATS server listening there?)")
             await asyncio.sleep(0.01)
         nc = await nats.connect(url)
         node = SyntheticNode(nc, telemetry_ms)
@@ -165,7 +171,15 @@ async def run_bench(events: int, interval_ms: float, telemetry_ms: float, nats_u
 def bench_vertical(json_path, events, interval_ms, telemetry_ms, nats_url):
     """Vertical scaler reaction time: stretch event published -> TokenGrant received (goal p99 <= 10 ms)."""
     dlog.configure("bench-vertical", "warning")
-    result = uvloop.run(run_bench(events, interval_ms, telemetry_ms, nats_url))
+    if nats_url:  # the service under test would wait for an unreachable server forever
+        try:
+            check_reachable(nats_url)
+        except RuntimeError as exc:
+            raise click.ClickException(str(exc)) from None
+    try:
+        result = uvloop.run(run_bench(events, interval_ms, telemetry_ms, nats_url))
+    except (RuntimeError, TimeoutError) as exc:  # not ready in time, no grant: one line, no traceback
+        raise click.ClickException(str(exc)) from None
     text = json.dumps(result, indent=2)
     if json_path:
         json_path.write_text(text + "\n")
