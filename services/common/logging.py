@@ -31,5 +31,6 @@ configure("dilu")  # JSON from the first line on, even for loggers made before a
 
 
 def get(service: str = "") -> structlog.stdlib.BoundLogger:
-    log = structlog.get_logger()
-    return log.bind(service=service) if service else log
+    """A logger for ``service`` that follows the configuration in force when it logs (a logger
+    made at import still honours a later :func:`configure`'s level and stream)."""
+    return structlog.get_logger(service=service) if service else structlog.get_logger()
