@@ -19,7 +19,8 @@ Every tick (``tick_s``), per function (ticks of one function never overlap; trai
 have no invocations and are only held at their ``min_instances``):
 
 1. backlog = ``num_pending + num_ack_pending`` of the durable pull consumer ``fn-<function>`` on
-   stream ``DILU_INVOKE`` (pending plus in flight, so a long request keeps its instance and a
+   stream ``DILU_INVOKE``, read from one listing of the stream's consumers per tick serving every
+   function (pending plus in flight, so a long request keeps its instance and a
    request held by a dead instance still counts); a missing consumer or a monitoring error is an
    *unknown* backlog, counted in ``dilu_backlog_errors`` and logged once per outage, and the
    policy holds the current count (except that a function with no instance and requests stored
@@ -50,6 +51,7 @@ from dataclasses import dataclass
 import msgspec
 import nats.errors
 import nats.js.errors
+from nats.js.api import ConsumerInfo
 from prometheus_client import Counter, Gauge
 
 from dilu.contracts import MalformedEvent, subjects
@@ -107,6 +109,19 @@ class _Counts:
 
     delivered: int
     pending: int
+
+
+@dataclass(frozen=True)
+class _Consumers:
+    """One listing of the invocation stream's consumers: ``infos`` by consumer name, or why there
+    is none (``kind`` "missing": no stream; "error": the listing failed)."""
+
+    infos: dict[str, ConsumerInfo] | None
+    kind: str = ""
+    why: str = ""
+
+
+_CONSUMER_PAGE = 256  # nats-server's page size for CONSUMER.LIST
 
 
 class HorizontalScaler:
@@ -363,11 +378,12 @@ class HorizontalScaler:
             await asyncio.sleep(self.tick_s)
             now = self._now()
             headroom = self._headroom(now)
-            for fn in sorted(self.policy.functions(), key=self._size):
-                if fn in self._busy:
-                    continue  # its last tick is still talking to the scheduler
+            due = [fn for fn in sorted(self.policy.functions(), key=self._size) if fn not in self._busy]
+            # one listing of the consumers serves every function's backlog this tick
+            consumers = await self._consumers() if any(fn not in self._training for fn in due) else None
+            for fn in due:  # a function whose last tick still talks to the scheduler waits
                 self._busy.add(fn)
-                task = asyncio.create_task(self._tick_guarded(fn, now, headroom.get(fn, 0.0)))
+                task = asyncio.create_task(self._tick_guarded(fn, now, headroom.get(fn, 0.0), consumers))
                 self._tasks.add(task)
                 task.add_done_callback(self._tasks.discard)
 
@@ -378,9 +394,9 @@ class HorizontalScaler:
         prof, spec = self._profiles.get(fn), self._specs.get(fn)
         return (-(prof.limit_quota if prof else 0.0), -(spec.memory_bytes if spec else 0), fn)
 
-    async def _tick_guarded(self, fn: str, now: float, headroom: float) -> None:
+    async def _tick_guarded(self, fn: str, now: float, headroom: float, consumers: _Consumers | None) -> None:
         try:
-            await self.tick(fn, now, headroom)
+            await self.tick(fn, now, headroom, consumers)
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # one function's trouble must not stop the others
@@ -389,12 +405,14 @@ class HorizontalScaler:
         finally:
             self._busy.discard(fn)
 
-    async def tick(self, fn: str, now: float, headroom: float = 0.0) -> Decision:
-        """One function's tick: observe its backlog, decide, carry the decision out."""
+    async def tick(self, fn: str, now: float, headroom: float = 0.0, consumers: _Consumers | None = None) -> Decision:
+        """One function's tick: observe its backlog, decide, carry the decision out.
+
+        ``consumers``: this tick's listing of the stream's consumers (read here when None)."""
         if fn in self._training:  # no invocations to count: it runs its min_instances
             backlog, arrivals, stored = None, None, 0
         else:
-            backlog, arrivals = await self._backlog(fn)
+            backlog, arrivals = self._backlog(fn, consumers if consumers is not None else await self._consumers())
             stored = await self._stored(fn) if backlog is None else 0
         self.policy.record(fn, now, backlog, arrivals, stored=stored)
         d = self.policy.decide(fn, now, headroom)
@@ -409,16 +427,31 @@ class HorizontalScaler:
             await self.state.observe(fn, instances=self.policy.instances(fn), desired=d.desired, backlog=backlog)
         return d
 
-    async def _backlog(self, fn: str) -> tuple[int | None, int | None]:
+    async def _consumers(self) -> _Consumers:
+        """List the invocation stream's consumers (one request per 256 of them); never raises."""
+        assert self.bus is not None
+        infos: dict[str, ConsumerInfo] = {}
+        try:
+            while True:
+                page = await asyncio.wait_for(self.bus.js.consumers_info(subjects.INVOKE_STREAM, offset=len(infos)),
+                                              self.timeout)
+                infos.update((i.name, i) for i in page)
+                if len(page) < _CONSUMER_PAGE:
+                    return _Consumers(infos)
+        except nats.js.errors.NotFoundError as exc:
+            return _Consumers(None, "missing", f"no stream {subjects.INVOKE_STREAM}: {exc.description}")
+        except (asyncio.TimeoutError, nats.errors.TimeoutError, nats.errors.NoRespondersError, nats.js.errors.APIError,
+                nats.errors.ConnectionClosedError) as exc:
+            return _Consumers(None, "error", repr(exc))
+
+    def _backlog(self, fn: str, consumers: _Consumers) -> tuple[int | None, int | None]:
         assert self.bus is not None
         name = consumer_name(fn)
-        try:
-            info = await self.bus.js.consumer_info(subjects.INVOKE_STREAM, name, timeout=self.timeout)
-        except nats.js.errors.NotFoundError as exc:
-            return self._no_backlog(fn, "missing", f"no consumer {name!r} on {subjects.INVOKE_STREAM}: {exc.description}")
-        except (nats.errors.TimeoutError, nats.errors.NoRespondersError, nats.js.errors.APIError,
-                nats.errors.ConnectionClosedError) as exc:
-            return self._no_backlog(fn, "error", repr(exc))
+        if consumers.infos is None:
+            return self._no_backlog(fn, consumers.kind, consumers.why)
+        info = consumers.infos.get(name)
+        if info is None:
+            return self._no_backlog(fn, "missing", f"no consumer {name!r} on {subjects.INVOKE_STREAM}")
         if fn in self._missing:
             self._missing.discard(fn)
             self.bus.log.info("backlog readable again", function=fn, consumer=name)
