@@ -29,3 +29,13 @@ async def services(nc):
     fakes = await FakeServices(nc).start()
     yield fakes
     await fakes.stop()
+
+
+@pytest.fixture(autouse=True)
+def _default_logging():
+    """Every test starts and ends with the default log set-up: a command run in-process (a bench
+    configures its own level and stream) must not silence the logs a later test captures."""
+    from dilu.services.common import logging as dlog
+
+    yield
+    dlog.configure("dilu")
