@@ -48,6 +48,7 @@ class Agents:
         self.live: dict[str, NodeInventory] = {}
         self.kv = None
         self.task: asyncio.Task | None = None
+        self.beating = asyncio.Lock()  # held through a heartbeat round
 
     async def __aenter__(self) -> "Agents":
         self.kv = await nodes_bucket(self.nc.jetstream())
@@ -64,8 +65,11 @@ class Agents:
         stamped = msgspec.structs.replace(inv, ts_ns=ts_ns if ts_ns is not None else time.time_ns())
         await self.kv.put(subjects.token(inv.node), encode(stamped))
 
-    def silence(self, node: str) -> None:
-        self.live.pop(node, None)
+    async def silence(self, node: str) -> None:
+        """Stop heartbeating ``node``, after any round in flight (whose put would otherwise
+        land after the silence and bring the node back)."""
+        async with self.beating:
+            self.live.pop(node, None)
 
     async def delete(self, node: str) -> None:
         self.live.pop(node, None)
@@ -74,8 +78,9 @@ class Agents:
     async def _beat(self) -> None:
         while True:
             await asyncio.sleep(HEARTBEAT_S)
-            for inv in list(self.live.values()):
-                await self.put(inv)
+            async with self.beating:
+                for inv in list(self.live.values()):
+                    await self.put(inv)
 
 
 async def join(agents: Agents, svc: SchedulerService, inv: NodeInventory) -> None:
@@ -150,7 +155,7 @@ async def test_a_stale_node_has_its_instances_placed_again_on_the_others(nats_ur
         old = (await place(nc, "f", count=2)).placements
         assert {p.node for p in old} == {"node-a"}
         await join(agents, svc, inventory("gpu-node-7.dc1"))
-        agents.silence("node-a")  # its agent stops heartbeating; its KV entry stays (bucket TTL 60 s)
+        await agents.silence("node-a")  # its agent stops heartbeating; its KV entry stays (bucket TTL 60 s)
 
         async def moved():
             rows = await table(js)
