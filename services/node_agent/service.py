@@ -83,6 +83,19 @@ MAX_RESTARTS = 3
 RESTART_DELAY_S = 1.0
 
 
+EXIT_READ_GRACE_S = 0.5  # after an instance's exit: for the lines it wrote before it to be read
+EXIT_POLL_S = 0.1  # how often an instance's exit is looked for
+
+
+async def process_exit(proc: asyncio.subprocess.Process) -> int:
+    """``proc``'s exit code once it has ended. Not ``proc.wait()``: in Python 3.11 that also waits
+    until every pipe of the process is closed, which a child of it may keep open for ever; the
+    return code is known as soon as the process is reaped."""
+    while proc.returncode is None:
+        await asyncio.sleep(EXIT_POLL_S)
+    return proc.returncode
+
+
 @dataclass
 class ManagedInstance:
     placement: ev.Placement
@@ -97,6 +110,8 @@ class ManagedInstance:
     snap: object | None = None  # the control block's last snapshot (CbSnapshot)
     oom_seen: int = 0  # allocation refusals already counted
     tasks: list[asyncio.Task] = field(default_factory=list)
+    ready_seen: bool = False  # its READY line was read
+    failed: str = ""  # the reason of its FAILED line, if any
 
 
 class NodeAgent:
@@ -370,7 +385,7 @@ class NodeAgent:
                 inst.proc.kill()
             except ProcessLookupError:
                 pass
-            await inst.proc.wait()
+            await process_exit(inst.proc)
         if inst.cb is not None:
             inst.cb.close()
             Path(inst.cb_path).unlink(missing_ok=True)
@@ -413,23 +428,37 @@ class NodeAgent:
         inst.proc = await asyncio.create_subprocess_exec(*args, env=env, stdout=asyncio.subprocess.PIPE)
 
     async def _await_ready(self, inst: ManagedInstance) -> None:
-        """Follow the instance's stdout (``READY``, ``FAILED <reason>``) until it exits, then
-        handle an exit the agent did not ask for (see :meth:`_exited`)."""
-        proc, p = inst.proc, inst.placement
-        ready, failed = False, ""
+        """Follow the instance's stdout (``READY``, ``FAILED <reason>``) while waiting for its
+        process to exit, then handle an exit the agent did not ask for (see :meth:`_exited`).
+        The exit is noticed when the process ends, not when its stdout closes: a child of the
+        instance may hold the pipe open for ever. Lines written before the exit are read first
+        (within :data:`EXIT_READ_GRACE_S`); the pipe is drained aside after that."""
+        proc = inst.proc
+        reader = asyncio.create_task(self._follow_stdout(inst))
+        inst.tasks.append(reader)
+        code = await process_exit(proc)
         try:
-            while not ready:
+            await asyncio.wait_for(asyncio.shield(reader), EXIT_READ_GRACE_S)
+        except asyncio.TimeoutError:  # a child holds the pipe: keep draining it, decide now
+            self.log.warning("instance exited but its stdout is still open (a child of it holds it)",
+                             instance=inst.placement.instance_id, exit_code=code)
+        await self._exited(inst, code, inst.failed, inst.ready_seen)
+
+    async def _follow_stdout(self, inst: ManagedInstance) -> None:
+        """Read the instance's stdout until it closes, recording READY and FAILED on ``inst``;
+        a READY not seen within READY_TIMEOUT_S is logged (the instance is retired)."""
+        proc, p = inst.proc, inst.placement
+        try:
+            while not inst.ready_seen:
                 line = await asyncio.wait_for(proc.stdout.readline(), timeout=READY_TIMEOUT_S)
                 if not line:
-                    break
-                ready, failed = await self._on_line(inst, line, failed)
+                    return
+                inst.ready_seen, inst.failed = await self._on_line(inst, line, inst.failed)
         except asyncio.TimeoutError:
             self.log.error("instance not ready in time; retiring", instance=p.instance_id)
-        # keep reading stdout so the pipe never blocks the instance, until it exits
+        # keep reading stdout so the pipe never blocks the instance, until it closes
         while proc.stdout and (line := await proc.stdout.readline()):
-            ready, failed = await self._on_line(inst, line, failed, ready=ready)
-        code = await proc.wait()
-        await self._exited(inst, code, failed, ready)
+            inst.ready_seen, inst.failed = await self._on_line(inst, line, inst.failed, ready=inst.ready_seen)
 
     async def _on_line(self, inst: ManagedInstance, line: bytes, failed: str, ready: bool = False) -> tuple[bool, str]:
         """One stdout line of the instance: (READY seen, its FAILED reason so far)."""
@@ -525,10 +554,10 @@ class NodeAgent:
         if proc is not None and proc.returncode is None:
             try:
                 proc.send_signal(signal.SIGTERM)
-                code = await asyncio.wait_for(proc.wait(), timeout=DRAIN_TIMEOUT_S)
+                code = await asyncio.wait_for(process_exit(proc), timeout=DRAIN_TIMEOUT_S)
             except asyncio.TimeoutError:
                 proc.kill()
-                code = await proc.wait()
+                code = await process_exit(proc)
             except ProcessLookupError:
                 pass
         await self._finish(inst, reason, code if code is not None else 0)

@@ -13,6 +13,7 @@ tests/fault_handlers):
 from __future__ import annotations
 
 import asyncio
+import subprocess
 import itertools
 import time
 from pathlib import Path
@@ -98,6 +99,18 @@ async def test_failures_to_load_and_crash_loops_are_retired_with_their_error(nat
         launches = [e.instance_id for e in a.events["launched"]]
         assert launches.count("bad") == 1 and launches.count("loop") == 1 + agent_service.MAX_RESTARTS
         assert not a.agent.instances
+
+
+async def test_a_crash_is_noticed_when_the_process_ends_though_a_child_holds_its_stdout(nats_url, handlers_importable):
+    async with Agent(nats_url) as a:
+        await a.put("o1", "orphaned", "fault_handlers.orphan")
+        await wait_for(lambda: a.events["launched"], "launched", timeout_s=60)
+        # the READY wait is 90 s and the child holds the pipe for 60 s: only the exit can tell
+        try:
+            first = await wait_for(lambda: a.events["retired"], "the crash noticed", timeout_s=20)
+        finally:  # the children the crashing instances left (one per launch)
+            subprocess.run(["pkill", "-f", "dilu-orphan-child"], check=False)
+        assert first[0].instance_id == "o1" and first[0].reason == "crashed" and first[0].exit_code == 4
 
 
 async def test_a_str_answer_fails_its_request_and_the_instance_keeps_serving(nats_url, handlers_importable):
