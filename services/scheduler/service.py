@@ -331,9 +331,7 @@ class SchedulerService:
             else:
                 self.cluster.add_node(change.node, change.gpus)
             for iid in [i for i in self.orphans if self.placements[i][0].node == change.node]:
-                if self._seat(self.placements[iid][0]):
-                    del self.orphans[iid]
-                else:
+                if not self._seat(self.placements[iid][0]):  # seated: _seat took it off the orphans
                     displaced.append(iid)
         elif change.action == "update":
             displaced = self.cluster.update_node(change.node, change.gpus)
