@@ -122,6 +122,10 @@ def context_for(plan: Plan, *, instance_id: str, batch_size: int, width: float, 
 # ------------------------------------------------------------------------------------- adapters
 
 
+class WrongKind(TypeError):
+    """A function was asked for work of another kind (e.g. ``train_step`` of an inference class)."""
+
+
 class FunctionRuntime:
     """One loaded function, whatever its source. Every method blocks (call it in a worker thread)
     and raises what the function's code raises.
@@ -131,20 +135,21 @@ class FunctionRuntime:
     - ``train_step() -> None``: training, one iteration;
     - ``close()``: release what the code holds (errors are the caller's to log).
 
-    A method the code does not provide raises NotImplementedError naming it.
+    Loading checks that the code has the method its kind needs (:class:`LoadError` otherwise);
+    calling a method of another kind raises :class:`WrongKind` naming it.
     """
 
     kind: str = "inference"
     description: str = ""
 
     def predict(self, batch: list[bytes]) -> list[bytes]:
-        raise NotImplementedError(f"{self.description} has no predict")
+        raise WrongKind(f"{self.description} has no predict")
 
     def generate(self, batch: list[bytes]) -> Iterator[list[Chunk]]:
-        raise NotImplementedError(f"{self.description} has no generate")
+        raise WrongKind(f"{self.description} has no generate")
 
     def train_step(self) -> None:
-        raise NotImplementedError(f"{self.description} has no train_step")
+        raise WrongKind(f"{self.description} has no train_step")
 
     def close(self) -> None:
         pass

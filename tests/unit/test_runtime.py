@@ -122,7 +122,7 @@ def test_a_users_class_loads_from_its_folder_and_predicts(code_dir):
     assert isinstance(rt, runtime.ClassRuntime)
     assert rt.predict([b"a", b"bc"]) == [b">a", b">bc"]
     assert rt.obj.ctx.kind == "inference" and rt.obj.ctx.function == "f"
-    with pytest.raises(NotImplementedError, match="no train_step"):
+    with pytest.raises(runtime.WrongKind, match="no train_step"):
         rt.train_step()
     rt.close()
     assert rt.obj.closed
