@@ -72,6 +72,18 @@ async def queued(js, n: int, fn: str = FN):
     await eventually(pred, what=f"backlog == {n}")
 
 
+async def consumer_settles(js, ack_pending: int, pending: int, fn: str = FN):
+    """The server applies acks asynchronously (a flush returns before its JetStream consumer has
+    processed them), so read the consumer until it shows the counts. The 2 s bound is well inside
+    the 5 s ack wait: a request still held by a drained instance cannot settle by redelivery."""
+
+    async def pred():
+        info = await js.consumer_info(subj.INVOKE_STREAM, consumer_name(fn))
+        return (info.num_ack_pending, info.num_pending) == (ack_pending, pending)
+
+    await eventually(pred, timeout_s=2.0, what=f"ack pending {ack_pending}, pending {pending}")
+
+
 class Handler:
     """A sequential test handler: ``seconds`` per request; counts runs per request id."""
 
@@ -254,11 +266,10 @@ async def test_drain_finishes_the_batch_in_hand(nc, js, client):
     await handler.started.wait()
     stop.set()  # retire while the batch is in hand
     await run
-    info = await js.consumer_info(subj.INVOKE_STREAM, consumer_name(FN))
+    await consumer_settles(js, ack_pending=0, pending=0)
     results = await asyncio.gather(*tasks)
     assert p.handled == 10 and sum(handler.runs.values()) == 10
     assert [r.status for r in results] == ["ok"] * 10
-    assert info.num_ack_pending == 0 and info.num_pending == 0
 
 
 async def test_drain_fetches_nothing_more_and_leaves_the_rest_to_others(nc, js, client):
@@ -274,9 +285,8 @@ async def test_drain_fetches_nothing_more_and_leaves_the_rest_to_others(nc, js, 
     await handler.started.wait()
     stop.set()
     await run
-    info = await js.consumer_info(subj.INVOKE_STREAM, consumer_name(FN))
     assert retiring.handled == 4
-    assert info.num_ack_pending == 0 and info.num_pending == 6
+    await consumer_settles(js, ack_pending=0, pending=6)
 
     stop2 = asyncio.Event()
     run2 = asyncio.create_task(puller(nc, js, "new", max_batch=4).run(handler, stop2))
