@@ -182,14 +182,57 @@ class Cluster:
             args += ["--host", self.gateway_host, "--port", str(self.gateway_port)]
         return args + self.extra_args.get(name, [])
 
-    def _spawn(self, name: str) -> None:
-        port = free_port()
+    def _spawn(self, name: str, port: int = 0) -> None:
+        port = port or free_port()
         log_path = self.log_dir / f"{name}.log"
         cmd = [sys.executable, "-m", f"dilu.services.{name}", "--nats-url", self.url, "--metrics-port", str(port), *self._args(name)]
         with log_path.open("ab") as log:
             proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
                                     env={**os.environ, "PYTHONUNBUFFERED": "1"})
         self.services[name] = ServiceProc(name, proc, port, log_path)
+
+    def kill(self, name: str, sig: int = signal.SIGKILL) -> None:
+        """Send ``sig`` to service ``name`` (or NATS, nats-server: SIGKILL only, store kept).
+        SIGKILL also waits until the process has ended. Raises KeyError for a name not running here."""
+        if name == NATS:
+            if self.nats is None:
+                raise KeyError(f"{NATS} was not started by this cluster")
+            self.nats.kill()
+            return
+        proc = self.services[name].proc
+        if proc.poll() is None:
+            proc.send_signal(sig)
+        if sig == signal.SIGKILL:
+            proc.wait()
+
+    def restart(self, name: str) -> None:
+        """Start service ``name`` (or nats-server) again after it ended, as a supervisor with
+        ``Restart=on-failure`` would: same arguments, same metrics port (the gateway: same HTTP
+        port), nats-server on the same port and store. Returns once it is spawned; readiness is
+        :meth:`ready`'s. Raises RuntimeError while the old process still runs."""
+        if name == NATS:
+            if self.nats is None or (self.nats.proc and self.nats.proc.poll() is None):
+                raise RuntimeError(f"{NATS} is not stopped")
+            self.nats.start()
+            return
+        svc = self.services[name]
+        if svc.proc.poll() is None:
+            raise RuntimeError(f"service {name} is still running (pid {svc.proc.pid})")
+        _kill_group(svc.proc.pid)  # what the dead service left behind in its process group
+        self._spawn(name, svc.metrics_port)
+
+    def ready(self, name: str) -> bool:
+        """Service ``name`` runs and answers 200 on /readyz (nats-server: accepts connections)."""
+        if name == NATS:
+            if self.nats is None or self.nats.proc is None or self.nats.proc.poll() is not None:
+                return False
+            try:
+                check_reachable(self.url, timeout_s=0.5)
+                return True
+            except RuntimeError:
+                return False
+        svc = self.services.get(name)
+        return bool(svc and svc.proc.poll() is None and _http_ok(f"http://127.0.0.1:{svc.metrics_port}/readyz"))
 
     def wait_ready(self, timeout_s: float = READY_TIMEOUT_S, abort: Callable[[], bool] | None = None) -> None:
         """Block until every service answers 200 on /readyz; RuntimeError names the laggard or

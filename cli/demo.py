@@ -15,6 +15,7 @@ import signal
 import sys
 import tempfile
 import uuid
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -28,6 +29,7 @@ from dilu.loadgen import llm as llmtrace
 from dilu.services.common import logging as dlog
 from dilu.services.common.cliopts import writable_output
 from dilu.services.common import models
+from dilu.services.common.bus import quiet_error_cb
 from dilu.services.common.invoke import InvokeClient
 from dilu.services.common.workqueue import ensure_stream
 
@@ -177,9 +179,13 @@ def run_facts(facts: dict, training: dict | None = None) -> report.RunFacts:
 
 
 async def _replay(opts: RunOptions, cluster: Cluster, plan, chosen: dict[str, str], llm_plan, console: Console,
-                  stop: asyncio.Event):
-    """Deploy, replay; returns (generator result, deployed specs, training facts)."""
-    nc = await nats.connect(cluster.url, name="dilu-loadgen", max_reconnect_attempts=-1)
+                  stop: asyncio.Event, *, during: Callable[[generator.OpenLoopGenerator], Awaitable] | None = None,
+                  timeout_floor_s: float = REQUEST_TIMEOUT_MIN_S, drain_s: float = DRAIN_GRACE_S) -> Replay:
+    """Deploy, replay. ``during(gen)`` runs beside the replay from its first send (its result is
+    the Replay's ``during``); requests time out after :func:`_timeout_s`, at least
+    ``timeout_floor_s``; answers may arrive until ``drain_s`` after the replay's planned end."""
+    nc = await nats.connect(cluster.url, name="dilu-loadgen", max_reconnect_attempts=-1,
+                            error_cb=quiet_error_cb(dlog.get("loadgen"), cluster.url))
     js = nc.jetstream()
     try:
         await ensure_stream(js)
@@ -214,7 +220,7 @@ async def _replay(opts: RunOptions, cluster: Cluster, plan, chosen: dict[str, st
             streamed = isinstance(inv, llmtrace.LlmInvocation)
             body = llmtrace.payload(inv) if streamed else inv.id.encode()
             r = await client.invoke(inv.function, body, request_id=inv.id, scheduled_ns=scheduled,
-                                    timeout_s=_timeout_s(by_name[inv.function], inv))
+                                    timeout_s=max(timeout_floor_s, _timeout_s(by_name[inv.function], inv)))
             ttft, tpot = generator.token_times_ms(scheduled, r.chunks, r.first_chunk_ns, r.last_chunk_ns)
             return generator.Outcome(status=r.status, cold_start=r.cold_start, detail=r.error,
                                      ttft_ms=ttft if streamed else None, tpot_ms=tpot if streamed else None,
@@ -223,20 +229,36 @@ async def _replay(opts: RunOptions, cluster: Cluster, plan, chosen: dict[str, st
         invocations = sorted([*plan.invocations, *(llm_plan.invocations if llm_plan else ())],
                              key=lambda i: (i.scheduled_ns, i.id))
         duration = max(plan.duration_s, llm_plan.duration_s if llm_plan else 0.0)
-        gen = generator.OpenLoopGenerator(invoke, drain_timeout_s=DRAIN_GRACE_S, progress=opts.progress, console=console)
+        gen = generator.OpenLoopGenerator(invoke, drain_timeout_s=drain_s, progress=opts.progress, console=console)
         watcher = asyncio.create_task(_stop_on(stop, gen))
         before = await asyncio.to_thread(training_iterations, cluster)
+        beside = asyncio.ensure_future(during(gen)) if during is not None else None  # starts at gen.run's first await
         try:
             result = await gen.run(invocations, duration_s=duration)
+            side = await beside if beside is not None else None
         finally:
             watcher.cancel()
+            if beside is not None and not beside.done():
+                beside.cancel()
         after = await asyncio.to_thread(training_iterations, cluster)
         trained = {s.name: report.TrainingFacts(iterations=int(after.get(s.name, 0) - before.get(s.name, 0)),
                                                 seconds=result.wall_s) for s in training}
         await client.close()
-        return result, specs, trained
+        return Replay(result, specs, trained, client.stats, side)
     finally:
         await nc.drain()
+
+
+@dataclass
+class Replay:
+    """What :func:`_replay` saw: the generator's result, the deployed specs, the training jobs'
+    facts, the caller's InvokeStats (duplicate and late replies) and what ``during`` returned."""
+
+    result: generator.RunResult
+    specs: list
+    trained: dict
+    stats: object
+    during: object = None
 
 
 class Interrupted(RuntimeError):
@@ -280,7 +302,8 @@ async def run_once(opts: RunOptions, policy: str, console: Console, stop: asynci
                       extra_args={"horizontal_scaler": scaler_windows(opts.speedup)})
     await asyncio.to_thread(cluster.start)
     try:
-        result, specs, trained = await _replay(opts, cluster, plan, chosen, llm_plan, console, stop)
+        replay = await _replay(opts, cluster, plan, chosen, llm_plan, console, stop)
+        result, specs, trained = replay.result, replay.specs, replay.trained
         facts = cluster_facts(cluster)
     finally:
         await asyncio.to_thread(cluster.stop)

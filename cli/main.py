@@ -11,6 +11,7 @@ import click
 COMMANDS: dict[str, str] = {
     "demo": "dilu.cli.demo:demo",
     "compare": "dilu.cli.demo:compare",
+    "chaos": "dilu.cli.chaos:chaos_cmd",
     "up": "dilu.cli.up:up",
     "service": "dilu.cli.service:service",
     "profile": "dilu.services.profiler.cli:profile",

@@ -39,6 +39,20 @@ async def settle(nc: NATS, timeout_s: float = 5.0) -> None:
     await nc.flush(timeout=timeout_s)
 
 
+def quiet_error_cb(log, url: str, every_s: float = 30.0):
+    """A nats-py ``error_cb`` that logs one JSON line per ``every_s`` seconds through ``log``
+    instead of nats-py's printed traceback for every failed reconnect attempt."""
+    last = [float("-inf")]
+
+    async def on_error(exc: Exception) -> None:
+        now = asyncio.get_running_loop().time()
+        if now - last[0] >= every_s:
+            last[0] = now
+            log.warning("NATS connection error (retrying)", url=url, error=repr(exc))
+
+    return on_error
+
+
 class Bus:
     """One NATS connection with typed subscribe / publish / request helpers.
 
@@ -58,17 +72,7 @@ class Bus:
     @classmethod
     async def connect(cls, url: str, service: str, **opts: Any) -> "Bus":
         """Connect to NATS at ``url`` (reconnecting forever on later loss; nats-py does the retries)."""
-        log = dlog.get(service)
-        last = [0.0]
-
-        async def on_error(exc: Exception) -> None:
-            # one JSON line per 30 s instead of nats-py's printed traceback per retry
-            now = asyncio.get_running_loop().time()
-            if now - last[0] >= 30.0:
-                last[0] = now
-                log.warning("NATS connection error (retrying)", url=url, error=repr(exc))
-
-        opts.setdefault("error_cb", on_error)
+        opts.setdefault("error_cb", quiet_error_cb(dlog.get(service), url))
         nc = await nats.connect(
             url, name=f"dilu-{service}", max_reconnect_attempts=-1, reconnect_time_wait=0.5, **opts
         )

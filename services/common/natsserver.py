@@ -83,7 +83,8 @@ class EmbeddedNats:
             self.store_dir.mkdir(parents=True, exist_ok=True)
             store = str(self.store_dir)
         else:
-            store = self._tmp = tempfile.mkdtemp(prefix="dilu-nats-")
+            # a restart after kill() keeps the temporary store: the server comes back with its streams
+            store = self._tmp = self._tmp or tempfile.mkdtemp(prefix="dilu-nats-")
         out = self.log_path.open("ab") if self.log_path else subprocess.DEVNULL
         try:
             self.proc = subprocess.Popen(
@@ -122,6 +123,13 @@ class EmbeddedNats:
         if self._tmp:
             shutil.rmtree(self._tmp, ignore_errors=True)
             self._tmp = None
+
+    def kill(self) -> None:
+        """SIGKILL the server (a crash: nothing flushed, clients see the connection drop) and keep
+        its store, so :meth:`start` brings it back on the same port with its streams."""
+        if self.proc and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
 
     def __enter__(self) -> "EmbeddedNats":
         return self.start()

@@ -117,8 +117,13 @@ async def ensure_stream(
         await js.update_stream(config)
 
 
+# Seconds an instance may hold a request unacknowledged before JetStream redelivers it: also the
+# longest a request held by a crashed instance waits before another instance gets it.
+DEFAULT_ACK_WAIT_S = 30.0
+
+
 async def ensure_consumer(
-    js: JetStreamContext, function: str, *, ack_wait_s: float = 30, max_ack_pending: int = 1000
+    js: JetStreamContext, function: str, *, ack_wait_s: float = DEFAULT_ACK_WAIT_S, max_ack_pending: int = 1000
 ) -> str:
     """Create (or update) the durable pull consumer of ``function``; returns its name.
 

@@ -1,0 +1,167 @@
+"""The pure side of ``dilu chaos``: which faults when, how a run's requests add up, how long the
+platform took to recover from each fault, and the slope of each process's resources in a soak.
+
+The fault injector itself (signals, restarts) is in :mod:`dilu.cli.chaos`; everything here takes
+times and records in and gives figures out, so it is unit-tested without a cluster.
+
+Accounting follows DESIGN.md section 8: every offered request ends exactly once as completed
+(``ok``), failed (``error``), dropped (refused at publish) or timed out; ``lost`` is offered minus
+those, so a request the books cannot place shows up there.
+"""
+from __future__ import annotations
+
+import statistics
+from collections import Counter
+from collections.abc import Iterable, Sequence
+
+import msgspec
+
+from dilu.loadgen.generator import Record
+
+# Service faults: kill -9, then started again as a supervisor (systemd Restart=on-failure, Nomad
+# restart stanza) would. Keys are the fault kinds; values the cluster's service names.
+SERVICE_KILLS: dict[str, str] = {
+    "kill-scheduler": "scheduler",
+    "kill-profiler": "profiler",
+    "kill-vertical-scaler": "vertical_scaler",
+    "kill-horizontal-scaler": "horizontal_scaler",
+    "kill-node-agent": "node_agent",
+}
+RESTART_NATS = "restart-nats"  # kill -9 nats-server, start it again on its port and store
+KILL_INSTANCE = "kill-instance"  # kill -9 one function instance, most likely mid-batch under load
+PAUSE_AGENT = "pause-node-agent"  # SIGSTOP the node agent for PAUSE_S, then SIGCONT
+LOSE_AGENT = "lose-node-agent"  # kill -9 the node agent for good, once the load is over
+KINDS: tuple[str, ...] = (*SERVICE_KILLS, RESTART_NATS, KILL_INSTANCE, PAUSE_AGENT)
+PAUSE_S = 5.0
+MIN_SPACING_S = 8.0  # faults closer than this would overlap their recoveries
+
+
+class Fault(msgspec.Struct, kw_only=True):
+    """One injected fault. ``at_s``: planned start, s from the start of the load; ``started_ns`` /
+    ``whole_ns``: Unix ns when it was injected and when every process of the cluster was running
+    and ready again (0: never); ``function``: the function whose instance was killed
+    (kill-instance only); ``recovery_s``: see :func:`recovery_s` (None: did not recover);
+    ``detail``: what happened, for people."""
+
+    kind: str
+    at_s: float
+    started_ns: int = 0
+    whole_ns: int = 0
+    function: str = ""
+    recovery_s: float | None = None
+    detail: str = ""
+
+
+class Tally(msgspec.Struct, kw_only=True):
+    """How a run's requests ended. ``duplicates``: second answers that reached the caller's client
+    (it drops them); ``duplicates_to_caller``: requests whose caller got more than one result
+    (must be 0); ``lost`` = offered - completed - failed - dropped - timed_out (must be 0)."""
+
+    offered: int
+    completed: int
+    failed: int
+    dropped: int
+    timed_out: int
+    lost: int
+    duplicates: int
+    duplicates_to_caller: int
+
+
+def schedule(kinds: Sequence[str], duration_s: float, *, lead_s: float, tail_s: float) -> list[Fault]:
+    """Spread ``kinds`` evenly, in the given order, over ``[lead_s, duration_s - tail_s]``.
+
+    ``lead_s`` lets the load settle first; ``tail_s`` leaves time to see the last recovery.
+    Raises ValueError naming the shortest duration that fits when faults would come less than
+    MIN_SPACING_S apart, or for an unknown kind.
+    """
+    unknown = [k for k in kinds if k not in KINDS]
+    if unknown:
+        raise ValueError(f"unknown fault kinds {unknown}; choose from {', '.join(KINDS)}")
+    if not kinds:
+        return []
+    span = duration_s - lead_s - tail_s
+    step = span / len(kinds)
+    if step < MIN_SPACING_S:
+        need = lead_s + tail_s + MIN_SPACING_S * len(kinds)
+        raise ValueError(f"{len(kinds)} faults need a run of at least {need:.0f} s ({need / 60:.1f} min) "
+                         f"to come {MIN_SPACING_S:.0f} s apart; got {duration_s:.0f} s")
+    return [Fault(kind=k, at_s=round(lead_s + i * step, 3)) for i, k in enumerate(kinds)]
+
+
+def tally(records: Iterable[Record], *, offered: int, duplicate_replies: int) -> Tally:
+    """Count ``records`` (one per result the caller received) against ``offered`` sends."""
+    records = list(records)
+    by_status = Counter(r.status for r in records)
+    per_id = Counter(r.id for r in records)
+    ended = by_status["ok"] + by_status["error"] + by_status["dropped"] + by_status["timeout"]
+    return Tally(offered=offered, completed=by_status["ok"], failed=by_status["error"],
+                 dropped=by_status["dropped"], timed_out=by_status["timeout"], lost=offered - ended,
+                 duplicates=duplicate_replies, duplicates_to_caller=sum(n - 1 for n in per_id.values() if n > 1))
+
+
+def recovery_s(fault: Fault, records: Iterable[Record], started_unix_ns: int) -> float | None:
+    """Seconds from the fault until the platform was whole and serving again: the later of (a) every
+    process running and ready (``fault.whole_ns``) and (b) the first ``ok`` answer to a request sent
+    after the fault (of ``fault.function`` alone when set). None when either never happened.
+
+    ``records`` carry ns offsets from the replay start, ``started_unix_ns`` its Unix time.
+    """
+    if not fault.whole_ns or not fault.started_ns:
+        return None
+    since = fault.started_ns - started_unix_ns
+    first_ok = min((r.done_ns for r in records
+                    if r.status == "ok" and r.sent_ns >= since and (not fault.function or r.function == fault.function)),
+                   default=None)
+    if first_ok is None:
+        return None
+    end_ns = max(fault.whole_ns, started_unix_ns + first_ok)
+    return round((end_ns - fault.started_ns) / 1e9, 3)
+
+
+class Sample(msgspec.Struct, frozen=True, kw_only=True):
+    """One reading of one process (or of ``shm``: the node's /dev/shm/dilu-* segments in ``fds``).
+    ``t_s``: s since the soak began; ``rss_bytes``; ``fds``: open file descriptors; ``threads``."""
+
+    process: str
+    t_s: float
+    rss_bytes: int = 0
+    fds: int = 0
+    threads: int = 0
+
+
+class Slope(msgspec.Struct, kw_only=True):
+    """Least-squares slopes of one process's series, per minute, over ``samples`` readings spanning
+    ``minutes``; ``first``/``last`` RSS in bytes for scale."""
+
+    samples: int
+    minutes: float
+    rss_bytes_per_min: float
+    fds_per_min: float
+    threads_per_min: float
+    rss_first_bytes: int
+    rss_last_bytes: int
+
+
+def slopes(samples: Iterable[Sample]) -> dict[str, Slope]:
+    """Per process, the slope of RSS, descriptors and threads (ordinary least squares,
+    :func:`statistics.linear_regression`). A process with fewer than 3 readings, or all at one
+    time, is left out (no slope can be told from it)."""
+    series: dict[str, list[Sample]] = {}
+    for s in samples:
+        series.setdefault(s.process, []).append(s)
+    out: dict[str, Slope] = {}
+    for name, points in series.items():
+        points.sort(key=lambda s: s.t_s)
+        minutes = [s.t_s / 60.0 for s in points]
+        if len(points) < 3 or minutes[0] == minutes[-1]:
+            continue
+
+        def per_min(values: list[float]) -> float:
+            return round(statistics.linear_regression(minutes, values).slope, 3)
+
+        out[name] = Slope(samples=len(points), minutes=round(minutes[-1] - minutes[0], 3),
+                          rss_bytes_per_min=per_min([s.rss_bytes for s in points]),
+                          fds_per_min=per_min([s.fds for s in points]),
+                          threads_per_min=per_min([s.threads for s in points]),
+                          rss_first_bytes=points[0].rss_bytes, rss_last_bytes=points[-1].rss_bytes)
+    return out

@@ -1,0 +1,74 @@
+"""The pure side of ``dilu chaos``: fault schedule, request tally, recovery time, soak slopes."""
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from dilu.loadgen import chaos
+from dilu.loadgen.generator import Record
+
+S = 1_000_000_000  # ns per s
+
+
+def rec(i, status="ok", sent_s=0.0, done_s=0.1, fn="f"):
+    return Record(id=f"r{i}", function=fn, scheduled_ns=int(sent_s * S), sent_ns=int(sent_s * S),
+                  done_ns=int(done_s * S), status=status)
+
+
+def test_schedule_spreads_faults_in_order_between_lead_and_tail():
+    faults = chaos.schedule(["kill-scheduler", "restart-nats", "kill-instance"], 100, lead_s=10, tail_s=30)
+    assert [f.kind for f in faults] == ["kill-scheduler", "restart-nats", "kill-instance"]
+    assert [f.at_s for f in faults] == pytest.approx([10, 30, 50])
+
+
+def test_schedule_refuses_crowded_faults_and_names_the_duration_that_fits():
+    with pytest.raises(ValueError, match="at least 104 s"):
+        chaos.schedule(list(chaos.KINDS), 60, lead_s=20, tail_s=20)
+
+
+def test_schedule_refuses_unknown_kinds():
+    with pytest.raises(ValueError, match="unknown fault kinds"):
+        chaos.schedule(["kill-everything"], 600, lead_s=0, tail_s=0)
+
+
+def test_tally_places_every_request_and_counts_results_given_twice():
+    records = [rec(0), rec(1, "error"), rec(2, "timeout"), rec(3, "dropped"), rec(4), rec(4)]
+    t = chaos.tally(records, offered=7, duplicate_replies=3)
+    assert (t.completed, t.failed, t.timed_out, t.dropped) == (3, 1, 1, 1)
+    assert t.lost == 1  # 7 offered, 6 results of which one is a second result for r4
+    assert t.duplicates == 3 and t.duplicates_to_caller == 1
+
+
+@given(st.lists(st.sampled_from(["ok", "error", "timeout", "dropped"]), max_size=50))
+def test_tally_adds_up_when_each_request_ends_once(statuses):
+    t = chaos.tally([rec(i, s) for i, s in enumerate(statuses)], offered=len(statuses), duplicate_replies=0)
+    assert t.lost == 0 and t.completed + t.failed + t.timed_out + t.dropped == t.offered
+
+
+def test_recovery_waits_for_the_cluster_and_for_an_answer_sent_after_the_fault():
+    start = 1_000 * S
+    fault = chaos.Fault(kind="kill-node-agent", at_s=10, started_ns=start + 10 * S, whole_ns=start + 12 * S)
+    # answered after the fault but sent before it: not evidence of recovery
+    records = [rec(0, sent_s=9.9, done_s=10.5), rec(1, "error", sent_s=10.5, done_s=11), rec(2, sent_s=11, done_s=14)]
+    assert chaos.recovery_s(fault, records, start) == pytest.approx(4.0)
+    # the cluster whole later than the first answer: that is the recovery
+    fault.whole_ns = start + 20 * S
+    assert chaos.recovery_s(fault, records, start) == pytest.approx(10.0)
+
+
+def test_no_recovery_without_an_answer_or_a_whole_cluster():
+    start = 0
+    fault = chaos.Fault(kind="kill-instance", at_s=1, started_ns=1 * S, whole_ns=2 * S, function="g")
+    assert chaos.recovery_s(fault, [rec(0, sent_s=1.5, done_s=1.6, fn="f")], start) is None  # only f answered
+    assert chaos.recovery_s(fault, [rec(0, sent_s=1.5, done_s=1.6, fn="g")], start) == pytest.approx(1.0)
+    fault.whole_ns = 0
+    assert chaos.recovery_s(fault, [rec(0, sent_s=1.5, done_s=1.6, fn="g")], start) is None
+
+
+def test_slopes_per_minute_and_flat_series():
+    samples = [chaos.Sample(process="agent", t_s=60.0 * m, rss_bytes=100 + 7 * m, fds=20, threads=5 + m)
+               for m in range(5)]
+    s = chaos.slopes(samples + [chaos.Sample(process="short", t_s=0.0), chaos.Sample(process="short", t_s=9.0)])
+    assert set(s) == {"agent"}  # two readings tell no slope
+    assert s["agent"].rss_bytes_per_min == pytest.approx(7.0)
+    assert s["agent"].fds_per_min == 0.0 and s["agent"].threads_per_min == pytest.approx(1.0)
+    assert s["agent"].minutes == pytest.approx(4.0) and s["agent"].samples == 5
