@@ -122,7 +122,7 @@ class Injector:
         if fault.kind in chaos.SERVICE_KILLS:
             name = chaos.SERVICE_KILLS[fault.kind]
             if name == "node_agent":
-                self._note_quota_sum()
+                self.note_quota_sum()
                 held = instances(c)
                 await asyncio.to_thread(c.kill, name)
                 alive = await asyncio.to_thread(wait_gone, held, ORPHAN_WAIT_S)
@@ -160,7 +160,8 @@ class Injector:
             time.sleep(0.05)
         return 0
 
-    def _note_quota_sum(self) -> None:
+    def note_quota_sum(self) -> None:
+        """Keep the node agent's largest quota sum so far (read before it is killed: a restart resets it)."""
         value = quota_sum_max(self.cluster)
         if value is not None:
             self.quota_sums.append(value)
@@ -169,7 +170,7 @@ class Injector:
         """Kill the node agent for good; every instance must end within ORPHAN_WAIT_S. Those
         that outlive it are counted in the detail and then killed, so nothing is left running."""
         fault = chaos.Fault(kind=chaos.LOSE_AGENT, at_s=0.0, started_ns=time.time_ns())
-        self._note_quota_sum()
+        self.note_quota_sum()
         held = instances(self.cluster)
         self.cluster.kill("node_agent")
         alive = wait_gone(held, ORPHAN_WAIT_S)
@@ -249,7 +250,7 @@ async def run_chaos(opts: RunOptions, kinds: list[str], soak: bool, sample_s: fl
         during = sampler.run if soak else injector.run
         replay = await _replay(opts, cluster, plan, chosen, llm_plan, console, stop, during=during,
                                timeout_floor_s=TIMEOUT_FLOOR_S, drain_s=TIMEOUT_FLOOR_S + 5.0)
-        injector._note_quota_sum()
+        injector.note_quota_sum()
         if lose:
             lost_agent = await asyncio.to_thread(injector.lose_agent)
     finally:
