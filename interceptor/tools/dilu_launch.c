@@ -2,7 +2,7 @@
  * interceptor's tests and benchmark (no interpreter start-up in the way).
  *
  *   dilu_launch [-m MODE] [-k KERNEL] [-n COUNT] [-t SECONDS] [-s SYNC_EVERY] [-g GRAPH_LEN]
- *               [-p PAUSE_US] [-f] [-b]
+ *               [-p PAUSE_US] [-D KEYS] [-f] [-b]
  *
  * MODE: direct (linked cuLaunchKernel, default), ptsz (linked cuLaunchKernel_ptsz), dlsym
  * (dlopen + dlsym), gpa0 / gpa2 (cuGetProcAddress_v2 with flags 0 / 2), gpa4 (4-argument
@@ -11,6 +11,8 @@
  * KERNEL: a fake-driver kernel name, e.g. k_50 (50 µs). Launches COUNT times, or for SECONDS
  * (when -t is given), synchronising every SYNC_EVERY launches (0: only at the end).
  * -p PAUSE_US: sleep that long after each synchronisation (idle gaps between launch cycles).
+ * -D KEYS: cycle through KEYS distinct launch geometries (grid x 1..KEYS) of KERNEL, so the
+ * interceptor sees KEYS distinct kernels of the same duration (like a model's first forward pass).
  * -f: fork after the first half; parent and child each run the second half.
  * -b: overhead mode, prints the mean ns per launch call of the timed loop.
  * Prints one JSON line: pid, mode, launches, start_ns, first_launch_ns, end_ns, errors.
@@ -293,14 +295,14 @@ int main(int argc, char **argv)
 {
     unsigned long long start_ns = now_ns();
     const char *mode = "direct", *kernel = "k_50";
-    long count = 1000, sync_every = 0, graph_len = 10;
+    long count = 1000, sync_every = 0, graph_len = 10, keys = 1;
     double seconds = -1.0;
     int do_fork = 0, bench = 0, c;
     long pause_us = 0;
     long long alloc_bytes = -1;
     const char *entry = "alloc";
     int free_each = 0, hold = 0, leak = 0;
-    while ((c = getopt(argc, argv, "m:k:n:t:s:g:p:fbA:e:FHL")) != -1) {
+    while ((c = getopt(argc, argv, "m:k:n:t:s:g:p:D:fbA:e:FHL")) != -1) {
         switch (c) {
         case 'm': mode = optarg; break;
         case 'k': kernel = optarg; break;
@@ -311,6 +313,7 @@ int main(int argc, char **argv)
         case 'f': do_fork = 1; break;
         case 'b': bench = 1; break;
         case 'p': pause_us = atol(optarg); break;
+        case 'D': keys = atol(optarg); break;
         case 'A': alloc_bytes = atoll(optarg); break;
         case 'e': entry = optarg; break;
         case 'F': free_each = 1; break;
@@ -318,10 +321,14 @@ int main(int argc, char **argv)
         case 'L': leak = 1; break;
         default:
             fprintf(stderr, "usage: dilu_launch [-m MODE] [-k KERNEL] [-n COUNT] [-t SECONDS] "
-                            "[-s SYNC_EVERY] [-g GRAPH_LEN] [-p PAUSE_US] [-f] [-b]\n"
+                            "[-s SYNC_EVERY] [-g GRAPH_LEN] [-p PAUSE_US] [-D KEYS] [-f] [-b]\n"
                             "       dilu_launch -A BYTES [-n COUNT] [-m MODE] [-e ENTRY] [-F] [-H] [-L] [-f]\n");
             return 1;
         }
+    }
+    if (keys < 1) {
+        fprintf(stderr, "dilu_launch: -D KEYS must be at least 1, got %ld\n", keys);
+        return 1;
     }
     if (alloc_bytes >= 0)
         return alloc_main(mode, entry, (size_t)alloc_bytes, count, free_each, hold, leak, do_fork);
@@ -388,7 +395,7 @@ int main(int argc, char **argv)
         else if (exec)
             r = cuGraphLaunch(exec, stream);
         else
-            r = launch(fn, 1, 1, 1, 1, 1, 1, 0, stream, NULL, NULL);
+            r = launch(fn, 1 + (unsigned)(i % keys), 1, 1, 1, 1, 1, 0, stream, NULL, NULL);
         if (r != CUDA_SUCCESS)
             errors++;
         if (!first_ns)
