@@ -18,7 +18,11 @@
  * on a capturing stream: every launch until 3 samples, then every DILU_SAMPLE_EVERY-th and at
  * least every DILU_SAMPLE_FLOOR_MS (250). The estimate is the least recent sample (see learn(): it meters SM-time,
  * not time stretched by other processes). Launches of a key not measured yet are charged the
- * default, all timed, and trued up when their timing arrives.
+ * larger of the default and the running estimate, all timed, and trued up when their timing
+ * arrives; such a launch goes only when no other one is in flight and a timing slot is free (it
+ * waits for that at most DILU_FIRST_WAIT_MS), so the untrued work is at most one kernel and a
+ * tenant holds its quota from its first 1 s window, however long or many its kernels. One that
+ * still cannot be timed is charged the largest estimate known (it is never trued up).
  *
  * Memory: every device allocation entry point (cuMemAlloc(_v2), cuMemAllocManaged,
  * cuMemAllocPitch_v2, cuMemAllocAsync and cuMemAllocFromPoolAsync (+_ptsz), cuMemCreate,
@@ -39,7 +43,7 @@
  * Environment: DILU_CB (control block path), DILU_REQUEST_QUOTA (fraction), DILU_WIDTH or
  * CUDA_MPS_ACTIVE_THREAD_PERCENTAGE (width when there is no block), DILU_MIN_QUOTA (default
  * 0.01), DILU_BURST_US (2000), DILU_MIN_WAIT_US (200), DILU_CYCLE_GAP_US (1000), DILU_DEFAULT_COST_US (100),
- * DILU_SAMPLE_EVERY (128), DILU_REAL_LIBCUDA (path of the real driver), DILU_INTERCEPT_DEBUG,
+ * DILU_SAMPLE_EVERY (128), DILU_FIRST_WAIT_MS (100), DILU_REAL_LIBCUDA (path of the real driver), DILU_INTERCEPT_DEBUG,
  * DILU_MEMORY_LIMIT_BYTES (reservation without a block; 0 or unset: count only).
  */
 #define _GNU_SOURCE
@@ -227,6 +231,7 @@ struct sample {
     double charged_us;
     int provisional; /* charged before the key had any sample: true it up */
     int busy;        /* the stream still had work when the start events were recorded */
+    int nolearn;     /* the host was slow between the records: true up only (an overestimate) */
 };
 
 #define MEM_PROCS 64 /* processes of one tree holding device memory, tracked each */
@@ -255,6 +260,7 @@ static struct {
     /* configuration */
     uint64_t width_ppm, request_ppm, min_ppm;
     double burst_us, default_cost_us, cycle_gap_ns, max_gap_us, max_host_us, min_wait_us;
+    uint64_t first_wait_ns; /* DILU_FIRST_WAIT_MS: the longest wait for a timing to come back */
     uint32_t sample_every;
     uint64_t sample_floor_ns;
     uint64_t mem_limit_env; /* DILU_MEMORY_LIMIT_BYTES: the reservation without a block (0: none) */
@@ -276,6 +282,7 @@ static struct {
     int npending;
     uint64_t next_poll_ns;
     double global_cost_us;
+    double max_cost_us; /* the largest estimate of any key: what an unknown kernel may cost */
     /* telemetry (mirrored into the block) */
     uint64_t samples, flags;
     uint64_t cycles, last_cycle_us, baseline_cycle_us;
@@ -561,7 +568,16 @@ static void poll_samples(uint64_t now)
              * the stream was busy: both are stamped when earlier work ends), so subtract it. */
             double gap_us = gap_ms > 0.0f ? (double)gap_ms * 1000.0 : 0.0;
             double us = (double)ms * 1000.0 - gap_us;
-            if (gap_us > S.max_gap_us || us <= 0.0) { /* host preempted between the records */
+            if (gap_us > S.max_gap_us || us <= 0.0 || s->nolearn) { /* host preempted */
+                if (s->provisional) { /* still true it up, on the whole (longer) record span */
+                    double fix = (double)ms * 1000.0 - s->charged_us;
+                    SH->tokens -= fix;
+                    if (SH->tokens > S.burst_us)
+                        SH->tokens = S.burst_us;
+                    SH->busy_us += fix;
+                    if (c && c->samples == 0 && (double)ms * 1000.0 > c->us)
+                        c->us = (double)ms * 1000.0; /* the next launch is not charged less */
+                }
                 if (c && c->pending)
                     c->pending--;
                 goto drop;
@@ -571,6 +587,8 @@ static void poll_samples(uint64_t now)
              * the key is known it is used only when it is shorter than the estimate. */
             if (c && !(s->busy && c->samples >= 3 && us >= c->us))
                 learn(c, us);
+            if (c && c->us > S.max_cost_us)
+                S.max_cost_us = c->us;
             if (g_debug > 1)
                 fprintf(stderr, "dilu interceptor: pid %d sample %.1f us (gap %.1f) est %.1f%s\n",
                         getpid(), us, gap_us, c ? c->us : -1.0, s->provisional ? " provisional" : "");
@@ -625,6 +643,43 @@ static void note_cycle(uint64_t arrival)
         S.cycle_start_ns = arrival;
 }
 
+/* Is a launch charged before its key had any sample still waiting for its timing? */
+static int provisional_in_flight(void)
+{
+    for (int i = 0; i < S.npending; i++)
+        if (S.pending[i].provisional)
+            return 1;
+    return 0;
+}
+
+/* Before a launch of a key never timed (it may cost anything): waits, for at most
+ * DILU_FIRST_WAIT_MS, until no other such launch is in flight and a timing slot is free, so each
+ * is timed and trued up before the next one goes. Returns 1 if it waited. Under the lock. */
+static int wait_first_timing(uint64_t *now)
+{
+    uint64_t t0 = *now, deadline = *now + S.first_wait_ns;
+    int waited = 0;
+    while ((provisional_in_flight() || S.npending >= MAX_PENDING) && *now < deadline &&
+           !__atomic_load_n(&g_capturing, __ATOMIC_ACQUIRE)) {
+        waited = 1;
+        publish();
+        unlock();
+        /* short kernels come back soon: poll at half the usual cost, 20 µs to DILU_MIN_WAIT_US */
+        double nap_us = fmax(20.0, fmin(S.min_wait_us, S.global_cost_us / 2.0));
+        struct timespec ts = {0, (long)(nap_us * 1000.0)};
+        nanosleep(&ts, NULL);
+        lock();
+        *now = dilu_now_ns();
+        refresh_grant(*now);
+        refill(*now);
+        S.next_poll_ns = 0;
+        poll_samples(*now);
+    }
+    if (waited)
+        SH->wait_us += (double)(*now - t0) / 1000.0;
+    return waited;
+}
+
 /* Waits for tokens, charges the launch; returns 1 if this launch should be timed. Under the lock. */
 static int admit(uintptr_t key, double *charged, int *provisional)
 {
@@ -633,6 +688,8 @@ static int admit(uintptr_t key, double *charged, int *provisional)
     refresh_grant(now);
     refill(now);
     poll_samples(now);
+    int first_waited = 0;
+again:;
     /* q >= w: the kernels may keep the device busy all the time, so let the launches run up
      * to a burst ahead (estimation error must not idle the device); the debt still bounds the
      * queued work, which keeps a later, lower grant quick to take effect */
@@ -673,7 +730,20 @@ static int admit(uintptr_t key, double *charged, int *provisional)
         SH->wait_us += (double)(now - t0) / 1000.0;
     }
     struct cost *c = cost_of(key);
+    int unknown = !c || c->samples == 0;
+    if (unknown && !first_waited && S.first_wait_ns && r_event_create) {
+        first_waited = 1;
+        /* the true-up of the launch waited for may have left a debt: pay it first */
+        if (wait_first_timing(&now) && SH->tokens < floor_us)
+            goto again;
+    }
     double cost = c ? c->us : S.global_cost_us;
+    if (unknown) {
+        /* what launches were seen to cost so far, at least the default */
+        cost = fmax(cost, fmax(S.global_cost_us, S.default_cost_us));
+        if (!c || S.npending >= MAX_PENDING || !r_event_create || __atomic_load_n(&g_capturing, __ATOMIC_ACQUIRE))
+            cost = fmax(cost, S.max_cost_us); /* it will not be timed, never trued up: the worst known */
+    }
     SH->tokens -= cost;
     SH->busy_us += cost;
     SH->launches++;
@@ -779,10 +849,12 @@ static void after_launch(struct timing *t, CUresult r)
     /* the host was preempted between the start events and the launch: on an idle stream that
      * delay would read as kernel time, so the sample is dropped */
     int quick = dilu_now_ns() - t->host0_ns <= (uint64_t)(S.max_host_us * 1000.0);
-    int ok = quick && r == CUDA_SUCCESS && rec(t->end, t->stream) == CUDA_SUCCESS;
+    /* a provisional launch is kept anyway: its true-up then uses the whole record span */
+    int ok = (quick || t->provisional) && r == CUDA_SUCCESS && rec(t->end, t->stream) == CUDA_SUCCESS;
     lock();
     if (ok && S.npending < MAX_PENDING) {
-        S.pending[S.npending++] = (struct sample){t->key, t->start0, t->start, t->end, t->charged, t->provisional, t->busy};
+        S.pending[S.npending++] = (struct sample){t->key, t->start0, t->start, t->end, t->charged, t->provisional,
+                                                  t->busy, !quick};
     } else {
         struct cost *c = cost_of(t->key);
         if (c && c->pending)
@@ -1164,6 +1236,9 @@ static void init_body(void)
      * preempted and, on an idle stream, the delay would read as kernel time */
     S.max_host_us = env_f("DILU_SAMPLE_MAX_HOST_US", 100.0);
     S.global_cost_us = S.default_cost_us;
+    S.max_cost_us = S.default_cost_us;
+    double first_wait_ms = env_f("DILU_FIRST_WAIT_MS", 100.0); /* 0: never wait */
+    S.first_wait_ns = first_wait_ms > 0.0 ? (uint64_t)(fmin(first_wait_ms, 10000.0) * 1e6) : 0;
     double every = env_f("DILU_SAMPLE_EVERY", 128.0);
     S.sample_every = every >= 1.0 ? (uint32_t)every : 128;
     S.sample_floor_ns = (uint64_t)(env_f("DILU_SAMPLE_FLOOR_MS", 250.0) * 1e6);
