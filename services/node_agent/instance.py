@@ -13,7 +13,11 @@ then by the function's kind:
 - ``training``: no requests; ``train_step`` runs in a loop, iterations are counted.
 
 SIGTERM drains: the batch (or training step) in hand finishes and is answered, nothing more is
-fetched, the process exits 0. A function that cannot load makes the process exit 1 after one
+fetched, the process exits 0; one still loading exits without serving. A drain never takes more
+than ``DRAIN_TIMEOUT_S``: past it the process ends itself (exit 1), even with no agent left to
+kill it. No instance outlives its node agent: the process asks Linux for SIGTERM when its parent
+dies, and exits at once when its parent is already not the agent that launched it (its pid is in
+``DILU_AGENT_PID``: the agent died while the instance was starting). A function that cannot load makes the process exit 1 after one
 log line naming the function and the reason and one line ``FAILED <reason>`` on stdout (the node
 agent does not launch it again); a function that fails once serving (e.g. a training step
 raising) prints the same line and exits 1 (the agent relaunches it, a few times).
@@ -32,6 +36,7 @@ import ctypes
 import os
 import signal
 import sys
+import threading
 import time
 
 import click
@@ -48,6 +53,9 @@ from dilu.services.common.workqueue import BatchPuller, Request, ensure_consumer
 from . import runtime
 
 PR_SET_PDEATHSIG = 1
+AGENT_PID_ENV = "DILU_AGENT_PID"  # the node agent's pid, set in each instance's environment
+DRAIN_TIMEOUT_S = 25.0  # a drain (SIGTERM to exit) takes at most this (s); the agent kills after it too
+ORPHANED_EXIT = 3  # exit code of an instance that found its agent gone before it started
 LATENCY_EWMA_ALPHA = 0.2  # weight of the newest batch in the latency EWMA written to the block
 STATS_PERIOD_S = 1.0  # FunctionStats period: per-function metrics a second behind at most
 
@@ -79,12 +87,38 @@ class RuntimeStats:
 
 
 def die_with_parent() -> None:
-    """Ask Linux for SIGTERM when the node agent dies, so no instance outlives its agent."""
+    """Ask Linux for SIGTERM when the node agent dies, so no instance outlives its agent; then,
+    if the agent named in ``DILU_AGENT_PID`` is already not the parent (it died before the
+    request was made: no signal will come), exit at once with ``ORPHANED_EXIT``."""
     try:
         libc = ctypes.CDLL(None, use_errno=True)
         libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
     except (OSError, AttributeError):  # not Linux: the agent's stop() still retires instances
         pass
+    if orphaned(os.environ.get(AGENT_PID_ENV, ""), os.getppid()):
+        print(f"instance: node agent {os.environ[AGENT_PID_ENV]} is gone (parent is {os.getppid()}); exiting",
+              file=sys.stderr, flush=True)
+        os._exit(ORPHANED_EXIT)
+
+
+def orphaned(agent_pid: str, parent_pid: int) -> bool:
+    """Whether the agent whose pid is ``agent_pid`` (as the environment carries it; empty: not
+    launched by an agent) is no longer this process's parent ``parent_pid``."""
+    return agent_pid.strip().isdigit() and int(agent_pid) != parent_pid
+
+
+def bound_drain(timeout_s: float = DRAIN_TIMEOUT_S) -> threading.Timer:
+    """From now, end the process (exit 1) if it is still alive after ``timeout_s`` seconds: a
+    drain whose batch, close or NATS drain hangs must not keep it alive once its agent is gone.
+    A daemon thread, so it fires even while the event loop is blocked; returns it started."""
+    def hard_exit() -> None:
+        print(f"instance: drain took more than {timeout_s:g} s; exiting", file=sys.stderr, flush=True)
+        os._exit(1)
+
+    timer = threading.Timer(timeout_s, hard_exit)
+    timer.daemon = True
+    timer.start()
+    return timer
 
 
 def ready_channel():
@@ -265,8 +299,14 @@ async def serve_instance(
     log = dlog.get("instance").bind(instance=instance_id, function=function)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
+
+    def on_stop() -> None:
+        if not stop.is_set():
+            stop.set()
+            bound_drain()
+
     for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
+        loop.add_signal_handler(sig, on_stop)
 
     # NATS first: reading the spec (and the code bundle) is part of the cold start
     try:
@@ -283,6 +323,9 @@ async def serve_instance(
         ctx = runtime.context_for(plan, instance_id=instance_id, batch_size=batch_size, width=width, device=device)
         rt = await runtime.open_runtime(js, plan, ctx)
         log.info("function loaded", source=plan.source, target=plan.target, kind=plan.kind, model=plan.model)
+        if stop.is_set():  # stopped while loading (its agent may be gone): serve nothing
+            log.info("instance stopped before serving")
+            return 0
         inst = Instance(nc, js, rt, instance_id=instance_id, function=function, node=node,
                         batch_size=batch_size, cb_path=cb_path, log=log, ready_out=ready_out)
         await inst.serve(plan.kind, stop)

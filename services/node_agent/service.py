@@ -20,7 +20,12 @@
   (its function cannot load) is retired as ``load-failed`` at once. Both InstanceRetired carry
   the error, and the scheduler removes their placements. An instance drained while still
   launching is stopped, never taken for a crash.
-- Writes each :class:`TokenGrant` from the vertical scaler into the instance's block.
+- Writes each :class:`TokenGrant` from the vertical scaler into the instance's block, and each
+  new instance's initial grant, fitted so the quotas in force on a GPU never sum above 1
+  (:func:`.grants.fit_quota`: neighbours above their requests are lowered first); exports
+  ``dilu_gpu_quota_sum`` {gpu} (Σ in force now) and ``dilu_gpu_quota_sum_max`` {gpu} (the
+  largest Σ ever written). Telemetry lists every instance holding a block, launching and
+  draining ones too, so the vertical scaler counts their quotas.
 - Exports per-function Prometheus metrics (:mod:`.function_metrics`) from the
   :class:`FunctionStats` its own instances publish (those naming this node).
 - Serves profiling trials (``dilu.v1.node.trial.<node>``) on a trial worker under the interceptor
@@ -61,7 +66,8 @@ from .accounting import Counters, GpuCost, Slot, sample_loop_stalled, stretch, w
 from .claim import claim_refusal, host_identity
 from .function_metrics import FunctionMetrics
 from .function_metrics import problem as stats_problem
-from .instance import FAILED_PREFIX
+from .grants import fit_quota, quota_sum
+from .instance import AGENT_PID_ENV, DRAIN_TIMEOUT_S, FAILED_PREFIX
 
 LAUNCHES = Counter("dilu_instance_launches", "Instances launched", ["function"])
 GRANT_CHANGES = Counter("dilu_grant_changes", "TokenGrants that changed an instance's quota")
@@ -74,11 +80,12 @@ STRETCHES = Counter("dilu_kernel_cycle_stretches", "Kernel-cycle stretch events 
 INSTANCES = Gauge("dilu_instances", "Instances on this node", ["state"])
 REACTION_MS = Gauge("dilu_vertical_reaction_ms", "Stretch detected -> grant written to the control block (ms)", ["quantile"])
 GPU_HEALTHY = Gauge("dilu_gpu_healthy", "1 while NVML reports the GPU healthy", ["gpu"])
+QUOTA_SUM = Gauge("dilu_gpu_quota_sum", "Sum of the quotas in force on the GPU now (fraction of its SM-time)", ["gpu"])
+QUOTA_SUM_MAX = Gauge("dilu_gpu_quota_sum_max", "Largest sum of quotas in force ever written on the GPU", ["gpu"])
 OOM_REFUSALS = Counter("dilu_instance_oom_refusals", "Device allocations the interceptor refused past a reservation", ["function"])
 
 FUNCTION_STATS_SUBJECTS = f"{subjects.PREFIX}.telemetry.function.*.*"  # every instance's FunctionStats
 READY_TIMEOUT_S = 180.0
-DRAIN_TIMEOUT_S = 25.0
 MAX_RESTARTS = 3
 RESTART_DELAY_S = 1.0
 
@@ -177,6 +184,7 @@ class NodeAgent:
         self._mps_failed_at: dict[int, float] = {}  # GPU -> when its MPS server failed (monotonic s)
         self.request_stop = lambda: None  # the runner makes this stop the service
         self.function_metrics = FunctionMetrics()
+        self.quota_sum_max: dict[int, float] = {}  # GPU -> largest Σ quotas in force ever written
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -366,6 +374,8 @@ class NodeAgent:
             if inst.cb is not None:
                 inst.cb.close()
                 Path(inst.cb_path).unlink(missing_ok=True)
+                inst.cb = None
+                self._note_quota_sum(p.gpu)
             raise
         if inst.state != "launching":  # drained or removed while its process was being started
             await self._abandon(inst)
@@ -390,6 +400,7 @@ class NodeAgent:
             inst.cb.close()
             Path(inst.cb_path).unlink(missing_ok=True)
             inst.cb = None
+            self._note_quota_sum(inst.placement.gpu)
         self.log.info("instance launch abandoned: its placement was drained", instance=inst.placement.instance_id)
 
     def _placement_live(self, instance_id: str) -> ev.Placement | None:
@@ -411,10 +422,12 @@ class NodeAgent:
             inst.cb_path = f"/dev/shm/dilu-cb-{subjects.token(self.node)}-{subjects.token(p.instance_id)}"
             inst.cb = ControlBlock.create(inst.cb_path, p.instance_id, request_quota=p.request_quota, width=p.width,
                                           memory_limit_bytes=p.memory_bytes)
-            inst.cb.write_grant(quota)
+            self._apply_quota(inst, quota)
             env = native.interceptor_env(inst.cb_path, width=p.width, request_quota=p.request_quota, base=env)
             env = self.device.gpu_env(env, gpu, width=p.width, memory_bytes=p.memory_bytes)
-        inst.quota = quota
+        else:
+            inst.quota = quota
+        env[AGENT_PID_ENV] = str(os.getpid())  # the instance exits at once if it started orphaned
         args = [
             sys.executable, "-m", "dilu.services.node_agent.instance",
             "--instance-id", p.instance_id, "--function", p.function, "--model", p.model or "none",
@@ -575,6 +588,7 @@ class NodeAgent:
             except FileNotFoundError:
                 pass
             inst.cb = None
+            self._note_quota_sum(inst.placement.gpu)
         await self._publish_instance("retired", ev.InstanceRetired(
             instance_id=p.instance_id, function=p.function, node=self.node, gpu=p.gpu, reason=reason, exit_code=code or 0,
             error=error))
@@ -604,14 +618,48 @@ class NodeAgent:
             return
         if not 0.0 < grant.quota <= 1.0:
             raise ValueError(f"grant quota {grant.quota} outside (0, 1]")
-        if abs(grant.quota - inst.quota) > 1e-6:
+        before = inst.quota
+        self._apply_quota(inst, grant.quota)
+        if abs(inst.quota - before) > 1e-6:
             GRANT_CHANGES.inc()
-        inst.cb.write_grant(grant.quota)
-        inst.quota = grant.quota
+        if inst.quota < grant.quota - 1e-6:
+            self.log.info("grant clamped to what the GPU's other instances hold", instance=grant.instance_id,
+                          gpu=inst.placement.gpu, granted=grant.quota, written=round(inst.quota, 6))
         if grant.cause_ns:  # a reaction to a stretch this agent detected: time it end to end
             self._reaction.record_value(max(1, (time.time_ns() - grant.cause_ns) // 1000))
             for q in (50.0, 99.0):
                 REACTION_MS.labels(f"{q / 100:g}").set(self._reaction.get_value_at_percentile(q) / 1000.0)
+
+    def _holding(self, gpu: int) -> list[ManagedInstance]:
+        """The instances with a control block on ``gpu`` (launching, ready or draining)."""
+        return [i for i in self.instances.values()
+                if i.placement.gpu == gpu and i.cb is not None and i.state != "gone"]
+
+    def _apply_quota(self, inst: ManagedInstance, wanted: float) -> None:
+        """Write ``wanted`` (fraction 0..1) into ``inst``'s block as far as it fits: the quotas
+        in force on its GPU never sum above 1 (:func:`.grants.fit_quota`); neighbours lowered
+        are written first. Synchronous: no other grant interleaves. Raises ValueError for a
+        quota outside [0, 1]."""
+        gpu = inst.placement.gpu
+        holding = [i for i in self._holding(gpu) if i is not inst]
+        in_force = {i.placement.instance_id: i.quota for i in holding}
+        requests = {i.placement.instance_id: i.placement.request_quota for i in holding + [inst]}
+        by_id = {i.placement.instance_id: i for i in holding + [inst]}
+        for iid, q in fit_quota(in_force, requests, inst.placement.instance_id, wanted):
+            target = by_id[iid]
+            target.cb.write_grant(q)
+            target.quota = q
+            if target is not inst:
+                self.log.info("quota taken back for a neighbour", instance=iid, gpu=gpu, quota=round(q, 6),
+                              for_instance=inst.placement.instance_id)
+            self._note_quota_sum(gpu)
+
+    def _note_quota_sum(self, gpu: int) -> None:
+        """Export Σ quotas in force on ``gpu`` now and the largest Σ ever written."""
+        total = quota_sum({i.placement.instance_id: i.quota for i in self._holding(gpu)})
+        self.quota_sum_max[gpu] = top = max(self.quota_sum_max.get(gpu, 0.0), total)
+        QUOTA_SUM.labels(str(gpu)).set(total)
+        QUOTA_SUM_MAX.labels(str(gpu)).set(top)
 
     # ------------------------------------------------------------------ sampling
 
@@ -687,7 +735,11 @@ class NodeAgent:
                 inst.window_start = inst.last
             TOKEN_WAIT_MS.inc(wait_us / 1000.0)
             per_gpu[p.gpu].append(Slot(p.function, p.request_quota, inst.quota, use_share * p.width))
-            if tel is not None and inst.state == "ready":
+            if tel is None and inst.cb is not None and inst.state != "gone":  # not sampled yet: its quota still counts
+                tel = ev.InstanceTelemetry(
+                    instance_id=p.instance_id, function=p.function, priority=p.priority, quota=inst.quota,
+                    request_quota=p.request_quota, limit_quota=p.limit_quota, width=p.width, slo_ms=p.slo_ms)
+            if tel is not None and inst.state != "gone":  # launching and draining ones hold their quota too
                 per_gpu_tel[p.gpu].append(tel)
         before = (self.cost.active_gpu_seconds, self.cost.allocation_frag_seconds, self.cost.idle_frag_seconds,
                   dict(self.cost.quota_seconds))
