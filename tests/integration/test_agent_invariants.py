@@ -2,9 +2,10 @@
 
 - no instance keeps serving once its agent is gone for good, also when the agent dies while the
   instance is still starting (before it could ask for PR_SET_PDEATHSIG), and one whose agent
-  dies after it is ready drains and exits (NATS still up);
+  dies after it is ready drains and exits (NATS still up); a drain that hangs ends at its bound;
 - the quotas the agent writes into the control blocks of one GPU never sum above 1, whatever
-  grants arrive and while new instances start; launching instances are in the telemetry."""
+  grants arrive and while new instances start; launching and draining instances are in the
+  telemetry with their quotas."""
 import asyncio
 import os
 import signal
@@ -19,7 +20,9 @@ from prometheus_client import REGISTRY
 
 from dilu.contracts import encode, subjects
 from dilu.contracts import events as ev
+from dilu.services.node_agent.devices import Gpu
 from dilu.services.node_agent.instance import AGENT_PID_ENV
+from dilu.services.node_agent.service import ManagedInstance, NodeAgent
 
 from test_node_agent import Harness, placement
 
@@ -126,3 +129,35 @@ async def test_grants_never_oversubscribe_a_gpu(nats_url):
         await h.wait_for("telemetry", n + 2)
         listed = {t.instance_id: t.quota for t in h.events["telemetry"][-1].instances}
         assert listed == pytest.approx(quotas())
+
+
+class Published:
+    """A stand-in bus that keeps what the agent publishes."""
+
+    def __init__(self):
+        self.events = []
+
+    async def publish(self, subject, event):
+        self.events.append(event)
+
+
+async def test_launching_and_draining_instances_are_in_the_telemetry_with_their_quota():
+    agent = NodeAgent(node="n1", gpus=1, device="emulated")
+    agent.gpus, agent.cpu, agent.bus = [Gpu(0, "gpu0", "emulated", 0, 0)], True, Published()
+    for iid, state, q in (("l", "launching", 0.4), ("d", "draining", 0.3), ("r", "ready", 0.3)):
+        agent.instances[iid] = ManagedInstance(placement=placement(iid, "f1", request=q), state=state, cb=object(),
+                                               quota=q)
+    await agent._publish_window(0.25)
+    (tel,) = agent.bus.events
+    assert {t.instance_id: t.quota for t in tel.instances} == {"l": 0.4, "d": 0.3, "r": 0.3}
+
+
+def test_a_drain_that_hangs_ends_the_process_after_its_bound():
+    code = "from dilu.services.node_agent.instance import bound_drain; import time; bound_drain(0.2); time.sleep(60)"
+    proc = subprocess.Popen([sys.executable, "-c", code], stderr=subprocess.PIPE)
+    try:
+        assert proc.wait(timeout=20) == 1
+        assert b"drain took more than 0.2 s" in proc.stderr.read()
+    finally:
+        proc.kill()
+        proc.wait()
