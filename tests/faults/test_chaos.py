@@ -1,0 +1,59 @@
+"""Faults under trace load, end to end, the way the README runs them: ``dilu chaos`` kills each
+service in turn (and restarts it), crashes and restarts nats-server, kills an instance mid-batch,
+stops the node agent for 5 s, and at the end kills the node agent for good. Every offered request
+must end exactly once, each fault must be recovered from, no instance may outlive its agent and the
+quotas in force on a GPU never sum above 1."""
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from dilu.cli.chaos import Sampler
+from dilu.cli.cluster import Cluster, ServiceProc
+from dilu.loadgen import chaos
+
+DILU = [sys.executable, "-m", "dilu.cli.main"]
+
+
+@pytest.mark.nats
+@pytest.mark.native
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_every_request_ends_once_through_every_fault(tmp_path: Path):
+    out = tmp_path / "chaos.json"
+    # 102 s: the shortest run that spaces the eight faults MIN_SPACING_S apart after the lead-in
+    proc = subprocess.run([*DILU, "chaos", "--minutes", "1.7", "--functions", "4", "--seed", "2",
+                           "--json", str(out), "--log-dir", str(tmp_path / "logs")],
+                          capture_output=True, text=True, timeout=540)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    r = json.loads(out.read_text())
+    assert r["offered"] > 500
+    assert r["lost"] == 0 and r["duplicates_to_caller"] == 0
+    assert r["timed_out"] == 0 and r["failed"] == 0, r
+    assert r["completed"] + r["dropped"] == r["offered"]
+    kinds = [f["kind"] for f in r["faults"]]
+    assert kinds == [*chaos.KINDS, chaos.LOSE_AGENT]
+    for f in r["faults"][:-1]:
+        assert f["recovery_s"] is not None, f
+    assert r["faults"][chaos.KINDS.index(chaos.PAUSE_AGENT)]["recovery_s"] >= chaos.PAUSE_S
+    assert r["orphans"] == 0
+    assert r["grant_sum_max"] is not None and r["grant_sum_max"] <= 1.0 + 1e-6
+
+
+def test_sampler_reads_each_process_and_the_shared_memory_segments(tmp_path: Path):
+    sleeper = subprocess.Popen(["sleep", "30"])
+    try:
+        cluster = Cluster(log_dir=tmp_path)
+        cluster.services["scheduler"] = ServiceProc("scheduler", sleeper, 0, tmp_path / "s.log")
+        samples = Sampler(cluster, period_s=1.0, duration_s=1.0).read(4.0)
+    finally:
+        sleeper.kill()
+        sleeper.wait()
+    by_name = {s.process: s for s in samples}
+    assert set(by_name) == {"scheduler", "shm-segments"}
+    assert by_name["scheduler"].rss_bytes > 0 and by_name["scheduler"].fds >= 3
+    assert by_name["scheduler"].threads == 1 and by_name["scheduler"].t_s == 4.0
+    # a process that has gone is skipped, not an error
+    assert [s.process for s in Sampler(cluster, 1.0, 1.0).read(5.0)] == ["shm-segments"]
