@@ -30,7 +30,7 @@ from nats.js import JetStreamContext
 from dilu.contracts import subjects
 from dilu.contracts.events import FunctionDeployed, FunctionSpec, FunctionState
 from dilu.services.common import logging as dlog
-from dilu.services.common.invoke import InvokeClient, InvokeResult
+from dilu.services.common.invoke import InvokeClient, InvokeResult, cancel_swallowed, cancels_now
 from dilu.services.common.kvkeys import kv_keys
 
 from .errors import (
@@ -251,7 +251,11 @@ class Stream:
         if self._done:
             raise StopAsyncIteration
         if self._task is None:
+            cancels = cancels_now()
             await self._client._check(self.function, len(self._payload))
+            if cancel_swallowed(cancels):  # nats-py swallowed the caller's cancel: honour it
+                self._done = True
+                raise asyncio.CancelledError
             self._scheduled_ns = time.time_ns()
             self._task = asyncio.create_task(self._client._send(
                 self.function, self._payload, self._timeout_s, self._scheduled_ns, on_chunk=self._queue.put_nowait))
@@ -403,9 +407,10 @@ class AsyncClient:
         InvocationTimeout, NoCapacity.
         """
         data, timeout_s = _payload(payload), _timeout(timeout_s)
+        cancels = cancels_now()  # a cancel nats-py swallows during the check still ends the call
         await self._check(function, len(data))
         scheduled_ns = time.time_ns()
-        result = await self._send(function, data, timeout_s, scheduled_ns)
+        result = await self._send(function, data, timeout_s, scheduled_ns, cancels_before=cancels)
         raise_for(function, result, timeout_s)
         return reply_from(result, scheduled_ns)
 
@@ -429,9 +434,10 @@ class AsyncClient:
         return spec
 
     async def _send(self, function: str, payload: bytes, timeout_s: float, scheduled_ns: int,
-                    on_chunk: Callable[[bytes], None] | None = None) -> InvokeResult:
+                    on_chunk: Callable[[bytes], None] | None = None,
+                    cancels_before: int | None = None) -> InvokeResult:
         return await self._invoker.invoke(function, payload, request_id=uuid.uuid4().hex, scheduled_ns=scheduled_ns,
-                                          timeout_s=timeout_s, on_chunk=on_chunk)
+                                          timeout_s=timeout_s, on_chunk=on_chunk, cancels_before=cancels_before)
 
 
 # Of the NATS server's max_payload, what a request's headers may take (about 200 bytes are used);

@@ -83,6 +83,26 @@ class _Pending:
     last_chunk_ns: int = 0
 
 
+def cancels_now() -> int:
+    """The running task's ``cancelling()`` count (0 outside a task)."""
+    task = asyncio.current_task()
+    return task.cancelling() if task is not None else 0
+
+
+def cancel_swallowed(since: int) -> bool:
+    """Whether the running task was asked to cancel after its ``cancelling()`` count was
+    ``since`` and is still running: the request was swallowed on the way. nats-py's publish
+    drops a cancellation that lands while its write buffer is full (``_flush_pending``), so a
+    caller that gave up would otherwise wait out its whole timeout."""
+    return cancels_now() > since
+
+
+def _retrieve(task: asyncio.Future) -> None:
+    """Mark the outcome of a publish nobody awaits any more (its caller cancelled) as seen."""
+    if not task.cancelled():
+        task.exception()
+
+
 class InvokeStats(msgspec.Struct, kw_only=True):
     """Counters of an :class:`InvokeClient`; ``sent`` = ok + error + timeout + dropped + outstanding."""
 
@@ -142,6 +162,7 @@ class InvokeClient:
         scheduled_ns: int,
         timeout_s: float,
         on_chunk: OnChunk | None = None,
+        cancels_before: int | None = None,
     ) -> InvokeResult:
         """Invoke ``function`` with ``payload`` and wait for its reply, at most ``timeout_s``
         seconds from this call (publishing included).
@@ -151,11 +172,18 @@ class InvokeClient:
         ``on_chunk(data)`` is called in the event loop with each streamed chunk, in order, as it
         arrives (it must not block; an exception it raises is logged and the call goes on).
         Never raises for a failed invocation: the result says what happened. Cancelling the
-        call forgets the request (a reply arriving later is counted as late).
+        call forgets the request (a reply arriving later is counted as late), also when the
+        cancellation was swallowed on the way (see :func:`cancel_swallowed`): ``cancels_before``
+        is the calling task's ``cancelling()`` count when the caller's own work began (default:
+        at this call), and a cancellation requested since is honoured (CancelledError).
         """
         if self._sub is None:
             raise RuntimeError("InvokeClient.start() was not called")
         deadline = time.monotonic() + timeout_s
+        if cancels_before is None:
+            cancels_before = cancels_now()
+        elif cancel_swallowed(cancels_before):  # given up before this call: nothing is sent
+            raise asyncio.CancelledError
         self.stats.sent += 1
         if request_id in self._waiting:
             return self._finish_dropped(request_id, "request id already in flight")
@@ -166,13 +194,18 @@ class InvokeClient:
             subj.H_SCHEDULED_NS: str(scheduled_ns),
             subj.H_REPLY_TO: f"{self.inbox_prefix}.{next(self._seq)}",
         }
+        publishing = asyncio.ensure_future(self.js.publish(
+            subj.invoke(function),
+            payload,
+            headers=headers,
+            timeout=max(0.001, min(self.publish_timeout_s, deadline - time.monotonic())),
+        ))
+        publishing.add_done_callback(_retrieve)
         try:
-            await self.js.publish(
-                subj.invoke(function),
-                payload,
-                headers=headers,
-                timeout=max(0.001, min(self.publish_timeout_s, deadline - time.monotonic())),
-            )
+            # shielded: nats-py swallows a cancellation that lands while its write buffer is
+            # full, so awaited directly a caller's cancel could be lost (the call would then
+            # wait its whole timeout); cancelled here, the publish finishes on its own
+            await asyncio.shield(publishing)
         except asyncio.CancelledError:
             self._forget_cancelled(request_id)
             raise
@@ -180,6 +213,9 @@ class InvokeClient:
             self._waiting.pop(request_id, None)
             self._remember(request_id, answered=False)  # it may have been stored after all
             return self._finish_dropped(request_id, f"publish failed: {type(exc).__name__}: {exc}")
+        if cancel_swallowed(cancels_before):  # the caller gave up before the request went out
+            self._forget_cancelled(request_id)
+            raise asyncio.CancelledError
         try:
             return await asyncio.wait_for(asyncio.shield(fut), timeout=max(0.0, deadline - time.monotonic()))
         except asyncio.CancelledError:
