@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import msgspec
@@ -24,13 +25,14 @@ import pytest
 from nats.js.api import StorageType
 
 from dilu.client.aio import AsyncClient
+from dilu.client.sync import Client
 from dilu.contracts import subjects as subj
 from dilu.contracts.events import FunctionSpec, FunctionState
 from dilu.services.common.invoke import InvokeClient, cancels_now
 from dilu.services.common.runner import running
 from dilu.services.common.workqueue import consumer_name, ensure_consumer, ensure_stream
 from dilu.services.gateway.app import Limits
-from dilu.services.gateway.service import Gateway
+from dilu.services.gateway.service import CUT_GRACE_S, Gateway
 
 pytestmark = pytest.mark.nats
 
@@ -50,6 +52,7 @@ class SlowInstance:
     def __init__(self, nc) -> None:
         self.nc, self.js = nc, nc.jetstream()
         self.served = 0
+        self._stopping = False
         self._task: asyncio.Task | None = None
 
     async def start(self) -> "SlowInstance":
@@ -59,7 +62,7 @@ class SlowInstance:
         return self
 
     async def _loop(self, psub) -> None:
-        while True:
+        while not self._stopping:  # a cancel alone can be swallowed by nats-py's publish
             try:
                 msgs = await psub.fetch(1, timeout=0.2)
             except (asyncio.TimeoutError, nats.errors.TimeoutError):
@@ -73,6 +76,7 @@ class SlowInstance:
                 self.served += 1
 
     async def stop(self) -> None:
+        self._stopping = True
         if self._task is not None:
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)
@@ -169,6 +173,77 @@ async def test_gateway_overloaded_ten_times_answers_every_request_in_time(nats_u
         counts = assert_timely(results, timeout_s, {"200", "503", "504"})
         assert counts["200"] > 0 and counts["504"] > 0, counts
         assert gw.client._invoker.outstanding == 0
+
+        # no instance at all: 504 in time; none and unplaceable: 503 at once, with Retry-After
+        for fn, status in (("idle", "504"), ("full", "503")):
+            async def nobody(fn=fn) -> str:
+                resp = await http.post(f"/v1/functions/{fn}:invoke", content=b"x", headers={"Dilu-Timeout": "0.5"})
+                assert resp.headers["content-type"] == "application/problem+json", resp.text
+                assert status != "503" or resp.headers["retry-after"] == "1"
+                return str(resp.status_code)
+            assert assert_timely(await offer(nobody, 40, 80), 0.5, {status})[status] == 40
+        assert gw.client._invoker.outstanding == 0
+
+
+async def test_gateway_stopping_under_overload_answers_every_request_in_its_drain_time(nats_url, platform):
+    """Requests with a long timeout pile up; the stop answers what is left 503 within the drain
+    time (plus the gateway's grace), none waits for its own timeout."""
+    drain_s, timeout_s = 0.5, 30.0
+    rate = OVERLOAD / SERVICE_S
+    gw = Gateway(port=0, limits=Limits(default_timeout_s=10.0, max_timeout_s=60.0), drain_s=drain_s)
+    pool = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+    async with httpx.AsyncClient(limits=pool, timeout=HANG_S) as http:
+        async with running(gw, nats_url):
+            url = f"http://127.0.0.1:{gw.port}/v1/functions/slow:invoke"
+
+            async def call() -> tuple[int, float]:
+                resp = await http.post(url, content=b"x", headers={"Dilu-Timeout": str(timeout_s)})
+                if resp.status_code != 200:
+                    assert resp.json()["type"] == "urn:dilu:problem:stopping", resp.text
+                return resp.status_code, time.monotonic()
+
+            calls = []
+            for _ in range(int(rate)):  # one second of 10x overload
+                calls.append(asyncio.create_task(call()))
+                await asyncio.sleep(1 / rate)
+            stopped = time.monotonic()
+        ends = await asyncio.wait_for(asyncio.gather(*calls, return_exceptions=True), HANG_S)
+    errors = [e for e in ends if isinstance(e, BaseException)]
+    assert not errors, errors[:3]
+    codes = Counter(code for code, _ in ends)
+    assert set(codes) <= {200, 503} and codes[503] > 0, codes
+    latest = max(end for _, end in ends) - stopped
+    assert latest <= drain_s + CUT_GRACE_S + MARGIN_S, f"the last request ended {latest:.1f} s after the stop"
+    assert gw.client is None or gw.client._invoker.outstanding == 0
+
+
+async def test_blocking_client_from_many_threads_answers_every_call_in_time(nats_url, platform):
+    timeout_s, threads, seconds = 1.0, 40, 2.0  # 40 callers, each waiting ~2 s for 50 ms turns
+
+    def worker(client: Client) -> list[tuple[str, float]]:
+        out, until = [], time.monotonic() + seconds
+        while time.monotonic() < until:
+            start = time.monotonic()
+            try:
+                client.invoke("slow", b"x", timeout_s=timeout_s)
+                outcome = "ok"
+            except Exception as exc:
+                outcome = type(exc).__name__
+            out.append((outcome, time.monotonic() - start))
+        return out
+
+    client = await asyncio.to_thread(Client, nats_url)
+    loop = asyncio.get_running_loop()
+    try:
+        with ThreadPoolExecutor(threads) as pool:
+            runs = [loop.run_in_executor(pool, worker, client) for _ in range(threads)]
+            results = [r for run in await asyncio.wait_for(asyncio.gather(*runs), HANG_S) for r in run]
+        counts = assert_timely(results, timeout_s, {"ok", "InvocationTimeout", "NoCapacity"})
+        assert counts["ok"] > 0 and counts["InvocationTimeout"] > 0, counts
+        stats = client.aio._invoker.stats
+        assert stats.sent == len(results) and client.aio._invoker.outstanding == 0
+    finally:
+        await asyncio.to_thread(client.close)
 
 
 async def test_no_instance_ends_as_timeout_or_no_capacity_in_time(nats_url, platform):
