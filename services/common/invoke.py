@@ -27,6 +27,9 @@ from dataclasses import dataclass
 from typing import Literal
 
 import msgspec
+import nats.errors
+import nats.js.errors
+import tenacity
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 from nats.js import JetStreamContext
@@ -42,6 +45,18 @@ Status = Literal["ok", "error", "timeout", "dropped"]
 # How many finished request ids are remembered to recognise a duplicate reply. A duplicate
 # arrives at most one ack wait (seconds) after the original, so this covers any realistic rate.
 _REMEMBER_DONE = 200_000
+
+# One publish attempt's wait for JetStream's store acknowledgement (s). A lost acknowledgement (the
+# server restarted, or JetStream is electing a leader) is retried with the same Nats-Msg-Id, so the
+# stream stores the request once (JetStream deduplicates ids within its duplicate window, 2 min by
+# default) until the call's publish budget is spent.
+PUBLISH_ATTEMPT_S = 1.0
+_RETRY_PUBLISH = (nats.errors.TimeoutError, nats.js.errors.NoStreamResponseError, nats.js.errors.ServiceUnavailableError)
+
+
+def _retryable(exc: BaseException) -> bool:
+    """A publish failure worth another attempt: no answer, no stream leader, JetStream not ready."""
+    return isinstance(exc, _RETRY_PUBLISH)
 
 
 class InvokeResult(msgspec.Struct, frozen=True, kw_only=True):
@@ -189,17 +204,17 @@ class InvokeClient:
             return self._finish_dropped(request_id, "request id already in flight")
         fut: asyncio.Future[InvokeResult] = asyncio.get_running_loop().create_future()
         self._waiting[request_id] = _Pending(fut, on_chunk)
+        reply_to = f"{self.inbox_prefix}.{next(self._seq)}"
         headers = {
             subj.H_REQUEST_ID: request_id,
             subj.H_SCHEDULED_NS: str(scheduled_ns),
-            subj.H_REPLY_TO: f"{self.inbox_prefix}.{next(self._seq)}",
+            subj.H_REPLY_TO: reply_to,
+            # a retried publish is stored once; the reply subject is unique to this call, while a
+            # request id is the caller's and two callers may use the same one
+            "Nats-Msg-Id": reply_to,
         }
-        publishing = asyncio.ensure_future(self.js.publish(
-            subj.invoke(function),
-            payload,
-            headers=headers,
-            timeout=max(0.001, min(self.publish_timeout_s, deadline - time.monotonic())),
-        ))
+        budget_s = max(0.001, min(self.publish_timeout_s, deadline - time.monotonic()))
+        publishing = asyncio.ensure_future(self._store(subj.invoke(function), payload, headers, budget_s))
         publishing.add_done_callback(_retrieve)
         try:
             # shielded: nats-py swallows a cancellation that lands while its write buffer is
@@ -231,6 +246,23 @@ class InvokeClient:
             return InvokeResult(
                 request_id=request_id, status="timeout", done_ns=time.time_ns(), error=f"no reply within {timeout_s} s"
             )
+
+    async def _store(self, subject: str, payload: bytes, headers: dict, budget_s: float) -> None:
+        """Publish into the stream until JetStream acknowledges storing it: attempts of at most
+        PUBLISH_ATTEMPT_S, retried on a lost acknowledgement (exponential back-off from 50 ms to
+        0.5 s) within ``budget_s`` seconds. Raises the last attempt's error once the budget is
+        spent, or at once for an error a retry cannot mend (e.g. a payload over the limit)."""
+        end = time.monotonic() + budget_s
+        retrying = tenacity.AsyncRetrying(
+            retry=tenacity.retry_if_exception(_retryable),
+            stop=tenacity.stop_after_delay(budget_s),
+            wait=tenacity.wait_exponential(multiplier=0.05, max=0.5),
+            reraise=True,
+        )
+        async for attempt in retrying:
+            with attempt:
+                await self.js.publish(subject, payload, headers=headers,
+                                      timeout=max(0.001, min(PUBLISH_ATTEMPT_S, end - time.monotonic())))
 
     def _forget_cancelled(self, request_id: str) -> None:
         """The caller gave up (cancelled): stop waiting, so a late reply is counted, not routed."""

@@ -55,6 +55,33 @@ async def test_publish_without_a_stream_is_dropped_with_its_reason(nc):
     await client.close()
 
 
+async def test_a_lost_store_acknowledgement_is_retried_and_the_request_stored_once(nc, js):
+    """The server stores the request but its acknowledgement is lost (as when nats-server dies
+    right after storing): the client publishes again with the same Nats-Msg-Id, JetStream keeps
+    one copy, and the call is not dropped."""
+    client = InvokeClient(nc, js)
+    await client.start()
+    real_publish, attempts = js.publish, []
+
+    async def lossy_publish(subject, payload, **kw):
+        attempts.append(kw["headers"]["Nats-Msg-Id"])
+        ack = await real_publish(subject, payload, **kw)
+        if len(attempts) == 1:
+            raise nats.errors.TimeoutError
+        return ack
+
+    js.publish = lossy_publish
+    call = asyncio.create_task(invoke(client, "r1"))
+    msg = await take_one(js)
+    await nc.publish(msg.headers[subj.H_REPLY_TO], b"ok", headers={subj.H_REQUEST_ID: "r1", subj.H_STATUS: "ok"})
+    await msg.ack()
+    result = await call
+    assert result.status == "ok" and len(attempts) == 2 and attempts[0] == attempts[1]
+    info = await js.consumer_info(subj.INVOKE_STREAM, consumer_name(FN))
+    assert info.num_pending == 0 and info.delivered.stream_seq == 1  # one copy stored, one delivered
+    await client.close()
+
+
 async def test_ok_reply_carries_payload_instance_and_enqueue_time(nc, js):
     client = InvokeClient(nc, js)
     await client.start()
