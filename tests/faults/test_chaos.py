@@ -32,7 +32,7 @@ def test_every_request_ends_once_through_every_fault(tmp_path: Path):
     assert r["offered"] > 500
     assert r["lost"] == 0 and r["duplicates_to_caller"] == 0
     assert r["timed_out"] == 0 and r["failed"] == 0, r
-    assert r["completed"] + r["dropped"] == r["offered"]
+    assert r["dropped"] == 0 and r["completed"] == r["offered"]  # a lost store ack is retried
     kinds = [f["kind"] for f in r["faults"]]
     assert kinds == [*chaos.KINDS, chaos.LOSE_AGENT]
     for f in r["faults"][:-1]:
