@@ -14,11 +14,11 @@ import contextlib
 
 import msgspec
 import nats.errors
-from nats.js.api import KeyValueConfig
+from nats.js.api import KeyValueConfig, StorageType
 
 from dilu.contracts import decode, encode, subjects
 from dilu.contracts import events as ev
-from dilu.services.common.workqueue import consumer_name
+from dilu.services.common.workqueue import consumer_name, ensure_stream
 
 FAKE_PROFILE = dict(request_quota=0.3, limit_quota=0.6, batch_size=4)
 
@@ -185,3 +185,18 @@ async def put_state(js, state: ev.FunctionState) -> None:
     """Store a horizontal scaler's FunctionState (creating the bucket)."""
     kv = await js.create_key_value(KeyValueConfig(bucket=subjects.FUNCTION_STATE_BUCKET, history=1))
     await kv.put(subjects.token(state.function), msgspec.json.encode(state))
+
+
+async def seed_functions(nc, specs, *, unplaceable: str = "full"):
+    """A gateway's world without the services: the invocation stream (in memory), ``specs`` in
+    ``dilu-functions`` and a FunctionState saying ``unplaceable`` has no GPU with room. Returns
+    the JetStream context."""
+    js = nc.jetstream()
+    await ensure_stream(js, storage=StorageType.MEMORY)
+    kv = await js.create_key_value(bucket=subjects.FUNCTIONS_BUCKET)
+    for spec in specs:
+        await kv.put(subjects.token(spec.name), msgspec.json.encode(spec))
+    states = await js.create_key_value(bucket=subjects.FUNCTION_STATE_BUCKET)
+    await states.put(unplaceable, msgspec.json.encode(ev.FunctionState(function=unplaceable, placeable=False,
+                                                                       reason="no GPU with room")))
+    return js

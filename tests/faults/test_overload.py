@@ -18,20 +18,20 @@ from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
-import msgspec
 import nats
 import nats.errors
 import pytest
-from nats.js.api import StorageType
 
 from dilu.client.aio import AsyncClient
 from dilu.client.sync import Client
 from dilu.contracts import subjects as subj
-from dilu.contracts.events import FunctionSpec, FunctionState
+from dilu.contracts.events import FunctionSpec
 from dilu.services.common.invoke import InvokeClient, cancels_now
 from dilu.services.common.runner import running
-from dilu.services.common.workqueue import consumer_name, ensure_consumer, ensure_stream
+from dilu.services.common.workqueue import consumer_name, ensure_consumer
 from dilu.services.gateway.app import Limits
+
+from client_fakes import seed_functions
 from dilu.services.gateway.service import CUT_GRACE_S, Gateway
 
 pytestmark = pytest.mark.nats
@@ -86,14 +86,7 @@ class SlowInstance:
 async def platform(nats_url):
     """The stream, the three deployed functions and the one instance of ``slow``."""
     nc = await nats.connect(nats_url)
-    js = nc.jetstream()
-    await ensure_stream(js, storage=StorageType.MEMORY)
-    kv = await js.create_key_value(bucket=subj.FUNCTIONS_BUCKET)
-    for spec in SPECS:
-        await kv.put(subj.token(spec.name), msgspec.json.encode(spec))
-    states = await js.create_key_value(bucket=subj.FUNCTION_STATE_BUCKET)
-    await states.put("full", msgspec.json.encode(FunctionState(function="full", placeable=False,
-                                                               reason="no GPU with room")))
+    js = await seed_functions(nc, SPECS)
     await ensure_consumer(js, "idle", ack_wait_s=30)  # deployed, but no instance ever pulls it
     inst = await SlowInstance(nc).start()
     yield inst

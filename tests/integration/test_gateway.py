@@ -16,14 +16,15 @@ import msgspec
 import nats
 import nats.errors
 import pytest
-from nats.js.api import StorageType
 from prometheus_client.parser import text_string_to_metric_families
 
 from dilu.contracts import subjects as subj
-from dilu.contracts.events import FunctionDeployed, FunctionSpec, FunctionState, FunctionUndeployed
+from dilu.contracts.events import FunctionDeployed, FunctionSpec, FunctionUndeployed
 from dilu.services.common.runner import running
-from dilu.services.common.workqueue import consumer_name, ensure_consumer, ensure_stream
+from dilu.services.common.workqueue import consumer_name, ensure_consumer
 from dilu.services.gateway.app import Limits
+
+from client_fakes import seed_functions
 from dilu.services.gateway.service import Gateway
 
 pytestmark = pytest.mark.nats
@@ -114,14 +115,7 @@ class Instance:
 @pytest.fixture
 async def instance(nats_url):
     nc = await nats.connect(nats_url)
-    js = nc.jetstream()
-    await ensure_stream(js, storage=StorageType.MEMORY)
-    kv = await js.create_key_value(bucket=subj.FUNCTIONS_BUCKET)
-    for spec in SPECS:
-        await kv.put(subj.token(spec.name), msgspec.json.encode(spec))
-    states = await js.create_key_value(bucket=subj.FUNCTION_STATE_BUCKET)
-    await states.put("full", msgspec.json.encode(FunctionState(function="full", placeable=False,
-                                                               reason="no GPU with room")))
+    js = await seed_functions(nc, SPECS)
     inst = Instance(nc, js)
     await inst.start()
     yield inst
