@@ -24,13 +24,12 @@ import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from dilu.contracts import subjects
 from dilu.contracts.events import GpuInfo, NvmlSample
 
 from dilu.services.common import logging as dlog
 
 from . import mps as mps_mod
-from . import nvml
+from . import nvml, segments
 
 log = dlog.get("node_agent")
 CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT = 16  # cuda.h
@@ -238,7 +237,7 @@ def _emulated(node: str, count: int, model_key: str, memory_bytes: int | None, s
     base = EMULATED_GPUS[model_key]
     model = EmulatedGpu(base.name, memory_bytes or base.memory_bytes, sms or base.sms)
     run = uuid.uuid4().hex[:8]
-    timelines = [f"dilu-{subjects.token(node)}-{run}-g{i}" for i in range(count)]
+    timelines = [segments.timeline_name(node, run, i) for i in range(count)]
     # the fake libraries read the node's configuration from this process's environment
     os.environ.update({
         "DILU_FAKE_GPU_COUNT": str(count), "DILU_FAKE_GPU_NAME": model.name,

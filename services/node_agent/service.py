@@ -59,7 +59,7 @@ from dilu.services.common.metrics import MALFORMED
 from dilu.services.common.nodes import nodes_bucket
 from dilu.services.common.runner import StartFailed
 
-from . import devices
+from . import devices, segments
 from .mps import FAILURE_WINDOW_S as MPS_FAILURE_WINDOW_S
 from .mps import server_failed as mps_server_failed
 from .accounting import Counters, GpuCost, Slot, sample_loop_stalled, stretch, window_use
@@ -198,6 +198,9 @@ class NodeAgent:
         """Discover the GPUs, claim the node name in ``dilu-nodes``, then follow placements.
         Raises StartFailed (one line) when the device cannot run here or the name is taken."""
         self.bus = bus
+        swept = await asyncio.to_thread(segments.sweep_dead)
+        if swept:
+            self.log.info("removed shared-memory segments of dead agents", count=len(swept))
         try:
             self.device = await asyncio.to_thread(devices.open_device, **self.device_args)
         except devices.DeviceError as exc:
@@ -419,7 +422,7 @@ class NodeAgent:
             from dilu.interceptor import native
             from dilu.interceptor.control_block import ControlBlock
 
-            inst.cb_path = f"/dev/shm/dilu-cb-{subjects.token(self.node)}-{subjects.token(p.instance_id)}"
+            inst.cb_path = segments.control_block_path(self.node, p.instance_id)
             inst.cb = ControlBlock.create(inst.cb_path, p.instance_id, request_quota=p.request_quota, width=p.width,
                                           memory_limit_bytes=p.memory_bytes)
             self._apply_quota(inst, quota)

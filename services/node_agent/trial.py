@@ -11,12 +11,13 @@ from __future__ import annotations
 
 import asyncio
 import sys
-import uuid
 from pathlib import Path
 
 import msgspec
 
 from dilu.contracts import events as ev
+
+from . import segments
 
 TRIAL_TIMEOUT_S = 60.0
 CALIBRATION_BATCHES = 3  # the interceptor calibrates a kernel's cost over its first 3 launches
@@ -30,7 +31,7 @@ class TrialWorker:
         """``gpu_env(env) -> env`` adds what runs a process on the trial's GPU (the node agent's
         Device.gpu_env for that GPU)."""
         self.gpu_env = gpu_env
-        self.cb_path = f"/dev/shm/dilu-cb-trial-{node}-{uuid.uuid4().hex[:8]}"
+        self.cb_path = segments.trial_block_path(node)
         self.cb = None
         self.proc: asyncio.subprocess.Process | None = None
 
