@@ -26,14 +26,14 @@ import psutil
 from rich.console import Console
 from rich.table import Table
 
-from dilu.interceptor.timeline import SHM_DIR
 from dilu.loadgen import chaos, report
 from dilu.services.common import logging as dlog
 from dilu.services.common.cliopts import writable_output
 from dilu.services.common.workqueue import DEFAULT_ACK_WAIT_S
+from dilu.services.node_agent import segments
 
 from .cluster import NATS, Cluster
-from .demo import RunOptions, _gpus, _install_stop, _replay, _run_or_explain, build_plan, make_console, scaler_windows
+from .demo import RunOptions, _finite, _gpus, _install_stop, _replay, _run_or_explain, build_plan, make_console, scaler_windows
 
 WHOLE_TIMEOUT_S = 90.0  # longest wait for every process to be running and ready after a fault
 ORPHAN_WAIT_S = 10.0  # how long instances may outlive a node agent killed for good
@@ -182,9 +182,9 @@ class Injector:
 
 
 class Sampler:
-    """Reads RSS, open descriptors and threads of every process of the cluster (services and
-    nats-server) and the count of /dev/shm/dilu-* segments every ``period_s`` for ``duration_s``
-    from the replay's first send."""
+    """Reads private memory (USS), open descriptors and threads of every process of the cluster
+    (services and nats-server) and the count of the node agent's shared-memory segments every
+    ``period_s`` for ``duration_s`` from the replay's first send."""
 
     def __init__(self, cluster: Cluster, period_s: float, duration_s: float) -> None:
         self.cluster, self.period_s, self.duration_s = cluster, period_s, duration_s
@@ -206,19 +206,24 @@ class Sampler:
             try:
                 p = psutil.Process(pid)
                 with p.oneshot():
-                    out.append(chaos.Sample(process=name, t_s=t_s, rss_bytes=p.memory_info().rss,
+                    out.append(chaos.Sample(process=name, t_s=t_s, private_bytes=p.memory_full_info().uss,
                                             fds=p.num_fds(), threads=p.num_threads()))
             except psutil.NoSuchProcess:
                 continue
-        shm = sum(1 for _ in SHM_DIR.glob("dilu-*"))
+        agent = procs.get("node_agent")
+        shm = sum(1 for e in segments.SHM_DIR.iterdir() if agent is not None and segments.owner(e.name) == agent)
         out.append(chaos.Sample(process="shm-segments", t_s=t_s, fds=shm))
         return out
 
 
 def _faults(value: str) -> list[str]:
-    if value in ("all", ""):
-        return [*chaos.KINDS, chaos.LOSE_AGENT] if value == "all" else []
-    kinds = [k.strip() for k in value.split(",") if k.strip()]
+    if value == "all":
+        return [*chaos.KINDS, chaos.LOSE_AGENT]
+    kinds = [k.strip() for k in value.split(",")]
+    if not all(kinds):
+        raise click.BadParameter("an empty fault kind; for a run without faults use --soak")
+    if len(set(kinds)) != len(kinds):
+        raise click.BadParameter(f"a fault kind is named twice in {kinds}")
     unknown = [k for k in kinds if k not in (*chaos.KINDS, chaos.LOSE_AGENT)]
     if unknown:
         raise click.BadParameter(f"unknown fault kinds {unknown}; choose from "
@@ -307,24 +312,26 @@ def render(out: dict, console: Console) -> None:
         console.print(f"largest sum of quotas in force on one GPU: {out['grant_sum_max']:.3f}")
     if "soak" in out:
         st = Table(title="soak: slope per minute")
-        for col in ("process", "samples", "RSS bytes/min", "fds/min", "threads/min", "RSS first -> last MiB"):
+        for col in ("process", "samples", "private bytes/min", "fds/min", "threads/min", "private first -> last MiB"):
             st.add_column(col, justify="right")
         for name, s in sorted(out["soak"].items()):
-            st.add_row(name, str(s["samples"]), f"{s['rss_bytes_per_min']:,.0f}", f"{s['fds_per_min']:.2f}",
+            st.add_row(name, str(s["samples"]), f"{s['private_bytes_per_min']:,.0f}", f"{s['fds_per_min']:.2f}",
                        f"{s['threads_per_min']:.2f}",
-                       f"{s['rss_first_bytes'] / 2**20:.0f} -> {s['rss_last_bytes'] / 2**20:.0f}")
+                       f"{s['private_first_bytes'] / 2**20:.0f} -> {s['private_last_bytes'] / 2**20:.0f}")
         console.print(st)
 
 
 @click.command()
-@click.option("--minutes", type=click.FloatRange(min=0.5), default=3.0, show_default=True, help="length of the load")
+@click.option("--minutes", type=click.FloatRange(min=0.5), default=3.0, show_default=True, callback=_finite,
+              help="length of the load (all faults need at least 1.7)")
 @click.option("--faults", "kinds", default="all", show_default=True, callback=lambda c, p, v: _faults(v),
               help=f"comma-separated fault kinds, in order, or 'all': {', '.join([*chaos.KINDS, chaos.LOSE_AGENT])}")
 @click.option("--soak", is_flag=True, help="no faults: sample every process's memory, descriptors and threads")
-@click.option("--sample-s", type=click.FloatRange(min=0.5), default=10.0, show_default=True, help="soak sampling period")
+@click.option("--sample-s", type=click.FloatRange(min=0.5), default=10.0, show_default=True, callback=_finite,
+              help="soak sampling period")
 @click.option("--functions", type=click.IntRange(min=1), default=8, show_default=True, help="K busiest functions of the span")
 @click.option("--gpus", default="4", show_default=True, callback=lambda c, p, v: _gpus(v), help="emulated GPUs on the node")
-@click.option("--speedup", type=click.FloatRange(min=0.01, max=1000), default=10.0, show_default=True)
+@click.option("--speedup", type=click.FloatRange(min=0.01, max=1000), default=10.0, show_default=True, callback=_finite)
 @click.option("--seed", type=click.IntRange(min=0), default=1, show_default=True)
 @click.option("--trace", "trace_dir", type=click.Path(exists=True, file_okay=False), default=None)
 @click.option("--log-dir", default=None, type=click.Path(file_okay=False))

@@ -119,31 +119,33 @@ def recovery_s(fault: Fault, records: Iterable[Record], started_unix_ns: int) ->
 
 
 class Sample(msgspec.Struct, frozen=True, kw_only=True):
-    """One reading of one process (or of ``shm``: the node's /dev/shm/dilu-* segments in ``fds``).
-    ``t_s``: s since the soak began; ``rss_bytes``; ``fds``: open file descriptors; ``threads``."""
+    """One reading of one process (or of ``shm-segments``: the node agent's shared-memory segments,
+    counted in ``fds``). ``t_s``: s since the soak began; ``private_bytes``: memory the process
+    alone holds (USS: shared pages such as the emulated GPUs' mapped timelines are left out, as
+    they fill to their fixed size); ``fds``: open file descriptors; ``threads``."""
 
     process: str
     t_s: float
-    rss_bytes: int = 0
+    private_bytes: int = 0
     fds: int = 0
     threads: int = 0
 
 
 class Slope(msgspec.Struct, kw_only=True):
     """Least-squares slopes of one process's series, per minute, over ``samples`` readings spanning
-    ``minutes``; ``first``/``last`` RSS in bytes for scale."""
+    ``minutes``; ``first``/``last`` private bytes for scale."""
 
     samples: int
     minutes: float
-    rss_bytes_per_min: float
+    private_bytes_per_min: float
     fds_per_min: float
     threads_per_min: float
-    rss_first_bytes: int
-    rss_last_bytes: int
+    private_first_bytes: int
+    private_last_bytes: int
 
 
 def slopes(samples: Iterable[Sample]) -> dict[str, Slope]:
-    """Per process, the slope of RSS, descriptors and threads (ordinary least squares,
+    """Per process, the slope of private memory, descriptors and threads (ordinary least squares,
     :func:`statistics.linear_regression`). A process with fewer than 3 readings, or all at one
     time, is left out (no slope can be told from it)."""
     series: dict[str, list[Sample]] = {}
@@ -160,8 +162,8 @@ def slopes(samples: Iterable[Sample]) -> dict[str, Slope]:
             return round(statistics.linear_regression(minutes, values).slope, 3)
 
         out[name] = Slope(samples=len(points), minutes=round(minutes[-1] - minutes[0], 3),
-                          rss_bytes_per_min=per_min([s.rss_bytes for s in points]),
+                          private_bytes_per_min=per_min([s.private_bytes for s in points]),
                           fds_per_min=per_min([s.fds for s in points]),
                           threads_per_min=per_min([s.threads for s in points]),
-                          rss_first_bytes=points[0].rss_bytes, rss_last_bytes=points[-1].rss_bytes)
+                          private_first_bytes=points[0].private_bytes, private_last_bytes=points[-1].private_bytes)
     return out

@@ -53,7 +53,7 @@ def test_sampler_reads_each_process_and_the_shared_memory_segments(tmp_path: Pat
         sleeper.wait()
     by_name = {s.process: s for s in samples}
     assert set(by_name) == {"scheduler", "shm-segments"}
-    assert by_name["scheduler"].rss_bytes > 0 and by_name["scheduler"].fds >= 3
+    assert by_name["scheduler"].private_bytes > 0 and by_name["scheduler"].fds >= 3
     assert by_name["scheduler"].threads == 1 and by_name["scheduler"].t_s == 4.0
     # a process that has gone is skipped, not an error
     assert [s.process for s in Sampler(cluster, 1.0, 1.0).read(5.0)] == ["shm-segments"]

@@ -65,10 +65,10 @@ def test_no_recovery_without_an_answer_or_a_whole_cluster():
 
 
 def test_slopes_per_minute_and_flat_series():
-    samples = [chaos.Sample(process="agent", t_s=60.0 * m, rss_bytes=100 + 7 * m, fds=20, threads=5 + m)
+    samples = [chaos.Sample(process="agent", t_s=60.0 * m, private_bytes=100 + 7 * m, fds=20, threads=5 + m)
                for m in range(5)]
     s = chaos.slopes(samples + [chaos.Sample(process="short", t_s=0.0), chaos.Sample(process="short", t_s=9.0)])
     assert set(s) == {"agent"}  # two readings tell no slope
-    assert s["agent"].rss_bytes_per_min == pytest.approx(7.0)
+    assert s["agent"].private_bytes_per_min == pytest.approx(7.0)
     assert s["agent"].fds_per_min == 0.0 and s["agent"].threads_per_min == pytest.approx(1.0)
     assert s["agent"].minutes == pytest.approx(4.0) and s["agent"].samples == 5
