@@ -107,7 +107,7 @@ def run_options(f):
         click.option("--nats-url", default=None, help="use a running NATS server instead of starting one"),
         click.option("--log-dir", default=None, type=click.Path(file_okay=False), help="where the services' JSON logs go (default: a temp dir)"),
         click.option("--training-jobs", type=click.IntRange(min=0, max=64), default=None, help="training jobs collocated with the inference functions (default: one per GPU; 0: none)"),
-        click.option("--llm-share", type=click.FloatRange(min=0.0, max=1.0), default=0.0, show_default=True, help="also replay this fraction of the Azure LLM 2023 code trace's requests (real arrival times, prompt and output lengths) against an llm function on LLaMA2-7B; 0: none"),
+        click.option("--llm-share", type=click.FloatRange(min=0.0, max=1.0), default=0.0, show_default=True, callback=_finite, help="also replay this fraction of the Azure LLM 2023 code trace's requests (real arrival times, prompt and output lengths) against an llm function on LLaMA2-7B; 0: none"),
     ]
     for opt in reversed(opts):
         f = opt(f)

@@ -7,6 +7,8 @@ import importlib
 
 import click
 
+from dilu.services.common.cliopts import flag_envvars
+
 # name -> "module:attribute" of a click command
 COMMANDS: dict[str, str] = {
     "demo": "dilu.cli.demo:demo",
@@ -42,7 +44,7 @@ class LazyGroup(click.Group):
     def get_command(self, ctx, name):
         if name in self._lazy:
             module, attr = self._lazy[name].split(":")
-            return getattr(importlib.import_module(module), attr)
+            return flag_envvars(getattr(importlib.import_module(module), attr))
         return super().get_command(ctx, name)
 
 

@@ -8,7 +8,6 @@ named ``DILU_`` + the option's name in capitals with underscores (``--nats-url``
 from __future__ import annotations
 
 import math
-import os
 import socket
 from pathlib import Path
 from urllib.parse import urlsplit
@@ -100,10 +99,30 @@ def service_main(command: click.Command, **kwargs) -> None:
 
 
 def writable_output(ctx, param, value):
-    """Click callback for an output file option (``--json``): its directory must exist and be
-    writable, checked before a run rather than after minutes of it. Raises click.BadParameter."""
+    """Click callback for an output file option (``--json``): the file must be writable, checked
+    before a run rather than after minutes of it, by opening it for appending (a file this
+    creates is removed again; permission bits alone would pass for root on /sys or /proc).
+    Raises click.BadParameter naming the path and the reason."""
     if value is not None:
-        parent = Path(value).resolve().parent
-        if not parent.is_dir() or not os.access(parent, os.W_OK):
-            raise click.BadParameter(f"cannot write {value}: {parent} is not a writable directory")
+        path = Path(value)
+        existed = path.exists()
+        try:
+            with path.open("a"):
+                pass
+        except OSError as exc:
+            raise click.BadParameter(f"cannot write {value}: {exc.strerror or exc}") from None
+        if not existed:
+            path.unlink(missing_ok=True)
     return value
+
+
+def flag_envvars(command: click.Command) -> click.Command:
+    """Let each option of ``command`` (and of its subcommands) that names no variable of its own
+    come from ``DILU_<FLAG>``, named after its long flag (``--nats-url`` -> ``DILU_NATS_URL``,
+    ``--timeout`` -> ``DILU_TIMEOUT``), not after its Python name as click's
+    ``auto_envvar_prefix`` would (``timeout_s`` -> ``DILU_TIMEOUT_S``). Returns ``command``."""
+    for param in command.params:
+        longs = [o for o in getattr(param, "opts", []) if o.startswith("--")]
+        if isinstance(param, click.Option) and param.envvar is None and longs:
+            param.envvar = f"{ENV_PREFIX}_{longs[0][2:].replace('-', '_').upper()}"
+    return command

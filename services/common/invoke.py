@@ -227,6 +227,11 @@ class InvokeClient:
         except Exception as exc:  # not stored: no instance will ever see it
             self._waiting.pop(request_id, None)
             self._remember(request_id, answered=False)  # it may have been stored after all
+            if isinstance(exc, asyncio.TimeoutError) and time.monotonic() >= deadline:
+                # the call's own time ran out while storing: that is the caller's timeout
+                self.stats.timeout += 1
+                return InvokeResult(request_id=request_id, status="timeout", done_ns=time.time_ns(),
+                                    error=f"no reply within {timeout_s} s (the request was not stored yet)")
             return self._finish_dropped(request_id, f"publish failed: {type(exc).__name__}: {exc}")
         if cancel_swallowed(cancels_before):  # the caller gave up before the request went out
             self._forget_cancelled(request_id)
