@@ -260,7 +260,10 @@ async def run_chaos(opts: RunOptions, kinds: list[str], soak: bool, sample_s: fl
             lost_agent = await asyncio.to_thread(injector.lose_agent)
     finally:
         await asyncio.to_thread(cluster.stop)
-    return summarise(replay, plan, injector, lost_agent, sampler if soak else None)
+    out = summarise(replay, plan, injector, lost_agent, sampler if soak else None)
+    out["run"] = {"minutes": opts.duration / 60.0, "seed": opts.seed, "functions": len(plan.functions),
+                  "gpus": opts.gpus, "speedup": opts.speedup, "soak": soak, "log_dir": str(log_dir)}
+    return out
 
 
 def summarise(replay, plan, injector: Injector, lost_agent: chaos.Fault | None, sampler: Sampler | None) -> dict:

@@ -38,7 +38,7 @@ def test_every_request_ends_once_through_every_fault(tmp_path: Path):
     for f in r["faults"][:-1]:
         assert f["recovery_s"] is not None, f
     assert r["faults"][chaos.KINDS.index(chaos.PAUSE_AGENT)]["recovery_s"] >= chaos.PAUSE_S
-    assert r["orphans"] == 0
+    assert r["orphans"] == 0 and r["run"]["seed"] == 2 and r["run"]["functions"] == 4
     assert r["grant_sum_max"] is not None and r["grant_sum_max"] <= 1.0 + 1e-6
 
 
