@@ -26,7 +26,8 @@ from dilu.client import admin
 from dilu.client.aio import AsyncClient, Reply
 from dilu.client.errors import DiluError, exit_code
 from dilu.client.spec import SpecError, load_spec
-from dilu.services.common.cliopts import ENV_PREFIX, Finite, nats_url_option
+from dilu.services.common.cliopts import ENV_PREFIX, Finite, nats_options
+from dilu.services.common.natsconn import NatsOptions
 
 T = TypeVar("T")
 CONTEXT = {"auto_envvar_prefix": ENV_PREFIX}  # --nats-url <- DILU_NATS_URL, as for the services
@@ -46,12 +47,12 @@ def json_option(f):
     return click.option("--json", "as_json", is_flag=True, help="print the result as JSON on stdout")(f)
 
 
-def run(nats_url: str, work: Callable[[AsyncClient], Awaitable[T]]) -> T:
+def run(options: NatsOptions, work: Callable[[AsyncClient], Awaitable[T]]) -> T:
     """Connect (failing within seconds when NATS is unreachable), run ``work(client)``, close;
     every error becomes a one-line :class:`Failed` with its exit code."""
 
     async def main() -> T:
-        client = await AsyncClient.connect(nats_url, name="dilu-cli", connect_attempts=1, reconnect=False)
+        client = await AsyncClient.connect(options, name="dilu-cli", connect_attempts=1, reconnect=False)
         try:
             return await work(client)
         finally:
@@ -62,7 +63,7 @@ def run(nats_url: str, work: Callable[[AsyncClient], Awaitable[T]]) -> T:
     except DiluError as exc:
         raise Failed(str(exc), exit_code(exc)) from None
     except (nats.errors.Error, OSError) as exc:  # e.g. the connection lost mid-call, JetStream off
-        raise Failed(f"NATS at {nats_url}: {type(exc).__name__}: {exc}", UNREACHABLE) from None
+        raise Failed(f"NATS at {options.url}: {type(exc).__name__}: {exc}", UNREACHABLE) from None
 
 
 def _out() -> Console:
@@ -92,13 +93,13 @@ def _bytes(n: int) -> str:
 
 @click.command(context_settings=CONTEXT, epilog=EPILOG)
 @click.argument("spec_file", type=click.Path(dir_okay=False, path_type=Path))
-@nats_url_option
+@nats_options
 @click.option("--timeout", "timeout_s", type=Finite(min=1), default=150.0, metavar="S", show_default=True,
               help="seconds to wait for the profile")
 @click.option("--wait-ready", "wait_ready_s", type=Finite(min=0), default=60.0, metavar="S", show_default=True,
               help="seconds to wait for the first instance (still starting after it is no error)")
 @json_option
-def deploy(spec_file: Path, nats_url: str, timeout_s: float, wait_ready_s: float, as_json: bool) -> None:
+def deploy(spec_file: Path, nats: NatsOptions, timeout_s: float, wait_ready_s: float, as_json: bool) -> None:
     """Deploy the function described by SPEC_FILE (function.toml): ship its code folder, have
     the scheduler admit it and the profiler profile it, store it, and wait for its first
     instance. Redeploying a name replaces its spec."""
@@ -107,7 +108,7 @@ def deploy(spec_file: Path, nats_url: str, timeout_s: float, wait_ready_s: float
     except SpecError as exc:
         raise Failed(str(exc), USAGE) from None
     progress = None if as_json else (lambda text: _err().print(f"[dim]… {text}[/dim]"))
-    result = run(nats_url, lambda c: admin.deploy(c, loaded, timeout_s=timeout_s, wait_ready_s=wait_ready_s,
+    result = run(nats, lambda c: admin.deploy(c, loaded, timeout_s=timeout_s, wait_ready_s=wait_ready_s,
                                                   on_step=progress))
     if as_json:
         _print_json(result)
@@ -142,13 +143,13 @@ def _print_deployed(r: admin.DeployResult, wait_ready_s: float) -> None:
 
 @click.command(context_settings=CONTEXT, epilog=EPILOG)
 @click.argument("name")
-@nats_url_option
+@nats_options
 @click.option("--wait", "wait_s", type=Finite(min=0), default=30.0, metavar="S", show_default=True,
               help="seconds to wait for its instances to drain before removing its queue")
 @json_option
-def undeploy(name: str, nats_url: str, wait_s: float, as_json: bool) -> None:
+def undeploy(name: str, nats: NatsOptions, wait_s: float, as_json: bool) -> None:
     """Remove function NAME: its instances drain and stop, then its queue of requests goes."""
-    result = run(nats_url, lambda c: admin.undeploy(c, name, wait_s=wait_s))
+    result = run(nats, lambda c: admin.undeploy(c, name, wait_s=wait_s))
     if as_json:
         _print_json(result)
     elif result.cleaned:
@@ -191,9 +192,9 @@ def _reply_json(reply: Reply) -> dict:
 @click.option("--timeout", "timeout_s", type=Finite(min=0.001), default=30.0, metavar="S", show_default=True,
               help="seconds to wait for the reply")
 @click.option("--stream", is_flag=True, help="write each chunk of a streamed (llm) reply as it arrives")
-@nats_url_option
+@nats_options
 @json_option
-def invoke(name: str, data: str, timeout_s: float, stream: bool, nats_url: str, as_json: bool) -> None:
+def invoke(name: str, data: str, timeout_s: float, stream: bool, nats: NatsOptions, as_json: bool) -> None:
     """Call function NAME and write its reply, raw, to stdout.
 
     With --json the reply's payload (text and base64) and its figures (instance, cold start,
@@ -220,7 +221,7 @@ def invoke(name: str, data: str, timeout_s: float, stream: bool, nats_url: str, 
                 sink.flush()
             return s.reply
 
-    reply = run(nats_url, call)
+    reply = run(nats, call)
     if as_json:
         _print_json(_reply_json(reply))
     elif not stream:
@@ -232,14 +233,14 @@ def invoke(name: str, data: str, timeout_s: float, stream: bool, nats_url: str, 
 
 
 @click.command(context_settings=CONTEXT, epilog=EPILOG)
-@nats_url_option
+@nats_options
 @click.option("--listen", "listen_s", type=Finite(min=0, max=60), default=2.0, metavar="S", show_default=True,
               help="seconds to listen for telemetry (each instance's current grant)")
 @json_option
-def status(nats_url: str, listen_s: float, as_json: bool) -> None:
+def status(nats: NatsOptions, listen_s: float, as_json: bool) -> None:
     """Nodes and GPUs; functions with their profile, instances (quotas and current grant),
     backlog and last scale decisions."""
-    st = run(nats_url, lambda c: admin.status(c, telemetry_s=listen_s))
+    st = run(nats, lambda c: admin.status(c, telemetry_s=listen_s))
     if as_json:
         _print_json(st)
         return

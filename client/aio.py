@@ -32,6 +32,7 @@ from dilu.contracts.events import FunctionDeployed, FunctionSpec, FunctionState
 from dilu.services.common import logging as dlog
 from dilu.services.common.invoke import InvokeClient, InvokeResult, cancel_swallowed, cancels_now
 from dilu.services.common.kvkeys import kv_keys
+from dilu.services.common.natsconn import DEFAULT_URL, CredentialsError, NatsOptions, connect
 
 from .errors import (
     BadRequest,
@@ -42,7 +43,7 @@ from .errors import (
     Unreachable,
 )
 
-DEFAULT_NATS_URL = "nats://127.0.0.1:4222"
+DEFAULT_NATS_URL = DEFAULT_URL
 DEFAULT_TIMEOUT_S = 30.0
 WATCH_RETRY_S = 5.0  # how often a cache whose bucket does not exist yet tries to watch it again
 _KV_DELETES = ("DEL", "PURGE")
@@ -302,10 +303,12 @@ class AsyncClient:
             optional_bucket=True)
 
     @classmethod
-    async def connect(cls, nats_url: str = DEFAULT_NATS_URL, *, name: str = "dilu-client",
+    async def connect(cls, nats_url: NatsOptions | str = DEFAULT_NATS_URL, *, name: str = "dilu-client",
                       connect_timeout_s: float = 2.0, connect_attempts: int = 2,
                       reconnect: bool = True) -> "AsyncClient":
-        """Connect to NATS at ``nats_url`` and start the client.
+        """Connect to NATS at ``nats_url`` (a URL, comma-separated URLs, or
+        :class:`~dilu.services.common.natsconn.NatsOptions` with credentials and TLS) and start
+        the client.
 
         The first connection is tried ``connect_attempts`` times, each bounded by
         ``connect_timeout_s`` seconds, so an unreachable server fails within seconds; once
@@ -320,10 +323,12 @@ class AsyncClient:
 
         try:
             # (nats-py reads max_reconnect_attempts 0 as "no limit": one attempt is allow_reconnect off)
-            nc = await nats.connect(nats_url, name=name, connect_timeout=connect_timeout_s,
-                                    allow_reconnect=connect_attempts > 1,
-                                    max_reconnect_attempts=max(1, connect_attempts - 1), reconnect_time_wait=0.5,
-                                    error_cb=quiet)
+            nc = await connect(nats_url, name=name, connect_timeout=connect_timeout_s,
+                               allow_reconnect=connect_attempts > 1,
+                               max_reconnect_attempts=max(1, connect_attempts - 1), reconnect_time_wait=0.5,
+                               error_cb=quiet)
+        except CredentialsError as exc:
+            raise Unreachable(str(exc)) from None
         except (OSError, asyncio.TimeoutError, nats.errors.Error) as exc:
             cause = errors[-1] if errors else exc  # nats-py's own error only says "no servers"
             if isinstance(cause, ConnectionRefusedError):

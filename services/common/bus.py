@@ -12,7 +12,6 @@ from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
 import msgspec
-import nats
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 
@@ -21,6 +20,7 @@ from dilu.contracts.events import Event
 
 from . import logging as dlog
 from .metrics import HANDLER_ERRORS, MALFORMED, MESSAGES
+from .natsconn import NatsOptions, connect
 
 E = TypeVar("E", bound=Event)
 Handler = Callable[[E, Msg], Awaitable[None]]
@@ -59,8 +59,9 @@ class Bus:
     ``service`` labels metrics and logs. Create with :meth:`connect`.
     """
 
-    def __init__(self, nc: NATS, service: str) -> None:
+    def __init__(self, nc: NATS, service: str, options: NatsOptions | None = None) -> None:
         self.nc = nc
+        self.options = options or NatsOptions()  # how it connected; ``replicas`` for what it creates
         self.service = service
         self.js = nc.jetstream()
         self.log = dlog.get(service)
@@ -70,13 +71,13 @@ class Bus:
         self.handler_errors = 0
 
     @classmethod
-    async def connect(cls, url: str, service: str, **opts: Any) -> "Bus":
-        """Connect to NATS at ``url`` (reconnecting forever on later loss; nats-py does the retries)."""
-        opts.setdefault("error_cb", quiet_error_cb(dlog.get(service), url))
-        nc = await nats.connect(
-            url, name=f"dilu-{service}", max_reconnect_attempts=-1, reconnect_time_wait=0.5, **opts
-        )
-        return cls(nc, service)
+    async def connect(cls, nats: NatsOptions | str, service: str, **opts: Any) -> "Bus":
+        """Connect to NATS with ``nats`` (options or a URL list; reconnecting forever on later loss,
+        nats-py does the retries). Raises CredentialsError for an unusable creds file."""
+        options = NatsOptions.of(nats)
+        opts.setdefault("error_cb", quiet_error_cb(dlog.get(service), options.url))
+        nc = await connect(options, name=f"dilu-{service}", max_reconnect_attempts=-1, reconnect_time_wait=0.5, **opts)
+        return cls(nc, service, options)
 
     @property
     def ready(self) -> bool:

@@ -7,12 +7,16 @@ named ``DILU_`` + the option's name in capitals with underscores (``--nats-url``
 """
 from __future__ import annotations
 
+import functools
 import math
 import socket
 from pathlib import Path
 from urllib.parse import urlsplit
 
 import click
+
+from .natsconn import (DEFAULT_URL, ENV_CREDS, ENV_REPLICAS, ENV_TLS_CA, ENV_TLS_CERT, ENV_TLS_KEY,
+                       MAX_REPLICAS, CredentialsError, NatsOptions, creds_kwargs)
 
 ENV_PREFIX = "DILU"
 
@@ -69,9 +73,64 @@ def check_node(ctx, param, value: str) -> str:
 
 
 def nats_url_option(f):
-    """``--nats-url`` (env DILU_NATS_URL), checked by :func:`check_nats_url`."""
-    return click.option("--nats-url", default="nats://127.0.0.1:4222", show_default=True, callback=check_nats_url,
-                        help="NATS server (one cluster member is enough)")(f)
+    """``--nats-url`` (env DILU_NATS_URL), checked by :func:`check_nats_url`: one URL or a
+    comma-separated list of cluster members."""
+    return click.option("--nats-url", default=DEFAULT_URL, show_default=True, callback=check_nats_urls,
+                        help="NATS server(s), comma-separated (one cluster member is enough)")(f)
+
+
+def check_nats_urls(ctx, param, value: str) -> str:
+    """Click callback: a comma-separated list of NATS URLs, each checked by :func:`check_nats_url`."""
+    urls = [u.strip() for u in value.split(",")]
+    if not all(urls):
+        raise click.BadParameter(f"{value!r}: an empty URL in the list")
+    for url in urls:
+        check_nats_url(ctx, param, url)
+    return ",".join(urls)
+
+
+def check_creds(ctx, param, value):
+    """Click callback: a ``--creds`` file that :func:`natsconn.creds_kwargs` can use, checked
+    before anything connects. Raises BadParameter with the one-line reason."""
+    if value is not None:
+        try:
+            creds_kwargs(value)
+        except CredentialsError as exc:
+            raise click.BadParameter(str(exc)) from None
+    return value
+
+
+def nats_options(f):
+    """The connection options of every command and service that talks to NATS, combined into
+    one :class:`~dilu.services.common.natsconn.NatsOptions` passed as the ``nats`` argument:
+    ``--nats-url`` (DILU_NATS_URL), ``--creds`` (DILU_NATS_CREDS), ``--tls-ca``
+    (DILU_NATS_TLS_CA), ``--tls-cert`` (DILU_NATS_TLS_CERT), ``--tls-key`` (DILU_NATS_TLS_KEY),
+    ``--replicas`` (DILU_REPLICAS)."""
+    file = click.Path(exists=True, dir_okay=False, readable=True, path_type=Path)
+
+    @functools.wraps(f)
+    def wrapper(*args, nats_url, creds, tls_ca, tls_cert, tls_key, replicas, **kwargs):
+        if tls_key and not tls_cert:
+            raise click.BadParameter("--tls-key needs --tls-cert", param_hint="--tls-key")
+        kwargs["nats"] = NatsOptions(servers=tuple(nats_url.split(",")), creds=creds, tls_ca=tls_ca,
+                                     tls_cert=tls_cert, tls_key=tls_key, replicas=replicas)
+        return f(*args, **kwargs)
+
+    options = [
+        click.option("--replicas", type=click.IntRange(1, MAX_REPLICAS), default=1, show_default=True,
+                     envvar=ENV_REPLICAS, help="JetStream replicas of the streams and buckets this creates "
+                                               "(1: one server; 3: the cluster configuration)"),
+        click.option("--tls-key", type=file, envvar=ENV_TLS_KEY, help="this client's TLS key (with --tls-cert)"),
+        click.option("--tls-cert", type=file, envvar=ENV_TLS_CERT,
+                     help="this client's TLS certificate, for a server that verifies clients"),
+        click.option("--tls-ca", type=file, envvar=ENV_TLS_CA, help="CA bundle to verify the NATS server with (TLS)"),
+        click.option("--creds", type=file, envvar=ENV_CREDS, callback=check_creds,
+                     help="NATS credentials: a .creds file (user JWT + seed) or a user nkey seed"),
+        nats_url_option,
+    ]
+    for option in options:
+        wrapper = option(wrapper)
+    return wrapper
 
 
 def log_level_option(f):

@@ -20,6 +20,7 @@ import uvloop
 from . import logging as dlog
 from .bus import Bus
 from .metrics import HealthServer
+from .natsconn import NatsOptions
 
 
 CANCEL_WAIT_S = 2.0  # how long a stop waits for a NATS connect in progress to give up
@@ -42,7 +43,7 @@ class Service(Protocol):
 
 async def serve(
     service: Service,
-    nats_url: str,
+    nats: NatsOptions | str,
     *,
     metrics_port: int = 0,
     shutdown: asyncio.Event | None = None,
@@ -69,14 +70,14 @@ async def serve(
                           f"(check --metrics-port / DILU_METRICS_PORT and DILU_METRICS_HOST, an IPv4 address)") from None
     health.start()
     try:
-        await _connected(service, nats_url, shutdown, state, log, health.port)
+        await _connected(service, nats, shutdown, state, log, health.port)
     finally:
         health.stop()
 
 
-async def _connected(service: Service, nats_url: str, shutdown: asyncio.Event, state: dict, log, port: int) -> None:
+async def _connected(service: Service, nats: NatsOptions | str, shutdown: asyncio.Event, state: dict, log, port: int) -> None:
     # nats-py retries an unreachable server forever: keep honouring the signals meanwhile
-    connecting = asyncio.ensure_future(Bus.connect(nats_url, service.name))
+    connecting = asyncio.ensure_future(Bus.connect(nats, service.name))
     stopping = asyncio.ensure_future(shutdown.wait())
     await asyncio.wait({connecting, stopping}, return_when=asyncio.FIRST_COMPLETED)
     stopping.cancel()
@@ -87,7 +88,7 @@ async def _connected(service: Service, nats_url: str, shutdown: asyncio.Event, s
         await asyncio.wait({connecting}, timeout=CANCEL_WAIT_S)
         if connecting.done() and not connecting.cancelled() and connecting.exception() is None:
             await connecting.result().close()  # it connected just as the stop came
-        log.info("stopped before NATS was reachable", nats=nats_url)
+        log.info("stopped before NATS was reachable", nats=str(nats))
         return
     bus = state["bus"] = connecting.result()
     try:
@@ -96,7 +97,7 @@ async def _connected(service: Service, nats_url: str, shutdown: asyncio.Event, s
         except StartFailed as exc:
             log.error("cannot start", reason=str(exc))
             raise
-        log.info("service started", nats=nats_url, metrics_port=port)
+        log.info("service started", nats=bus.options.url, metrics_port=port)
         await shutdown.wait()
         log.info("shutting down")
     finally:
@@ -108,23 +109,23 @@ async def _connected(service: Service, nats_url: str, shutdown: asyncio.Event, s
         log.info("service stopped")
 
 
-def run(service: Service, nats_url: str, *, metrics_port: int = 0, log_level: str = "info") -> None:
+def run(service: Service, nats: NatsOptions | str, *, metrics_port: int = 0, log_level: str = "info") -> None:
     """Blocking entry point for ``python -m dilu.services.<name>``: uvloop + :func:`serve`.
     A StartFailed ends the process with its one-line message and status 2."""
     dlog.configure(service.name, log_level)
     try:
-        uvloop.run(serve(service, nats_url, metrics_port=metrics_port))
+        uvloop.run(serve(service, nats, metrics_port=metrics_port))
     except StartFailed as exc:  # logged where it happened; one plain line for the operator last
         print(f"dilu {service.name}: {exc}", file=sys.stderr)
         sys.exit(2)
 
 
 @contextlib.asynccontextmanager
-async def running(service: Service, nats_url: str, *, ready_timeout_s: float = 5.0):
+async def running(service: Service, nats: NatsOptions | str, *, ready_timeout_s: float = 5.0):
     """Run ``service`` in a task of the current loop (tests, benches, embedding): yields once it
     says ready, stops and drains it on exit. Raises TimeoutError if it is not ready in time."""
     stop = asyncio.Event()
-    task = asyncio.create_task(serve(service, nats_url, shutdown=stop, install_signals=False))
+    task = asyncio.create_task(serve(service, nats, shutdown=stop, install_signals=False))
     deadline = asyncio.get_running_loop().time() + ready_timeout_s
     while not service.ready():
         if task.done():

@@ -5,7 +5,7 @@ import sys
 
 import click
 
-from dilu.services.common.cliopts import Finite, log_level_option, metrics_port_option, nats_url_option, service_main
+from dilu.services.common.cliopts import Finite, log_level_option, metrics_port_option, nats_options, service_main
 from dilu.services.common.runner import StartFailed, run
 
 from .app import MIB, Limits
@@ -13,7 +13,7 @@ from .service import Gateway
 
 
 @click.command()
-@nats_url_option
+@nats_options
 @click.option("--host", default="127.0.0.1", show_default=True,
               help="address the HTTP API listens on (0.0.0.0 or :: for every interface)")
 @click.option("--port", type=click.IntRange(0, 65535), default=8080, show_default=True, help="HTTP API port")
@@ -27,7 +27,7 @@ from .service import Gateway
               help="on stop, how long in-flight requests may still finish, s (then 503)")
 @metrics_port_option("gateway")
 @log_level_option
-def main(nats_url, host, port, max_body_bytes, default_timeout_s, max_timeout_s, drain_s, metrics_port, log_level):
+def main(nats, host, port, max_body_bytes, default_timeout_s, max_timeout_s, drain_s, metrics_port, log_level):
     """Run the HTTP gateway: invoke functions over HTTP (server-sent events for llm streams)."""
     if default_timeout_s > max_timeout_s:
         raise click.BadParameter(f"{default_timeout_s:g} is above --max-timeout-s {max_timeout_s:g}",
@@ -39,7 +39,7 @@ def main(nats_url, host, port, max_body_bytes, default_timeout_s, max_timeout_s,
     except StartFailed as exc:
         print(f"dilu gateway: {exc}", file=sys.stderr)
         sys.exit(2)
-    run(gateway, nats_url, metrics_port=metrics_port, log_level=log_level)
+    run(gateway, nats, metrics_port=metrics_port, log_level=log_level)
 
 
 if __name__ == "__main__":

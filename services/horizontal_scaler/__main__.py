@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import click
 
-from dilu.services.common.cliopts import Finite, log_level_option, metrics_port_option, nats_url_option, service_main
+from dilu.services.common.cliopts import Finite, log_level_option, metrics_port_option, nats_options, service_main
 
 from dilu.services.common.runner import run
 
@@ -12,7 +12,7 @@ from .service import HorizontalScaler
 
 
 @click.command()
-@nats_url_option
+@nats_options
 @click.option("--mode", type=click.Choice(MODES), default="lazy", show_default=True,
               help="lazy: scale out once vertical headroom is used (dilu); eager: on load alone (baselines)")
 @click.option("--initial-scale", type=click.IntRange(0, 1000), default=1, show_default=True,
@@ -38,7 +38,7 @@ from .service import HorizontalScaler
               help="no scale-in to a non-zero count this long after a scale-out (Knative's scale-down-delay)")
 @metrics_port_option("horizontal_scaler")
 @log_level_option
-def main(nats_url, mode, initial_scale, tick_ms, stable_window_s, panic_window_pct, panic_threshold, keep_alive_s, idle_bin_s,
+def main(nats, mode, initial_scale, tick_ms, stable_window_s, panic_window_pct, panic_threshold, keep_alive_s, idle_bin_s,
          target, headroom_min, lazy_max_hold_s, max_scale_up_rate, scale_down_delay_s, metrics_port, log_level):
     """Run the horizontal scaler: backlog, burst windows and headroom in, placements and retirements out."""
     config = HorizontalConfig(mode=mode, initial_scale=initial_scale, stable_window_s=stable_window_s, panic_window_pct=panic_window_pct,
@@ -47,7 +47,7 @@ def main(nats_url, mode, initial_scale, tick_ms, stable_window_s, panic_window_p
                               lazy_max_hold_s=lazy_max_hold_s, max_scale_up_rate=max_scale_up_rate,
                               scale_down_delay_s=scale_down_delay_s)
     scaler = HorizontalScaler(config, tick_s=tick_ms / 1000.0, target=target)
-    run(scaler, nats_url, metrics_port=metrics_port, log_level=log_level)
+    run(scaler, nats, metrics_port=metrics_port, log_level=log_level)
 
 
 if __name__ == "__main__":

@@ -5,8 +5,8 @@ from pathlib import Path
 
 import click
 
-from dilu.services.common.cliopts import (Finite, check_node, default_node, log_level_option, metrics_port_option,
-                                        nats_url_option, service_main)
+from dilu.services.common.cliopts import (Finite, check_creds, check_node, default_node, log_level_option, metrics_port_option,
+                                        nats_options, service_main)
 
 from dilu.services.common.runner import run
 
@@ -30,7 +30,7 @@ def parse_gpus(value: str) -> int | None:
 
 
 @click.command()
-@nats_url_option
+@nats_options
 @click.option("--node", default=default_node, show_default="host name", callback=check_node,
               help="this node's name in subjects and the inventory")
 @click.option("--device", type=click.Choice(devices.MODES), default="auto", show_default=True,
@@ -47,16 +47,20 @@ def parse_gpus(value: str) -> int | None:
               help="MPS pipe and log directories go here on a real GPU (default: $XDG_RUNTIME_DIR/dilu-mps, else /tmp/dilu-mps)")
 @click.option("--sample-ms", type=Finite(1, 1000), default=10.0, show_default=True)
 @click.option("--telemetry-ms", type=Finite(10, 10000), default=250.0, show_default=True)
+@click.option("--instance-creds", type=click.Path(exists=True, dir_okay=False, path_type=Path), default=None,
+              envvar="DILU_INSTANCE_CREDS", callback=check_creds,
+              help="NATS credentials the instances connect with (the instance role); TLS files are the agent's")
 @click.option("--initial-grant", type=click.Choice(["request", "limit"]), default="request", show_default=True)
 @metrics_port_option("node_agent")
 @log_level_option
-def main(nats_url, node, device, gpus, emulated_gpu, gpu_memory_bytes, sms, mps_dir, sample_ms, telemetry_ms, initial_grant,
-         metrics_port, log_level):
+def main(nats, node, device, gpus, emulated_gpu, gpu_memory_bytes, sms, mps_dir, sample_ms, telemetry_ms, initial_grant,
+         instance_creds, metrics_port, log_level):
     """Run the node agent: discover this node's GPUs, run its instances, publish telemetry, apply grants."""
     agent = NodeAgent(node=node, gpus=gpus[1], device=device, emulated_model=emulated_gpu,
                       memory_bytes=gpu_memory_bytes, sms=sms, mps_dir=mps_dir, sample_ms=sample_ms, telemetry_ms=telemetry_ms,
-                      initial_grant=initial_grant, nats_url=nats_url)
-    run(agent, nats_url, metrics_port=metrics_port, log_level=log_level)
+                      initial_grant=initial_grant, nats=nats,
+                      instance_creds=instance_creds)
+    run(agent, nats, metrics_port=metrics_port, log_level=log_level)
 
 
 if __name__ == "__main__":

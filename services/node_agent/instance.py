@@ -41,13 +41,14 @@ import time
 
 import click
 import msgspec
-import nats
 import uvloop
 from nats.js.errors import BucketNotFoundError, KeyDeletedError, KeyNotFoundError
 
 from dilu.contracts import encode, subjects
 from dilu.contracts import events as ev
 from dilu.services.common import logging as dlog
+from dilu.services.common.cliopts import nats_options
+from dilu.services.common.natsconn import NatsOptions, connect
 from dilu.services.common.workqueue import BatchPuller, Request, ensure_consumer, ensure_stream
 
 from . import runtime
@@ -291,7 +292,7 @@ class Instance:
 
 async def serve_instance(
     *, instance_id: str, function: str, model: str, handler: str, batch_size: int, width: float,
-    device: str, nats_url: str, cb_path: str | None, node: str = "", ready_out=None,
+    device: str, nats: NatsOptions | str, cb_path: str | None, node: str = "", ready_out=None,
 ) -> int:
     """Run the instance until ``stop`` (SIGTERM/SIGINT); returns the exit code: 0 after a drain,
     1 when the function cannot load or fails (one log line says why). ``ready_out``: where
@@ -310,9 +311,9 @@ async def serve_instance(
 
     # NATS first: reading the spec (and the code bundle) is part of the cold start
     try:
-        nc = await nats.connect(nats_url, name=f"dilu-instance-{instance_id}", max_reconnect_attempts=-1)
+        nc = await connect(nats, name=f"dilu-instance-{instance_id}", max_reconnect_attempts=-1)
     except Exception as exc:
-        log.error("instance failed to connect to NATS", url=nats_url, error=f"{type(exc).__name__}: {exc}")
+        log.error("instance failed to connect to NATS", url=str(nats), error=f"{type(exc).__name__}: {exc}")
         return 1
     js = nc.jetstream()
     rt = inst = None
@@ -361,7 +362,7 @@ async def serve_instance(
 @click.option("--batch-size", type=click.IntRange(1, 1024), default=1, show_default=True)
 @click.option("--width", type=click.FloatRange(0.01, 1.0), default=1.0, show_default=True)
 @click.option("--device", type=click.Choice(["emulated", "cpu", "cuda"]), default="emulated", show_default=True)
-@click.option("--nats-url", required=True)
+@nats_options
 @click.option("--cb", "cb_path", default=None, help="control block path (the node agent creates it)")
 @click.option("--node", default="", help="the node agent's node name, carried in FunctionStats")
 @click.option("--log-level", default="info", show_default=True)

@@ -56,6 +56,7 @@ from dilu.contracts import events as ev
 from dilu.services.common import logging as dlog
 from dilu.services.common.bus import Bus
 from dilu.services.common.metrics import MALFORMED
+from dilu.services.common.natsconn import DEFAULT_URL, ENV_NATS, NatsOptions
 from dilu.services.common.nodes import nodes_bucket
 from dilu.services.common.runner import StartFailed
 
@@ -145,11 +146,13 @@ class NodeAgent:
         sample_ms: float = 10.0,
         telemetry_ms: float = 250.0,
         initial_grant: str = "request",
-        nats_url: str = "nats://127.0.0.1:4222",
+        nats: NatsOptions | str = DEFAULT_URL,
+        instance_creds: Path | None = None,
         heartbeat_s: float = subjects.NODE_HEARTBEAT_S,
     ) -> None:
         self.node = node
-        self.nats_url = nats_url
+        # instances connect as themselves (the instance role), not with the agent's credentials
+        self.instance_nats = NatsOptions.of(nats).with_creds(instance_creds)
         self.cpu = gpus == 0
         self.device_args = dict(mode=device, node=node, gpus=gpus, emulated_model=emulated_model,
                                 memory_bytes=memory_bytes, sms=sms, mps_dir=mps_dir)
@@ -430,13 +433,16 @@ class NodeAgent:
             env = self.device.gpu_env(env, gpu, width=p.width, memory_bytes=p.memory_bytes)
         else:
             inst.quota = quota
+        for key in ENV_NATS:  # never the agent's own credentials
+            env.pop(key, None)
+        env.update(self.instance_nats.env())
         env[AGENT_PID_ENV] = str(os.getpid())  # the instance exits at once if it started orphaned
         args = [
             sys.executable, "-m", "dilu.services.node_agent.instance",
             "--instance-id", p.instance_id, "--function", p.function, "--model", p.model or "none",
             "--handler", p.handler or "dilu.services.node_agent.handlers.emulated",
             "--batch-size", str(max(1, p.batch_size)), "--width", f"{max(0.01, min(1.0, p.width)):.4f}",
-            "--device", device, "--nats-url", self.nats_url, "--node", self.node,
+            "--device", device, "--nats-url", self.instance_nats.url, "--node", self.node,
         ]
         if inst.cb_path:
             args += ["--cb", inst.cb_path]

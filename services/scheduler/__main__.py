@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import click
 
-from dilu.services.common.cliopts import Finite, log_level_option, metrics_port_option, nats_url_option, service_main
+from dilu.services.common.cliopts import Finite, log_level_option, metrics_port_option, nats_options, service_main
 from dilu.services.common.runner import run
 
 from .policy import ALLOCATIONS
@@ -12,7 +12,7 @@ from .service import SchedulerService
 
 
 @click.command()
-@nats_url_option
+@nats_options
 @metrics_port_option("scheduler")
 @click.option("--gamma", type=Finite(1, 8), default=1.5, show_default=True, help="Cap on Σ limit quotas per GPU.")
 @click.option("--defrag-interval-s", type=Finite(0, 86_400), default=0.0, show_default=True,
@@ -20,10 +20,10 @@ from .service import SchedulerService
 @click.option("--policy", type=click.Choice(ALLOCATIONS), default="dilu", show_default=True,
               help="dilu: request/limit from the profile; static-mps: fixed slice at the request; exclusive: whole GPUs")
 @log_level_option
-def main(nats_url, metrics_port, gamma, defrag_interval_s, policy, log_level) -> None:
+def main(nats, metrics_port, gamma, defrag_interval_s, policy, log_level) -> None:
     """The scheduler service: single writer of the dilu-placement table; its cluster is the
     node inventories in dilu-nodes."""
-    run(SchedulerService(gamma, defrag_interval_s, policy), nats_url, metrics_port=metrics_port,
+    run(SchedulerService(gamma, defrag_interval_s, policy), nats, metrics_port=metrics_port,
         log_level=log_level)
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 import click
 
 from dilu.services.common.cliopts import (Finite, check_node, default_node, log_level_option, metrics_port_option,
-                                        nats_url_option, service_main)
+                                        nats_options, service_main)
 
 from dilu.services.common.runner import run
 
@@ -13,7 +13,7 @@ from .service import VerticalScaler
 
 
 @click.command()
-@nats_url_option
+@nats_options
 @click.option("--node", default=default_node, show_default="host name", callback=check_node,
               help="this node's name in subjects and the inventory")
 @click.option("--mode", type=click.Choice(MODES), default="dilu", show_default=True,
@@ -30,13 +30,13 @@ from .service import VerticalScaler
               help="give share nobody asked for to latency-sensitive instances, up to their limits")
 @metrics_port_option("vertical_scaler")
 @log_level_option
-def main(nats_url, node, mode, hysteresis, pressure_hold_ms, recovery_per_s, release_per_s, decrease_factor, be_floor,
+def main(nats, node, mode, hysteresis, pressure_hold_ms, recovery_per_s, release_per_s, decrease_factor, be_floor,
          park_idle, metrics_port, log_level):
     """Run the vertical scaler of NODE: telemetry and kernel-cycle stretch in, TokenGrants out."""
     config = VerticalConfig(mode=mode, hysteresis=hysteresis, pressure_hold_ms=pressure_hold_ms,
                             recovery_per_s=recovery_per_s, release_per_s=release_per_s,
                             decrease_factor=decrease_factor, be_floor=be_floor, park_idle=park_idle)
-    run(VerticalScaler(node, config), nats_url, metrics_port=metrics_port, log_level=log_level)
+    run(VerticalScaler(node, config), nats, metrics_port=metrics_port, log_level=log_level)
 
 
 if __name__ == "__main__":

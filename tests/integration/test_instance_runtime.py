@@ -238,7 +238,7 @@ async def test_node_agent_exports_its_instances_function_metrics(nats_url, tmp_p
     monkeypatch.setenv("DILU_CODE_CACHE", str(tmp_path / "cache"))
     async with Env(nats_url, tmp_path) as env:
         await env.deploy(name="agentfn", entry="app:Upper", slo_ms=1000.0)
-        agent = NodeAgent(node="n1", gpus=0, nats_url=nats_url)
+        agent = NodeAgent(node="n1", gpus=0, nats=nats_url)
         shutdown = asyncio.Event()
         task = asyncio.create_task(serve(agent, nats_url, shutdown=shutdown, install_signals=False))
         try:

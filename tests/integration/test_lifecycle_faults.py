@@ -48,7 +48,7 @@ class Agent:
 
     def __init__(self, url: str):
         self.url = url
-        self.agent = NodeAgent(node="n1", gpus=0, nats_url=url)
+        self.agent = NodeAgent(node="n1", gpus=0, nats=url)
         self.shutdown = asyncio.Event()
         self.events: dict[str, list] = {"launched": [], "ready": [], "retired": []}
 

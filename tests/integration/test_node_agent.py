@@ -22,7 +22,7 @@ pytestmark = [pytest.mark.nats, pytest.mark.native]
 class Harness:
     def __init__(self, url: str):
         self.url = url
-        self.agent = NodeAgent(node="n1", gpus=2, device="emulated", nats_url=url, telemetry_ms=200)
+        self.agent = NodeAgent(node="n1", gpus=2, device="emulated", nats=url, telemetry_ms=200)
         self.shutdown = asyncio.Event()
         self.events: dict[str, list] = {"ready": [], "retired": [], "telemetry": []}
 

@@ -34,7 +34,7 @@ def faults(tmp_path, monkeypatch):
 
 async def test_inventory_heartbeat_and_one_agent_per_name(nats_url, faults):
     agent = NodeAgent(node="gpu-node-7.dc1", gpus=3, device="emulated", emulated_model="h100-80gb",
-                      nats_url=nats_url, heartbeat_s=0.3)
+                      nats=nats_url, heartbeat_s=0.3)
     async with running(agent, nats_url, ready_timeout_s=30):
         nc = await nats.connect(nats_url)
         js = nc.jetstream()
@@ -50,7 +50,7 @@ async def test_inventory_heartbeat_and_one_agent_per_name(nats_url, faults):
         await wait_for(lambda: _fresher(js, first), "a newer inventory")
 
         # a second agent under the same name refuses to start, with a reason
-        twin = NodeAgent(node="gpu-node-7.dc1", gpus=1, device="emulated", nats_url=nats_url)
+        twin = NodeAgent(node="gpu-node-7.dc1", gpus=1, device="emulated", nats=nats_url)
         with pytest.raises(StartFailed, match="held by another live agent"):
             async with running(twin, nats_url, ready_timeout_s=30):
                 pass
@@ -78,7 +78,7 @@ async def _settled(fetch, want):
 
 async def test_placement_on_an_unhealthy_gpu_is_not_launched(nats_url, faults):
     faults.write_text("0 xid 79\n")
-    agent = NodeAgent(node="n2", gpus=2, device="emulated", nats_url=nats_url, heartbeat_s=0.3)
+    agent = NodeAgent(node="n2", gpus=2, device="emulated", nats=nats_url, heartbeat_s=0.3)
     async with running(agent, nats_url, ready_timeout_s=30):
         await wait_for(lambda: not agent.gpus[0].healthy, "GPU 0 unhealthy after Xid 79")
         nc = await nats.connect(nats_url)
@@ -96,7 +96,7 @@ async def test_memory_reservation_and_nvml_telemetry(nats_url):
     """An instance whose weights exceed its reservation fails to load (CUDA_ERROR_OUT_OF_MEMORY
     from the interceptor) while its neighbour serves; telemetry carries NVML's view and the
     instance's memory against its reservation."""
-    agent = NodeAgent(node="n3", gpus=1, device="emulated", nats_url=nats_url, telemetry_ms=200)
+    agent = NodeAgent(node="n3", gpus=1, device="emulated", nats=nats_url, telemetry_ms=200)
     async with running(agent, nats_url, ready_timeout_s=30):
         nc = await nats.connect(nats_url)
         js = nc.jetstream()
@@ -144,7 +144,7 @@ async def test_memory_reservation_and_nvml_telemetry(nats_url):
 async def test_an_agent_whose_name_is_taken_later_stops(nats_url):
     """Two agents under one name would launch the same instances: the first one to see the other's
     inventory in its key stops."""
-    agent = NodeAgent(node="n4", gpus=1, device="emulated", nats_url=nats_url, heartbeat_s=0.2)
+    agent = NodeAgent(node="n4", gpus=1, device="emulated", nats=nats_url, heartbeat_s=0.2)
     async with running(agent, nats_url, ready_timeout_s=30):
         nc = await nats.connect(nats_url)
         kv = await nc.jetstream().key_value(subjects.NODES_BUCKET)
@@ -202,7 +202,7 @@ async def test_bad_placements_are_rejected_and_counted_leaving_nothing(nats_url)
     def rejected():
         return MALFORMED.labels("node_agent", f"kv:{subjects.PLACEMENT_BUCKET}")._value.get()
 
-    agent = NodeAgent(node="n5", gpus=1, device="emulated", nats_url=nats_url)
+    agent = NodeAgent(node="n5", gpus=1, device="emulated", nats=nats_url)
     async with running(agent, nats_url, ready_timeout_s=30):
         nc = await nats.connect(nats_url)
         kv = await nc.jetstream().key_value(subjects.PLACEMENT_BUCKET)

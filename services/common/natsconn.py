@@ -1,0 +1,141 @@
+"""How a process reaches NATS: servers, identity (credentials), TLS and JetStream replicas.
+
+One :class:`NatsOptions` travels from the command line (``cliopts.nats_options``: ``--nats-url``,
+``--creds``, ``--tls-ca``, ``--tls-cert``, ``--tls-key``, ``--replicas``, each also from its
+``DILU_*`` variable) to every connection the process opens, through :func:`connect`. Services,
+commands, the client library and instances all connect this way, so a deployment that turns on
+credentials or TLS turns them on everywhere (docs/operations.md, "Credentials, TLS and replicas").
+
+Credentials (``--creds FILE``) are either
+
+- a standard NATS ``.creds`` file (a user JWT and its nkey seed, as ``nsc`` writes them for a server
+  in operator mode), or
+- a user nkey seed (``SU...``), bare or between ``-----BEGIN USER NKEY SEED-----`` lines, for a
+  server whose configuration lists the users' public nkeys (``dilu creds`` writes both sides).
+"""
+from __future__ import annotations
+
+import re
+import ssl
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import nats
+from nats.aio.client import Client as NATS
+
+DEFAULT_URL = "nats://127.0.0.1:4222"
+ENV_CREDS = "DILU_NATS_CREDS"
+ENV_TLS_CA = "DILU_NATS_TLS_CA"
+ENV_TLS_CERT = "DILU_NATS_TLS_CERT"
+ENV_TLS_KEY = "DILU_NATS_TLS_KEY"
+ENV_REPLICAS = "DILU_REPLICAS"
+ENV_NATS = (ENV_CREDS, ENV_TLS_CA, ENV_TLS_CERT, ENV_TLS_KEY, ENV_REPLICAS)  # what :meth:`NatsOptions.env` sets
+MAX_REPLICAS = 5  # JetStream's limit for a stream's replicas
+
+_JWT_MARK = b"BEGIN NATS USER JWT"
+_SEED = re.compile(rb"\bSU[A-Z2-7]{56}\b")  # a user nkey seed: "SU" + base32 (nkeys' encoding)
+
+
+class CredentialsError(ValueError):
+    """A ``--creds`` file that cannot be read or holds neither a user JWT nor a user nkey seed.
+    The message is one line naming the file."""
+
+
+@dataclass(frozen=True)
+class NatsOptions:
+    """Connection settings of one process.
+
+    ``servers``: one or more URLs (``nats://``, ``tls://``, ``ws://``, ``wss://``); one cluster member is
+    enough, more are tried in turn at connect. ``creds``: credentials file (module docstring) or
+    None for a server without authentication. ``tls_ca``: CA bundle to verify the server with
+    (None: no TLS unless the URL says ``tls://``, then the system's CAs); ``tls_cert`` and
+    ``tls_key``: this client's certificate and key, for a server that verifies clients.
+    ``replicas``: JetStream replicas of the streams and buckets this process creates (1 on a single
+    server, 3 in the cluster configuration).
+    """
+
+    servers: tuple[str, ...] = (DEFAULT_URL,)
+    creds: Path | None = None
+    tls_ca: Path | None = None
+    tls_cert: Path | None = None
+    tls_key: Path | None = None
+    replicas: int = 1
+
+    @classmethod
+    def of(cls, value: "NatsOptions | str") -> "NatsOptions":
+        """``value`` itself, or options for a comma-separated URL list with nothing else set."""
+        if isinstance(value, NatsOptions):
+            return value
+        return cls(servers=tuple(u.strip() for u in value.split(",") if u.strip()))
+
+    @property
+    def url(self) -> str:
+        """The servers as one comma-separated string (for logs and for ``--nats-url`` of a child)."""
+        return ",".join(self.servers)
+
+    def __str__(self) -> str:
+        return self.url
+
+    def with_creds(self, creds: Path | str | None) -> "NatsOptions":
+        """The same options with other credentials (e.g. an instance's, launched by its agent)."""
+        return replace(self, creds=Path(creds) if creds else None)
+
+    def env(self) -> dict[str, str]:
+        """The ``DILU_*`` variables that give a child process these same options (its
+        ``--nats-url`` aside): set ones only."""
+        pairs = {ENV_CREDS: self.creds, ENV_TLS_CA: self.tls_ca, ENV_TLS_CERT: self.tls_cert,
+                 ENV_TLS_KEY: self.tls_key}
+        out = {k: str(v) for k, v in pairs.items() if v is not None}
+        out[ENV_REPLICAS] = str(self.replicas)
+        return out
+
+    def connect_kwargs(self) -> dict[str, Any]:
+        """Keyword arguments for ``nats.connect`` (servers, credentials, TLS).
+
+        Raises CredentialsError for an unusable creds file, OSError / ssl.SSLError for unreadable
+        TLS files.
+        """
+        kwargs: dict[str, Any] = {"servers": list(self.servers)}
+        if self.creds is not None:
+            kwargs.update(creds_kwargs(self.creds))
+        context = self.tls_context()
+        if context is not None:
+            kwargs["tls"] = context
+        return kwargs
+
+    def tls_context(self) -> ssl.SSLContext | None:
+        """The client's TLS context, or None when no TLS file is set and no URL asks for TLS."""
+        wants = any(u.startswith(("tls://", "wss://")) for u in self.servers)
+        if not (self.tls_ca or self.tls_cert or wants):
+            return None
+        context = ssl.create_default_context(cafile=str(self.tls_ca) if self.tls_ca else None)
+        if self.tls_cert:
+            context.load_cert_chain(str(self.tls_cert), str(self.tls_key) if self.tls_key else None)
+        return context
+
+
+def creds_kwargs(path: Path) -> dict[str, Any]:
+    """``nats.connect`` arguments for the credentials in ``path``: ``user_credentials`` for a
+    JWT ``.creds`` file, ``nkeys_seed_str`` for a user nkey seed. Raises CredentialsError."""
+    try:
+        data = Path(path).read_bytes()
+    except OSError as exc:
+        raise CredentialsError(f"cannot read credentials {path}: {exc.strerror or exc}") from None
+    if _JWT_MARK in data:
+        return {"user_credentials": str(path)}
+    seeds = _SEED.findall(data)
+    if len(seeds) != 1:
+        raise CredentialsError(f"{path} holds no NATS user JWT and not exactly one user nkey seed (SU...)")
+    return {"nkeys_seed_str": seeds[0].decode()}
+
+
+async def connect(options: NatsOptions | str, *, name: str, **opts: Any) -> NATS:
+    """``nats.connect`` with ``options`` (servers, credentials, TLS); ``opts`` are nats-py's own
+    (reconnect policy, callbacks) and win over nothing here: they are passed as given.
+
+    Raises what nats-py raises (e.g. ``nats.errors.NoServersError``, an authorization error on a
+    refused identity) and CredentialsError for an unusable creds file.
+    """
+    options = NatsOptions.of(options)
+    return await nats.connect(name=name, **options.connect_kwargs(), **opts)
