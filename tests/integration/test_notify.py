@@ -1,0 +1,151 @@
+"""systemd's notify protocol from a real service process (``Type=notify`` in deploy/systemd).
+
+The test plays systemd: it binds the unix datagram socket named by NOTIFY_SOCKET, sets
+WATCHDOG_USEC, starts ``python -m dilu.services.scheduler`` before its NATS server exists, then
+starts the server on that port, then sends SIGTERM. READY=1 must wait for /readyz, WATCHDOG=1 must
+keep coming the whole time, STOPPING=1 must follow SIGTERM.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from dilu.services.common.natsserver import EmbeddedNats, free_ports
+
+pytestmark = pytest.mark.nats
+
+WATCHDOG_USEC = 600_000  # pings every 0.3 s
+
+
+class FakeSystemd:
+    """Collects (monotonic time, message) from a NOTIFY_SOCKET in a thread."""
+
+    def __init__(self) -> None:
+        self.dir = tempfile.mkdtemp(prefix="dilu-sd-")  # short: AF_UNIX paths max 108 bytes
+        self.path = os.path.join(self.dir, "notify")
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        self.sock.bind(self.path)
+        self.sock.settimeout(0.1)
+        self.messages: list[tuple[float, str]] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._read, daemon=True)
+        self._thread.start()
+
+    def _read(self) -> None:
+        while not self._stop.is_set():
+            try:
+                data = self.sock.recv(4096)
+            except TimeoutError:
+                continue
+            for line in data.decode().splitlines():
+                self.messages.append((time.monotonic(), line))
+
+    def lines(self, prefix: str, since: float = 0.0) -> list[float]:
+        return [t for t, m in list(self.messages) if m.startswith(prefix) and t >= since]
+
+    def wait_for(self, prefix: str, timeout_s: float) -> float:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            found = self.lines(prefix)
+            if found:
+                return found[0]
+            time.sleep(0.02)
+        raise AssertionError(f"no {prefix} within {timeout_s} s; got {[m for _, m in self.messages]}")
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.sock.close()
+        os.unlink(self.path)
+        os.rmdir(self.dir)
+
+
+def status(port: int, path: str) -> int:
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=1) as resp:
+            return resp.status
+    except urllib.error.HTTPError as exc:
+        return exc.code
+
+
+def test_ready_after_readyz_watchdog_throughout_stopping_on_sigterm(tmp_path):
+    systemd = FakeSystemd()
+    nats_port, metrics_port = free_ports(2)
+    env = {**os.environ, "NOTIFY_SOCKET": systemd.path, "WATCHDOG_USEC": str(WATCHDOG_USEC),
+           "DILU_METRICS_HOST": "127.0.0.1"}
+    log = open(tmp_path / "scheduler.log", "wb")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "dilu.services.scheduler", "--nats-url", f"nats://127.0.0.1:{nats_port}",
+         "--metrics-port", str(metrics_port)],
+        env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+    )
+    server = EmbeddedNats(port=nats_port)
+    try:
+        # No NATS yet: alive, not ready, no READY=1; the loop pings and extends the start timeout.
+        systemd.wait_for("WATCHDOG=1", 20)
+        t0 = time.monotonic()
+        time.sleep(1.5)
+        assert proc.poll() is None, (tmp_path / "scheduler.log").read_text()
+        assert status(metrics_port, "/healthz") == 200
+        assert status(metrics_port, "/readyz") == 503
+        assert not systemd.lines("READY=1")
+        assert systemd.lines("EXTEND_TIMEOUT_USEC=")
+        assert any(m.startswith("STATUS=not ready") for _, m in systemd.messages)
+        assert len(systemd.lines("WATCHDOG=1", since=t0)) >= 3
+
+        server.start()
+        ready_at = systemd.wait_for("READY=1", 30)
+        assert status(metrics_port, "/readyz") == 200  # READY=1 is the /readyz condition
+        time.sleep(1.5)
+        assert len(systemd.lines("WATCHDOG=1", since=ready_at)) >= 3  # and the pings go on
+        assert not systemd.lines("STOPPING=1")
+
+        stop_at = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=35) == 0
+        assert systemd.lines("STOPPING=1", since=stop_at)
+        assert len(systemd.lines("READY=1")) == 1
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+        log.close()
+        server.stop()
+        systemd.close()
+
+
+def test_without_notify_socket_nothing_is_sent_and_nothing_breaks(tmp_path):
+    # The service's environment has no NOTIFY_SOCKET: it runs and stops as before.
+    (port,) = free_ports(1)
+    with EmbeddedNats() as server:
+        env = {k: v for k, v in os.environ.items() if k not in ("NOTIFY_SOCKET", "WATCHDOG_USEC")}
+        proc = subprocess.Popen([sys.executable, "-m", "dilu.services.scheduler", "--nats-url", server.url,
+                                 "--metrics-port", str(port)], env=env, stdout=subprocess.DEVNULL,
+                                stderr=subprocess.DEVNULL, start_new_session=True)
+        try:
+            deadline = time.monotonic() + 30
+            while True:
+                try:
+                    if status(port, "/readyz") == 200:
+                        break
+                except OSError:
+                    pass
+                assert time.monotonic() < deadline and proc.poll() is None
+                time.sleep(0.1)
+            proc.send_signal(signal.SIGTERM)
+            assert proc.wait(timeout=35) == 0
+        finally:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
