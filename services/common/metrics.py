@@ -21,6 +21,12 @@ HANDLER_ERRORS = Counter(
     ["service", "subject"],
 )
 MESSAGES = Counter("dilu_messages", "Messages decoded and handled", ["service", "subject"])
+SKIPPED = Counter(
+    "dilu_skipped_items",
+    "Items skipped while decoding a newer version's message: list elements (reason unknown-enum) or whole "
+    "events (reason unknown-enum-event) holding an enum member this version does not know",
+    ["service", "subject", "reason"],
+)
 
 
 class _Quiet(WSGIRequestHandler):

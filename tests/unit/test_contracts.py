@@ -35,3 +35,17 @@ def test_every_event_type_has_a_subject_or_is_a_reply():
     carried = set(subjects.SUBJECT_EVENTS.values())
     replies = {t for t in EVENT_TYPES if t.__name__.endswith("Reply")}
     assert set(EVENT_TYPES) - carried - replies == set()
+
+
+def test_cloudevents_headers_follow_the_nats_binding():
+    from dilu.contracts import cloudevents as ce
+
+    g = TokenGrant(node="n0", gpu=1, instance_id="i-1", quota=0.25, ts_ns=1_700_000_000_000_000_007)
+    h = ce.headers(g, ce.source("vertical-scaler", "n.0"))
+    assert h == {"ce-specversion": "1.0", "ce-type": "io.dilu.v1.TokenGrant", "ce-source": "dilu/vertical-scaler/n_0",
+                 "ce-id": h["ce-id"], "ce-time": "2023-11-14T22:13:20.000000007Z", "content-type": "application/json"}
+    assert ce.headers(g, "x")["ce-id"] != h["ce-id"] and ce.headers(g, "x", "id-1")["ce-id"] == "id-1"
+    assert ce.rfc3339(0) == "1970-01-01T00:00:00.000000000Z" and ce.source("gateway") == "dilu/gateway"
+    for bad in (-1, 253402300800 * 10**9):
+        with pytest.raises(ValueError):
+            ce.rfc3339(bad)
