@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import faulthandler
 import os
 import signal
 import sys
@@ -265,6 +266,9 @@ def run(service: Service, nats: NatsOptions | str, *, metrics_port: int = 0, log
     """Blocking entry point for ``python -m dilu.services.<name>``: uvloop + :func:`serve`.
     A StartFailed ends the process with its one-line message and status 2."""
     dlog.configure(service.name, log_level)
+    # A fatal signal (systemd's watchdog sends SIGABRT to a stuck service) prints every thread's
+    # traceback to stderr, so the journal shows where the loop was stuck.
+    faulthandler.enable()
     notifier = Notifier.from_environ()
     try:
         uvloop.run(serve(service, nats, metrics_port=metrics_port, notifier=notifier))

@@ -23,6 +23,7 @@ import pytest
 from unitfiles import env_file, parse_unit, unit_value
 
 from dilu.contracts import subjects
+from dilu.services.common.runner import READY_POLL_S
 
 ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "deploy"
@@ -40,6 +41,7 @@ SERVICES = {
     "node_agent": "system",
 }
 DRAIN_S = 30  # services finish draining NATS within this after SIGTERM (services/common/runner.py)
+WATCHDOG_MIN_S = 10 * READY_POLL_S  # the runner's readiness loop must have room to ping
 CLUSTER_ENV = {
     "NATS_SERVER_NAME": "nats-1",
     "NATS_ROUTE_1": "nats-route://nats-1.example:6222",
@@ -186,6 +188,20 @@ def test_service_declares_its_metrics_port_and_checks_readyz_and_healthz(pkg):
     assert "check_restart" not in checks["/readyz"]
 
 
+@pytest.mark.parametrize("pkg", sorted(SERVICES))
+def test_every_service_check_is_http_readyz_or_healthz_within_its_interval(pkg):
+    t = dilu_tasks()[pkg]
+    checks = [c for s in t.group.get("service", []) + t.task.get("service", []) for c in s.get("check", [])]
+    assert checks, f"{pkg}: no checks"
+    for c in checks:
+        # no tcp/script checks: only the runner's endpoints say whether the service works
+        assert c["type"] == "http" and c["path"] in {"/readyz", "/healthz"}, (pkg, c)
+        assert duration_s(c["timeout"]) < duration_s(c["interval"]), (pkg, c)
+        for restart in c.get("check_restart", []):
+            # a restart only after several misses, and never while the service still starts
+            assert restart["limit"] >= 2 and duration_s(restart["grace"]) >= duration_s(c["interval"])
+
+
 def test_metrics_ports_are_static_and_distinct():
     ports = {}
     for pkg, t in dilu_tasks().items():
@@ -257,7 +273,14 @@ def test_service_unit_settings(pkg):
     exec_start = get("ExecStart").split()
     assert exec_start[:3] == ["/opt/dilu/.venv/bin/python", "-m", f"dilu.services.{pkg}"]
     assert "--nats-url" in exec_start
-    assert get("Type") in {"exec", "simple"}
+    # systemd readiness and watchdog (services/common/runner.py speaks sd_notify)
+    assert get("Type") == "notify"
+    assert get("NotifyAccess") == "main"
+    watchdog = get("WatchdogSec")
+    assert watchdog is not None, f"{pkg}: no WatchdogSec"
+    watchdog_s = duration_s(watchdog + "s" if watchdog.isdigit() else watchdog)
+    # pings come every WatchdogSec/2 from the loop: well above a healthy stall, a restart within a minute
+    assert WATCHDOG_MIN_S <= watchdog_s <= 60
     assert get("Restart") == "on-failure"
     assert get("KillSignal") == "SIGTERM"
     stop = get("TimeoutStopSec")
@@ -269,6 +292,14 @@ def test_service_unit_settings(pkg):
     assert get("PrivateTmp") == "yes"
     assert unit_value(unit, "Install", "WantedBy") == "dilu.target"
     assert unit_value(unit, "Unit", "PartOf") == "dilu.target"
+
+
+def test_nats_unit_is_supervised_without_notify():
+    # nats-server does not speak sd_notify: notify would time its start out, so exec.
+    unit = parse_unit(DEPLOY / "systemd" / "dilu-nats.service")
+    assert unit_value(unit, "Service", "Type") == "exec"
+    assert unit_value(unit, "Service", "Restart") == "on-failure"
+    assert unit_value(unit, "Service", "WatchdogSec") is None
 
 
 def test_node_agent_unit_shares_dev_and_shm():
