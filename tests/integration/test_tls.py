@@ -1,0 +1,152 @@
+"""TLS with client verification against a real nats-server (``tls { verify: true }``).
+
+trustme makes a CA, a server certificate for 127.0.0.1 and a client certificate. A service (the
+scheduler, through the runner) and ``dilu status`` connect with ``--tls-ca/--tls-cert/--tls-key``;
+a client without a certificate, or one that does not trust the CA, is refused with one clear line.
+"""
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import nats
+import pytest
+import trustme
+
+from dilu.services.common.natsconn import NatsOptions, connect
+from dilu.services.common.natsserver import find_binary, free_port
+from dilu.services.common.runner import running
+from dilu.services.scheduler.service import SchedulerService
+
+pytestmark = pytest.mark.nats
+
+DILU = [sys.executable, "-m", "dilu.cli.main"]
+
+
+@pytest.fixture
+def pki(tmp_path):
+    """CA, server and client certificates as PEM files: dict of name -> Path."""
+    ca = trustme.CA()
+    other = trustme.CA()  # a CA the server does not know
+    files = {}
+
+    def write(name: str, blob) -> None:
+        files[name] = tmp_path / f"{name}.pem"
+        blob.write_to_path(str(files[name]))
+
+    write("ca", ca.cert_pem)
+    server = ca.issue_cert("127.0.0.1")
+    write("server-cert", server.cert_chain_pems[0])
+    write("server-key", server.private_key_pem)
+    client = ca.issue_cert("dilu-operator")
+    write("client-cert", client.cert_chain_pems[0])
+    write("client-key", client.private_key_pem)
+    write("other-ca", other.cert_pem)
+    stranger = other.issue_cert("stranger")
+    write("stranger-cert", stranger.cert_chain_pems[0])
+    write("stranger-key", stranger.private_key_pem)
+    return files
+
+
+@pytest.fixture
+def tls_url(tmp_path, pki):
+    """nats-server with JetStream, TLS and client certificate verification; its URL."""
+    port = free_port()
+    conf = tmp_path / "tls.conf"
+    conf.write_text(f"""
+listen: "127.0.0.1:{port}"
+jetstream {{ store_dir: "{tmp_path / 'js'}" }}
+tls {{
+  cert_file: "{pki['server-cert']}"
+  key_file: "{pki['server-key']}"
+  ca_file: "{pki['ca']}"
+  verify: true
+  timeout: 2
+}}
+""")
+    log = open(tmp_path / "nats.log", "wb")
+    proc = subprocess.Popen([find_binary(), "-c", str(conf)], stdout=log, stderr=subprocess.STDOUT,
+                            start_new_session=True)
+    try:
+        deadline = time.monotonic() + 15
+        while True:
+            assert proc.poll() is None, (tmp_path / "nats.log").read_text()
+            try:
+                with socket.create_connection(("127.0.0.1", port), timeout=0.2):
+                    break
+            except OSError:
+                assert time.monotonic() < deadline, "nats-server did not listen"
+                time.sleep(0.05)
+        yield f"nats://127.0.0.1:{port}"
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        log.close()
+
+
+def tls_options(url: str, pki, cert: str = "client", ca: str = "ca") -> NatsOptions:
+    return NatsOptions(servers=(url,), tls_ca=pki[ca], tls_cert=pki[f"{cert}-cert"], tls_key=pki[f"{cert}-key"])
+
+
+async def test_a_service_connects_with_a_client_certificate(tls_url, pki):
+    options = tls_options(tls_url, pki)
+    svc = SchedulerService()
+    async with running(svc, options, ready_timeout_s=15):
+        assert svc.ready()
+        # the same options open a connection of their own; a plain client is refused
+        nc = await connect(options, name="test")
+        assert nc.is_connected and nc.connected_url.hostname == "127.0.0.1"
+        await nc.close()
+    with pytest.raises(Exception):
+        await nats.connect(tls_url, connect_timeout=2, allow_reconnect=False)
+
+
+def dilu_status(tls_url: str, *args: str) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("DILU_")}
+    return subprocess.run([*DILU, "status", "--nats-url", tls_url, "--listen", "0", "--json", *args],
+                          capture_output=True, text=True, timeout=60, env=env)
+
+
+def test_dilu_status_over_tls_and_clear_refusals(tls_url, pki):
+    ok = dilu_status(tls_url, "--tls-ca", str(pki["ca"]), "--tls-cert", str(pki["client-cert"]),
+                     "--tls-key", str(pki["client-key"]))
+    assert ok.returncode == 0, ok.stderr
+    assert '"nodes"' in ok.stdout
+
+    refusals = {
+        "no client certificate": ["--tls-ca", str(pki["ca"])],
+        "a CA the server did not sign with": ["--tls-ca", str(pki["other-ca"]), "--tls-cert",
+                                              str(pki["client-cert"]), "--tls-key", str(pki["client-key"])],
+        "a certificate from another CA": ["--tls-ca", str(pki["ca"]), "--tls-cert", str(pki["stranger-cert"]),
+                                          "--tls-key", str(pki["stranger-key"])],
+        "no TLS at all": [],
+    }
+    for case, args in refusals.items():
+        proc = dilu_status(tls_url, *args)
+        lines = proc.stderr.strip().splitlines()
+        assert proc.returncode != 0, case
+        assert len(lines) == 1 and "Traceback" not in proc.stderr, (case, proc.stderr)
+        assert tls_url in lines[0], (case, lines[0])
+        assert proc.stdout == "", case
+
+
+def test_bad_tls_files_are_one_line(tls_url, pki, tmp_path):
+    missing = dilu_status(tls_url, "--tls-ca", str(tmp_path / "missing.pem"))
+    assert missing.returncode == 2 and "Traceback" not in missing.stderr  # click's usage error
+    assert [ln for ln in missing.stderr.splitlines() if ln.startswith("Error:")] == [
+        f"Error: Invalid value for '--tls-ca': File '{tmp_path / 'missing.pem'}' does not exist."]
+    garbage = tmp_path / "garbage.pem"
+    garbage.write_text("not a certificate\n")
+    for args in (["--tls-ca", str(garbage)], ["--tls-ca", str(pki["ca"]), "--tls-cert", str(garbage),
+                                             "--tls-key", str(pki["client-key"])]):
+        proc = dilu_status(tls_url, *args)
+        assert proc.returncode != 0
+        assert len(proc.stderr.strip().splitlines()) == 1 and "Traceback" not in proc.stderr, proc.stderr
