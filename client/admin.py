@@ -27,6 +27,7 @@ from nats.js.api import KeyValueConfig
 from dilu.contracts import MalformedEvent, decode, encode, subjects
 from dilu.contracts import events as ev
 from dilu.services.common import bundle, workqueue
+from dilu.services.common.jsresources import ensure_kv
 from dilu.services.common.nodes import read_inventories
 
 from .aio import AsyncClient, decode_spec, read_bucket
@@ -131,12 +132,19 @@ def _nc(target: NATS | AsyncClient) -> NATS:
     return target.nc if isinstance(target, AsyncClient) else target
 
 
-async def functions_bucket(js):
-    """KV ``dilu-functions``, created with :data:`FUNCTIONS_KV_CONFIG` if it does not exist."""
-    try:
-        return await js.key_value(subjects.FUNCTIONS_BUCKET)
-    except nats.js.errors.BucketNotFoundError:
-        return await js.create_key_value(FUNCTIONS_KV_CONFIG)
+def _replicas(target: NATS | AsyncClient) -> int | None:
+    """The replicas ``target`` was configured with (``--replicas``), None when unknown (a bare
+    connection): resources are then created with one and existing ones not compared."""
+    options = getattr(target, "options", None) if isinstance(target, AsyncClient) else None
+    return options.replicas if options is not None else None
+
+
+async def functions_bucket(js, *, replicas: int | None = None):
+    """KV ``dilu-functions``, created with :data:`FUNCTIONS_KV_CONFIG` and ``replicas`` (None: one)
+    if it does not exist; an existing one is used as it is, differing settings logged as warnings
+    (:func:`~dilu.services.common.jsresources.ensure_kv`)."""
+    kv, _found = await ensure_kv(js, FUNCTIONS_KV_CONFIG, replicas=replicas)
+    return kv
 
 
 async def _ask(nc: NATS, subject: str, request: ev.Event, reply_kind: type, *, who: str, timeout_s: float):
@@ -231,11 +239,14 @@ async def deploy(target: NATS | AsyncClient, loaded: LoadedSpec | ev.FunctionSpe
     ``timeout_s`` bounds the profiling answer (seconds; admission gets at most
     :data:`ADMIT_TIMEOUT_S`). ``on_step(text)`` is told each step as it starts (for progress
     output). ``loaded`` is not modified. Raises :class:`DeployError` with the reason (bad code
-    folder, refused admission, failed profiling, a service not answering).
+    folder, refused admission, failed profiling, a service not answering). The stream, bucket
+    and object store it creates get the replicas ``target`` connected with (an AsyncClient's
+    ``options.replicas``; one for a bare connection); existing ones are used as they are.
     """
     step = on_step or (lambda _text: None)
     nc = _nc(target)
     js = nc.jetstream()
+    replicas = _replicas(target)
     if isinstance(loaded, LoadedSpec):
         spec, folder = msgspec.structs.replace(loaded.spec), loaded.code_dir
     else:
@@ -244,7 +255,7 @@ async def deploy(target: NATS | AsyncClient, loaded: LoadedSpec | ev.FunctionSpe
     if folder is not None:
         step(f"uploading the code folder {folder}")
         try:
-            spec.code = await bundle.upload(js, folder)
+            spec.code = await bundle.upload(js, folder, replicas=replicas)
         except bundle.BundleError as exc:
             raise DeployError(str(exc)) from None
     step("asking the scheduler whether an instance can be placed")
@@ -258,14 +269,14 @@ async def deploy(target: NATS | AsyncClient, loaded: LoadedSpec | ev.FunctionSpe
     if not prof.ok or prof.profile is None:
         raise DeployError(f"profiling {spec.name} failed: {prof.error or 'no profile in the reply'}")
     if spec.kind != "training":
-        await workqueue.ensure_stream(js)
+        await workqueue.ensure_stream(js, replicas=replicas)
         await workqueue.ensure_consumer(js, spec.name)
     running = [p for p in await placements(js, spec.name) if not p.draining]
     # the scaler's default initial scale (-1) is Knative's 1: an instance is due unless the spec says 0
     due = spec.kind == "training" or spec.initial_scale != 0 or spec.min_instances >= 1
     watch = await _ReadyWatch(spec.name).start(nc) if due and not running else None
     try:
-        kv = await functions_bucket(js)
+        kv = await functions_bucket(js, replicas=replicas)
         await kv.put(subjects.token(spec.name), encode(spec))
         await nc.publish(subjects.function_deployed(spec.name), encode(ev.FunctionDeployed(spec=spec)))
         await nc.flush()

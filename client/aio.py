@@ -292,8 +292,10 @@ class AsyncClient:
     its NATS connection) or :meth:`attach` (uses yours); :meth:`close` at the end, or use it as
     an async context manager."""
 
-    def __init__(self, nc: NATS, *, owns_connection: bool) -> None:
+    def __init__(self, nc: NATS, *, owns_connection: bool, options: NatsOptions | None = None) -> None:
         self.nc = nc
+        # how it connected (None when attached to a connection): ``replicas`` for what it creates
+        self.options = options
         self.js: JetStreamContext = nc.jetstream()
         self._owns = owns_connection
         self._invoker = InvokeClient(nc, self.js)
@@ -341,7 +343,7 @@ class AsyncClient:
         # the limits above were for the first connection; a live client rides out outages
         nc.options["allow_reconnect"] = reconnect
         nc.options["max_reconnect_attempts"] = -1
-        client = cls(nc, owns_connection=True)
+        client = cls(nc, owns_connection=True, options=NatsOptions.of(nats_url))
         try:
             await client.start()
         except BaseException:

@@ -22,6 +22,8 @@ from nats.js.errors import NotFoundError, ObjectNotFoundError
 
 from dilu.contracts import subjects
 
+from .jsresources import ensure_object_store
+
 MAX_BUNDLE_BYTES = 64 * 2**20  # a function's code, not its weights: weights load at run time
 SKIP_DIRS = {"__pycache__", ".git", ".venv", "venv", "node_modules", ".mypy_cache", ".pytest_cache"}
 SKIP_SUFFIXES = (".pyc", ".pyo")
@@ -62,17 +64,22 @@ def pack(folder: str | os.PathLike) -> tuple[bytes, str]:
     return data, "sha256-" + hashlib.sha256(data).hexdigest()
 
 
-async def _store(js: JetStreamContext, *, create: bool):
+CODE_STORE_CONFIG = ObjectStoreConfig(bucket=subjects.CODE_BUCKET, description="Dilu function code")
+
+
+async def _store(js: JetStreamContext, *, create: bool, replicas: int | None = None):
     if create:
-        return await js.create_object_store(subjects.CODE_BUCKET, ObjectStoreConfig(description="Dilu function code"))
+        store, _found = await ensure_object_store(js, CODE_STORE_CONFIG, replicas=replicas)
+        return store
     return await js.object_store(subjects.CODE_BUCKET)
 
 
-async def upload(js: JetStreamContext, folder: str | os.PathLike) -> str:
+async def upload(js: JetStreamContext, folder: str | os.PathLike, *, replicas: int | None = None) -> str:
     """Pack ``folder`` and store it in ``dilu-code`` unless a bundle with its digest is there;
-    returns the key. Raises BundleError (see :func:`pack`)."""
+    returns the key. ``dilu-code`` is created with ``replicas`` (None: one) when missing; an
+    existing store is used as it is (differences logged). Raises BundleError (see :func:`pack`)."""
     data, key = pack(folder)
-    store = await _store(js, create=True)
+    store = await _store(js, create=True, replicas=replicas)
     try:
         await store.get_info(key)
         return key

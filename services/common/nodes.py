@@ -8,11 +8,12 @@ from __future__ import annotations
 
 import msgspec
 from nats.js.api import KeyValueConfig
-from nats.js.errors import BucketNotFoundError, KeyDeletedError, KeyNotFoundError, NotFoundError
+from nats.js.errors import KeyDeletedError, KeyNotFoundError, NotFoundError
 
 from dilu.contracts import subjects
 from dilu.contracts.events import NodeInventory
 
+from .jsresources import ensure_kv
 from .kvkeys import kv_keys
 
 # history 1: only the latest inventory matters; ttl: 4 x the liveness TTL, so an entry outlives
@@ -20,13 +21,13 @@ from .kvkeys import kv_keys
 NODES_KV_CONFIG = KeyValueConfig(bucket=subjects.NODES_BUCKET, history=1, ttl=subjects.NODE_TTL_S * 4)
 
 
-async def nodes_bucket(js):
-    """The ``dilu-nodes`` bucket, created with :data:`NODES_KV_CONFIG` if it does not exist yet
-    (creating it concurrently from several services is safe: same configuration)."""
-    try:
-        return await js.key_value(subjects.NODES_BUCKET)
-    except BucketNotFoundError:
-        return await js.create_key_value(NODES_KV_CONFIG)
+async def nodes_bucket(js, *, replicas: int | None = None, log=None):
+    """The ``dilu-nodes`` bucket, created with :data:`NODES_KV_CONFIG` and ``replicas`` (None: one)
+    if it does not exist yet; an existing one is bound to as it is, each differing setting logged
+    on ``log`` (:func:`~.jsresources.ensure_kv`). Creating it concurrently from several services is
+    safe. Raises what nats-py raises when JetStream refuses it."""
+    kv, _found = await ensure_kv(js, NODES_KV_CONFIG, replicas=replicas, log=log)
+    return kv
 
 
 async def read_inventories(js) -> dict[str, tuple[NodeInventory, int]]:

@@ -40,8 +40,10 @@ from prometheus_client import Counter
 
 from dilu.contracts import subjects as subj
 
+from . import jsresources
 from . import logging as dlog
 from .bus import settle
+from .jsresources import Mismatch
 
 # Stream limits. A request older than this is useless (its caller gave up long before), and a
 # full stream refuses new requests (DiscardPolicy.NEW) so callers see an explicit "dropped"
@@ -57,7 +59,6 @@ MAX_DELIVERIES = 3
 # The consumer's max_deliver: the server stops redelivering even if no instance terminates it.
 MAX_DELIVER_BACKSTOP = MAX_DELIVERIES + 2
 
-_ERR_STREAM_NAME_IN_USE = 10058  # "stream name already in use with a different configuration"
 _MAX_HEADER_CHARS = 512
 
 REQUESTS = Counter(
@@ -89,16 +90,22 @@ async def ensure_stream(
     storage: StorageType = StorageType.FILE,
     max_age_s: float = STREAM_MAX_AGE_S,
     max_bytes: int = STREAM_MAX_BYTES,
-) -> None:
+    replicas: int | None = None,
+    log=None,
+) -> list[Mismatch]:
     """Create the invocation stream if needed; idempotent and safe to call from many processes.
 
     Work-queue retention: a request is deleted once acknowledged, and each subject has at most
     one consumer. File storage (the default) because requests must survive a nats-server restart
     while no instance is warm; JetStream batches its writes, so it costs little next to a GPU
-    batch. ``StorageType.MEMORY`` suits throw-away test servers.
+    batch. ``StorageType.MEMORY`` suits throw-away test servers. ``replicas``: JetStream replicas
+    when the stream is created (``NatsOptions.replicas``; None: one, and an existing stream's count
+    is not compared).
 
-    An existing stream with other limits is updated to these. Raises ``nats.js.errors.APIError``
-    when the stream exists with an incompatible configuration (e.g. another retention policy).
+    An existing stream is used as it is, never updated nor reset: each setting that differs from
+    these (limits, replicas, even another retention policy) is logged as a warning on ``log`` and
+    returned (:class:`~.jsresources.Mismatch`). Raises ``nats.js.errors.APIError`` when JetStream
+    refuses the creation (e.g. more replicas than servers).
     """
     config = StreamConfig(
         name=subj.INVOKE_STREAM,
@@ -109,12 +116,8 @@ async def ensure_stream(
         max_age=max_age_s,
         max_bytes=max_bytes,
     )
-    try:
-        await js.add_stream(config)
-    except nats.js.errors.BadRequestError as exc:
-        if exc.err_code != _ERR_STREAM_NAME_IN_USE:
-            raise
-        await js.update_stream(config)
+    _info, found = await jsresources.ensure_stream(js, config, replicas=replicas, log=log)
+    return found
 
 
 # Seconds an instance may hold a request unacknowledged before JetStream redelivers it: also the
@@ -130,7 +133,9 @@ async def ensure_consumer(
     ``ack_wait_s``: seconds an instance may hold a request without acknowledging it (or sending
     an in-progress ack) before JetStream redelivers it. ``max_ack_pending``: requests in flight
     across all instances of the function. ``max_deliver`` is :data:`MAX_DELIVER_BACKSTOP`. Idempotent (create-or-update by name, nats-server >= 2.9);
-    the stream must exist (:func:`ensure_stream`).
+    the stream must exist (:func:`ensure_stream`). The consumer has the stream's replicas (its
+    ``num_replicas`` is left at 0, "as the stream": JetStream requires a work-queue stream's
+    consumers to have the stream's count, so a stream created with 3 keeps its consumers on 3).
     """
     name = consumer_name(function)
     await js.add_consumer(

@@ -173,7 +173,7 @@ class HorizontalScaler:
         await bus.subscribe(f"{p}.instance.retired.*", InstanceRetired, self._on_retired)
         await bus.subscribe(f"{p}.telemetry.gpu.*.*", GpuTelemetry, self._on_telemetry)
         await bus.nc.flush()
-        await self.state.open(bus.js)
+        await self.state.open(bus.js, replicas=bus.options.replicas, log=bus.log)
         await self._rebuild()
         self._loop_task = asyncio.create_task(self._loop(), name="horizontal-scaler-tick")
 

@@ -17,6 +17,8 @@ from nats.js.errors import KeyNotFoundError, NotFoundError
 from dilu.contracts import subjects
 from dilu.contracts.events import STATE_DECISIONS, FunctionState, ScaleDecision
 
+from ..common.jsresources import ensure_kv
+
 STATE_KV_CONFIG = KeyValueConfig(bucket=subjects.FUNCTION_STATE_BUCKET, history=1,
                                  description="Dilu: the horizontal scaler's view of each function")
 
@@ -35,8 +37,10 @@ class FunctionStateStore:
         self._placeable: dict[str, tuple[bool, str]] = {}
         self._written: dict[str, bytes] = {}
 
-    async def open(self, js: JetStreamContext) -> None:
-        self.kv = await js.create_key_value(STATE_KV_CONFIG)
+    async def open(self, js: JetStreamContext, *, replicas: int | None = None, log=None) -> None:
+        """Bind to (or create, with ``replicas``; None: one) the ``dilu-function-state`` bucket; an
+        existing one is used as it is, each differing setting warned about on ``log``."""
+        self.kv, _found = await ensure_kv(js, STATE_KV_CONFIG, replicas=replicas, log=log)
 
     def decided(self, decision: ScaleDecision) -> None:
         q = self._decisions.setdefault(decision.function, deque(maxlen=STATE_DECISIONS))

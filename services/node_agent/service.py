@@ -46,8 +46,7 @@ import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from nats.js.api import KeyValueConfig
-from nats.js.errors import BucketNotFoundError, KeyNotFoundError, KeyWrongLastSequenceError
+from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError
 from hdrh.histogram import HdrHistogram
 from prometheus_client import Counter, Gauge
 
@@ -57,6 +56,7 @@ from dilu.services.common import logging as dlog
 from dilu.services.common.bus import Bus
 from dilu.services.common.metrics import MALFORMED
 from dilu.services.common.natsconn import DEFAULT_URL, ENV_NATS, NatsOptions
+from dilu.services.common.jsresources import PLACEMENT_KV_CONFIG, ensure_kv
 from dilu.services.common.nodes import nodes_bucket
 from dilu.services.common.runner import StartFailed
 
@@ -259,7 +259,7 @@ class NodeAgent:
     async def _claim_node(self) -> None:
         """Put the first inventory, unless another live agent holds this node name (see
         .claim.claim_refusal). Raises StartFailed then."""
-        self._inv_kv = await nodes_bucket(self.bus.js)
+        self._inv_kv = await nodes_bucket(self.bus.js, replicas=self.bus.options.replicas, log=self.bus.log)
         key = subjects.token(self.node)
         try:
             held = decode((await self._inv_kv.get(key)).value, ev.NodeInventory)
@@ -309,14 +309,11 @@ class NodeAgent:
         return True
 
     async def _placement_bucket(self):
-        js = self.bus.js
-        try:
-            return await js.key_value(subjects.PLACEMENT_BUCKET)
-        except BucketNotFoundError:
-            try:
-                return await js.create_key_value(KeyValueConfig(bucket=subjects.PLACEMENT_BUCKET, history=5))
-            except Exception:  # created concurrently by the scheduler: bind to it
-                return await js.key_value(subjects.PLACEMENT_BUCKET)
+        # created with the scheduler's settings when missing (either may start first); an existing
+        # bucket is bound as it is, differences warned about
+        kv, _found = await ensure_kv(self.bus.js, PLACEMENT_KV_CONFIG, replicas=self.bus.options.replicas,
+                                     log=self.bus.log)
+        return kv
 
     # ------------------------------------------------------------------ placements
 

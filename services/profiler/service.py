@@ -18,7 +18,6 @@ from dataclasses import dataclass
 import msgspec
 from nats.errors import NoRespondersError
 from nats.errors import TimeoutError as NatsTimeout
-from nats.js.api import KeyValueConfig
 from prometheus_client import Counter
 
 from dilu.contracts import subjects
@@ -34,6 +33,7 @@ from dilu.contracts.events import (
 )
 
 from ..common.bus import Bus
+from ..common.jsresources import PROFILES_KV_CONFIG, ensure_kv
 from ..common.nodes import read_inventories, trial_node
 from dilu.services.common import models
 from .policy import (InferenceSearch, Measurement, NoFeasibleSetting, TrainingSearch, Trial, cpu_profile,
@@ -48,7 +48,7 @@ for _label in ("node", "surface"):  # export 0 before the first trial, so dashbo
 
 QUOTA_GRID = tuple(round(0.1 * i, 1) for i in range(1, 11))  # the A100 MPS grid: 10 % .. 100 %
 BATCH_GRID = (1, 2, 4, 8, 16, 32)
-PROFILE_HISTORY = 5
+PROFILE_HISTORY = PROFILES_KV_CONFIG.history
 
 
 class TrialFailed(RuntimeError):
@@ -152,8 +152,8 @@ class ProfilerService:
 
     async def start(self, bus: Bus) -> None:
         self.bus = bus
-        self.kv = await bus.js.create_key_value(
-            KeyValueConfig(bucket=subjects.PROFILES_BUCKET, history=PROFILE_HISTORY))
+        # an existing bucket is bound as it is, each differing setting warned about
+        self.kv, _ = await ensure_kv(bus.js, PROFILES_KV_CONFIG, replicas=bus.options.replicas, log=bus.log)
         # a wildcard pattern, written out: subjects.function_deployed() would sanitise "*" away
         await bus.subscribe(f"{subjects.PREFIX}.function.deployed.*", FunctionDeployed, self._on_deployed)
         await bus.serve(subjects.PROFILER_PROFILE, ProfileRequest, self._on_request, concurrent=True)

@@ -49,7 +49,6 @@ import uuid
 from collections.abc import Callable
 
 import msgspec
-from nats.js.api import KeyValueConfig
 from nats.js.errors import (
     APIError,
     BucketNotFoundError,
@@ -87,6 +86,7 @@ from dilu.contracts.events import (
 from ..common.bus import Bus
 from ..common.metrics import MALFORMED
 from ..common.kvkeys import kv_keys
+from ..common.jsresources import PLACEMENT_KV_CONFIG, PROFILES_KV_CONFIG, ensure_kv
 from ..common.nodes import nodes_bucket
 from ..common.functions import runs_on
 from .inventory import NodeChange, Roster, admission, inventory_age_s, orphans_due
@@ -166,9 +166,10 @@ class SchedulerService:
 
     async def start(self, bus: Bus) -> None:
         self.bus = bus
-        self.kv = await bus.js.create_key_value(KeyValueConfig(bucket=subjects.PLACEMENT_BUCKET, history=5))
-        self.kv_profiles = await bus.js.create_key_value(KeyValueConfig(bucket=subjects.PROFILES_BUCKET, history=5))
-        self.kv_nodes = await nodes_bucket(bus.js)  # created with NODES_KV_CONFIG when missing
+        replicas = bus.options.replicas  # existing buckets are bound as they are, differences warned
+        self.kv, _ = await ensure_kv(bus.js, PLACEMENT_KV_CONFIG, replicas=replicas, log=bus.log)
+        self.kv_profiles, _ = await ensure_kv(bus.js, PROFILES_KV_CONFIG, replicas=replicas, log=bus.log)
+        self.kv_nodes = await nodes_bucket(bus.js, replicas=replicas, log=bus.log)  # NODES_KV_CONFIG
         self.started_s = self.clock()
         await self.load_inventories()
         await self.rebuild()

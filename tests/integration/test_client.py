@@ -251,7 +251,8 @@ async def test_an_unplaceable_function_without_instances_is_refused_before_publi
 
 async def test_a_full_stream_is_no_capacity(nc, client):
     await deployed(nc, instance=False)  # requests stay stored
-    await workqueue.ensure_stream(nc.jetstream(), max_bytes=4096)  # room for a few requests only
+    js = nc.jetstream()  # an operator shrinks the stream (ensure_stream never changes an existing one)
+    await js.update_stream((await js.stream_info(subjects.INVOKE_STREAM)).config.evolve(max_bytes=4096))
     for _ in range(20):
         try:
             await client.invoke("echo", b"x" * 1000, timeout_s=0.2)

@@ -126,17 +126,19 @@ async def test_stream_and_consumer_are_idempotent(js):
     assert cinfo.config.ack_wait == pytest.approx(3)
 
 
-async def test_stream_with_other_limits_is_updated_and_an_incompatible_one_refused(nc):
+async def test_stream_with_other_settings_is_bound_as_it_is_and_warned_about(nc):
     js = nc.jetstream()
     await js.add_stream(name=subj.INVOKE_STREAM, subjects=[subj.INVOKE_SUBJECTS], retention="workqueue", max_age=5)
-    await ensure_stream(js, max_age_s=60)
-    assert (await js.stream_info(subj.INVOKE_STREAM)).config.max_age == pytest.approx(60)
+    found = await ensure_stream(js, max_age_s=60)
+    assert (await js.stream_info(subj.INVOKE_STREAM)).config.max_age == pytest.approx(5)  # never reset
+    assert [(m.setting, m.wanted, m.found) for m in found if m.setting == "max_age_s"] == [("max_age_s", 60.0, 5.0)]
     await js.delete_stream(subj.INVOKE_STREAM)
     # in memory: re-creating a just-deleted file store can race the server's removal of its directory
     await js.add_stream(name=subj.INVOKE_STREAM, subjects=[subj.INVOKE_SUBJECTS], retention="limits",
                         storage="memory")
-    with pytest.raises(nats.js.errors.APIError):
-        await ensure_stream(js)  # a limits stream would never delete served requests
+    found = await ensure_stream(js)  # no failed start: bound, and the other retention warned about
+    assert ("retention", "workqueue", "limits") in [(m.setting, m.wanted, m.found) for m in found]
+    assert (await js.stream_info(subj.INVOKE_STREAM)).config.retention == "limits"
 
 
 async def test_backlog_of_missing_or_misnamed_consumer_raises(nc):
