@@ -14,7 +14,10 @@ import pytest
 
 from dilu.contracts import subjects as subj
 from dilu.services.common.invoke import InvokeClient
+from dilu.services.common.natsconn import NatsOptions
+from dilu.services.common.runner import running
 from dilu.services.common.workqueue import BatchPuller, consumer_name, ensure_consumer, ensure_stream
+from dilu.services.scheduler.service import SchedulerService
 from natscluster import NatsCluster
 
 pytestmark = pytest.mark.nats
@@ -47,6 +50,11 @@ async def test_killing_the_invoke_stream_leader_loses_nothing():
         assert info.config.num_replicas == 3 and len(info.cluster.replicas) == 2
         cinfo = await js.consumer_info(subj.INVOKE_STREAM, consumer_name(FN))
         assert len(cinfo.cluster.replicas or []) == 2  # the consumer follows the stream's replicas
+        # a service started with --replicas 3 creates its buckets on 3 servers
+        async with running(SchedulerService(), NatsOptions(servers=tuple(cluster.urls), replicas=3)):
+            pass
+        for bucket in (subj.PLACEMENT_BUCKET, subj.PROFILES_BUCKET, subj.NODES_BUCKET):
+            assert (await js.stream_info(f"KV_{bucket}")).config.num_replicas == 3, bucket
 
         stop = asyncio.Event()
         pullers, tasks, conns = [], [], [admin]
