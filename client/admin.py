@@ -24,7 +24,7 @@ import nats.js.errors
 from nats.aio.client import Client as NATS
 from nats.js.api import KeyValueConfig
 
-from dilu.contracts import MalformedEvent, decode, encode, subjects
+from dilu.contracts import MalformedEvent, cloudevents, decode, encode, subjects
 from dilu.contracts import events as ev
 from dilu.services.common import bundle, workqueue
 from dilu.services.common.jsresources import ensure_kv
@@ -40,6 +40,7 @@ FUNCTIONS_KV_CONFIG = KeyValueConfig(bucket=subjects.FUNCTIONS_BUCKET, history=5
                                      description="Dilu deployed functions (FunctionSpec JSON)")
 ADMIT_TIMEOUT_S = 10.0  # admission is a look at the inventory: seconds, not a search
 UNDEPLOY_POLL_S = 0.5
+CE_SOURCE = cloudevents.source("client")  # ce-source of the events a client publishes
 TELEMETRY_S = 2.0
 
 
@@ -147,10 +148,17 @@ async def functions_bucket(js, *, replicas: int | None = None):
     return kv
 
 
+async def publish_event(nc: NATS, subject: str, event: ev.Event) -> None:
+    """Publish ``event`` with its CloudEvents headers, as the services' bus does."""
+    data = encode(event)  # stamps ts_ns, which ce-time is made from
+    await nc.publish(subject, data, headers=cloudevents.headers(event, CE_SOURCE))
+
+
 async def _ask(nc: NATS, subject: str, request: ev.Event, reply_kind: type, *, who: str, timeout_s: float):
     """Request-reply with a service; every failure is a DeployError naming the service."""
     try:
-        msg = await nc.request(subject, encode(request), timeout=timeout_s)
+        data = encode(request)  # stamps ts_ns, which ce-time is made from
+        msg = await nc.request(subject, data, timeout=timeout_s, headers=cloudevents.headers(request, CE_SOURCE))
     except nats.errors.NoRespondersError:
         raise DeployError(f"no {who} answering on {subject} (is the {who} running?)") from None
     except (nats.errors.TimeoutError, asyncio.TimeoutError):
@@ -278,7 +286,7 @@ async def deploy(target: NATS | AsyncClient, loaded: LoadedSpec | ev.FunctionSpe
     try:
         kv = await functions_bucket(js, replicas=replicas)
         await kv.put(subjects.token(spec.name), encode(spec))
-        await nc.publish(subjects.function_deployed(spec.name), encode(ev.FunctionDeployed(spec=spec)))
+        await publish_event(nc, subjects.function_deployed(spec.name), ev.FunctionDeployed(spec=spec))
         await nc.flush()
         started = time.monotonic()
         if watch:
@@ -313,7 +321,7 @@ async def undeploy(target: NATS | AsyncClient, name: str, *, wait_s: float = 30.
     except (msgspec.DecodeError, msgspec.ValidationError):  # removed all the same
         kind = "inference"
     await kv.delete(key)
-    await nc.publish(subjects.function_undeployed(name), encode(ev.FunctionUndeployed(name=name)))
+    await publish_event(nc, subjects.function_undeployed(name), ev.FunctionUndeployed(name=name))
     await nc.flush()
     deadline = time.monotonic() + wait_s
     while (remaining := len(await placements(js, name))) and time.monotonic() < deadline:

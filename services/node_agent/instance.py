@@ -44,7 +44,7 @@ import msgspec
 import uvloop
 from nats.js.errors import BucketNotFoundError, KeyDeletedError, KeyNotFoundError
 
-from dilu.contracts import encode, subjects
+from dilu.contracts import cloudevents, encode, subjects
 from dilu.contracts import events as ev
 from dilu.services.common import logging as dlog
 from dilu.services.common.cliopts import nats_options
@@ -188,6 +188,7 @@ class Instance:
         self.puller: BatchPuller | None = None
         self.serving = False  # READY written
         self.stats_subject = subjects.function_stats(function, instance_id)
+        self.ce_source = cloudevents.source("instance", node)
 
     # ---------------------------------------------------------------- stats
 
@@ -201,7 +202,8 @@ class Instance:
         if stats is None:
             return
         try:
-            await self.nc.publish(self.stats_subject, encode(stats))
+            data = encode(stats)  # stamps ts_ns, which ce-time is made from
+            await self.nc.publish(self.stats_subject, data, headers=cloudevents.headers(stats, self.ce_source))
         except Exception as exc:  # reconnecting: this period's counts are lost, serving goes on
             self.log.warning("function stats not published", error=repr(exc))
 
