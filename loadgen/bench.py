@@ -12,22 +12,25 @@ Writes ``{"rate_rps", "seconds", "sent", "send_rate_rps", "send_error_ms_p50",
 """
 from __future__ import annotations
 
-import asyncio
+import contextlib
 import json
 from pathlib import Path
 
 import click
-import nats
 import uvloop
+from click.core import ParameterSource
+from nats.errors import Error as NatsError
 from hdrh.histogram import HdrHistogram
 
-from dilu.services.common.cliopts import check_nats_url, writable_output
+from dilu.services.common.cliopts import nats_options, writable_output
+from dilu.services.common.natsconn import NatsOptions, connect
 
 from .arrivals import NS_PER_S, Invocation
 from .generator import DEFAULT_LATE_THRESHOLD_MS, OpenLoopGenerator, Outcome
 
 GOAL_RATE_RPS = 5000.0
 GOAL_SEND_ERROR_MS_P99 = 1.0
+CONNECT_TIMEOUT_S = 3.0  # a bench's connection: one attempt, no reconnect (a refusal fails the run at once)
 SUBJECT = "dilu.bench.loadgen"  # core NATS subject of --nats-url sends (no subscriber)
 
 
@@ -47,9 +50,14 @@ def ms_histogram() -> HdrHistogram:
     return HdrHistogram(1, 600_000_000, 3)
 
 
-async def run_bench(rate_rps: float, seconds: float, nats_url: str | None = None) -> dict:
-    """Run the generator with a no-op invoke and return the figures (see the module docstring)."""
-    nc = await nats.connect(nats_url, max_reconnect_attempts=0) if nats_url else None
+async def run_bench(rate_rps: float, seconds: float, nats_url: NatsOptions | str | None = None) -> dict:
+    """Run the generator with a no-op invoke and return the figures (see the module docstring).
+    ``nats_url``: also publish each request there (a URL list or full :class:`NatsOptions`:
+    credentials, TLS). Raises what :func:`natsconn.connect` raises when that server refuses us."""
+    nc = None
+    if nats_url:
+        nc = await connect(nats_url, name="dilu-bench-loadgen", connect_timeout=CONNECT_TIMEOUT_S,
+                           allow_reconnect=False)
 
     async def invoke(inv: Invocation) -> Outcome:
         if nc is not None:
@@ -88,29 +96,58 @@ async def run_bench(rate_rps: float, seconds: float, nats_url: str | None = None
     }
 
 
-def reachable_or_exit(nats_url: str | None) -> None:
-    """Exit with one clear line (click error) when ``nats_url`` is given and nothing answers there."""
-    if nats_url:
+def given_nats(nats: NatsOptions) -> NatsOptions | None:
+    """``nats`` when ``--nats-url`` (or DILU_NATS_URL) was given, else None: the bench then needs
+    no server (or starts its own). Raises click.UsageError for --creds/--tls-* without --nats-url
+    (they would silently not apply)."""
+    ctx = click.get_current_context()
+    if ctx.get_parameter_source("nats_url") not in (None, ParameterSource.DEFAULT):
+        return nats
+    if nats.creds or nats.tls_ca or nats.tls_cert:
+        raise click.UsageError("--creds and --tls-* apply to the server of --nats-url: give it too")
+    return None
+
+
+def reachable_or_exit(nats: NatsOptions | str | None) -> None:
+    """Exit with one clear line (click error) when ``nats`` is given and none of its servers answers."""
+    if nats:
         from dilu.cli.cluster import check_reachable
 
-        try:
-            check_reachable(nats_url)
-        except RuntimeError as exc:
-            raise click.ClickException(str(exc)) from None
+        error = None
+        for url in NatsOptions.of(nats).servers:
+            try:
+                check_reachable(url)
+                return
+            except RuntimeError as exc:
+                error = exc
+        raise click.ClickException(str(error))
+
+
+@contextlib.contextmanager
+def one_line_nats_errors(nats: NatsOptions | str | None):
+    """Turn a NATS or TLS failure inside the block (a refused certificate or identity, a lost
+    server) into one click error line naming the server, instead of a traceback."""
+    try:
+        yield
+    except (NatsError, OSError) as exc:  # ssl.SSLError is an OSError
+        where = f"NATS at {NatsOptions.of(nats).url}" if nats else "NATS"
+        raise click.ClickException(f"{where}: {type(exc).__name__}: {exc}") from None
 
 
 @click.command("loadgen")
 @click.option("--rate", type=click.FloatRange(1, 1_000_000), default=5000.0, show_default=True,
               help="scheduled sends per second")
 @click.option("--seconds", type=click.FloatRange(0.1, 3600), default=5.0, show_default=True)
-@click.option("--nats-url", default=None, callback=lambda c, p, v: v and check_nats_url(c, p, v),
-              help="also publish each request (core NATS, no reply) to this server")
+@nats_options
 @click.option("--json", "json_path", type=click.Path(dir_okay=False, path_type=Path), default=None,
               callback=writable_output, help="write the figures here")
-def bench_loadgen(rate, seconds, nats_url, json_path):
-    """Open-loop generator send rate and send-time error with a no-op invoke (goal >= 5,000 req/s, p99 < 1 ms)."""
+def bench_loadgen(rate, seconds, nats, json_path):
+    """Open-loop generator send rate and send-time error with a no-op invoke (goal >= 5,000 req/s, p99 < 1 ms).
+    With --nats-url each request is also published (core NATS, no reply) to that server."""
+    nats_url = given_nats(nats)
     reachable_or_exit(nats_url)
-    result = uvloop.run(run_bench(rate, seconds, nats_url))
+    with one_line_nats_errors(nats_url):
+        result = uvloop.run(run_bench(rate, seconds, nats_url))
     text = json.dumps(result, indent=2)
     if json_path:
         json_path.write_text(text + "\n")

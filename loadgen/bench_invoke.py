@@ -31,19 +31,19 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 import click
-import nats
 import uvloop
 from nats.js.api import AckPolicy, ConsumerConfig, RetentionPolicy, StorageType, StreamConfig
 
 from dilu.services.common import logging as dlog
-from dilu.services.common.cliopts import check_nats_url, writable_output
+from dilu.services.common.cliopts import nats_options, writable_output
 from dilu.services.common.invoke import InvokeClient
+from dilu.services.common.natsconn import NatsOptions, connect
 from dilu.services.common.natsserver import EmbeddedNats
 from dilu.services.common.workqueue import BatchPuller, backlog, consumer_name, ensure_consumer, ensure_stream
 from dilu.contracts import subjects as subj
 
 from .arrivals import Invocation
-from .bench import ms_histogram, reachable_or_exit, steady_plan
+from .bench import CONNECT_TIMEOUT_S, given_nats, ms_histogram, one_line_nats_errors, reachable_or_exit, steady_plan
 from .generator import OpenLoopGenerator, Outcome
 
 HELD_P99_MS = 10.0
@@ -82,16 +82,21 @@ async def _phase(make_invoke: Callable[[OpenLoopGenerator, str], Invoke], rate_r
             "held": bool(sent) and ok == sent and p99 is not None and p99 < HELD_P99_MS}
 
 
+async def _connect(url: NatsOptions | str, name: str):
+    """One connection of the bench: one attempt, no reconnect (a refusal or a lost server fails the run)."""
+    return await connect(url, name=name, connect_timeout=CONNECT_TIMEOUT_S, allow_reconnect=False)
+
+
 class DiluPath:
     """A no-op function instance (BatchPuller) and an InvokeClient caller on one NATS server."""
 
-    def __init__(self, url: str) -> None:
+    def __init__(self, url: NatsOptions | str) -> None:
         self.url = url
         self.function = f"bench-noop-{uuid.uuid4().hex[:8]}"
 
     async def start(self) -> None:
-        self.nc_caller = await nats.connect(self.url, max_reconnect_attempts=0)
-        self.nc_fn = await nats.connect(self.url, max_reconnect_attempts=0)
+        self.nc_caller = await _connect(self.url, "dilu-bench-caller")
+        self.nc_fn = await _connect(self.url, "dilu-bench-function")
         self.js = self.nc_caller.jetstream()
         await ensure_stream(self.js)
         await ensure_consumer(self.js, self.function, max_ack_pending=MAX_ACK_PENDING)
@@ -135,14 +140,14 @@ class DiluPath:
 class BarePath:
     """The baseline: a work-queue stream, ``js.publish``, a pull consumer replying, no Dilu code."""
 
-    def __init__(self, url: str) -> None:
+    def __init__(self, url: NatsOptions | str) -> None:
         self.url = url
         tag = uuid.uuid4().hex[:8]
         self.stream, self.subject = f"DILU_BENCH_BASE_{tag}", f"dilu.bench.base.{tag}"
 
     async def start(self) -> None:
-        self.nc_caller = await nats.connect(self.url, max_reconnect_attempts=0)
-        self.nc_fn = await nats.connect(self.url, max_reconnect_attempts=0)
+        self.nc_caller = await _connect(self.url, "dilu-bench-caller")
+        self.nc_fn = await _connect(self.url, "dilu-bench-function")
         self.js = self.nc_caller.jetstream()
         await self.js.add_stream(StreamConfig(name=self.stream, subjects=[self.subject],
                                               retention=RetentionPolicy.WORK_QUEUE, storage=StorageType.FILE))
@@ -227,8 +232,11 @@ async def _search(dilu: DiluPath, first: dict, search_s: float) -> tuple[float, 
     return held or 0.0, failed, steps
 
 
-async def run_bench(rate_rps: float, seconds: float, search_s: float, nats_url: str | None = None) -> dict:
-    """Run the three parts (module docstring) against ``nats_url`` or an embedded server."""
+async def run_bench(rate_rps: float, seconds: float, search_s: float,
+                    nats_url: NatsOptions | str | None = None) -> dict:
+    """Run the three parts (module docstring) against ``nats_url`` (a URL list or full
+    :class:`NatsOptions`: credentials, TLS) or an embedded server. Raises what
+    :func:`natsconn.connect` raises when that server refuses us."""
     server = None if nats_url else EmbeddedNats().start()
     url = nats_url or server.url
     dilu, bare = DiluPath(url), BarePath(url)
@@ -269,7 +277,7 @@ async def run_bench(rate_rps: float, seconds: float, search_s: float, nats_url: 
         "goal": {"rate_rps": GOAL_RATE_RPS, "overhead_ms_p50": GOAL_MS_P50, "overhead_ms_p99": GOAL_MS_P99,
                  "met": (rate_rps >= GOAL_RATE_RPS and main["errors"] == 0 and main["p50_ms"] is not None
                          and main["p50_ms"] <= GOAL_MS_P50 and main["p99_ms"] <= GOAL_MS_P99)},
-        "setup": {"transport": "nats-server (loopback)" if server else url, "storage": "file",
+        "setup": {"transport": "nats-server (loopback)" if server else NatsOptions.of(url).url, "storage": "file",
                   "function": "no-op BatchPuller in the caller's process, own NATS connection",
                   "max_batch": MAX_BATCH, "step_s": STEP_S, "search_s": search_s,
                   "measured": "answer received - scheduled send (open loop)"},
@@ -277,8 +285,7 @@ async def run_bench(rate_rps: float, seconds: float, search_s: float, nats_url: 
 
 
 @click.command("invoke")
-@click.option("--nats-url", default=None, callback=lambda c, p, v: v and check_nats_url(c, p, v),
-              help="use this NATS server (JetStream on) instead of an embedded one")
+@nats_options
 @click.option("--rate", type=click.FloatRange(1, 1_000_000), default=1000.0, show_default=True,
               help="requests per second of the overhead and baseline runs")
 @click.option("--seconds", type=click.FloatRange(0.1, 3600), default=10.0, show_default=True)
@@ -286,11 +293,14 @@ async def run_bench(rate_rps: float, seconds: float, search_s: float, nats_url: 
               help="time for the highest-rate search (no new step after it; 0: no search)")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False, path_type=Path), default=None,
               callback=writable_output, help="write the figures here")
-def bench_invoke(nats_url, rate, seconds, search_s, json_path):
-    """Data-plane overhead of a no-op function vs a bare JetStream round trip, and the highest rate held."""
+def bench_invoke(nats, rate, seconds, search_s, json_path):
+    """Data-plane overhead of a no-op function vs a bare JetStream round trip, and the highest rate held.
+    Without --nats-url it starts its own nats-server; with it, that server (JetStream on)."""
+    nats_url = given_nats(nats)
     reachable_or_exit(nats_url)
     dlog.configure("bench-invoke", "error")
-    result = uvloop.run(run_bench(rate, seconds, search_s, nats_url))
+    with one_line_nats_errors(nats_url):
+        result = uvloop.run(run_bench(rate, seconds, search_s, nats_url))
     text = json.dumps(result, indent=2)
     if json_path:
         json_path.write_text(text + "\n")

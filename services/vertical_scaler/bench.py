@@ -20,15 +20,15 @@ import time
 from pathlib import Path
 
 import click
-import nats
 import uvloop
 from hdrh.histogram import HdrHistogram
 
-from dilu.cli.cluster import check_reachable
 from dilu.contracts import decode, encode, subjects
 from dilu.contracts.events import GpuTelemetry, InstanceTelemetry, KernelCycleStretch, TokenGrant
 from dilu.services.common import logging as dlog
-from dilu.services.common.cliopts import writable_output
+from dilu.loadgen.bench import given_nats, one_line_nats_errors, reachable_or_exit
+from dilu.services.common.cliopts import nats_options, writable_output
+from dilu.services.common.natsconn import NatsOptions, connect
 from dilu.services.common.natsserver import EmbeddedNats
 from dilu.services.common.runner import serve
 
@@ -105,8 +105,11 @@ class SyntheticNode:
             ratio=3.0, detected_ns=detected, ts_ns=detected)))
 
 
-async def run_bench(events: int, interval_ms: float, telemetry_ms: float, nats_url: str | None = None) -> dict:
-    """Run the measurement (against ``nats_url``, or an embedded server) and return the figures."""
+async def run_bench(events: int, interval_ms: float, telemetry_ms: float,
+                    nats_url: NatsOptions | str | None = None) -> dict:
+    """Run the measurement (against ``nats_url``: a URL list or full :class:`NatsOptions` with
+    credentials and TLS; or an embedded server) and return the figures. Raises RuntimeError when
+    the scaler is not ready within READY_TIMEOUT_S, TimeoutError when no grant comes."""
     server = None if nats_url else EmbeddedNats().start()
     url = nats_url or server.url
     shutdown = asyncio.Event()
@@ -121,10 +124,11 @@ async def run_bench(events: int, interval_ms: float, telemetry_ms: float, nats_u
             if service.done():
                 service.result()
             if time.monotonic() > ready_by:
-                raise RuntimeError(f"the vertical scaler did not get ready on NATS at {url} within "
-                                   f"{READY_TIMEOUT_S:g} s (is a NATS server listening there?)")
+                raise RuntimeError(f"the vertical scaler did not get ready on NATS at {NatsOptions.of(url).url} "
+                                   f"within {READY_TIMEOUT_S:g} s (is a NATS server listening there, and does "
+                                   f"it accept these credentials and TLS settings?)")
             await asyncio.sleep(0.01)
-        nc = await nats.connect(url)
+        nc = await connect(url, name="dilu-bench-vertical")
         node = SyntheticNode(nc, telemetry_ms)
         await nc.subscribe(subjects.grant_issued(NODE, GPU), cb=node.on_grant)
         await nc.flush()
@@ -167,17 +171,16 @@ async def run_bench(events: int, interval_ms: float, telemetry_ms: float, nats_u
 @click.option("--events", type=click.IntRange(10, 100_000), default=300, show_default=True)
 @click.option("--interval-ms", type=click.FloatRange(5, 10_000), default=30.0, show_default=True)
 @click.option("--telemetry-ms", type=click.FloatRange(1, 10_000), default=10.0, show_default=True)
-@click.option("--nats-url", default=None, help="use this NATS server instead of an embedded one")
-def bench_vertical(json_path, events, interval_ms, telemetry_ms, nats_url):
-    """Vertical scaler reaction time: stretch event published -> TokenGrant received (goal p99 <= 10 ms)."""
+@nats_options
+def bench_vertical(json_path, events, interval_ms, telemetry_ms, nats):
+    """Vertical scaler reaction time: stretch event published -> TokenGrant received (goal p99 <= 10 ms).
+    Without --nats-url it starts its own nats-server."""
     dlog.configure("bench-vertical", "warning")
-    if nats_url:  # the service under test would wait for an unreachable server forever
-        try:
-            check_reachable(nats_url)
-        except RuntimeError as exc:
-            raise click.ClickException(str(exc)) from None
+    nats_url = given_nats(nats)
+    reachable_or_exit(nats_url)  # the service under test would wait for an unreachable server forever
     try:
-        result = uvloop.run(run_bench(events, interval_ms, telemetry_ms, nats_url))
+        with one_line_nats_errors(nats_url):
+            result = uvloop.run(run_bench(events, interval_ms, telemetry_ms, nats_url))
     except (RuntimeError, TimeoutError) as exc:  # not ready in time, no grant: one line, no traceback
         raise click.ClickException(str(exc)) from None
     text = json.dumps(result, indent=2)

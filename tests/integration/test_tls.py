@@ -11,7 +11,6 @@ import socket
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import nats
 import pytest
@@ -150,3 +149,26 @@ def test_bad_tls_files_are_one_line(tls_url, pki, tmp_path):
         proc = dilu_status(tls_url, *args)
         assert proc.returncode != 0
         assert len(proc.stderr.strip().splitlines()) == 1 and "Traceback" not in proc.stderr, proc.stderr
+
+
+def test_benches_take_the_tls_options(tls_url, pki):
+    from click.testing import CliRunner
+
+    from dilu.cli.main import main
+
+    tls = ["--tls-ca", str(pki["ca"]), "--tls-cert", str(pki["client-cert"]), "--tls-key", str(pki["client-key"])]
+    runner = CliRunner()
+    res = runner.invoke(main, ["bench", "loadgen", "--nats-url", tls_url, *tls, "--rate", "100", "--seconds", "0.3"])
+    assert res.exit_code == 0, res.output
+    assert '"core NATS publish"' not in res.output and "core NATS publish" in res.output
+    res = runner.invoke(main, ["bench", "invoke", "--nats-url", tls_url, *tls, "--rate", "50", "--seconds", "0.3",
+                               "--search-s", "0"])
+    assert res.exit_code == 0, res.output
+    assert f'"transport": "{tls_url}"' in res.output
+    # refused (no client certificate): one line naming the server, no traceback
+    res = runner.invoke(main, ["bench", "loadgen", "--nats-url", tls_url, "--tls-ca", str(pki["ca"]),
+                               "--seconds", "0.3"])
+    assert res.exit_code == 1 and res.output.count("\n") == 1 and tls_url in res.output, res.output
+    # TLS options without --nats-url would not apply to the bench's own server: refused
+    res = runner.invoke(main, ["bench", "vertical", *tls, "--events", "10"])
+    assert res.exit_code == 2 and "--nats-url" in res.output, res.output
