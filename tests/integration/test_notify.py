@@ -148,3 +148,48 @@ def test_without_notify_socket_nothing_is_sent_and_nothing_breaks(tmp_path):
             if proc.poll() is None:
                 os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait()
+
+
+# Every service runs under Type=notify in deploy/systemd: each must say READY=1 and STOPPING=1.
+SERVICES = ["profiler", "scheduler", "horizontal_scaler", "vertical_scaler", "node_agent", "gateway"]
+
+
+def test_every_service_says_ready_and_stopping(nats_url, tmp_path):
+    ports = free_ports(2 * len(SERVICES))
+    base = {k: v for k, v in os.environ.items() if not k.startswith(("NOTIFY_SOCKET", "WATCHDOG_"))}
+    base.update({"DILU_NODE": "notify-node", "DILU_DEVICE": "emulated", "DILU_METRICS_HOST": "127.0.0.1",
+                 "HOME": str(tmp_path), "XDG_CACHE_HOME": str(tmp_path / "cache"),
+                 "DILU_MPS_DIR": str(tmp_path / "mps")})
+    sockets, procs = {}, {}
+    try:
+        for i, pkg in enumerate(SERVICES):
+            sockets[pkg] = FakeSystemd()
+            argv = [sys.executable, "-m", f"dilu.services.{pkg}", "--nats-url", nats_url,
+                    "--metrics-port", str(ports[2 * i])]
+            if pkg == "gateway":
+                argv += ["--port", str(ports[2 * i + 1])]
+            env = {**base, "NOTIFY_SOCKET": sockets[pkg].path, "WATCHDOG_USEC": str(WATCHDOG_USEC)}
+            log = open(tmp_path / f"{pkg}.log", "wb")
+            procs[pkg] = subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT,
+                                          start_new_session=True)
+            log.close()
+        for i, pkg in enumerate(SERVICES):
+            try:
+                sockets[pkg].wait_for("READY=1", 60)
+            except AssertionError:
+                raise AssertionError((pkg, (tmp_path / f"{pkg}.log").read_text()[-3000:])) from None
+            assert status(ports[2 * i], "/readyz") == 200, pkg
+            assert sockets[pkg].lines("WATCHDOG=1"), pkg
+        stop_at = time.monotonic()
+        for proc in procs.values():
+            proc.send_signal(signal.SIGTERM)
+        for pkg, proc in procs.items():
+            assert proc.wait(timeout=35) == 0, (pkg, (tmp_path / f"{pkg}.log").read_text()[-3000:])
+            assert sockets[pkg].lines("STOPPING=1", since=stop_at), pkg
+    finally:
+        for proc in procs.values():
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+        for sd in sockets.values():
+            sd.close()
