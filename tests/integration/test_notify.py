@@ -7,6 +7,7 @@ keep coming the whole time, STOPPING=1 must follow SIGTERM.
 """
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
 import socket
@@ -21,6 +22,7 @@ import urllib.request
 import pytest
 
 from dilu.services.common.natsserver import EmbeddedNats, free_ports
+from dilu.services.common.runner import serve
 
 pytestmark = pytest.mark.nats
 
@@ -193,3 +195,51 @@ def test_every_service_says_ready_and_stopping(nats_url, tmp_path):
                 proc.wait()
         for sd in sockets.values():
             sd.close()
+
+
+class Recorder:
+    """A Notifier stand-in: (loop-independent monotonic time, message)."""
+
+    def __init__(self, watchdog_s: float) -> None:
+        self.watchdog_s = watchdog_s
+        self.sent: list[tuple[float, str]] = []
+
+    def notify(self, message: str) -> None:
+        self.sent.append((time.monotonic(), message))
+
+
+class Wedged:
+    """A service whose event loop gets stuck (a blocking call in a handler) when told to."""
+
+    name = "wedged"
+
+    def __init__(self) -> None:
+        self.started = False
+
+    async def start(self, bus) -> None:
+        self.started = True
+
+    async def stop(self) -> None:
+        pass
+
+    def ready(self) -> bool:
+        return self.started
+
+
+async def test_a_stuck_event_loop_stops_the_watchdog_pings(nats_url):
+    notifier, svc, stop = Recorder(watchdog_s=0.1), Wedged(), asyncio.Event()
+    task = asyncio.create_task(serve(svc, nats_url, shutdown=stop, install_signals=False, notifier=notifier))
+    while not any(m.startswith("READY=1") for _, m in notifier.sent):
+        assert not task.done()
+        await asyncio.sleep(0.05)
+    await asyncio.sleep(0.5)
+    stuck_from = time.monotonic()
+    time.sleep(1.0)  # the loop is wedged: systemd must see no ping for the whole second
+    stuck_to = time.monotonic()
+    await asyncio.sleep(0.5)
+    stop.set()
+    await asyncio.wait_for(task, 30)
+    pings = [t for t, m in notifier.sent if m == "WATCHDOG=1"]
+    assert not [t for t in pings if stuck_from < t < stuck_to]
+    assert len([t for t in pings if t < stuck_from]) >= 3 and [t for t in pings if t > stuck_to]  # before and after
+    assert any(m.startswith("STOPPING=1") for _, m in notifier.sent)
