@@ -21,6 +21,7 @@ COMMANDS: dict[str, str] = {
     "undeploy": "dilu.cli.functions:undeploy",
     "invoke": "dilu.cli.functions:invoke",
     "status": "dilu.cli.functions:status",
+    "creds": "dilu.cli.creds:creds",
 }
 BENCHES: dict[str, str] = {
     "interceptor": "dilu.interceptor.bench:bench_interceptor",

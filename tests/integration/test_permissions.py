@@ -1,0 +1,230 @@
+"""Least privilege on a real nats-server configured by ``dilu creds``: each role's allowed flows
+work and its forbidden ones are refused (the server's "Permissions Violation", awaited through
+the client's error callback, never a sleep)."""
+import asyncio
+import time
+from contextlib import asynccontextmanager
+
+import nats
+import nats.errors
+import pytest
+from click.testing import CliRunner
+from nats.js.api import KeyValueConfig
+
+from dilu.cli.creds import AUTH_CONF, creds, ensure_creds, role_creds
+from dilu.contracts import subjects as sj
+from dilu.services.common.invoke import InvokeClient
+from dilu.services.common.natsconn import NatsOptions, connect, creds_kwargs
+from dilu.services.common.natsserver import EmbeddedNats
+from dilu.services.common.permissions import inbox_prefix, permissions
+from dilu.services.common.workqueue import consumer_name, ensure_consumer, ensure_stream
+
+pytestmark = pytest.mark.nats
+
+NODES = ["n1", "n2"]
+WAIT_S = 5.0  # an upper bound on the server's answer, not a pacing
+
+
+@pytest.fixture(scope="module")
+def secured(tmp_path_factory):
+    root = tmp_path_factory.mktemp("auth")
+    ensure_creds(root, NODES)
+    with EmbeddedNats(config=root / AUTH_CONF) as server:
+        yield root, server.url
+
+
+class Conn:
+    """A connection as one role, with the errors the server sent it."""
+
+    def __init__(self, nc, errors: asyncio.Queue):
+        self.nc, self.errors = nc, errors
+        self.js = nc.jetstream()
+
+    async def refused(self, subject: str) -> str:
+        """Wait for the server's permissions violation naming ``subject``."""
+        deadline = time.monotonic() + WAIT_S
+        seen = []
+        while True:
+            try:
+                err = await asyncio.wait_for(self.errors.get(), max(0.01, deadline - time.monotonic()))
+            except asyncio.TimeoutError:
+                pytest.fail(f"no permissions violation for {subject!r} within {WAIT_S} s; errors: {seen}")
+            text = str(err)
+            seen.append(text)
+            if "permissions violation" in text.lower() and f'"{subject.lower()}"' in text.lower():  # nats-py lowercases
+                return text
+
+    def clean(self) -> bool:
+        return self.errors.empty()
+
+
+@asynccontextmanager
+async def as_role(secured, role: str, node: str | None = None):
+    root, url = secured
+    errors: asyncio.Queue = asyncio.Queue()
+
+    async def on_error(exc):
+        errors.put_nowait(exc)
+
+    path = role_creds(root, role, node, NODES)
+    opts = NatsOptions(servers=(url,), creds=path, inbox_prefix=permissions(role, node).inbox_prefix)
+    nc = await connect(opts, name=f"test-{role}", error_cb=on_error)
+    try:
+        yield Conn(nc, errors)
+    finally:
+        await nc.close()
+
+
+async def received(sub, timeout: float = WAIT_S):
+    return await sub.next_msg(timeout=timeout)
+
+
+def test_creds_files_are_private_seeds_and_a_rerun_keeps_them(tmp_path):
+    first = CliRunner().invoke(creds, ["--out", str(tmp_path), "--nodes", "a,b"])
+    assert first.exit_code == 0, first.output
+    path = tmp_path / "creds" / "node-agent.a.creds"
+    assert path.stat().st_mode & 0o777 == 0o600
+    assert "BEGIN USER NKEY SEED" in path.read_text() and "nkeys_seed_str" in creds_kwargs(path)
+    before = {p.name: p.read_text() for p in (tmp_path / "creds").iterdir()}
+    again = CliRunner().invoke(creds, ["--out", str(tmp_path), "--nodes", "a,b"])
+    assert again.exit_code == 0, again.output
+    assert {p.name: p.read_text() for p in (tmp_path / "creds").iterdir()} == before
+    # one node: node-scoped roles get the plain name; another node's key is never put in its place
+    one = tmp_path / "one"
+    assert CliRunner().invoke(creds, ["--out", str(one), "--nodes", "x"]).exit_code == 0
+    assert "node x" in (one / "creds" / "node-agent.creds").read_text()
+    clash = CliRunner().invoke(creds, ["--out", str(one), "--nodes", "y"])
+    assert clash.exit_code == 1 and "never replaced" in clash.output and len(clash.output.strip().splitlines()) == 1
+    bad = CliRunner().invoke(creds, ["--out", str(tmp_path / "z"), "--nodes", "a,,b"])
+    assert bad.exit_code == 2 and "distinct node names" in bad.output
+
+
+async def test_a_connection_without_credentials_is_refused(secured):
+    _, url = secured
+    with pytest.raises(Exception) as info:
+        await nats.connect(url, allow_reconnect=False, max_reconnect_attempts=0, connect_timeout=WAIT_S)
+    assert "authorization" in str(info.value).lower() or isinstance(info.value, nats.errors.NoServersError)
+
+
+async def test_integrator_reads_events_and_publishes_nothing(secured):
+    async with as_role(secured, "integrator") as integ, as_role(secured, "node-agent", "n1") as agent:
+        sub = await integ.nc.subscribe(f"{sj.PREFIX}.telemetry.gpu.*.*")
+        await integ.nc.flush()
+        await agent.nc.publish(sj.telemetry_gpu("n1", 0), b"{}")
+        assert (await received(sub)).subject == sj.telemetry_gpu("n1", 0)
+        for subject in (sj.telemetry_gpu("n1", 0), sj.invoke("f"), sj.SCHEDULER_PLACE):
+            await integ.nc.publish(subject, b"{}")
+            await integ.refused(subject)
+        for pattern in (sj.INVOKE_SUBJECTS, "_INBOX.>", f"{inbox_prefix('caller')}.>"):
+            await integ.nc.subscribe(pattern)
+            await integ.refused(pattern)
+
+
+async def test_node_agent_is_confined_to_its_node(secured):
+    async with as_role(secured, "node-agent", "n1") as agent, as_role(secured, "vertical-scaler", "n1") as vs:
+        sub = await vs.nc.subscribe(f"{sj.PREFIX}.telemetry.gpu.n1.*")
+        await vs.nc.flush()
+        await agent.nc.publish(sj.telemetry_gpu("n1", 0), b"{}")
+        assert (await received(sub)).subject == sj.telemetry_gpu("n1", 0)
+        for subject in (sj.telemetry_gpu("n2", 0), sj.kernel_cycle_stretch("n2", 0), sj.instance_state("ready", "n2"),
+                        sj.node_inventory("n2"), sj.grant_issued("n1", 0)):
+            await agent.nc.publish(subject, b"{}")
+            await agent.refused(subject)
+        for pattern in (f"{sj.PREFIX}.grant.issued.n2.*", sj.node_trial("n2"), f"{sj.PREFIX}.grant.issued.>"):
+            await agent.nc.subscribe(pattern)
+            await agent.refused(pattern)
+        # its own key of dilu-nodes, not another node's
+        kv = await agent.js.create_key_value(KeyValueConfig(bucket=sj.NODES_BUCKET))
+        await kv.put("n1", b"{}")
+        assert (await kv.get("n1")).value == b"{}"
+        put = asyncio.ensure_future(kv.put("n2", b"{}"))
+        await agent.refused(f"$KV.{sj.NODES_BUCKET}.n2")
+        put.cancel()
+
+
+async def test_only_the_vertical_scaler_of_a_node_grants_on_it(secured):
+    async with (as_role(secured, "vertical-scaler", "n1") as vs1, as_role(secured, "node-agent", "n1") as agent,
+                as_role(secured, "instance") as inst, as_role(secured, "scheduler") as sched):
+        sub = await agent.nc.subscribe(f"{sj.PREFIX}.grant.issued.n1.*")
+        await agent.nc.flush()
+        await vs1.nc.publish(sj.grant_issued("n1", 2), b"{}")
+        assert (await received(sub)).subject == sj.grant_issued("n1", 2)
+        await vs1.nc.publish(sj.grant_issued("n2", 2), b"{}")
+        await vs1.refused(sj.grant_issued("n2", 2))
+        for other in (inst, sched):
+            await other.nc.publish(sj.grant_issued("n1", 0), b"{}")
+            await other.refused(sj.grant_issued("n1", 0))
+
+
+async def test_only_the_scheduler_writes_the_placement_table(secured):
+    async with as_role(secured, "scheduler") as sched:
+        kv = await sched.js.create_key_value(KeyValueConfig(bucket=sj.PLACEMENT_BUCKET, history=5))
+        await kv.put("i-1", b"{}")
+    for role, node in (("node-agent", "n1"), ("horizontal-scaler", None), ("operator", None), ("instance", None)):
+        async with as_role(secured, role, node) as other:
+            subject = f"$KV.{sj.PLACEMENT_BUCKET}.i-1"
+            put = asyncio.ensure_future(other.js.publish(subject, b"forged", timeout=WAIT_S))
+            await other.refused(subject)
+            put.cancel()
+    async with as_role(secured, "node-agent", "n1") as agent:  # it reads the table
+        kv = await agent.js.key_value(sj.PLACEMENT_BUCKET)
+        assert (await kv.get("i-1")).value == b"{}"
+
+
+async def test_the_data_plane_caller_operator_instance(secured):
+    """operator creates the queue and admits; a caller invokes; an instance pulls, acks and replies
+    to that caller's inbox, which no other caller can read; an instance cannot grant."""
+    async with (as_role(secured, "operator") as op, as_role(secured, "scheduler") as sched,
+                as_role(secured, "caller") as caller, as_role(secured, "instance") as inst,
+                as_role(secured, "gateway") as gw):
+        # the operator's admission request is answered by the scheduler (allow_responses)
+        async def admit(msg):
+            await msg.respond(b'{"ok":true}')
+        await sched.nc.subscribe(sj.SCHEDULER_ADMIT, cb=admit)
+        await sched.nc.flush()
+        assert (await op.nc.request(sj.SCHEDULER_ADMIT, b"{}", timeout=WAIT_S)).data == b'{"ok":true}'
+        fkv = await op.js.create_key_value(KeyValueConfig(bucket=sj.FUNCTIONS_BUCKET))
+        await fkv.put("echo", b"{}")
+        await ensure_stream(op.js)
+        await ensure_consumer(op.js, "echo")
+        # a caller cannot deploy
+        put = asyncio.ensure_future(caller.js.publish(f"$KV.{sj.FUNCTIONS_BUCKET}.echo", b"x", timeout=WAIT_S))
+        await caller.refused(f"$KV.{sj.FUNCTIONS_BUCKET}.echo")
+        put.cancel()
+
+        client = InvokeClient(caller.nc, caller.js)
+        await client.start()
+        call = asyncio.ensure_future(client.invoke("echo", b"hi", request_id="r1", scheduled_ns=time.time_ns(),
+                                                   timeout_s=WAIT_S * 2))
+        assert (await (await inst.js.key_value(sj.FUNCTIONS_BUCKET)).get("echo")).value == b"{}"
+        psub = await inst.js.pull_subscribe_bind(durable=consumer_name("echo"), stream=sj.INVOKE_STREAM)
+        (msg,) = await psub.fetch(1, timeout=WAIT_S)
+        assert msg.headers[sj.H_REPLY_TO].startswith(inbox_prefix("caller") + ".")
+        await msg.ack()
+        await inst.nc.publish(msg.headers[sj.H_REPLY_TO], b"HI",
+                              headers={sj.H_REQUEST_ID: "r1", sj.H_STATUS: "ok", sj.H_INSTANCE: "i-1"})
+        result = await call
+        assert result.status == "ok" and result.payload == b"HI"
+        await client.close()
+
+        # nobody else reads the caller's replies; the caller reads no one else's
+        for other, pattern in ((gw, f"{inbox_prefix('caller')}.>"), (caller, f"{inbox_prefix('gateway')}.>"),
+                               (caller, "_INBOX.>"), (inst, f"{inbox_prefix('caller')}.>")):
+            await other.nc.subscribe(pattern)
+            await other.refused(pattern)
+        # an instance publishes only replies (and its stats): no grant, no event, no invocation
+        for subject in (sj.grant_issued("n1", 0), sj.placement_decided("echo"), sj.SCHEDULER_PLACE):
+            await inst.nc.publish(subject, b"{}")
+            await inst.refused(subject)
+
+
+async def test_a_trial_request_from_the_profiler_reaches_its_node_only(secured):
+    async with (as_role(secured, "profiler") as prof, as_role(secured, "node-agent", "n1") as agent,
+                as_role(secured, "horizontal-scaler") as hs):
+        async def trial(msg):
+            await msg.respond(b"measured")
+        await agent.nc.subscribe(sj.node_trial("n1"), cb=trial)
+        await agent.nc.flush()
+        assert (await prof.nc.request(sj.node_trial("n1"), b"{}", timeout=WAIT_S)).data == b"measured"
+        await hs.nc.publish(sj.node_trial("n1"), b"{}")
+        await hs.refused(sj.node_trial("n1"))
