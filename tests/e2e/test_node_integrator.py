@@ -1,0 +1,136 @@
+"""A real client in another language: a Node.js program (nats.js and ajv from the npm registry) reads
+the bus of a ``dilu up`` as the integrator while a function is deployed and invoked, validates every
+event against the exported JSON Schemas and the CloudEvents headers, and is refused when it
+publishes (tests/e2e/integrator/integrator.mjs)."""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import select
+import shutil
+import subprocess
+import time
+from pathlib import Path
+
+import platformdirs
+import pytest
+
+from dilu.contracts import cloudevents as ce
+from dilu.contracts import subjects as sj
+from dilu.contracts.codec import encode
+from dilu.contracts.events import FunctionUndeployed
+
+pytestmark = [pytest.mark.nats]
+
+HERE = Path(__file__).parent / "integrator"
+SCHEMAS = Path(__file__).parents[2] / "contracts" / "schema"
+INSTALL_TIMEOUT_S = 300
+SUBSCRIBED_TIMEOUT_S = 30
+
+
+def npm_modules() -> Path:
+    """node_modules with the pinned nats.js and ajv, installed from the registry once per version of
+    package.json/package-lock.json into the user cache (outside the repository) and reused."""
+    files = ("package.json", "package-lock.json")
+    key = hashlib.sha256(b"".join((HERE / f).read_bytes() for f in files)).hexdigest()[:16]
+    home = Path(platformdirs.user_cache_dir("dilu")) / "npm-integrator" / key
+    if (home / "node_modules" / ".dilu-complete").exists():
+        return home / "node_modules"
+    staging = home.with_name(f"{key}.{os.getpid()}.tmp")
+    shutil.rmtree(staging, ignore_errors=True)
+    staging.mkdir(parents=True)
+    for f in files:
+        shutil.copy(HERE / f, staging / f)
+    done = subprocess.run(["npm", "ci", "--no-audit", "--no-fund", "--ignore-scripts"], cwd=staging,
+                          capture_output=True, text=True, timeout=INSTALL_TIMEOUT_S)
+    assert done.returncode == 0, f"npm ci failed:\n{done.stdout}\n{done.stderr}"
+    (staging / "node_modules" / ".dilu-complete").write_text(key)
+    try:
+        staging.rename(home)  # a concurrent run may have won: then use its copy
+    except OSError:
+        shutil.rmtree(staging, ignore_errors=True)
+    return home / "node_modules"
+
+
+@pytest.fixture
+def integrator_dir(tmp_path) -> Path:
+    """A folder holding integrator.mjs and (a link to) its node_modules; skips without node/npm."""
+    for tool in ("node", "npm"):
+        if shutil.which(tool) is None:
+            pytest.skip(f"{tool} is not installed: the Node.js integrator cannot run")
+    work = tmp_path / "integrator"
+    work.mkdir()
+    shutil.copy(HERE / "integrator.mjs", work / "integrator.mjs")
+    (work / "node_modules").symlink_to(npm_modules())
+    return work
+
+
+def every_subject() -> dict[str, dict[str, str]]:
+    """SUBJECT_EVENTS for integrator.mjs: pattern -> its event type and that type's JSON Schema."""
+    return {pattern: {"type": kind.__name__, "schema": str(SCHEMAS / f"{kind.__name__}.json")}
+            for pattern, kind in sj.SUBJECT_EVENTS.items()}
+
+
+def run_integrator(work: Path, config: dict) -> subprocess.Popen:
+    """Start integrator.mjs with ``config``; returns once it has subscribed to every pattern."""
+    (work / "config.json").write_text(json.dumps(config))
+    proc = subprocess.Popen(["node", str(work / "integrator.mjs"), str(work / "config.json")], cwd=work,
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    ready, _, _ = select.select([proc.stdout], [], [], SUBSCRIBED_TIMEOUT_S)
+    line = proc.stdout.readline() if ready else ""
+    if not line:
+        proc.kill()
+        pytest.fail(f"the integrator did not subscribe within {SUBSCRIBED_TIMEOUT_S} s:\n{proc.communicate()}")
+    assert json.loads(line) == {"subscribed": len(config["subjects"])}
+    return proc
+
+
+def finish(proc: subprocess.Popen) -> tuple[dict, str]:
+    """Close the integrator's stdin (it then tries its publishes); its summary and a report for failures."""
+    try:
+        out, err = proc.communicate("", timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    lines = out.strip().splitlines()
+    assert lines, f"no summary (exit code {proc.returncode}):\n{err}"
+    summary = json.loads(lines[-1])
+    return summary, json.dumps(summary, indent=1) + "\n" + err
+
+
+async def test_the_integrator_reports_each_kind_of_invalid_event(nc, nats_url, integrator_dir):
+    """The checks themselves: one valid event passes and each defect is named (an open test server:
+    no credentials, nothing to publish)."""
+    def event(case: str) -> tuple[str, bytes, dict[str, str]]:
+        ev = FunctionUndeployed(name=case, ts_ns=time.time_ns())
+        return sj.function_undeployed(case), encode(ev), ce.headers(ev, ce.source("test"))
+
+    subject, data, good = event("valid")
+    cases = {  # case -> (payload, headers or None, the reason expected)
+        "schema": (b'{"name": 5}', good | {ce.H_ID: "id-schema"}, "schema: /name must be string"),
+        "no-id": (data, {k: v for k, v in good.items() if k != ce.H_ID}, "header ce-id missing"),
+        "type": (data, good | {ce.H_ID: "id-type", ce.H_TYPE: "io.dilu.v1.TokenGrant"}, "ce-type"),
+        "twice": (data, good, "seen before"),
+        "time": (data, good | {ce.H_ID: "id-time", ce.H_TIME: "yesterday"}, "not an RFC 3339 time"),
+        "skew": (data, good | {ce.H_ID: "id-skew", ce.H_TIME: "2001-01-01T00:00:00Z"}, "ns from ts_ns"),
+        "json": (b"{", good | {ce.H_ID: "id-json"}, "not UTF-8 JSON"),
+        "content": (data, good | {ce.H_ID: "id-ct", ce.H_CONTENT_TYPE: "text/plain"}, "content-type"),
+        "bare": (data, None, "no headers"),
+    }
+    proc = run_integrator(integrator_dir, {"url": nats_url, "creds": None, "subjects": every_subject(), "publish": []})
+    try:
+        await nc.publish(subject, data, headers=good)
+        for case, (payload, headers, _) in cases.items():
+            await nc.publish(sj.function_undeployed(case), payload, headers=headers)
+        await nc.flush()  # in the server: the integrator's own flush (after stdin closes) then sees them all
+    finally:
+        summary, report = finish(proc)
+    assert proc.returncode == 1, report
+    assert summary["counts"] == {"FunctionUndeployed": 1 + len(cases)}, report
+    assert summary["invalid_count"] == len(cases), report
+    reasons = {item["subject"]: " | ".join(item["reasons"]) for item in summary["invalid"]}
+    for case, (_, _, reason) in cases.items():
+        assert reason in reasons.get(sj.function_undeployed(case), ""), (case, report)
+    assert not summary["publish_refused"]
