@@ -98,7 +98,7 @@ class DiluPath:
         self.nc_caller = await _connect(self.url, "dilu-bench-caller")
         self.nc_fn = await _connect(self.url, "dilu-bench-function")
         self.js = self.nc_caller.jetstream()
-        await ensure_stream(self.js)
+        await ensure_stream(self.js, replicas=NatsOptions.of(self.url).replicas)
         await ensure_consumer(self.js, self.function, max_ack_pending=MAX_ACK_PENDING)
         self.puller = BatchPuller(self.nc_fn, self.nc_fn.jetstream(), self.function, instance_id=f"{self.function}-0",
                                   max_batch=MAX_BATCH, ready_ns=0)
