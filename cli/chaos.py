@@ -245,7 +245,7 @@ async def run_chaos(opts: RunOptions, kinds: list[str], soak: bool, sample_s: fl
     console.print(f"[bold]{'soak' if soak else 'chaos'}[/bold]: {len(plan.functions)} functions, "
                   f"{len(plan.invocations)} requests over {plan.duration_s:.0f} s, "
                   f"{len(faults) + lose} faults; logs in {log_dir}")
-    cluster = Cluster(log_dir=log_dir, gpus=opts.gpus, nats_url=None,
+    cluster = Cluster(log_dir=log_dir, gpus=opts.gpus, nats_url=None, auth=True,
                       extra_args={"horizontal_scaler": scaler_windows(opts.speedup)})
     injector = Injector(cluster, faults, opts.seed, console, stop)
     sampler = Sampler(cluster, sample_s, plan.duration_s)

@@ -6,11 +6,20 @@ in their own process sessions so a Ctrl-C in the terminal reaches only the orche
 then stops them in order: SIGTERM (each drains; the node agent retires its instances), SIGKILL
 after ``STOP_TIMEOUT_S``, nats-server last. Each service's stdout and stderr (JSON log lines) go
 to ``<log_dir>/<service>.log``, nats-server's to ``<log_dir>/nats-server.log``.
+
+With ``auth`` (what ``dilu up``, ``dilu demo``, ``compare`` and ``chaos`` use) the cluster's own
+nats-server admits only the users of ``dilu creds`` (:func:`cli.creds.ensure_creds`, kept in
+``creds_root``) with their roles' permissions, and each service connects as its role
+(``DILU_NATS_CREDS``, ``DILU_NATS_INBOX_PREFIX``; the node agent's instances with the instance
+credentials, ``--instance-creds``). :meth:`Cluster.nats_options` gives a role's connection
+settings to a client of the cluster (the load generator connects as caller and operator).
 """
 from __future__ import annotations
 
 import os
 import select
+import shutil
+import tempfile
 import signal
 import socket
 import subprocess
@@ -24,7 +33,11 @@ from typing import Callable
 
 from prometheus_client.parser import text_string_to_metric_families
 
+from dilu.services.common.natsconn import ENV_CREDS, ENV_INBOX_PREFIX, NatsOptions
 from dilu.services.common.natsserver import EmbeddedNats, free_port
+from dilu.services.common.permissions import SERVICE_ROLES, inbox_prefix
+
+from .creds import AUTH_CONF, ensure_creds, role_creds
 
 STOP_TIMEOUT_S = 28.0
 READY_TIMEOUT_S = 90.0
@@ -111,7 +124,10 @@ class Cluster:
     free one) with its JetStream store in ``nats_store`` (kept; None: a temporary one, removed).
     ``gateway``: also run the gateway, its HTTP API on ``gateway_host:gateway_port`` (0: a free
     port). ``extra_args``: more command-line arguments per service. Metrics ports are free ports
-    chosen at start (``services[name].metrics_port``).
+    chosen at start (``services[name].metrics_port``). ``auth``: the started nats-server
+    requires credentials (module docstring), generated in (or reused from) ``creds_root``
+    (None: a temporary directory removed at stop); ignored with ``nats_url`` (whoever runs that
+    server brings the credentials, e.g. in ``DILU_NATS_CREDS``).
     """
 
     log_dir: Path
@@ -126,8 +142,32 @@ class Cluster:
     gateway: bool = False
     gateway_host: str = "127.0.0.1"
     gateway_port: int = 0
+    auth: bool = False
+    creds_root: Path | None = None
     nats: EmbeddedNats | None = None
     services: dict[str, ServiceProc] = field(default_factory=dict)
+    _tmp_creds: str | None = None
+
+    @property
+    def secured(self) -> bool:
+        """Whether this cluster's processes connect with role credentials."""
+        return self.auth and not self.nats_url
+
+    def role_creds(self, role: str) -> Path | None:
+        """The credentials file of ``role`` (this cluster's node for a node-scoped role); None
+        without auth. Valid once :meth:`start` has generated them."""
+        if not self.secured or self.creds_root is None:
+            return None
+        return role_creds(self.creds_root, role, self.node)
+
+    def nats_options(self, role: str) -> NatsOptions:
+        """How a client of this cluster connects as ``role`` (a role of
+        :mod:`~dilu.services.common.permissions`): the URL, and with auth its credentials and
+        inbox prefix."""
+        creds = self.role_creds(role)
+        if creds is None:
+            return NatsOptions.of(self.url)
+        return NatsOptions(servers=(self.url,), creds=creds, inbox_prefix=inbox_prefix(role, self.node))
 
     @property
     def url(self) -> str:
@@ -158,8 +198,15 @@ class Cluster:
             self.gateway_port = free_port()
         try:
             if not self.nats_url:
+                config = None
+                if self.auth:
+                    if self.creds_root is None:
+                        self.creds_root = Path(self._tmp_creds or tempfile.mkdtemp(prefix="dilu-creds-"))
+                        self._tmp_creds = str(self.creds_root)
+                    ensure_creds(self.creds_root, [self.node])
+                    config = self.creds_root / AUTH_CONF
                 self.nats = EmbeddedNats(self.nats_port, store_dir=self.nats_store,
-                                         log_path=self.log_dir / f"{NATS}.log").start()
+                                         log_path=self.log_dir / f"{NATS}.log", config=config).start()
             else:
                 check_reachable(self.nats_url)
             for name in self.service_names:
@@ -180,7 +227,19 @@ class Cluster:
             args += ["--node", self.node]
         if name == GATEWAY:
             args += ["--host", self.gateway_host, "--port", str(self.gateway_port)]
+        if name == "node_agent" and self.secured:
+            args += ["--instance-creds", str(self.role_creds("instance"))]
         return args + self.extra_args.get(name, [])
+
+    def _env(self, name: str) -> dict[str, str]:
+        """The environment of service ``name``: this one's, with its role's credentials and inbox
+        prefix when the cluster has auth."""
+        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        if self.secured:
+            options = self.nats_options(SERVICE_ROLES[name])
+            env[ENV_CREDS] = str(options.creds)
+            env[ENV_INBOX_PREFIX] = options.inbox_prefix or ""
+        return env
 
     def _spawn(self, name: str, port: int = 0) -> None:
         port = port or free_port()
@@ -188,7 +247,7 @@ class Cluster:
         cmd = [sys.executable, "-m", f"dilu.services.{name}", "--nats-url", self.url, "--metrics-port", str(port), *self._args(name)]
         with log_path.open("ab") as log:
             proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-                                    env={**os.environ, "PYTHONUNBUFFERED": "1"})
+                                    env=self._env(name))
         self.services[name] = ServiceProc(name, proc, port, log_path)
 
     def kill(self, name: str, sig: int = signal.SIGKILL) -> None:
@@ -353,6 +412,10 @@ class Cluster:
         if self.nats:
             self.nats.stop()
             self.nats = None
+        if self._tmp_creds:
+            shutil.rmtree(self._tmp_creds, ignore_errors=True)
+            self._tmp_creds = None
+            self.creds_root = None
 
     def __enter__(self) -> "Cluster":
         return self.start()

@@ -20,7 +20,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import click
-import nats
 import uvloop
 from rich.console import Console
 
@@ -31,6 +30,7 @@ from dilu.services.common.cliopts import writable_output
 from dilu.services.common import models
 from dilu.services.common.bus import quiet_error_cb
 from dilu.services.common.invoke import InvokeClient
+from dilu.services.common.natsconn import connect
 from dilu.services.common.workqueue import ensure_stream
 
 from dilu.services.node_agent.__main__ import parse_gpus
@@ -184,11 +184,18 @@ async def _replay(opts: RunOptions, cluster: Cluster, plan, chosen: dict[str, st
     """Deploy, replay. ``during(gen)`` runs beside the replay from its first send (its result is
     the Replay's ``during``); requests time out after :func:`_timeout_s`, at least
     ``timeout_floor_s``; answers may arrive until ``drain_s`` after the replay's planned end."""
-    nc = await nats.connect(cluster.url, name="dilu-loadgen", max_reconnect_attempts=-1,
-                            error_cb=quiet_error_cb(dlog.get("loadgen"), cluster.url))
+    # two identities, as on a platform: the operator deploys, the caller only invokes
+    op = await connect(cluster.nats_options("operator"), name="dilu-loadgen-operator", max_reconnect_attempts=-1,
+                       error_cb=quiet_error_cb(dlog.get("loadgen"), cluster.url))
+    try:
+        nc = await connect(cluster.nats_options("caller"), name="dilu-loadgen", max_reconnect_attempts=-1,
+                           error_cb=quiet_error_cb(dlog.get("loadgen"), cluster.url))
+    except BaseException:
+        await op.close()
+        raise
     js = nc.jetstream()
     try:
-        await ensure_stream(js)
+        await ensure_stream(op.jetstream())
         specs = _specs(opts, plan, chosen, llm_plan)
         serving = [s for s in specs if s.kind != "training"]
         training = [s for s in specs if s.kind == "training"]
@@ -196,10 +203,10 @@ async def _replay(opts: RunOptions, cluster: Cluster, plan, chosen: dict[str, st
                       + (f" and {len(training)} training jobs" if training else "")
                       + ("; the profiler measures them on the emulated GPUs" if opts.gpus != "cpu" else
                          " (torch CNN on the CPU node)") + "[/dim]")
-        if not await _unless_stopped(profile_all(nc, [s for s in specs if s.profile is None]), stop):
+        if not await _unless_stopped(profile_all(op, [s for s in specs if s.profile is None]), stop):
             raise Interrupted("stopped while profiling: nothing was offered")
-        warm = await WarmWatch({s.name for s in specs}).start(nc)
-        if not await _unless_stopped(deploy_all(nc, specs), stop):
+        warm = await WarmWatch({s.name for s in specs}).start(op)
+        if not await _unless_stopped(deploy_all(op, specs), stop):
             raise Interrupted("stopped while deploying: nothing was offered")
         # each function's initial instance (the horizontal scaler's initial scale) starts before
         # the replay, as on a platform where functions are deployed ahead of their traffic
@@ -247,6 +254,7 @@ async def _replay(opts: RunOptions, cluster: Cluster, plan, chosen: dict[str, st
         return Replay(result, specs, trained, client.stats, side)
     finally:
         await nc.drain()
+        await op.drain()
 
 
 @dataclass
@@ -298,7 +306,7 @@ async def run_once(opts: RunOptions, policy: str, console: Console, stop: asynci
     log_dir.mkdir(parents=True, exist_ok=True)
     # the load generator's own log lines (e.g. each request NATS refused) go beside the services'
     dlog.configure("loadgen", stream=(log_dir / "loadgen.log").open("a", buffering=1))
-    cluster = Cluster(log_dir=log_dir, policy=policy, gpus=opts.gpus, nats_url=opts.nats_url,
+    cluster = Cluster(log_dir=log_dir, policy=policy, gpus=opts.gpus, nats_url=opts.nats_url, auth=True,
                       extra_args={"horizontal_scaler": scaler_windows(opts.speedup)})
     await asyncio.to_thread(cluster.start)
     try:

@@ -7,6 +7,10 @@ It prints where everything listens, then waits: Ctrl-C or SIGTERM stops everythi
 stops the rest, with a non-zero exit. A later ``dilu up`` on the same data directory resumes: the
 deployed functions live in the JetStream buckets of the kept store, and the node keeps its name,
 so the services rebuild from them. One ``dilu up`` per data directory at a time (a lock file).
+
+NATS requires credentials: ``<data-dir>/creds/<role>.creds`` (``dilu creds``, generated on the
+first run and reused after; ``<data-dir>/nats-auth.conf`` is the server's side) and each service
+connects as its role. ``--no-auth`` (``DILU_NO_AUTH``) runs an open server instead.
 """
 from __future__ import annotations
 
@@ -49,6 +53,7 @@ class UpOptions:
     node: str
     policy: str
     log_dir: Path
+    auth: bool = True
 
     @property
     def store_dir(self) -> Path:
@@ -162,7 +167,7 @@ def cluster_for(opts: UpOptions) -> Cluster:
     """The Cluster ``dilu up`` runs for ``opts`` (not started)."""
     return Cluster(log_dir=opts.log_dir, policy=opts.policy, gpus=opts.gpus, node=opts.node, device=opts.device,
                    nats_port=opts.nats_port, nats_store=opts.store_dir, gateway=True, gateway_host=HOST,
-                   gateway_port=opts.gateway_port)
+                   gateway_port=opts.gateway_port, auth=opts.auth, creds_root=opts.data_dir)
 
 
 def describe(cluster: Cluster, opts: UpOptions, resumed: bool) -> list[str]:
@@ -175,6 +180,10 @@ def describe(cluster: Cluster, opts: UpOptions, resumed: bool) -> list[str]:
         svc = cluster.services[name]
         lines.append(f"  metrics  {name:<18} http://{HOST}:{svc.metrics_port}/metrics")
     lines.append(f"  logs     {opts.log_dir}")
+    if opts.auth:
+        lines.append(f"  creds    {opts.data_dir / 'creds'}  (operator: --creds {cluster.role_creds('operator')})")
+    else:
+        lines.append("  creds    none: NATS admits anyone (--no-auth)")
     lines.append("ready: Ctrl-C or SIGTERM stops everything (the store is kept)")
     return lines
 
@@ -265,12 +274,14 @@ def _gpus(_ctx, _param, value: str) -> str:
 @click.option("--policy", type=click.Choice(list(POLICIES)), default="dilu", show_default=True)
 @click.option("--log-dir", type=click.Path(path_type=Path), default=None,
               help="each service's log (default: <data-dir>/logs)")
-def up(nats_port, gateway_port, data_dir, device, gpus, node, policy, log_dir) -> None:
+@click.option("--no-auth", is_flag=True, default=False,
+              help="run NATS without credentials (default: every role has its own, in <data-dir>/creds)")
+def up(nats_port, gateway_port, data_dir, device, gpus, node, policy, log_dir, no_auth) -> None:
     """Run a local Dilu cluster in the foreground: nats-server, the services, the gateway and a
     node agent. Ctrl-C stops it; a later run on the same --data-dir resumes its functions.
     Every option can also be set as DILU_<OPTION> (e.g. DILU_NATS_PORT)."""
     data_dir = data_dir.expanduser().absolute()
     log_dir = log_dir.expanduser().absolute() if log_dir else data_dir / "logs"
     run_up(UpOptions(nats_port=nats_port, gateway_port=gateway_port, data_dir=data_dir, device=device, gpus=gpus,
-                     node=node, policy=policy, log_dir=log_dir))
+                     node=node, policy=policy, log_dir=log_dir, auth=not no_auth))
 

@@ -170,7 +170,7 @@ def permissions(role: str, node: str | None = None) -> Permissions:
         responds = True
     elif role == "profiler":
         pub += [pattern(ev.ProfileReady), pattern(ev.TrialRequest)]
-        pub += kv_write(sj.PROFILES_BUCKET)
+        pub += kv_write(sj.PROFILES_BUCKET) + kv_read(sj.NODES_BUCKET)  # nodes: where to run trials
         sub += [pattern(ev.FunctionDeployed), sj.PROFILER_PROFILE]
         responds = True
     elif role == "horizontal-scaler":

@@ -18,6 +18,8 @@ from pathlib import Path
 import pytest
 
 from dilu.services.common.natsserver import free_ports
+from dilu.services.common.natsconn import ENV_INBOX_PREFIX
+from dilu.services.common.permissions import inbox_prefix
 
 from dilu.cli.cluster import STOP_STAGES, STOP_TIMEOUT_S
 
@@ -224,15 +226,29 @@ def test_a_restart_on_the_same_data_dir_serves_the_deployed_functions(tmp_path, 
     fn.mkdir()
     (fn / "function.toml").write_text(SPEC)
     up = start(ups, data)
-    deployed = subprocess.run([DILU, "deploy", str(fn / "function.toml"), "--nats-url", f"nats://127.0.0.1:{up.nats_port}"],
-                              capture_output=True, text=True, timeout=200)
+    url = f"nats://127.0.0.1:{up.nats_port}"
+    # NATS requires credentials: the operator's, generated in the data directory, deploy
+    creds = data / "creds" / "operator.creds"
+    assert creds.stat().st_mode & 0o777 == 0o600
+    refused = subprocess.run([DILU, "deploy", str(fn / "function.toml"), "--nats-url", url],
+                             capture_output=True, text=True, timeout=200)
+    assert refused.returncode != 0, refused.stdout
+    as_caller = subprocess.run([DILU, "deploy", str(fn / "function.toml"), "--nats-url", url,
+                                "--creds", str(data / "creds" / "caller.creds")], capture_output=True, text=True,
+                               timeout=200, env={**os.environ, ENV_INBOX_PREFIX: inbox_prefix("caller")})
+    assert as_caller.returncode != 0, as_caller.stdout
+    deployed = subprocess.run([DILU, "deploy", str(fn / "function.toml"), "--nats-url", url, "--creds", str(creds)],
+                              capture_output=True, text=True, timeout=200,
+                              env={**os.environ, ENV_INBOX_PREFIX: inbox_prefix("operator")})
     assert deployed.returncode == 0, deployed.stdout + deployed.stderr
+    keys = {p.name: p.read_text() for p in (data / "creds").iterdir()}
     code, first, body = invoke(up, "restart-probe")
     assert code == 200 and first, body
     stop(up, signal.SIGTERM)
 
     # the same ports, as a user restarting it would: nothing of the first run may still hold them
     again = start(ups, data, ports=[up.nats_port, up.gateway_port])
+    assert {p.name: p.read_text() for p in (data / "creds").iterdir()} == keys, "keys are reused, never rotated"
     assert any("resumed" in line for line in again.lines), again.lines
     code, second, body = invoke(again, "restart-probe")
     assert code == 200, body
