@@ -11,6 +11,7 @@ import select
 import shutil
 import subprocess
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import platformdirs
@@ -19,14 +20,40 @@ import pytest
 from dilu.contracts import cloudevents as ce
 from dilu.contracts import subjects as sj
 from dilu.contracts.codec import encode
-from dilu.contracts.events import FunctionUndeployed
+from dilu.contracts.events import FunctionDeployed, FunctionSpec, FunctionUndeployed, TokenGrant
+from dilu.services.common.natsconn import ENV_INBOX_PREFIX
+from dilu.services.common.permissions import inbox_prefix
+
+from test_up import DILU, invoke, start, stop, ups  # noqa: F401  (ups: the fixture)
 
 pytestmark = [pytest.mark.nats]
 
 HERE = Path(__file__).parent / "integrator"
 SCHEMAS = Path(__file__).parents[2] / "contracts" / "schema"
+NODE = "integ0"
+FUNCTION = "integrator-probe"
 INSTALL_TIMEOUT_S = 300
 SUBSCRIBED_TIMEOUT_S = 30
+INVOCATIONS = 24  # in CONCURRENCY threads: enough demand for the vertical scaler to raise the quota
+CONCURRENCY = 8
+# the events that a deploy and its first invocations must produce
+EXPECTED = {"NodeInventory", "GpuTelemetry", "FunctionDeployed", "ProfileReady", "PlacementDecided",
+            "InstanceLaunched", "InstanceReady"}
+
+SPEC = f"""\
+name = "{FUNCTION}"
+slo_ms = 500.0
+initial_scale = 1
+max_instances = 1
+
+[emulation]
+model = "bert_base"
+
+[profile]
+request_quota = 0.3
+limit_quota = 1.0
+batch_size = 1
+"""
 
 
 def npm_modules() -> Path:
@@ -98,6 +125,52 @@ def finish(proc: subprocess.Popen) -> tuple[dict, str]:
     assert lines, f"no summary (exit code {proc.returncode}):\n{err}"
     summary = json.loads(lines[-1])
     return summary, json.dumps(summary, indent=1) + "\n" + err
+
+
+@pytest.mark.native
+@pytest.mark.slow
+def test_a_node_integrator_validates_every_event_and_may_not_publish(tmp_path, ups, integrator_dir):  # noqa: F811
+    """During a short demo on ``dilu up`` (deploy, a cold start, a burst of invocations) the
+    integrator, connected with D/creds/integrator.creds, sees the events a deploy and its
+    invocations produce, every one valid, and the server refuses its own TokenGrant and
+    FunctionDeployed."""
+    data, fn = tmp_path / "data", tmp_path / "fn"
+    fn.mkdir()
+    (fn / "function.toml").write_text(SPEC)
+    up = start(ups, data, "--node", NODE)
+    url = f"nats://127.0.0.1:{up.nats_port}"
+    creds = data / "creds" / "integrator.creds"
+    assert creds.is_file(), f"dilu up wrote no {creds}"
+
+    # well-formed events a rogue integrator might send: a full GPU for itself, a function of its own
+    grant = json.loads(encode(TokenGrant(node=NODE, gpu=0, instance_id="forged", quota=1.0)))
+    deployed = json.loads(encode(FunctionDeployed(spec=FunctionSpec(name="forged", slo_ms=500.0))))
+    publish = [{"subject": sj.grant_issued(NODE, 0), "type": "TokenGrant", "payload": grant},
+               {"subject": sj.function_deployed("forged"), "type": "FunctionDeployed", "payload": deployed}]
+    node = run_integrator(integrator_dir, {"url": url, "creds": str(creds), "subjects": every_subject(),
+                                           "publish": publish})
+    subscribed = time.monotonic()
+    try:
+        done = subprocess.run([DILU, "deploy", str(fn / "function.toml"), "--nats-url", url,
+                               "--creds", str(data / "creds" / "operator.creds")],
+                              capture_output=True, text=True, timeout=200, env={**os.environ, ENV_INBOX_PREFIX: inbox_prefix("operator")})
+        assert done.returncode == 0, done.stdout + done.stderr
+        code, instance, body = invoke(up, FUNCTION)  # the cold start
+        assert code == 200 and instance, body
+        with ThreadPoolExecutor(CONCURRENCY) as pool:
+            for code, instance, body in pool.map(lambda _: invoke(up, FUNCTION), range(INVOCATIONS)):
+                assert code == 200 and instance, body
+        # a node agent's inventory heartbeat comes at least once in this long
+        time.sleep(max(0.0, subscribed + sj.NODE_HEARTBEAT_S + 1.0 - time.monotonic()))
+    finally:
+        summary, report = finish(node)
+    assert summary["invalid_count"] == 0 and node.returncode == 0, report
+    assert EXPECTED <= set(summary["counts"]), report
+    assert summary["errors"] == [], report  # e.g. a subscription to an event subject refused
+    assert summary["publish_refused"], report
+    assert sorted(summary["publish"]["refused"]) == sorted(p["subject"] for p in publish), report
+    print(json.dumps({k: summary[k] for k in ("counts", "total", "sources", "publish")}))
+    stop(up)
 
 
 async def test_the_integrator_reports_each_kind_of_invalid_event(nc, nats_url, integrator_dir):
