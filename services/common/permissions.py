@@ -190,7 +190,8 @@ def permissions(role: str, node: str | None = None) -> Permissions:
         pub += [f"{inbox_prefix(r)}.>" for r in reply_roles]
         pub += [pattern(ev.FunctionStats), f"{JS_ACK}.{sj.INVOKE_STREAM}.>"] + _invoke_queue(create=True)
         pub += [f"{JS_API}.CONSUMER.DURABLE.CREATE.{sj.INVOKE_STREAM}.*"]
-        pub += kv_read(sj.FUNCTIONS_BUCKET) + _read(obj_stream(sj.CODE_BUCKET))
+        # the code store's chunks are read by a subscription that looks its stream up by subject
+        pub += kv_read(sj.FUNCTIONS_BUCKET) + _read(obj_stream(sj.CODE_BUCKET)) + [f"{JS_API}.STREAM.NAMES"]
     elif role == "operator":
         pub += [pattern(ev.FunctionDeployed), pattern(ev.FunctionUndeployed),
                 sj.SCHEDULER_ADMIT, sj.PROFILER_PROFILE, sj.INVOKE_SUBJECTS]

@@ -16,7 +16,9 @@ from dilu.contracts import subjects as sj
 from dilu.services.common.invoke import InvokeClient
 from dilu.services.common.natsconn import NatsOptions, connect, creds_kwargs
 from dilu.services.common.natsserver import EmbeddedNats
-from dilu.services.common.permissions import inbox_prefix, permissions
+from dilu.services.common import bundle
+from dilu.contracts import events as ev
+from dilu.services.common.permissions import NODE_SCOPED, ROLES, inbox_prefix, pattern, permissions
 from dilu.services.common.workqueue import consumer_name, ensure_consumer, ensure_stream
 
 pytestmark = pytest.mark.nats
@@ -29,7 +31,7 @@ WAIT_S = 5.0  # an upper bound on the server's answer, not a pacing
 def secured(tmp_path_factory):
     root = tmp_path_factory.mktemp("auth")
     ensure_creds(root, NODES)
-    with EmbeddedNats(config=root / AUTH_CONF) as server:
+    with EmbeddedNats(config=root / AUTH_CONF, log_path=root / "nats-server.log") as server:
         yield root, server.url
 
 
@@ -134,9 +136,9 @@ async def test_integrator_reads_events_and_publishes_nothing(secured):
         for subject in (sj.telemetry_gpu("n1", 0), sj.invoke("f"), sj.SCHEDULER_PLACE):
             await integ.nc.publish(subject, b"{}")
             await integ.refused(subject)
-        for pattern in (sj.INVOKE_SUBJECTS, "_INBOX.>", f"{inbox_prefix('caller')}.>"):
-            await integ.nc.subscribe(pattern)
-            await integ.refused(pattern)
+        for patt in (sj.INVOKE_SUBJECTS, "_INBOX.>", f"{inbox_prefix('caller')}.>"):
+            await integ.nc.subscribe(patt)
+            await integ.refused(patt)
 
 
 async def test_node_agent_is_confined_to_its_node(secured):
@@ -148,9 +150,9 @@ async def test_node_agent_is_confined_to_its_node(secured):
                         sj.node_inventory("n2"), sj.grant_issued("n1", 0)):
             await agent.nc.publish(subject, b"{}")
             await agent.refused(subject)
-        for pattern in (f"{sj.PREFIX}.grant.issued.n2.*", sj.node_trial("n2"), f"{sj.PREFIX}.grant.issued.>"):
-            await agent.nc.subscribe(pattern)
-            await agent.refused(pattern)
+        for patt in (f"{sj.PREFIX}.grant.issued.n2.*", sj.node_trial("n2"), f"{sj.PREFIX}.grant.issued.>"):
+            await agent.nc.subscribe(patt)
+            await agent.refused(patt)
         # its own key of dilu-nodes, not another node's
         kv = await agent.js.create_key_value(KeyValueConfig(bucket=sj.NODES_BUCKET))
         await kv.put("n1", b"{}")
@@ -225,10 +227,10 @@ async def test_the_data_plane_caller_operator_instance(secured):
         await client.close()
 
         # nobody else reads the caller's replies; the caller reads no one else's
-        for other, pattern in ((gw, f"{inbox_prefix('caller')}.>"), (caller, f"{inbox_prefix('gateway')}.>"),
+        for other, patt in ((gw, f"{inbox_prefix('caller')}.>"), (caller, f"{inbox_prefix('gateway')}.>"),
                                (caller, "_INBOX.>"), (inst, f"{inbox_prefix('caller')}.>")):
-            await other.nc.subscribe(pattern)
-            await other.refused(pattern)
+            await other.nc.subscribe(patt)
+            await other.refused(patt)
         # an instance publishes only replies (and its stats): no grant, no event, no invocation
         for subject in (sj.grant_issued("n1", 0), sj.placement_decided("echo"), sj.SCHEDULER_PLACE):
             await inst.nc.publish(subject, b"{}")
@@ -245,3 +247,35 @@ async def test_a_trial_request_from_the_profiler_reaches_its_node_only(secured):
         assert await answer(prof, sj.node_trial("n1")) == b"measured"
         await hs.nc.publish(sj.node_trial("n1"), b"{}")
         await hs.refused(sj.node_trial("n1"))
+
+
+async def test_the_operator_uploads_code_that_an_instance_fetches_and_cannot_change(secured, tmp_path):
+    folder = tmp_path / "fn"
+    folder.mkdir()
+    (folder / "handler.py").write_text("def predict(x):\n    return x\n")
+    async with as_role(secured, "operator") as op, as_role(secured, "instance") as inst:
+        key = await bundle.upload(op.js, folder)
+        got = await bundle.fetch(inst.js, key, root=tmp_path / "cache")
+        assert (got / "handler.py").read_text().startswith("def predict")
+        subject = f"$O.{sj.CODE_BUCKET}.M.forged"
+        put = asyncio.ensure_future(inst.js.publish(subject, b"{}", timeout=WAIT_S))
+        await inst.refused(subject)
+        put.cancel()
+
+
+def test_the_matrix_scopes_each_node_role_to_its_node_and_the_integrator_to_events():
+    for role in ("node-agent", "vertical-scaler"):
+        perms = permissions(role, "n1")
+        # every Dilu subject it may use names node n1 (instances' stats aside: the agent aggregates them)
+        ours = [s for s in perms.publish + perms.subscribe if s.startswith(sj.PREFIX) and s != pattern(ev.FunctionStats)]
+        assert ours and all("n1" in s.split(".") for s in ours), ours
+        assert [s for s in perms.publish if s.startswith("$KV.")] in ([], [f"$KV.{sj.NODES_BUCKET}.n1"])
+        with pytest.raises(ValueError, match="per node"):
+            permissions(role)
+    integ = permissions("integrator")
+    assert integ.publish == () and set(integ.subscribe) == set(sj.SUBJECT_EVENTS) and integ.inbox_prefix is None
+    writers = [r for r in ROLES if any(s.startswith(f"$KV.{sj.PLACEMENT_BUCKET}.") for s in
+                                       permissions(r, "n1" if r in NODE_SCOPED else None).publish)]
+    assert writers == ["scheduler"]
+    prefixes = {permissions(r, "n1" if r in NODE_SCOPED else None).inbox_prefix for r in ROLES if r != "integrator"}
+    assert len(prefixes) == len(ROLES) - 1, "every role reads replies under its own prefix"
