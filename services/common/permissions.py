@@ -121,8 +121,24 @@ def kv_write(bucket: str, key: str = ">", *, create: bool = True) -> list[str]:
     return kv_read(bucket, create=create) + [f"{KV_PREFIX}.{bucket}.{k}"]
 
 
-def _invoke_queue(*, create: bool) -> list[str]:
-    return _read(sj.INVOKE_STREAM) + (_create(sj.INVOKE_STREAM) if create else [])
+def invoke_queue(access: str) -> list[str]:
+    """Publish rights on the invocation work queue (stream DILU_INVOKE) for ``access``:
+    ``publish`` (callers: the stream's info; the invocations themselves are ``dilu.v1.invoke.>``),
+    ``watch`` (the horizontal scaler: consumers' backlog), ``pull`` (instances: fetch and
+    acknowledge through the functions' durable consumers, creating a missing one) or ``manage``
+    (the operator: create, delete, purge). Never a consumer deletion for anyone but the operator."""
+    api, stream = JS_API, sj.INVOKE_STREAM
+    rights = [f"{api}.STREAM.INFO.{stream}"]
+    if access in ("watch", "pull", "manage"):
+        rights += [f"{api}.CONSUMER.INFO.{stream}.*", f"{api}.CONSUMER.LIST.{stream}", f"{api}.CONSUMER.NAMES.{stream}"]
+    if access in ("pull", "manage"):
+        rights += [f"{api}.STREAM.CREATE.{stream}", f"{api}.CONSUMER.CREATE.{stream}.>",
+                   f"{api}.CONSUMER.DURABLE.CREATE.{stream}.*"]
+    if access == "pull":
+        rights += [f"{api}.CONSUMER.MSG.NEXT.{stream}.*", f"{JS_ACK}.{stream}.>"]
+    if access == "manage":
+        rights += [f"{api}.CONSUMER.DELETE.{stream}.*", f"{api}.STREAM.PURGE.{stream}"]
+    return rights
 
 
 # --- the roles ------------------------------------------------------------------------------
@@ -177,19 +193,17 @@ def permissions(role: str, node: str | None = None) -> Permissions:
         pub += [pattern(ev.ScaleDecision), pattern(ev.BurstWindowBreach), sj.SCHEDULER_PLACE, sj.SCHEDULER_RETIRE]
         pub += kv_write(sj.FUNCTION_STATE_BUCKET)
         pub += kv_read(sj.FUNCTIONS_BUCKET) + kv_read(sj.PROFILES_BUCKET) + kv_read(sj.PLACEMENT_BUCKET)
-        pub += _read(sj.INVOKE_STREAM) + [f"{JS_API}.CONSUMER.LIST.{sj.INVOKE_STREAM}",
-                                          f"{JS_API}.CONSUMER.NAMES.{sj.INVOKE_STREAM}"]
+        pub += invoke_queue("watch")
         sub += [pattern(ev.FunctionDeployed), pattern(ev.FunctionUndeployed), pattern(ev.ProfileReady),
                 *(instance_pattern(s) for s in ("launched", "ready", "retired")), pattern(ev.GpuTelemetry)]
     elif role in ("gateway", "caller"):
-        pub += [sj.INVOKE_SUBJECTS] + _invoke_queue(create=False)
+        pub += [sj.INVOKE_SUBJECTS] + invoke_queue("publish")
         pub += kv_read(sj.FUNCTIONS_BUCKET) + kv_read(sj.FUNCTION_STATE_BUCKET)
         if role == "gateway":
             sub += [pattern(ev.FunctionDeployed), pattern(ev.FunctionUndeployed)]
     elif role == "instance":
         pub += [f"{inbox_prefix(r)}.>" for r in reply_roles]
-        pub += [pattern(ev.FunctionStats), f"{JS_ACK}.{sj.INVOKE_STREAM}.>"] + _invoke_queue(create=True)
-        pub += [f"{JS_API}.CONSUMER.DURABLE.CREATE.{sj.INVOKE_STREAM}.*"]
+        pub += [pattern(ev.FunctionStats)] + invoke_queue("pull")
         # the code store's chunks are read by a subscription that looks its stream up by subject
         pub += kv_read(sj.FUNCTIONS_BUCKET) + _read(obj_stream(sj.CODE_BUCKET)) + [f"{JS_API}.STREAM.NAMES"]
     elif role == "operator":
@@ -199,12 +213,8 @@ def permissions(role: str, node: str | None = None) -> Permissions:
         pub += kv_read(sj.PLACEMENT_BUCKET) + kv_read(sj.PROFILES_BUCKET) + kv_read(sj.NODES_BUCKET)
         code = obj_stream(sj.CODE_BUCKET)
         pub += _read(code) + _create(code) + [f"{OBJ_PREFIX}.{sj.CODE_BUCKET}.>", f"{JS_API}.STREAM.PURGE.{code}"]
-        pub += _invoke_queue(create=True) + [f"{JS_API}.STREAM.PURGE.{sj.INVOKE_STREAM}",
-                                             f"{JS_API}.CONSUMER.LIST.{sj.INVOKE_STREAM}",
-                                             f"{JS_API}.CONSUMER.DURABLE.CREATE.{sj.INVOKE_STREAM}.*",
-                                             f"{JS_API}.STREAM.NAMES", f"{JS_API}.INFO"]
-        sub += [instance_pattern("ready"), instance_pattern("retired"), f"{p}.telemetry.gpu.>",
-                pattern(ev.GpuTelemetry)]
+        pub += invoke_queue("manage") + [f"{JS_API}.STREAM.NAMES"]
+        sub += [instance_pattern("ready"), instance_pattern("retired"), f"{p}.telemetry.gpu.>"]
     elif role == "integrator":
         sub += list(sj.SUBJECT_EVENTS)
     if role != "integrator":

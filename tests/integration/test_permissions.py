@@ -279,3 +279,15 @@ def test_the_matrix_scopes_each_node_role_to_its_node_and_the_integrator_to_even
     assert writers == ["scheduler"]
     prefixes = {permissions(r, "n1" if r in NODE_SCOPED else None).inbox_prefix for r in ROLES if r != "integrator"}
     assert len(prefixes) == len(ROLES) - 1, "every role reads replies under its own prefix"
+
+
+async def test_a_caller_cannot_touch_the_functions_consumers(secured):
+    async with as_role(secured, "operator") as op, as_role(secured, "caller") as caller:
+        await ensure_stream(op.js)
+        await ensure_consumer(op.js, "victim")
+        for subject in (f"$JS.API.CONSUMER.DELETE.{sj.INVOKE_STREAM}.{consumer_name('victim')}",
+                        f"$JS.API.CONSUMER.CREATE.{sj.INVOKE_STREAM}.spy.{sj.invoke('victim')}",
+                        f"$JS.API.CONSUMER.MSG.NEXT.{sj.INVOKE_STREAM}.{consumer_name('victim')}"):
+            await caller.nc.publish(subject, b"{}")
+            await caller.refused(subject)
+        assert (await op.js.consumer_info(sj.INVOKE_STREAM, consumer_name("victim"))).name == consumer_name("victim")
