@@ -1,4 +1,5 @@
-"""``dilu profile``: run the inference search on a recorded surface and compare with the exhaustive optimum."""
+"""``dilu profile``: run the profiler's procedure (:class:`.policy.ProfileSearch`, the same one the
+profiler service drives) on a recorded surface and compare with the exhaustive optimum."""
 from __future__ import annotations
 
 import json
@@ -8,27 +9,35 @@ import click
 from rich.console import Console
 from rich.table import Table
 
-from .policy import InferenceSearch, NoFeasibleSetting
+from .policy import QUEUEING_BUDGET, NoFeasibleSetting, ProfileSearch
 from .surface import SurfaceBackend, SurfaceError, load_surface, run_search, surface_files
 
 SLO_FACTORS = (2.0, 3.0, 5.0)
 
 
-def profile_surface(path: Path, slo_ms: float, stop_threshold: float = 0.15) -> dict:
-    """Search one surface at one SLO; a dict of the choice, its trial count and the exhaustive optimum.
+def profile_surface(path: Path, slo_ms: float, stop_threshold: float = 0.15,
+                    queueing_budget: float = QUEUEING_BUDGET) -> dict:
+    """Profile one surface at one request SLO (ms) as the profiler service does: batch latency
+    within ``queueing_budget`` × ``slo_ms``, limit knee, the burst batch measured at the limit.
+    A dict of the choice, its trial count and the exhaustive optimum under the same latency bound.
 
-    Raises NoFeasibleSetting when no grid point meets ``slo_ms``.
+    Raises NoFeasibleSetting when no grid point meets the bound, SurfaceError for a bad file.
     """
     surf = load_surface(path)
-    opt = surf.exhaustive(slo_ms)
+    bound = slo_ms * queueing_budget
+    opt = surf.exhaustive(bound)
     if opt is None:
-        raise NoFeasibleSetting(f"{path.name}: no grid point meets the SLO of {slo_ms:.4g} ms")
+        raise NoFeasibleSetting(f"{path.name}: no grid point meets the SLO of {slo_ms:.4g} ms "
+                                f"(batch latency ≤ {bound:.4g} ms)")
     backend = SurfaceBackend(surf)
-    res = run_search(InferenceSearch(surf.batches, surf.quota_axes, slo_ms, stop_threshold=stop_threshold), backend)
+    search = ProfileSearch("inference", surf.batches, surf.quota_axes, slo_ms, queueing_budget=queueing_budget,
+                           stop_threshold=stop_threshold)
+    res = run_search(search, backend)
     return {
         "surface": str(path),
         "format": surf.fmt,
         "slo_ms": slo_ms,
+        "batch_latency_bound_ms": bound,
         "baseline_latency_ms": surf.baseline_latency_ms(),
         "request_quota": res.request_quota,
         "request_setting": list(res.request_setting),
@@ -39,6 +48,8 @@ def profile_surface(path: Path, slo_ms: float, stop_threshold: float = 0.15) -> 
         "te": res.te,
         "latency_ms": res.latency_ms,
         "throughput_rps": res.throughput_rps,
+        "limit_latency_ms": res.limit_latency_ms,
+        "limit_throughput_rps": res.limit_throughput_rps,
         "trials": backend.trials,
         "optimum": {
             "te": opt.te, "quota": opt.quota, "setting": list(opt.setting), "batch": opt.batch,
@@ -52,11 +63,14 @@ def profile_surface(path: Path, slo_ms: float, stop_threshold: float = 0.15) -> 
 @click.command("profile")
 @click.option("--surface", "surface_path", type=click.Path(exists=True, dir_okay=False, path_type=Path),
               help="Surface CSV (a100-mps or v100-sm-quota format). Without it: every shipped surface.")
-@click.option("--slo-ms", type=click.FloatRange(min=0, min_open=True, max=1e7), help="Latency SLO in ms. Default: 2, 3 and 5 × batch-1 full-GPU latency.")
+@click.option("--slo-ms", type=click.FloatRange(min=0, min_open=True, max=1e7), help="Request latency SLO in ms. Default: 2, 3 and 5 × batch-1 full-GPU latency.")
+@click.option("--queueing-budget", type=click.FloatRange(min=0, min_open=True, max=1), default=QUEUEING_BUDGET,
+              show_default=True, help="Share of the SLO a batch may take (a request waits for the batch ahead).")
 @click.option("--stop-threshold", type=click.FloatRange(min=0, max=1), default=0.15, show_default=True,
               help="Relative TE margin below the best within which the search keeps growing.")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False, path_type=Path), help="Write the results here.")
-def profile(surface_path: Path | None, slo_ms: float | None, stop_threshold: float, json_path: Path | None) -> None:
+def profile(surface_path: Path | None, slo_ms: float | None, queueing_budget: float, stop_threshold: float,
+            json_path: Path | None) -> None:
     """Profile on a recorded surface: request/limit quota, batch, TE and trials vs the exhaustive optimum."""
     paths = [surface_path] if surface_path else surface_files()
     rows: list[dict] = []
@@ -65,7 +79,7 @@ def profile(surface_path: Path | None, slo_ms: float | None, stop_threshold: flo
             base = load_surface(path).baseline_latency_ms()
             for slo in [slo_ms] if slo_ms else [f * base for f in SLO_FACTORS]:
                 try:
-                    rows.append(profile_surface(path, slo, stop_threshold))
+                    rows.append(profile_surface(path, slo, stop_threshold, queueing_budget))
                 except NoFeasibleSetting as exc:
                     if slo_ms:  # the SLO the user asked for: say why there is no answer
                         raise click.ClickException(str(exc)) from None

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 import msgspec
 
 from dilu.contracts.events import FunctionSpec, Profile
+from dilu.services.common import models
 
 Setting = tuple[float, ...]
 Index = tuple[int, ...]  # (quota axis indices..., batch index)
@@ -69,7 +70,8 @@ class ProfileResult:
 
     ``request_quota``/``request_setting``: the chosen guaranteed share, with ``batch_size``;
     ``limit_quota``/``limit_setting``: the share at which ``burst_batch`` (the largest batch meeting
-    the SLO) runs; ``te``: throughput per quota at the request setting (requests/s per unit of
+    the SLO) runs, and ``limit_latency_ms``/``limit_throughput_rps`` what it measured there (0 when
+    not measured: a bare sub-search); ``te``: throughput per quota at the request setting (requests/s per unit of
     GPU); ``trials``: distinct settings the search measured.
     """
 
@@ -84,6 +86,8 @@ class ProfileResult:
     throughput_rps: float
     latency_ms: float
     trials: int
+    limit_latency_ms: float = 0.0
+    limit_throughput_rps: float = 0.0
 
     def to_profile(self, function: str, backend: str) -> Profile:
         """As the contracts' Profile event payload."""
@@ -98,6 +102,8 @@ class ProfileResult:
             latency_ms=self.latency_ms,
             trials=self.trials,
             backend=backend,
+            limit_latency_ms=self.limit_latency_ms,
+            limit_throughput_rps=self.limit_throughput_rps,
         )
 
 
@@ -148,18 +154,27 @@ class _Machine:
         """Hook for subclasses that update their state as each measurement arrives."""
 
 
+class NoThroughput(ValueError):
+    """A training profile without throughput: the full GPU measured 0 requests/s (or nothing)."""
+
+
 class TrainingSearch(_Machine):
-    """Binary search on quota for a training function (DESIGN.md section 4.6).
+    """Minimum-quota search for a training function (DESIGN.md section 4.6).
 
     Request quota: the smallest grid quota whose throughput ≥ ``threshold`` (default 0.98) × the
     throughput on the full GPU (the largest grid quota, measured first). Limit quota: the smallest
-    grid quota whose throughput ≥ ``limit_threshold`` (default 1.0) × full, i.e. where extra quota
-    stops buying throughput; the vertical scaler lets training burst up to it only into idle capacity.
+    grid quota at or above the request whose throughput ≥ ``limit_threshold`` (default 1.0) × full,
+    i.e. where extra quota stops buying throughput; the vertical scaler lets training burst up to it
+    only into idle capacity.
 
-    Invariant of each binary search: ``hi`` is a measured index meeting its threshold (initially the
-    full GPU, which meets any threshold ≤ 1), ``lo`` one that does not (initially -1). Each step
-    halves ``hi - lo``, so it terminates after ⌈log2 n⌉ trials; on a monotone curve ``hi`` ends on
-    the true minimum, on a noisy one on a measured point that meets the threshold.
+    Guarantee, on any throughput curve (non-monotone, noisy): after the full GPU, quotas are
+    measured in ascending order until one meets the threshold, so the request quota is exactly
+    ``min{q in grid : thr(q) ≥ threshold · thr(full)}`` over the measured values and every smaller
+    grid quota was measured and missed it; the limit likewise continues upwards from the request.
+    Each grid quota is measured at most once: at most ``len(grid)`` trials. (A binary search
+    needs ⌈log2 n⌉ but, on a curve with a dip, ends above the true minimum.)
+
+    A full-GPU throughput of 0 ends the search: :meth:`result` raises :class:`NoThroughput`.
     """
 
     def __init__(
@@ -174,9 +189,8 @@ class TrainingSearch(_Machine):
             raise ValueError(f"need 0 < threshold ≤ limit_threshold ≤ 1, got {threshold}, {limit_threshold}")
         self.batch = batch
         self.thresholds = (threshold, limit_threshold)
-        self._phase = 0  # 0: request, 1: limit, 2: done
-        self._lo, self._hi = -1, len(self.quotas) - 1
         self._found: list[int] = []  # request index, then limit index
+        self._next = 0  # the next grid index to look at (ascending scan)
 
     def _trial(self, i: int) -> Trial:
         return Trial((self.quotas[i],), self.batch)
@@ -184,36 +198,38 @@ class TrainingSearch(_Machine):
     def _thr(self, i: int) -> float:
         return self._measured[self._trial(i)].throughput_rps
 
+    def _full_thr(self) -> float | None:
+        full = self._trial(len(self.quotas) - 1)
+        return self._measured[full].throughput_rps if full in self._measured else None
+
     def next_trial(self) -> Trial | None:
         """The next quota to measure, or None when done. Measured points are never proposed twice."""
         if self._pending is not None:
             return self._pending
-        full = self._trial(len(self.quotas) - 1)
-        if full not in self._measured:
-            return self._propose(full)
-        while self._phase < 2:
-            if self._hi - self._lo <= 1:
-                self._found.append(self._hi)
-                self._phase += 1
-                # the limit is at or above the request quota: search only that part
-                self._lo, self._hi = self._found[-1] - 1, len(self.quotas) - 1
-                continue
-            mid = (self._lo + self._hi) // 2
-            if self._trial(mid) not in self._measured:
-                return self._propose(self._trial(mid))
-            self._step(mid)
+        full = self._full_thr()
+        if full is None:
+            return self._propose(self._trial(len(self.quotas) - 1))
+        if full <= 0:
+            return self._propose(None)
+        while len(self._found) < 2:
+            i = self._next
+            if self._trial(i) not in self._measured:
+                return self._propose(self._trial(i))
+            # the full GPU meets any threshold ≤ 1, so the scan always ends within the grid
+            if self._thr(i) >= self.thresholds[len(self._found)] * full:
+                self._found.append(i)  # the limit scan starts at the request itself
+            else:
+                self._next = i + 1
         return self._propose(None)
 
-    def _step(self, mid: int) -> None:
-        full = self._thr(len(self.quotas) - 1)
-        if self._thr(mid) >= self.thresholds[self._phase] * full:
-            self._hi = mid
-        else:
-            self._lo = mid
-
     def result(self) -> ProfileResult:
-        """Raises RuntimeError before the search finished."""
-        if self._phase < 2:
+        """Raises NoThroughput when the full GPU measured no throughput, RuntimeError before the
+        search finished."""
+        full = self._full_thr()
+        if full is not None and full <= 0:
+            raise NoThroughput(f"training at batch {self.batch} measured no throughput on the full GPU: "
+                               "nothing to size a quota by")
+        if len(self._found) < 2:
             raise RuntimeError("training search not finished")
         req, lim = self._found
         rq, lq = self.quotas[req], self.quotas[lim]
@@ -223,6 +239,45 @@ class TrainingSearch(_Machine):
             limit_quota=lq, limit_setting=(lq,), burst_batch=self.batch, te=m.throughput_rps / rq,
             throughput_rps=m.throughput_rps, latency_ms=m.latency_ms, trials=self.trials,
         )
+
+
+class KneeSearch(_Machine):
+    """Binary search along the SM axis for the limit knee of an inference function: the smallest
+    SM share at which ``batch`` reaches ``knee`` × its full-GPU throughput (other quota axes at
+    full). Assumes throughput grows with SM share (the inference model of :class:`InferenceSearch`);
+    ⌈log2 n⌉ + 1 trials at most. ``result()`` is the knee's setting."""
+
+    def __init__(self, axes: tuple[tuple[float, ...], ...], batch: int, knee: float) -> None:
+        super().__init__()
+        if not 0 < knee <= 1:
+            raise ValueError(f"knee must be in (0, 1], got {knee}")
+        self.axes, self.batch, self.knee = axes, max(1, batch), knee
+        self._lo, self._hi = -1, len(axes[0]) - 1
+
+    def _trial(self, i: int) -> Trial:
+        return Trial((self.axes[0][i],) + tuple(a[-1] for a in self.axes[1:]), self.batch)
+
+    def next_trial(self) -> Trial | None:
+        """The next setting to measure, or None when done."""
+        if self._pending is not None:
+            return self._pending
+        full = self._trial(len(self.axes[0]) - 1)
+        if full not in self._measured:
+            return self._propose(full)
+        while self._hi - self._lo > 1:
+            mid = (self._lo + self._hi) // 2
+            t = self._trial(mid)
+            if t not in self._measured:
+                return self._propose(t)
+            ok = self._measured[t].throughput_rps >= self.knee * self._measured[full].throughput_rps
+            self._lo, self._hi = (self._lo, mid) if ok else (mid, self._hi)
+        return self._propose(None)
+
+    def result(self) -> Setting:
+        """The knee's setting. Raises RuntimeError before the search finished."""
+        if self._pending is not None or self._hi - self._lo > 1 or self.trials == 0:
+            raise RuntimeError("knee search not finished")
+        return self._trial(self._hi).setting
 
 
 class InferenceSearch(_Machine):
@@ -455,6 +510,174 @@ class InferenceSearch(_Machine):
             limit_quota=lim.quota, limit_setting=lim.setting, burst_batch=self.batches[self._burst],
             te=te, throughput_rps=m.throughput_rps, latency_ms=m.latency_ms, trials=self.trials,
         )
+
+
+# --------------------------------------------------------------------------- the composed profile search
+
+QUOTA_GRID = tuple(round(0.1 * i, 1) for i in range(1, 11))  # the A100 MPS grid: 10 % .. 100 %
+BATCH_GRID = (1, 2, 4, 8, 16, 32)
+# A live request waits for the batch ahead of it before its own batch runs, so a setting is
+# accepted when its batch latency fits half the SLO (the usual batching budget, e.g. Clipper,
+# NSDI 2017; INFless, ASPLOS 2022).
+QUEUEING_BUDGET = 0.5
+# The limit quota is where the burst batch gets this fraction of its full-GPU throughput: beyond
+# the knee more SMs buy little, below it a burst is slowed by its own quota.
+LIMIT_KNEE = 0.8
+
+
+class ProfileSearch:
+    """The whole profiling procedure as one ask/tell state machine (no I/O, no clock), driven
+    alike by the profiler service (trials on a node), ``dilu profile`` (trials from a surface)
+    and the simulator::
+
+        s = ProfileSearch("inference", BATCH_GRID, QUOTA_GRID, slo_ms=100)
+        while (t := s.next_trial()) is not None:
+            s.record(t, measure(t))          # measure: the caller's backend
+        s.result()  # -> ProfileResult, with what the burst batch measured at the limit
+
+    Inference: (1) :class:`InferenceSearch` with batch latency within ``queueing_budget`` × the
+    request SLO ``slo_ms``; (2) :class:`KneeSearch` for the burst batch's throughput knee
+    (``knee``), the limit being the larger of the two searches' limits and never below the
+    request; (3) one trial of the burst batch at the limit (what an instance scaled up to its
+    limit serves: the horizontal scaler's lazy sizing), skipped when limit and burst equal request
+    and batch. Training: :class:`TrainingSearch` at the largest batch; its limit is measured there.
+
+    Trials proposed by a later stage that an earlier one measured are answered from memory:
+    ``trials`` counts distinct (setting, batch) pairs measured. ``slo_ms`` is in ms (ignored for
+    training). Raises ValueError for a bad kind or grid; :meth:`result` raises
+    :class:`NoFeasibleSetting` or :class:`NoThroughput` (both ValueError) when there is no profile.
+    """
+
+    def __init__(self, kind: str, grid_batches: Sequence[int], grid_quotas: Sequence[float] | Sequence[Sequence[float]],
+                 slo_ms: float = 0.0, *, queueing_budget: float = QUEUEING_BUDGET, knee: float = LIMIT_KNEE,
+                 stop_threshold: float = 0.15) -> None:
+        if kind not in ("inference", "training"):
+            raise ValueError(f"kind must be 'inference' or 'training', got {kind!r}")
+        if not 0 < queueing_budget <= 1:
+            raise ValueError(f"queueing_budget must be in (0, 1], got {queueing_budget}")
+        if not grid_batches:
+            raise ValueError("empty batch grid")
+        self.kind, self.knee = kind, knee
+        self.axes = _axes(grid_quotas)
+        self._memo: dict[Trial, Measurement] = {}
+        self._pending: Trial | None = None
+        self._main: InferenceSearch | TrainingSearch
+        if kind == "training":
+            self._main = TrainingSearch(self.axes[0] if len(self.axes) == 1 else grid_quotas,
+                                        batch=max(int(b) for b in grid_batches))
+        else:
+            self._main = InferenceSearch(grid_batches, grid_quotas, slo_ms * queueing_budget,
+                                         stop_threshold=stop_threshold)
+        self._stage: _Machine | None = self._main
+        self._knee: KneeSearch | None = None
+        self._at_limit: Trial | None = None
+        self._first: ProfileResult | None = None
+        self._done = False
+
+    @property
+    def trials(self) -> int:
+        """Distinct (setting, batch) pairs measured so far."""
+        return len(self._memo)
+
+    @property
+    def done(self) -> bool:
+        """Whether :meth:`next_trial` has returned None (the result is known)."""
+        return self._done
+
+    def next_trial(self) -> Trial | None:
+        """The next trial to measure, or None when the search is over (then call :meth:`result`)."""
+        if self._pending is not None:
+            return self._pending
+        while not self._done:
+            if self._stage is not None:
+                t = self._stage.next_trial()
+                if t is None:
+                    self._advance()
+                elif t in self._memo:
+                    self._stage.record(t, self._memo[t])
+                else:
+                    self._pending = t
+                    return t
+            elif self._at_limit is not None and self._at_limit not in self._memo:
+                self._pending = self._at_limit
+                return self._at_limit
+            else:
+                self._done = True
+        return None
+
+    def _advance(self) -> None:
+        """The current stage ended: start the next one."""
+        if self._stage is self._main:
+            try:
+                self._first = self._main.result()
+            except ValueError:  # no profile: result() says why
+                self._stage, self._done = None, True
+                return
+            if self.kind == "inference":
+                self._knee = KneeSearch(self.axes, self._first.burst_batch or self._first.batch_size, self.knee)
+                self._stage = self._knee
+                return
+        self._stage = None
+        limit, burst = self._limit()
+        first = self._first
+        if (round(math.prod(limit), 6), burst) != (first.request_quota, first.batch_size) and self.kind == "inference":
+            self._at_limit = Trial(limit, burst)
+
+    def _limit(self) -> tuple[Setting, int]:
+        first = self._first
+        assert first is not None
+        limit = first.limit_setting
+        if self._knee is not None:
+            k = self._knee.result()
+            if math.prod(k) > math.prod(limit):
+                limit = k
+        if math.prod(limit) < first.request_quota:
+            limit = first.request_setting
+        return limit, max(first.batch_size, first.burst_batch)
+
+    def record(self, trial: Trial, m: Measurement) -> None:
+        """Tell the search what ``trial`` measured. Raises SearchProtocolError for a trial it did
+        not propose, ValueError for a non-finite or negative measurement."""
+        if trial != self._pending:
+            raise SearchProtocolError(f"recorded {trial}, but the pending trial is {self._pending}")
+        if self._stage is not None:
+            self._stage.record(trial, m)  # validates the measurement
+        elif not (math.isfinite(m.latency_ms) and math.isfinite(m.throughput_rps)) or min(
+                m.latency_ms, m.throughput_rps) < 0:
+            raise ValueError(f"bad measurement {m}")
+        self._memo[trial] = m
+        self._pending = None
+
+    def result(self) -> ProfileResult:
+        """The profile. Raises NoFeasibleSetting (inference: nothing met the SLO) or NoThroughput
+        (training: none on the full GPU), RuntimeError before the search is over."""
+        if self._first is None and self._done:
+            self._main.result()  # raises why there is no profile
+        if not self._done:
+            raise RuntimeError("profile search not finished")
+        first = self._first
+        limit, burst = self._limit()
+        at = self._memo.get(Trial(limit, burst)) if self._at_limit is not None else None
+        if at is None:
+            at = Measurement(first.latency_ms, first.throughput_rps)
+        return ProfileResult(
+            kind=first.kind, request_quota=first.request_quota, request_setting=first.request_setting,
+            batch_size=first.batch_size, limit_quota=round(math.prod(limit), 6), limit_setting=limit,
+            burst_batch=first.burst_batch, te=first.te, throughput_rps=first.throughput_rps,
+            latency_ms=first.latency_ms, trials=self.trials, limit_latency_ms=at.latency_ms,
+            limit_throughput_rps=at.throughput_rps,
+        )
+
+
+def search_for(spec: FunctionSpec, stop_threshold: float = 0.15) -> ProfileSearch:
+    """The profile search for ``spec`` on the A100 grid (:data:`QUOTA_GRID`, batches of
+    :data:`BATCH_GRID` up to ``spec.max_batch``); the request SLO is ``spec.slo_ms`` or, when 0,
+    5 × the model's batch-1 full-GPU latency. Raises KeyError for an unknown model."""
+    models.model(spec.model)
+    batches = [b for b in BATCH_GRID if b <= max(1, spec.max_batch)]
+    slo = 0.0 if spec.kind == "training" else (spec.slo_ms or models.default_slo_ms(spec.model))
+    return ProfileSearch("training" if spec.kind == "training" else "inference", batches, QUOTA_GRID, slo,
+                         stop_threshold=stop_threshold)
 
 
 # --------------------------------------------------------------------------- profiles without trials

@@ -7,6 +7,8 @@
 - Profiles are cached by (model, kind, SLO ms, max batch): a second deploy of the same model costs
   no trials. Each profile is stored in the JetStream KV bucket ``dilu-profiles`` (history 5, key =
   sanitised function name) and announced with ProfileReady on ``dilu.v1.profile.ready.<fn>``.
+- The procedure (inference search, limit knee, the trial at the limit) is one pure
+  :class:`.policy.ProfileSearch`, the same one ``dilu profile`` and the simulator drive.
 - Training functions have no measured training surface: their binary search runs on the model's
   largest-batch inference curve as a stand-in (documented in issue 4).
 """
@@ -36,8 +38,8 @@ from ..common.bus import Bus
 from ..common.jsresources import PROFILES_KV_CONFIG, ensure_kv
 from ..common.nodes import read_inventories, trial_node
 from dilu.services.common import models
-from .policy import (InferenceSearch, Measurement, NoFeasibleSetting, TrainingSearch, Trial, cpu_profile,
-                     given_profile)
+from .policy import (Measurement, NoFeasibleSetting, Trial,
+                     cpu_profile, given_profile, search_for)
 from .surface import SurfaceBackend, model_surface
 
 TRIALS = Counter("dilu_profiler_trials", "Measurements the profiler made", ["backend"])
@@ -46,8 +48,6 @@ FAILURES = Counter("dilu_profiler_failures", "Profiles that could not be produce
 for _label in ("node", "surface"):  # export 0 before the first trial, so dashboards see the series
     TRIALS.labels(_label)
 
-QUOTA_GRID = tuple(round(0.1 * i, 1) for i in range(1, 11))  # the A100 MPS grid: 10 % .. 100 %
-BATCH_GRID = (1, 2, 4, 8, 16, 32)
 PROFILE_HISTORY = PROFILES_KV_CONFIG.history
 
 
@@ -95,34 +95,6 @@ class _SurfaceAsync:
         m = self.inner.run(trial)
         TRIALS.labels("surface").inc(self.inner.trials - before)
         return m
-
-
-# A live request waits for the batch ahead of it before its own batch runs, so a setting is
-# accepted when its batch latency fits half the SLO (the usual batching budget, e.g. Clipper,
-# NSDI 2017; INFless, ASPLOS 2022). ``dilu profile --surface`` searches the SLO itself.
-QUEUEING_BUDGET = 0.5
-# The limit quota is where the burst batch gets this fraction of its full-GPU throughput: beyond
-# the knee more SMs buy little, below it a burst is slowed by its own quota.
-LIMIT_KNEE = 0.8
-
-
-def search_for(spec: FunctionSpec, stop_threshold: float = 0.15):
-    """The search for ``spec``: training -> TrainingSearch at its largest batch; inference ->
-    InferenceSearch with batch latency within ``QUEUEING_BUDGET`` x the spec's SLO (default SLO:
-    5 × batch-1 full-GPU latency). Batches up to ``spec.max_batch``. Raises KeyError for an
-    unknown model."""
-    models.model(spec.model)
-    batches = [b for b in BATCH_GRID if b <= max(1, spec.max_batch)]
-    if spec.kind == "training":
-        return TrainingSearch(QUOTA_GRID, batch=batches[-1])
-    slo = spec.slo_ms or models.default_slo_ms(spec.model)
-    return InferenceSearch(batches, QUOTA_GRID, slo * QUEUEING_BUDGET, stop_threshold=stop_threshold)
-
-
-def knee_search_for(burst_batch: int) -> TrainingSearch:
-    """The binary search for the limit knee: the smallest quota at which ``burst_batch`` reaches
-    ``LIMIT_KNEE`` x its full-GPU throughput (the training search's rule, reused)."""
-    return TrainingSearch(QUOTA_GRID, batch=max(1, burst_batch), threshold=LIMIT_KNEE, limit_threshold=LIMIT_KNEE)
 
 
 def cache_key(spec: FunctionSpec) -> tuple:
@@ -253,6 +225,9 @@ class ProfilerService:
         return node
 
     async def _search(self, spec: FunctionSpec) -> Profile:
+        """Drive :class:`.policy.ProfileSearch` (the same procedure as ``dilu profile``) with
+        trials on the node agent or the model's surface. Raises TrialFailed, NoFeasibleSetting,
+        NoThroughput (ValueError)."""
         search = search_for(spec)
         if self.backend == "surface":
             backend = _SurfaceAsync(spec.model)
@@ -261,21 +236,6 @@ class ProfilerService:
         while (trial := search.next_trial()) is not None:
             search.record(trial, await backend.run(trial))
         result = search.result()
-        limit = result.limit_quota
-        if spec.kind != "training":  # room to burst vertically: up to the burst batch's knee
-            knee = knee_search_for(result.burst_batch or result.batch_size)
-            while (trial := knee.next_trial()) is not None:
-                knee.record(trial, await backend.run(trial))
-            limit = max(limit, knee.result().request_quota)
-        limit = max(limit, result.request_quota)
-        burst = max(result.batch_size, result.burst_batch)
-        at_limit = Measurement(result.latency_ms, result.throughput_rps)
-        if spec.kind != "training" and (limit, burst) != (result.request_quota, result.batch_size):
-            # what an instance scaled up to its limit serves at its burst batch: the horizontal
-            # scaler's lazy sizing
-            at_limit = await backend.run(Trial((limit,), burst))
         self.trials += backend.trials
         name = "surface" if self.backend == "surface" else "emulated"
-        return msgspec.structs.replace(result.to_profile(spec.name, name), trials=backend.trials, limit_quota=limit,
-                                       limit_latency_ms=at_limit.latency_ms,
-                                       limit_throughput_rps=at_limit.throughput_rps)
+        return msgspec.structs.replace(result.to_profile(spec.name, name), trials=backend.trials)
