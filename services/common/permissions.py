@@ -17,7 +17,9 @@ nats-py's ``inbox_prefix`` connect option, ``DILU_NATS_INBOX_PREFIX``), ``_INBOX
 instances keep nats-py's default ``_INBOX`` (their agent's environment is not theirs).
 Responders (scheduler, profiler, node agent) get ``allow_responses``.
 
-Node-scoped roles (:data:`NODE_SCOPED`) get one user per node. :func:`render_authorization`
+Node-scoped roles (:data:`NODE_SCOPED`) get one user per node. Callers may also have a user
+each (named callers, ``_INBOX_caller-<name>``), so that no caller reads another's replies; the
+instances' permissions then list those callers' inboxes. :func:`render_authorization`
 writes the nats-server ``authorization`` block for users given by public nkey.
 """
 from __future__ import annotations
@@ -79,11 +81,16 @@ def instance_pattern(state: str, node: str = "*") -> str:
     return pattern(event) if node == "*" else pattern(event, node)
 
 
-def inbox_prefix(role: str, node: str | None = None) -> str:
-    """The reply inbox prefix of ``role`` (of ``node`` for a node-scoped role). Raises RoleError."""
+def inbox_prefix(role: str, node: str | None = None, *, caller: str | None = None) -> str:
+    """The reply inbox prefix of ``role`` (of ``node`` for a node-scoped role; of the named
+    caller ``caller``, whose replies no other caller reads). Raises RoleError."""
     _check(role, node)
     if role == "instance":
         return DEFAULT_INBOX
+    if caller is not None:
+        if role != "caller":
+            raise RoleError(f"only the caller role has named users, not {role}")
+        return f"_INBOX_caller-{sj.token(caller)}"
     return f"_INBOX_{role}" + (f"_{sj.token(node)}" if role in NODE_SCOPED else "")
 
 
@@ -155,10 +162,14 @@ class Permissions:
     subscribe: tuple[str, ...]
     allow_responses: bool
     inbox_prefix: str | None
+    caller: str | None = None
 
 
-def permissions(role: str, node: str | None = None) -> Permissions:
-    """The permissions of ``role`` (of ``node`` for a node-scoped role). Raises RoleError."""
+def permissions(role: str, node: str | None = None, *, caller: str | None = None,
+                callers: tuple[str, ...] = ()) -> Permissions:
+    """The permissions of ``role`` (of ``node`` for a node-scoped role; ``caller``: a named
+    caller's own user, with its own inbox). ``callers``: the named callers instances may answer
+    (the instance role only). Raises RoleError."""
     _check(role, node)
     p = sj.PREFIX
     pub: list[str] = []
@@ -203,6 +214,7 @@ def permissions(role: str, node: str | None = None) -> Permissions:
             sub += [pattern(ev.FunctionDeployed), pattern(ev.FunctionUndeployed)]
     elif role == "instance":
         pub += [f"{inbox_prefix(r)}.>" for r in reply_roles]
+        pub += [f"{inbox_prefix('caller', caller=c)}.>" for c in callers]
         pub += [pattern(ev.FunctionStats)] + invoke_queue("pull")
         # the code store's chunks are read by a subscription that looks its stream up by subject
         pub += kv_read(sj.FUNCTIONS_BUCKET) + _read(obj_stream(sj.CODE_BUCKET)) + [f"{JS_API}.STREAM.NAMES"]
@@ -218,11 +230,12 @@ def permissions(role: str, node: str | None = None) -> Permissions:
     elif role == "integrator":
         sub += list(sj.SUBJECT_EVENTS)
     if role != "integrator":
-        sub.append(f"{inbox_prefix(role, node)}.>")
+        sub.append(f"{inbox_prefix(role, node, caller=caller)}.>")
         pub.append(f"{JS_API}.INFO")
     return Permissions(role=role, node=node, publish=tuple(dict.fromkeys(pub)), subscribe=tuple(dict.fromkeys(sub)),
                        allow_responses=responds,
-                       inbox_prefix=None if role == "integrator" else inbox_prefix(role, node))
+                       inbox_prefix=None if role == "integrator" else inbox_prefix(role, node, caller=caller),
+                       caller=caller)
 
 
 def _user_block(nkey: str, perms: Permissions) -> str:
@@ -230,7 +243,7 @@ def _user_block(nkey: str, perms: Permissions) -> str:
     body = {"publish": publish, "subscribe": {"allow": list(perms.subscribe)}}
     if perms.allow_responses:
         body["allow_responses"] = True
-    who = perms.role + (f" of node {perms.node}" if perms.node else "")
+    who = perms.role + (f" of node {perms.node}" if perms.node else "") + (f" {perms.caller}" if perms.caller else "")
     return f"    # {who}\n    {{nkey: {json.dumps(nkey)}, permissions: {json.dumps(body, indent=None)}}}"
 
 

@@ -24,13 +24,14 @@ from dilu.services.common.workqueue import consumer_name, ensure_consumer, ensur
 pytestmark = pytest.mark.nats
 
 NODES = ["n1", "n2"]
+CALLERS = ["alice", "bob"]
 WAIT_S = 5.0  # an upper bound on the server's answer, not a pacing
 
 
 @pytest.fixture(scope="module")
 def secured(tmp_path_factory):
     root = tmp_path_factory.mktemp("auth")
-    ensure_creds(root, NODES)
+    ensure_creds(root, NODES, CALLERS)
     with EmbeddedNats(config=root / AUTH_CONF, log_path=root / "nats-server.log") as server:
         yield root, server.url
 
@@ -61,15 +62,15 @@ class Conn:
 
 
 @asynccontextmanager
-async def as_role(secured, role: str, node: str | None = None):
+async def as_role(secured, role: str, node: str | None = None, *, caller: str | None = None):
     root, url = secured
     errors: asyncio.Queue = asyncio.Queue()
 
     async def on_error(exc):
         errors.put_nowait(exc)
 
-    path = role_creds(root, role, node, NODES)
-    opts = NatsOptions(servers=(url,), creds=path, inbox_prefix=permissions(role, node).inbox_prefix)
+    path = root / "creds" / f"caller.{caller}.creds" if caller else role_creds(root, role, node, NODES)
+    opts = NatsOptions(servers=(url,), creds=path, inbox_prefix=permissions(role, node, caller=caller).inbox_prefix)
     nc = await connect(opts, name=f"test-{role}", error_cb=on_error)
     try:
         yield Conn(nc, errors)
@@ -301,3 +302,29 @@ async def test_a_caller_cannot_touch_the_functions_consumers(secured):
             await caller.nc.publish(subject, b"{}")
             await caller.refused(subject)
         assert (await op.js.consumer_info(sj.INVOKE_STREAM, consumer_name("victim"))).name == consumer_name("victim")
+
+
+async def test_named_callers_read_only_their_own_replies(secured):
+    async with (as_role(secured, "operator") as op, as_role(secured, "caller", caller="alice") as alice,
+                as_role(secured, "caller", caller="bob") as bob, as_role(secured, "caller") as anyone,
+                as_role(secured, "instance") as inst):
+        await ensure_stream(op.js)
+        await ensure_consumer(op.js, "named")
+        client = InvokeClient(alice.nc, alice.js)
+        await client.start()
+        call = asyncio.ensure_future(client.invoke("named", b"hi", request_id="a1", scheduled_ns=time.time_ns(),
+                                                   timeout_s=WAIT_S * 2))
+        psub = await inst.js.pull_subscribe_bind(durable=consumer_name("named"), stream=sj.INVOKE_STREAM)
+        (msg,) = await psub.fetch(1, timeout=WAIT_S)
+        assert msg.headers[sj.H_REPLY_TO].startswith(inbox_prefix("caller", caller="alice") + ".")
+        await msg.ack()
+        await inst.nc.publish(msg.headers[sj.H_REPLY_TO], b"for alice",
+                              headers={sj.H_REQUEST_ID: "a1", sj.H_STATUS: "ok", sj.H_INSTANCE: "i-1"})
+        assert (await call).payload == b"for alice"
+        await client.close()
+        alices = f"{inbox_prefix('caller', caller='alice')}.>"
+        for other in (bob, anyone):
+            await other.nc.subscribe(alices)
+            await other.refused(alices)
+        await alice.nc.subscribe(f"{inbox_prefix('caller')}.>")
+        await alice.refused(f"{inbox_prefix('caller')}.>")
