@@ -66,6 +66,8 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Literal
 
+from dilu.contracts.events import FunctionSpec, Profile
+
 Mode = Literal["lazy", "eager"]
 MODES: tuple[str, ...] = ("lazy", "eager")
 InstanceState = Literal["starting", "ready", "draining"]
@@ -694,3 +696,125 @@ def vertical_headroom(gpus: Mapping[object, Iterable[InstanceShare]]) -> dict[st
             gain = min(max(0.0, i.limit_quota - i.quota), free + reclaimable)
             out[i.function] = out.get(i.function, 0.0) + gain
     return out
+
+
+# ---------------------------------------------------------------------- profile -> parameters
+
+
+def function_params(spec: FunctionSpec | None, profile: Profile | None, old: FunctionParams | None, *,
+                    slo_ms: float = 0.0, fixed_target: float = 0.0) -> FunctionParams:
+    """A function's sizing from what is known of it (pure; the service and the simulator share it).
+
+    ``spec`` (FunctionDeployed) sets the instance bounds (``max_instances`` at least 1 and at
+    least ``min_instances``), ``initial_scale`` and ``keep_alive_s``; ``profile`` (ProfileReady)
+    sets the in-flight ``target`` (:func:`concurrency_target` of its batch and batch latency
+    within ``slo_ms``, the function's SLO in ms, 0 when unknown) and ``instance_rps``, and, when
+    it was measured at the limit quota (``limit_latency_ms`` > 0; older profiles lack it),
+    ``burst_target``/``burst_rps`` at its burst batch. What neither gives keeps ``old``'s value
+    (defaults without one: target 1, bounds 0..8, initial scale -1). ``fixed_target`` > 0 (an
+    operator's) replaces every target and drops the burst target. Raises ValueError (from
+    :class:`FunctionParams`) for inconsistent bounds."""
+    target = old.target if old else 1.0
+    rps = old.instance_rps if old else 0.0
+    lo, hi = (old.min_instances, old.max_instances) if old else (0, 8)
+    initial, keep_alive = (old.initial_scale, old.keep_alive_s) if old else (-1, 0.0)
+    if spec is not None:
+        lo, hi = spec.min_instances, max(1, spec.max_instances, spec.min_instances)
+        initial, keep_alive = spec.initial_scale, max(0.0, spec.keep_alive_s)
+    burst_target = old.burst_target if old else 0.0
+    burst_rps = old.burst_rps if old else 0.0
+    if profile is not None:
+        target = concurrency_target(profile.batch_size, profile.latency_ms, slo_ms)
+        rps = max(0.0, profile.throughput_rps)
+        burst_target, burst_rps = 0.0, 0.0
+        if profile.limit_latency_ms > 0:  # measured at the limit quota (older profiles lack it)
+            burst = max(profile.batch_size, profile.burst_batch)
+            burst_target = concurrency_target(burst, profile.limit_latency_ms, slo_ms)
+            burst_rps = max(0.0, profile.limit_throughput_rps)
+    if fixed_target:  # an operator's fixed target sizes every instance the same
+        target, burst_target = fixed_target, 0.0
+    return FunctionParams(target=target, min_instances=lo, max_instances=hi, instance_rps=rps,
+                          burst_target=burst_target, burst_rps=burst_rps, initial_scale=initial,
+                          keep_alive_s=keep_alive)
+
+
+# ---------------------------------------------------------------------- initial-scale gating
+
+
+class InitialScaleGate:
+    """When a function becomes placeable: deployed (live, not restored from stored state) and
+    profiled, in either order, and not a training function (those are held at
+    ``min_instances``). :meth:`deployed` and :meth:`profiled` return True exactly once per
+    deployment, at the moment the second condition is met: the caller then starts the initial
+    scale (:meth:`HorizontalPolicy.deployed`)."""
+
+    def __init__(self) -> None:
+        self._deployed: set[str] = set()
+        self._profiled: set[str] = set()
+        self._training: set[str] = set()
+        self._started: set[str] = set()
+
+    def training(self, fn: str, is_training: bool) -> None:
+        """Mark ``fn`` as a training function (or not): training functions never open."""
+        (self._training.add if is_training else self._training.discard)(fn)
+
+    def is_training(self, fn: str) -> bool:
+        return fn in self._training
+
+    def deployed(self, fn: str) -> bool:
+        """``fn`` was deployed live. True when its initial scale starts now."""
+        self._deployed.add(fn)
+        return self._open(fn)
+
+    def profiled(self, fn: str) -> bool:
+        """``fn`` has a profile (live or restored). True when its initial scale starts now."""
+        self._profiled.add(fn)
+        return self._open(fn)
+
+    def _open(self, fn: str) -> bool:
+        if fn in self._started or fn not in self._deployed or fn not in self._profiled or fn in self._training:
+            return False
+        self._started.add(fn)
+        return True
+
+    def forget(self, fn: str) -> None:
+        """``fn`` was undeployed: a later deploy starts over."""
+        for known in (self._deployed, self._profiled, self._training, self._started):
+            known.discard(fn)
+
+
+# ---------------------------------------------------------------------- placement back-off
+
+
+class PlacementBackoff:
+    """Per-function back-off after a refused placement or an instance that failed for good.
+
+    The first delay is ``first_s`` (the scaler's tick), each further failure doubles it, up to
+    ``max_s``; :meth:`clear` resets it (an instance placed, or one of the function ready again).
+    Times are seconds on the caller's clock (``now_s``). Raises ValueError for a non-positive
+    ``first_s`` or ``max_s``."""
+
+    def __init__(self, first_s: float, max_s: float) -> None:
+        if not (first_s > 0 and max_s > 0):
+            raise ValueError(f"need first_s > 0 and max_s > 0, got {first_s}, {max_s}")
+        self.first_s, self.max_s = first_s, max_s
+        self._state: dict[str, tuple[float, float]] = {}  # fn -> (until, current delay)
+
+    def failed(self, fn: str, now_s: float) -> float:
+        """A placement of ``fn`` failed at ``now_s``: no new one before the returned delay (s)."""
+        delay = self._state.get(fn, (0.0, 0.0))[1]
+        delay = min(self.max_s, max(self.first_s, delay * 2))
+        self._state[fn] = (now_s + delay, delay)
+        return delay
+
+    def blocked(self, fn: str, now_s: float) -> bool:
+        """Whether ``fn`` must not be placed at ``now_s``."""
+        return now_s < self._state.get(fn, (0.0, 0.0))[0]
+
+    def delay(self, fn: str) -> float:
+        """The current delay of ``fn`` in seconds (0 when not backing off)."""
+        return self._state.get(fn, (0.0, 0.0))[1]
+
+    def clear(self, fn: str) -> None:
+        """Placement of ``fn`` succeeded (or it was undeployed): no back-off."""
+        self._state.pop(fn, None)

@@ -80,8 +80,8 @@ from dilu.services.common.bus import Bus
 from dilu.services.common.kvkeys import kv_keys
 
 from .state import FunctionStateStore
-from .policy import (Decision, FunctionParams, HorizontalConfig, HorizontalPolicy, InstanceShare, concurrency_target,
-                     vertical_headroom)
+from .policy import (Decision, HorizontalConfig, HorizontalPolicy, InitialScaleGate, InstanceShare, PlacementBackoff,
+                     function_params, vertical_headroom)
 
 SCALE_OUTS = Counter("dilu_scale_outs", "Instances added by the horizontal scaler", ["function"])
 RETIREMENTS = Counter("dilu_retirements", "Instances removed (drained or cancelled) by the horizontal scaler", ["function"])
@@ -145,13 +145,11 @@ class HorizontalScaler:
         self._gpus: dict[tuple[str, int], tuple[float, list[InstanceShare]]] = {}
         self._counts: dict[str, _Counts] = {}
         self._missing: set[str] = set()
-        self._training: set[str] = set()  # training functions: no backlog, held at min_instances
         self._specs: dict[str, FunctionSpec] = {}
         self._profiles: dict[str, Profile] = {}
-        self._deployed: set[str] = set()  # FunctionDeployed seen live
-        self._initialised: set[str] = set()  # initial scale started
+        self._gate = InitialScaleGate()  # deployed live + profiled -> initial scale (training: never)
         self._busy: set[str] = set()
-        self._backoff: dict[str, tuple[float, float]] = {}  # fn -> (until, current delay)
+        self._backoff = PlacementBackoff(tick_s, place_backoff_max_s)
         self._load_failed: dict[str, str] = {}  # fn -> its instances' load error, until one is ready
         self._tasks: set[asyncio.Task] = set()
         self._loop_task: asyncio.Task | None = None
@@ -192,32 +190,6 @@ class HorizontalScaler:
 
     # ------------------------------------------------------------------ learning
 
-    def _params(self, spec: FunctionSpec | None, profile: Profile | None, old: FunctionParams | None) -> FunctionParams:
-        target = old.target if old else 1.0
-        rps = old.instance_rps if old else 0.0
-        lo, hi = (old.min_instances, old.max_instances) if old else (0, 8)
-        initial, keep_alive = (old.initial_scale, old.keep_alive_s) if old else (-1, 0.0)
-        if spec is not None:
-            lo, hi = spec.min_instances, max(1, spec.max_instances, spec.min_instances)
-            initial, keep_alive = spec.initial_scale, max(0.0, spec.keep_alive_s)
-        burst_target = old.burst_target if old else 0.0
-        burst_rps = old.burst_rps if old else 0.0
-        if profile is not None:
-            known = self._specs.get(profile.function)
-            slo = known.slo_ms if known else 0.0
-            target = concurrency_target(profile.batch_size, profile.latency_ms, slo)
-            rps = max(0.0, profile.throughput_rps)
-            burst_target, burst_rps = 0.0, 0.0
-            if profile.limit_latency_ms > 0:  # measured at the limit quota (older profiles lack it)
-                burst = max(profile.batch_size, profile.burst_batch)
-                burst_target = concurrency_target(burst, profile.limit_latency_ms, slo)
-                burst_rps = max(0.0, profile.limit_throughput_rps)
-        if self.target:  # an operator's fixed target sizes every instance the same
-            target, burst_target = self.target, 0.0
-        return FunctionParams(target=target, min_instances=lo, max_instances=hi, instance_rps=rps,
-                              burst_target=burst_target, burst_rps=burst_rps, initial_scale=initial,
-                              keep_alive_s=keep_alive)
-
     def _learn(self, fn: str, spec: FunctionSpec | None = None, profile: Profile | None = None) -> None:
         if profile is None and spec is not None and fn in self._profiles:
             profile = self._profiles[fn]  # a redeploy (new SLO) re-derives the target
@@ -225,27 +197,30 @@ class HorizontalScaler:
             self._profiles[fn] = profile
         if spec is not None:
             self._specs[fn] = spec
-        if spec is not None and spec.kind == "training":
-            self._training.add(fn)
-        elif spec is not None:
-            self._training.discard(fn)
+        if spec is not None:
+            self._gate.training(fn, spec.kind == "training")
         old = self.policy.params(fn) if fn in self.policy.functions() else None
-        self.policy.add_function(fn, self._params(spec, profile, old))
+        known = self._specs.get(fn)
+        self.policy.add_function(fn, function_params(spec, profile, old, slo_ms=known.slo_ms if known else 0.0,
+                                                     fixed_target=self.target))
+        if profile is not None and self._gate.profiled(fn):
+            self.policy.deployed(fn, self._now())
 
     async def _on_deployed(self, ev: FunctionDeployed, _msg) -> None:
         self._undeployed.discard(ev.spec.name)
         self._learn(ev.spec.name, spec=ev.spec)
-        self._deployed.add(ev.spec.name)
-        self._maybe_initial_scale(ev.spec.name)
+        if self._gate.deployed(ev.spec.name):  # deployed live and profiled: placeable now
+            self.policy.deployed(ev.spec.name, self._now())
 
     async def _on_undeployed(self, ev: FunctionUndeployed, _msg) -> None:
         """Forget the function (the scheduler drains its instances); its state entry goes too."""
         fn = ev.name
         self.policy.remove_function(fn)
-        for known in (self._specs, self._profiles, self._counts, self._backoff, self._load_failed):
+        for known in (self._specs, self._profiles, self._counts, self._load_failed):
             known.pop(fn, None)
-        for known in (self._deployed, self._initialised, self._training, self._missing):
-            known.discard(fn)
+        self._backoff.clear(fn)
+        self._gate.forget(fn)
+        self._missing.discard(fn)
         self._undeployed.add(fn)
         try:
             await self.state.forget(fn)
@@ -253,16 +228,7 @@ class HorizontalScaler:
             self.bus.log.warning("could not delete function state", function=fn, error=repr(exc))
 
     async def _on_profile(self, ev: ProfileReady, _msg) -> None:
-        self._learn(ev.profile.function, profile=ev.profile)
-        self._maybe_initial_scale(ev.profile.function)
-
-    def _maybe_initial_scale(self, fn: str) -> None:
-        """A function deployed (live, not restored from KV) and profiled, whichever came last,
-        is placeable: its initial scale starts now, once."""
-        if fn in self._initialised or fn not in self._deployed or fn not in self._profiles or fn in self._training:
-            return
-        self._initialised.add(fn)
-        self.policy.deployed(fn, self._now())
+        self._learn(ev.profile.function, profile=ev.profile)  # placeable once also deployed live
 
     def _known(self, fn: str) -> None:
         if fn not in self.policy.functions() and fn not in self._undeployed:
@@ -280,7 +246,7 @@ class HorizontalScaler:
             return
         self.policy.instance_ready(ev.function, ev.instance_id, self._now())
         if self._load_failed.pop(ev.function, None) is not None:  # its function loads again
-            self._backoff.pop(ev.function, None)
+            self._backoff.clear(ev.function)
             self.state.placeable(ev.function, True)
 
     async def _on_retired(self, ev: InstanceRetired, _msg) -> None:
@@ -297,16 +263,10 @@ class HorizontalScaler:
         assert self.bus is not None
         fn, error = ev.function, ev.error or ev.reason
         self._load_failed[fn] = error
-        self._back_off(fn, self._now())
+        delay = self._backoff.failed(fn, self._now())
         self.state.placeable(fn, False, error)
         self.bus.log.warning("instance failed for good; backing off", function=fn, instance=ev.instance_id,
-                             reason=ev.reason, error=error, retry_in_s=self._backoff[fn][1])
-
-    def _back_off(self, fn: str, now: float) -> None:
-        """No placement for ``fn`` for a while: the tick first, doubling up to the maximum."""
-        delay = self._backoff.get(fn, (0.0, 0.0))[1]
-        delay = min(self.place_backoff_max_s, max(self.tick_s, delay * 2))
-        self._backoff[fn] = (now + delay, delay)
+                             reason=ev.reason, error=error, retry_in_s=delay)
 
     async def _on_telemetry(self, ev: GpuTelemetry, _msg) -> None:
         shares = [InstanceShare(t.instance_id, t.function, t.priority, t.quota, t.request_quota, t.limit_quota)
@@ -380,7 +340,7 @@ class HorizontalScaler:
             headroom = self._headroom(now)
             due = [fn for fn in sorted(self.policy.functions(), key=self._size) if fn not in self._busy]
             # one listing of the consumers serves every function's backlog this tick
-            consumers = await self._consumers() if any(fn not in self._training for fn in due) else None
+            consumers = await self._consumers() if any(not self._gate.is_training(fn) for fn in due) else None
             for fn in due:  # a function whose last tick still talks to the scheduler waits
                 self._busy.add(fn)
                 task = asyncio.create_task(self._tick_guarded(fn, now, headroom.get(fn, 0.0), consumers))
@@ -409,7 +369,7 @@ class HorizontalScaler:
         """One function's tick: observe its backlog, decide, carry the decision out.
 
         ``consumers``: this tick's listing of the stream's consumers (read here when None)."""
-        if fn in self._training:  # no invocations to count: it runs its min_instances
+        if self._gate.is_training(fn):  # no invocations to count: it runs its min_instances
             backlog, arrivals, stored = None, None, 0
         else:
             backlog, arrivals = self._backlog(fn, consumers if consumers is not None else await self._consumers())
@@ -486,8 +446,7 @@ class HorizontalScaler:
 
     async def _place(self, fn: str, d: Decision, now: float) -> None:
         assert self.bus is not None
-        until, _ = self._backoff.get(fn, (0.0, 0.0))
-        if now < until:
+        if self._backoff.blocked(fn, now):
             return
         try:
             count = min(d.place, MAX_PLACE_COUNT)  # the next tick asks for the rest
@@ -503,12 +462,12 @@ class HorizontalScaler:
         self.state.placeable(fn, bool(placed) and failing is None, error or failing or "no placements")
         if placed:
             if failing is None:  # a function still failing to load keeps its growing delay
-                self._backoff.pop(fn, None)
+                self._backoff.clear(fn)
             SCALE_OUTS.labels(fn).inc(len(placed))
             await self._decided(fn, d, d.direction, len(placed))
         else:
             PLACE_FAILURES.labels(fn).inc()
-            self._back_off(fn, now)
+            self._backoff.failed(fn, now)
             self.bus.log.warning("scale-out not placed", function=fn, count=d.place, error=error or "no placements")
             if d.current == 0:
                 await self._make_room(fn)
