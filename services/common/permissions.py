@@ -33,7 +33,7 @@ from dilu.contracts import subjects as sj
 ROLES = ("node-agent", "vertical-scaler", "scheduler", "profiler", "horizontal-scaler", "gateway", "instance",
          "caller", "operator", "integrator")
 NODE_SCOPED = ("node-agent", "vertical-scaler")
-# the roles whose processes are the services (role -> the service module started by the cluster)
+# the service packages the local cluster starts -> the role each connects as
 SERVICE_ROLES = {"node_agent": "node-agent", "vertical_scaler": "vertical-scaler", "scheduler": "scheduler",
                  "profiler": "profiler", "horizontal_scaler": "horizontal-scaler", "gateway": "gateway"}
 
