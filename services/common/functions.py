@@ -4,9 +4,16 @@
   its time-to-first-token and time-per-output-token objectives);
 - :func:`default_priority`: the priority class a kind gets when the spec names none;
 - :func:`runs_on`: whether a node of a device kind can run a function (and why not);
-- :data:`LLM_REFERENCE_TOKENS`: the output length an ``llm`` function is sized for.
+- :data:`LLM_REFERENCE_TOKENS`: the output length an ``llm`` function is sized for;
+- :data:`STRETCH_RATIO`: the kernel-cycle stretch that is contention (the node agent detects it,
+  the vertical scaler acts on it);
+- priority classes (:data:`LATENCY_SENSITIVE`, :data:`TRAINING`, :data:`BEST_EFFORT`, ranked by
+  :data:`PRIORITY_RANK`) and who gives share back: :func:`yields_share`, :func:`reclaimable_share`;
+- memory units: :data:`MIB`, :data:`GIB` (bytes).
 """
 from __future__ import annotations
+
+from typing import get_args
 
 from dilu.contracts import events as ev
 
@@ -17,6 +24,35 @@ from . import models
 LLM_REFERENCE_TOKENS = 32
 
 DEVICE_KINDS = ("nvml", "emulated", "cpu")
+
+# A kernel cycle this many times its baseline is contention (the Dilu paper's kernel-cycle stretch,
+# DESIGN.md section 7): the node agent reports it, the vertical scaler raises the instance for it.
+STRETCH_RATIO = 1.5
+
+# Memory is bytes; these are the units sizes are written in.
+MIB = 2**20
+GIB = 2**30
+
+# Priority classes, strongest first: a class may take share from the classes ranked after it.
+LATENCY_SENSITIVE, TRAINING, BEST_EFFORT = "latency-sensitive", "training", "best-effort"
+PRIORITY_RANK = {LATENCY_SENSITIVE: 0, TRAINING: 1, BEST_EFFORT: 2}
+if set(PRIORITY_RANK) != set(get_args(ev.PriorityClass)):  # one truth with the contracts' Literal
+    raise ImportError(f"priority classes {sorted(PRIORITY_RANK)} differ from the contracts' PriorityClass")
+
+
+def yields_share(priority: str) -> bool:
+    """Whether an instance of ``priority`` gives share back under pressure (training and
+    best-effort do; latency-sensitive never does)."""
+    return priority != LATENCY_SENSITIVE
+
+
+def reclaimable_share(priority: str, quota: float, request_quota: float) -> float:
+    """The share (0..1 of a GPU) a higher class may take back from an instance holding ``quota``
+    with guarantee ``request_quota``: best-effort all of it, training what it holds above its
+    request, latency-sensitive nothing."""
+    if not yields_share(priority):
+        return 0.0
+    return quota if priority == BEST_EFFORT else max(0.0, quota - request_quota)
 
 
 def request_slo_ms(kind: str, *, slo_ms: float = 0.0, ttft_ms: float = 0.0, tpot_ms: float = 0.0) -> float:
@@ -32,7 +68,7 @@ def request_slo_ms(kind: str, *, slo_ms: float = 0.0, ttft_ms: float = 0.0, tpot
 
 def default_priority(kind: str) -> str:
     """``training`` for training jobs, ``latency-sensitive`` for everything that serves requests."""
-    return "training" if kind == "training" else "latency-sensitive"
+    return TRAINING if kind == "training" else LATENCY_SENSITIVE
 
 
 def runs_on(spec: ev.FunctionSpec, device: str) -> str | None:

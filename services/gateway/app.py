@@ -48,7 +48,7 @@ from dilu.services.common import logging as dlog
 
 log = dlog.get("gateway")
 
-MIB = 1 << 20
+from dilu.services.common.functions import MIB  # noqa: E402  (memory units, one truth)
 H_TIMEOUT = "Dilu-Timeout"
 SSE = "text/event-stream"
 UNKNOWN = "(unknown)"  # metrics label of a name that is no deployed function (never a valid name)

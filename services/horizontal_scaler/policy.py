@@ -67,6 +67,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from dilu.contracts.events import FunctionSpec, Profile
+from dilu.services.common.functions import PRIORITY_RANK, reclaimable_share
 
 Mode = Literal["lazy", "eager"]
 MODES: tuple[str, ...] = ("lazy", "eager")
@@ -682,17 +683,15 @@ def vertical_headroom(gpus: Mapping[object, Iterable[InstanceShare]]) -> dict[st
     share (1 − Σ quotas) plus what lower-priority instances hold above their floors (training
     above its request; best-effort all of it). ``gpus`` maps a GPU key to its instances.
     """
-    rank = {"latency-sensitive": 0, "training": 1, "best-effort": 2}
+    rank = PRIORITY_RANK
     out: dict[str, float] = {}
     for insts in gpus.values():
         insts = list(insts)
         free = max(0.0, 1.0 - sum(i.quota for i in insts))
         for i in insts:
             r = rank.get(i.priority, 2)
-            reclaimable = sum(
-                (j.quota if j.priority == "best-effort" else max(0.0, j.quota - j.request_quota))
-                for j in insts if rank.get(j.priority, 2) > r
-            )
+            reclaimable = sum(reclaimable_share(j.priority, j.quota, j.request_quota)
+                              for j in insts if rank.get(j.priority, 2) > r)
             gain = min(max(0.0, i.limit_quota - i.quota), free + reclaimable)
             out[i.function] = out.get(i.function, 0.0) + gain
     return out

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-STRETCH_RATIO = 1.5  # a cycle 1.5 x its baseline is contention (Dilu paper: kernel-cycle stretch)
+from dilu.services.common.functions import STRETCH_RATIO  # the stretch that is contention (one truth)
 SAMPLE_STALL_PERIODS = 10  # the sample loop is stuck after this many sample periods without a round
 SAMPLE_STALL_MIN_S = 3.0  # ... and never sooner than this (s): a busy host delays a round a little
 

@@ -33,7 +33,7 @@ from dilu.services.common.cliopts import writable_output
 
 from .policy import Cluster, Demand, NoCapacity
 
-GiB = 2**30
+from dilu.services.common.functions import GIB as GiB  # memory units, one truth
 WORKLOADS_DIR = Path(__file__).parent / "workloads"
 
 

@@ -64,6 +64,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from dilu.contracts.events import InstanceTelemetry
+from dilu.services.common.functions import BEST_EFFORT, LATENCY_SENSITIVE, STRETCH_RATIO, TRAINING, yields_share
 
 Mode = Literal["dilu", "static", "static-limit", "off"]
 MODES: tuple[str, ...] = ("dilu", "static", "static-limit", "off")
@@ -71,8 +72,8 @@ MODES: tuple[str, ...] = ("dilu", "static", "static-limit", "off")
 # best-effort up to its request (guaranteed unless someone is under pressure); then the extras of
 # latency-sensitive, training and best-effort instances up to what they want.
 # Absent instances (omitted by the latest window) come first: they keep their last grant.
-_ORDER = (("absent", "want"), ("pressured", "want"), ("best-effort", "request"),
-          ("latency-sensitive", "want"), ("training", "want"), ("best-effort", "want"))
+_ORDER = (("absent", "want"), ("pressured", "want"), (BEST_EFFORT, "request"),
+          (LATENCY_SENSITIVE, "want"), (TRAINING, "want"), (BEST_EFFORT, "want"))
 _EPS = 1e-9
 
 
@@ -80,8 +81,8 @@ _EPS = 1e-9
 class VerticalConfig:
     """Knobs of :class:`VerticalPolicy` (quotas are fractions 0..1; times are ms).
 
-    Defaults: ``stretch_ratio`` 1.5 matches the node agent's detector (Dilu paper's kernel-cycle
-    stretch); ``decrease_factor`` 0.5 and additive recovery are the classic AIMD constants (TCP
+    Defaults: ``stretch_ratio`` 1.5, the node agent's detector's (``functions.STRETCH_RATIO``:
+    the Dilu paper's kernel-cycle stretch); ``decrease_factor`` 0.5 and additive recovery are the classic AIMD constants (TCP
     Reno halves its window); ``recovery_per_s`` 0.5 re-grows a fully cut victim in about 2 s;
     ``release_per_s`` 0.5 lets an instance whose demand fell give its share back over about a
     second rather than at once (so bursty demand does not flap between limit and use);
@@ -92,7 +93,7 @@ class VerticalConfig:
 
     mode: Mode = "dilu"
     hysteresis: float = 0.02
-    stretch_ratio: float = 1.5
+    stretch_ratio: float = STRETCH_RATIO
     slo_pressure: float = 0.9
     pressure_hold_ms: float = 500.0
     decrease_factor: float = 0.5
@@ -145,12 +146,12 @@ class _Instance:
     def tier(self, now_ms: float) -> str:
         if self.absent_since_ms is not None:
             return "absent"
-        if self.priority == "latency-sensitive" and now_ms < self.pressure_until_ms:
+        if self.priority == LATENCY_SENSITIVE and now_ms < self.pressure_until_ms:
             return "pressured"
         return self.priority
 
     def floor(self, cfg: VerticalConfig) -> float:
-        if self.priority == "best-effort":
+        if self.priority == BEST_EFFORT:
             return max(cfg.min_quota, min(self.limit, cfg.be_floor))
         return max(cfg.min_quota, self.request)
 
@@ -236,7 +237,7 @@ class VerticalPolicy:
             raise ValueError(f"stretch ratio must be a finite number >= 0, got {ratio!r}")
         g = self._gpus.get(gpu)
         inst = g.instances.get(instance_id) if g else None
-        if inst is None or ratio < self.config.stretch_ratio or inst.priority != "latency-sensitive":
+        if inst is None or ratio < self.config.stretch_ratio or inst.priority != LATENCY_SENSITIVE:
             return []
         self._recover(g, now_ms)
         self._pressure(g, inst, now_ms, f"stretch x{ratio:.2f}")
@@ -270,7 +271,7 @@ class VerticalPolicy:
             inst.granted = t.quota
         inst.used = t.sm_time_share
         inst.hungry = t.wait_us > 0 or t.queue_depth > 0 or inst.used >= cfg.hungry_util * inst.granted
-        if inst.priority == "latency-sensitive" and t.slo_ms > 0 and t.latency_ms_recent > cfg.slo_pressure * t.slo_ms:
+        if inst.priority == LATENCY_SENSITIVE and t.slo_ms > 0 and t.latency_ms_recent > cfg.slo_pressure * t.slo_ms:
             self._pressure_of(inst, now_ms, f"slo {t.latency_ms_recent:.1f}/{t.slo_ms:.1f} ms")
         inst.ceiling = min(max(inst.ceiling, inst.floor(cfg)), inst.limit)
 
@@ -289,7 +290,7 @@ class VerticalPolicy:
             return
         g.last_decrease_ms = now_ms
         for v in g.instances.values():
-            if v.priority != "latency-sensitive":
+            if yields_share(v.priority):
                 v.ceiling = max(v.floor(cfg), min(v.ceiling, v.granted) * cfg.decrease_factor)
 
     def _recover(self, g: _Gpu, now_ms: float) -> None:
@@ -301,7 +302,7 @@ class VerticalPolicy:
         if now_ms > start:
             step = self.config.recovery_per_s * (now_ms - start) / 1000.0
             for v in g.instances.values():
-                if v.priority != "latency-sensitive":
+                if yields_share(v.priority):
                     v.ceiling = min(v.limit, v.ceiling + step)
         g.dt_ms = max(0.0, now_ms - g.last_ms) if g.last_ms is not None else 0.0
         g.last_ms = now_ms if g.last_ms is None else max(g.last_ms, now_ms)
@@ -316,7 +317,7 @@ class VerticalPolicy:
             return min(max(inst.granted, floor), inst.limit)
         if tier == "pressured":
             return inst.limit
-        cap = inst.limit if inst.priority == "latency-sensitive" else min(inst.limit, inst.ceiling)
+        cap = inst.limit if inst.priority == LATENCY_SENSITIVE else min(inst.limit, inst.ceiling)
         if inst.hungry:
             want = cap
         else:  # shrink toward use, but at most release_per_s: bursty demand does not flap
@@ -336,7 +337,7 @@ class VerticalPolicy:
         if cfg.mode == "static-limit":
             return {i.instance_id: i.limit for i in insts}
         alloc = _fit_floors({i.instance_id: i.floor(cfg) for i in insts},
-                            {i.instance_id for i in insts if i.priority == "best-effort"}, cfg.min_quota)
+                            {i.instance_id for i in insts if i.priority == BEST_EFFORT}, cfg.min_quota)
         remaining = max(0.0, 1.0 - sum(alloc.values()))
         want = {i.instance_id: self._want(i, now_ms, g.dt_ms) for i in insts}
         be_request = {i.instance_id: min(want[i.instance_id], max(i.floor(cfg), i.request)) for i in insts}
@@ -364,7 +365,7 @@ class VerticalPolicy:
         telemetry period it takes the policy to react. Parked share is recomputed from what is
         left after every tier each time, so a hungry neighbour takes it back at the next grant."""
         room = {i.instance_id: max(0.0, i.limit - alloc[i.instance_id])
-                for i in insts if i.priority == "latency-sensitive"}
+                for i in insts if i.priority == LATENCY_SENSITIVE}
         total = sum(room.values())
         if total > _EPS:
             share = min(1.0, remaining / total)

@@ -89,3 +89,21 @@ def test_backoff_doubles_from_the_tick_up_to_the_maximum_and_clears():
     assert b.failed("f", 20.0) == 0.5
     with pytest.raises(ValueError):
         PlacementBackoff(0.0, 1.0)
+
+
+def test_shared_constants_have_one_truth():
+    """The stretch threshold, priority classes and memory units come from services/common/functions."""
+    from typing import get_args
+
+    from dilu.contracts.events import PriorityClass
+    from dilu.services.common import functions as fx
+    from dilu.services.node_agent import accounting
+    from dilu.services.vertical_scaler.policy import VerticalConfig
+
+    assert VerticalConfig().stretch_ratio == accounting.STRETCH_RATIO == fx.STRETCH_RATIO
+    assert set(fx.PRIORITY_RANK) == set(get_args(PriorityClass))
+    assert [fx.yields_share(p) for p in (fx.LATENCY_SENSITIVE, fx.TRAINING, fx.BEST_EFFORT)] == [False, True, True]
+    assert fx.reclaimable_share(fx.BEST_EFFORT, 0.3, 0.2) == 0.3
+    assert fx.reclaimable_share(fx.TRAINING, 0.3, 0.2) == pytest.approx(0.1)
+    assert fx.reclaimable_share(fx.LATENCY_SENSITIVE, 0.9, 0.2) == 0.0
+    assert (fx.MIB, fx.GIB) == (1 << 20, 1 << 30)
