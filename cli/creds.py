@@ -21,7 +21,7 @@ import nkeys
 
 from dilu.contracts import subjects
 from dilu.services.common.cliopts import check_node, default_node
-from dilu.services.common.natsconn import ENV_INBOX_PREFIX
+from dilu.services.common.natsconn import inbox_line
 from dilu.services.common.permissions import NODE_SCOPED, ROLES, permissions, render_authorization
 
 CREDS_DIR = "creds"
@@ -61,7 +61,7 @@ def _render(role: str, node: str | None, seed: str, caller: str | None = None) -
     perms = permissions(role, node, caller=caller)
     lines = [f"# dilu role {role}{_scope(node, caller)}"]
     if perms.inbox_prefix:
-        lines.append(f"# connect with inbox prefix {perms.inbox_prefix} (env {ENV_INBOX_PREFIX})")
+        lines.append(inbox_line(perms.inbox_prefix))
     lines += ["-----BEGIN USER NKEY SEED-----", seed, "------END USER NKEY SEED------", ""]
     return "\n".join(lines)
 

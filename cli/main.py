@@ -22,6 +22,7 @@ COMMANDS: dict[str, str] = {
     "invoke": "dilu.cli.functions:invoke",
     "status": "dilu.cli.functions:status",
     "creds": "dilu.cli.creds:creds",
+    "events": "dilu.cli.events:events",
 }
 BENCHES: dict[str, str] = {
     "interceptor": "dilu.interceptor.bench:bench_interceptor",

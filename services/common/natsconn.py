@@ -105,10 +105,10 @@ class NatsOptions:
         TLS files.
         """
         kwargs: dict[str, Any] = {"servers": list(self.servers)}
-        if self.inbox_prefix:
-            kwargs["inbox_prefix"] = self.inbox_prefix
         if self.creds is not None:
-            kwargs.update(creds_kwargs(self.creds))
+            kwargs.update(creds_kwargs(self.creds))  # may name the role's inbox prefix
+        if self.inbox_prefix:  # an explicit one wins over the file's
+            kwargs["inbox_prefix"] = self.inbox_prefix
         context = self.tls_context()
         if context is not None:
             kwargs["tls"] = context
@@ -125,9 +125,20 @@ class NatsOptions:
         return context
 
 
+def inbox_line(prefix: str) -> str:
+    """The comment line of a creds file naming the reply-inbox prefix its user may read
+    (``dilu creds`` writes it; :func:`creds_kwargs` reads it back)."""
+    return f"# connect with inbox prefix {prefix} (env {ENV_INBOX_PREFIX})"
+
+
+_INBOX_LINE = re.compile(rb"^# connect with inbox prefix (\S+)", re.MULTILINE)
+
+
 def creds_kwargs(path: Path) -> dict[str, Any]:
     """``nats.connect`` arguments for the credentials in ``path``: ``user_credentials`` for a
-    JWT ``.creds`` file, ``nkeys_seed_str`` for a user nkey seed. Raises CredentialsError."""
+    JWT ``.creds`` file, ``nkeys_seed_str`` for a user nkey seed, plus ``inbox_prefix`` when the
+    file names one (:func:`inbox_line`), so ``--creds`` alone is enough to read one's replies.
+    Raises CredentialsError."""
     try:
         data = Path(path).read_bytes()
     except OSError as exc:
@@ -137,7 +148,11 @@ def creds_kwargs(path: Path) -> dict[str, Any]:
     seeds = _SEED.findall(data)
     if len(seeds) != 1:
         raise CredentialsError(f"{path} holds no NATS user JWT and not exactly one user nkey seed (SU...)")
-    return {"nkeys_seed_str": seeds[0].decode()}
+    kwargs: dict[str, Any] = {"nkeys_seed_str": seeds[0].decode()}
+    inbox = _INBOX_LINE.search(data)
+    if inbox:
+        kwargs["inbox_prefix"] = inbox.group(1).decode()
+    return kwargs
 
 
 async def connect(options: NatsOptions | str, *, name: str, **opts: Any) -> NATS:

@@ -230,7 +230,7 @@ async def serve(
 
 async def _connected(service: Service, nats: NatsOptions | str, shutdown: asyncio.Event, state: dict, log, port: int) -> None:
     # nats-py retries an unreachable server forever: keep honouring the signals meanwhile
-    connecting = asyncio.ensure_future(Bus.connect(nats, service.name))
+    connecting = asyncio.ensure_future(Bus.connect(nats, service.name, node=getattr(service, "node", "") or ""))
     stopping = asyncio.ensure_future(shutdown.wait())
     await asyncio.wait({connecting, stopping}, return_when=asyncio.FIRST_COMPLETED)
     stopping.cancel()

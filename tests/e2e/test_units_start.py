@@ -6,7 +6,8 @@ What systemd does around a unit is reproduced: ``${VAR}`` expansion in ExecStart
 environment file, the unit's Environment= assignments, and State/Cache/RuntimeDirectory= folders
 (here under a temp dir). Only two things differ from the shipped files: the install prefix
 /opt/dilu is this checkout (installed by ``make`` exactly as docs/operations.md installs
-/opt/dilu), and DILU_NATS_URL points at this test's server.
+/opt/dilu), DILU_NATS_URL points at this test's server, and /etc/dilu/auth (what ``dilu creds --out
+/etc/dilu/auth`` writes, the server's users and each unit's credentials) is a temp dir.
 """
 from __future__ import annotations
 
@@ -18,20 +19,23 @@ import time
 import urllib.request
 
 import msgspec
-import nats
 import pytest
 from unitfiles import DEPLOY, env_file, exec_start, parse_unit, unit_environment
 
+from dilu.cli.creds import AUTH_CONF, ensure_creds
 from dilu.cli.deploy import deploy_all, function_spec
 from dilu.contracts import subjects
 from dilu.contracts.events import NodeInventory
 from dilu.services.common.cliopts import METRICS_PORTS, default_node
 from dilu.services.common.invoke import InvokeClient
+from dilu.services.common.natsconn import NatsOptions, connect
+from dilu.services.common.natsserver import EmbeddedNats
 
 pytestmark = [pytest.mark.nats, pytest.mark.slow, pytest.mark.native]
 
 PREFIX = "/opt/dilu"  # where docs/operations.md installs Dilu
 ROOT = str(DEPLOY.parent)
+AUTH = "/etc/dilu/auth"  # docs/operations.md, Credentials
 UNITS = {pkg: DEPLOY / "systemd" / f"dilu-{pkg.replace('_', '-')}.service" for pkg in METRICS_PORTS}
 
 
@@ -46,7 +50,8 @@ def _ready(port: int) -> bool:
 def _start(pkg: str, base_env: dict[str, str], tmp_path) -> tuple[subprocess.Popen, int]:
     unit = parse_unit(UNITS[pkg])
     env = dict(base_env)
-    dirs = {"/var/lib/dilu": tmp_path / "state", "/var/cache/dilu": tmp_path / "cache", "/run/dilu": tmp_path / "run"}
+    dirs = {"/var/lib/dilu": tmp_path / "state", "/var/cache/dilu": tmp_path / "cache", "/run/dilu": tmp_path / "run",
+            AUTH: tmp_path / "auth"}
     for key, value in unit_environment(unit).items():
         for real, here in dirs.items():
             value = value.replace(real, str(here))
@@ -62,7 +67,16 @@ def _start(pkg: str, base_env: dict[str, str], tmp_path) -> tuple[subprocess.Pop
     return proc, port
 
 
-async def test_units_start_a_cluster_that_serves(nats_url, tmp_path):
+@pytest.fixture
+def secured_nats(tmp_path):
+    """A nats-server admitting only the users ``dilu creds`` wrote for this host's node."""
+    ensure_creds(tmp_path / "auth", [default_node()])
+    with EmbeddedNats(config=tmp_path / "auth" / AUTH_CONF) as server:
+        yield server.url
+
+
+async def test_units_start_a_cluster_that_serves(secured_nats, tmp_path):
+    nats_url = secured_nats
     shipped = env_file(DEPLOY / "systemd" / "dilu.env.example")
     env = {**os.environ, **{k: v.replace(PREFIX, ROOT) for k, v in shipped.items()}, "DILU_NATS_URL": nats_url}
     procs: dict[str, tuple[subprocess.Popen, int]] = {}
@@ -76,7 +90,10 @@ async def test_units_start_a_cluster_that_serves(nats_url, tmp_path):
             assert time.monotonic() < deadline, "services not ready within 90 s"
             await asyncio.sleep(0.2)
 
-        nc = await nats.connect(nats_url)
+        # the operator deploys, a caller invokes: each with the credentials file alone
+        creds = tmp_path / "auth" / "creds"
+        nc = await connect(NatsOptions(servers=(nats_url,), creds=creds / "operator.creds"), name="test-operator")
+        caller = await connect(NatsOptions(servers=(nats_url,), creds=creds / "caller.creds"), name="test-caller")
         js = nc.jetstream()
         # the agent named itself after the host and published its emulated GPUs
         kv = await js.key_value(subjects.NODES_BUCKET)
@@ -89,7 +106,7 @@ async def test_units_start_a_cluster_that_serves(nats_url, tmp_path):
         # dilu-functions, given its initial instance, invoked
         spec = function_spec("unit-fn", "resnet152", peak_rps=20)
         await deploy_all(nc, [spec], timeout_s=150)
-        client = InvokeClient(nc, js)
+        client = InvokeClient(caller, caller.jetstream())
         await client.start()
         now = time.time_ns()
         results = await asyncio.gather(*(client.invoke("unit-fn", b"x", request_id=f"u{i}", scheduled_ns=now,
@@ -103,6 +120,7 @@ async def test_units_start_a_cluster_that_serves(nats_url, tmp_path):
         with urllib.request.urlopen(request, timeout=90) as resp:
             assert resp.status == 200 and resp.headers["Dilu-Instance"]
         await nc.drain()
+        await caller.drain()
     finally:
         for proc, _ in procs.values():
             if proc.poll() is None:

@@ -18,8 +18,6 @@ from pathlib import Path
 import pytest
 
 from dilu.services.common.natsserver import free_ports
-from dilu.services.common.natsconn import ENV_INBOX_PREFIX
-from dilu.services.common.permissions import inbox_prefix
 
 from dilu.cli.cluster import STOP_STAGES, STOP_TIMEOUT_S
 
@@ -235,11 +233,11 @@ def test_a_restart_on_the_same_data_dir_serves_the_deployed_functions(tmp_path, 
     assert refused.returncode != 0, refused.stdout
     as_caller = subprocess.run([DILU, "deploy", str(fn / "function.toml"), "--nats-url", url,
                                 "--creds", str(data / "creds" / "caller.creds")], capture_output=True, text=True,
-                               timeout=200, env={**os.environ, ENV_INBOX_PREFIX: inbox_prefix("caller")})
+                               timeout=200)
     assert as_caller.returncode != 0, as_caller.stdout
+    # --creds alone, as the docs say: the file names the operator's reply inbox
     deployed = subprocess.run([DILU, "deploy", str(fn / "function.toml"), "--nats-url", url, "--creds", str(creds)],
-                              capture_output=True, text=True, timeout=200,
-                              env={**os.environ, ENV_INBOX_PREFIX: inbox_prefix("operator")})
+                              capture_output=True, text=True, timeout=200)
     assert deployed.returncode == 0, deployed.stdout + deployed.stderr
     keys = {p.name: p.read_text() for p in (data / "creds").iterdir()}
     code, first, body = invoke(up, "restart-probe")
