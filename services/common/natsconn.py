@@ -4,7 +4,8 @@ One :class:`NatsOptions` travels from the command line (``cliopts.nats_options``
 ``--creds``, ``--tls-ca``, ``--tls-cert``, ``--tls-key``, ``--replicas``, each also from its
 ``DILU_*`` variable) to every connection the process opens, through :func:`connect`. Services,
 commands, the client library and instances all connect this way, so a deployment that turns on
-credentials or TLS turns them on everywhere (docs/operations.md, "Credentials, TLS and replicas").
+credentials or TLS turns them on everywhere (docs/operations.md section 4: "Credentials",
+"Replicas and existing state", "TLS").
 
 Credentials (``--creds FILE``) are either
 
