@@ -85,6 +85,18 @@ def _read(path: Path, role: str, node: str | None, caller: str | None = None) ->
     return seeds[0]
 
 
+def _earlier_seed(folder: Path, role: str, node: str | None) -> str | None:
+    """The seed ``node`` already had under the one-node name ``<role>.creds`` (from a run with fewer
+    nodes), so adding a node never gives an existing one a new key; None when there is none."""
+    single = folder / f"{role}.creds"
+    if role not in NODE_SCOPED or not single.exists():
+        return None
+    try:
+        return _read(single, role, node)
+    except CredsError:  # another node's key
+        return None
+
+
 def ensure_creds(out: Path, nodes: list[str], callers: list[str] = ()) -> list[Identity]:
     """Create (or keep) every role's credentials under ``out/creds`` and write
     ``out/nats-auth.conf`` for them; returns the identities. ``nodes``: at least one node name;
@@ -105,7 +117,8 @@ def ensure_creds(out: Path, nodes: list[str], callers: list[str] = ()) -> list[I
             if path.exists():
                 seed = _read(path, role, node)
             else:
-                seed = nkeys.encode_seed(os.urandom(32), nkeys.PREFIX_BYTE_USER).decode()
+                seed = _earlier_seed(folder, role, node) or nkeys.encode_seed(os.urandom(32),
+                                                                              nkeys.PREFIX_BYTE_USER).decode()
                 _write_private(path, _render(role, node, seed))
             public = nkeys.from_seed(seed.encode()).public_key.decode()
             identities.append(Identity(role, node, path, public))

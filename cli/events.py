@@ -31,6 +31,16 @@ CONNECT_TIMEOUT_S = 2.0
 _NAMES = ("name", "function", "instance_id")  # the field that names a nested struct in a line
 
 
+def check_pattern(pattern: str) -> str:
+    """A NATS subject pattern: dot-separated non-empty tokens without whitespace; ``>`` only last.
+    Raises click.BadParameter (one line) otherwise."""
+    tokens = pattern.split(".")
+    if not pattern or any(not t or any(c.isspace() for c in t) for t in tokens) or ">" in tokens[:-1]:
+        raise click.BadParameter(f"{pattern!r} is not a NATS subject pattern like dilu.v1.telemetry.gpu.*.*",
+                                 param_hint="--subject")
+    return pattern
+
+
 def kind_of(subject: str) -> type[Event] | None:
     """The event type a concrete ``subject`` carries (its SUBJECT_EVENTS pattern), or None."""
     tokens = subject.split(".")
@@ -131,8 +141,13 @@ async def _tail(nats: NatsOptions, patterns: list[str], tail: Tail, limit: int) 
         if connected and str(exc) not in warned:
             warned.add(str(exc))
             click.echo(f"NATS: {type(exc).__name__}: {exc}", err=True)
+        if connected and "permissions violation" in str(exc).lower():
+            refused.append(str(exc))  # a subscription these credentials may not make: waiting is pointless
+            done.set()
 
     connected = False
+    refused: list[str] = []
+    done = asyncio.Event()
     try:
         nc = await connect(nats, name="dilu-events-tail", connect_timeout=CONNECT_TIMEOUT_S, allow_reconnect=False,
                            max_reconnect_attempts=1, error_cb=on_error)  # (0 would mean no limit)
@@ -146,7 +161,6 @@ async def _tail(nats: NatsOptions, patterns: list[str], tail: Tail, limit: int) 
     connected = True
     nc.options["allow_reconnect"] = True  # once connected, ride out outages
     nc.options["max_reconnect_attempts"] = -1
-    done = asyncio.Event()
     seen = 0
 
     async def on_msg(msg) -> None:
@@ -167,6 +181,8 @@ async def _tail(nats: NatsOptions, patterns: list[str], tail: Tail, limit: int) 
         await done.wait()
     finally:
         await nc.close()
+    if refused:
+        raise Failed(f"{refused[0]} (the integrator's credentials may read the event subjects only)", USAGE)
 
 
 @click.group(context_settings={"auto_envvar_prefix": ENV_PREFIX})
@@ -176,7 +192,7 @@ def events() -> None:
 
 @events.command()
 @nats_options
-@click.option("--subject", "patterns", multiple=True, metavar="PATTERN",
+@click.option("--subject", "patterns", multiple=True, metavar="PATTERN", callback=lambda c, p, v: tuple(map(check_pattern, v)),
               help="NATS subject pattern to follow (repeatable; default: every event subject, not the "
                    "data plane's invocations)")
 @click.option("--json", "as_json", is_flag=True, help="one JSON object per line: subject, headers, event")

@@ -63,7 +63,10 @@ def run(options: NatsOptions, work: Callable[[AsyncClient], Awaitable[T]]) -> T:
     except DiluError as exc:
         raise Failed(str(exc), exit_code(exc)) from None
     except (nats.errors.Error, OSError) as exc:  # e.g. the connection lost mid-call, JetStream off
-        raise Failed(f"NATS at {options.url}: {type(exc).__name__}: {exc}", UNREACHABLE) from None
+        hint = (" (a request these credentials may not make goes unanswered: deploy, undeploy and status need the "
+                "operator's, invoke a caller's or the operator's)" if options.creds and isinstance(exc, TimeoutError)
+                else "")
+        raise Failed(f"NATS at {options.url}: {type(exc).__name__}: {exc}{hint}", UNREACHABLE) from None
 
 
 def _out() -> Console:

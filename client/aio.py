@@ -339,6 +339,8 @@ class AsyncClient:
                 reason = f"no answer within {connect_timeout_s:g} s"
             else:
                 reason = str(cause) or type(cause).__name__
+            if "authorization violation" in reason.lower():
+                reason += " (the server admits Dilu's roles only: --creds FILE or DILU_NATS_CREDS)"
             raise Unreachable(f"cannot reach NATS at {nats_url}: {reason}") from None
         # the limits above were for the first connection; a live client rides out outages
         nc.options["allow_reconnect"] = reconnect

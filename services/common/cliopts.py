@@ -10,6 +10,7 @@ from __future__ import annotations
 import functools
 import math
 import socket
+import ssl
 from pathlib import Path
 from urllib.parse import urlsplit
 
@@ -75,7 +76,7 @@ def check_node(ctx, param, value: str) -> str:
 def nats_url_option(f):
     """``--nats-url`` (env DILU_NATS_URL), checked by :func:`check_nats_url`: one URL or a
     comma-separated list of cluster members."""
-    return click.option("--nats-url", default=DEFAULT_URL, show_default=True, callback=check_nats_urls,
+    return click.option("--nats-url", default=DEFAULT_URL, show_default=True, callback=check_nats_urls, envvar="DILU_NATS_URL",
                         help="NATS server(s), comma-separated (one cluster member is enough)")(f)
 
 
@@ -112,8 +113,14 @@ def nats_options(f):
     def wrapper(*args, nats_url, creds, tls_ca, tls_cert, tls_key, replicas, **kwargs):
         if tls_key and not tls_cert:
             raise click.BadParameter("--tls-key needs --tls-cert", param_hint="--tls-key")
-        kwargs["nats"] = NatsOptions(servers=tuple(nats_url.split(",")), creds=creds, tls_ca=tls_ca,
-                                     tls_cert=tls_cert, tls_key=tls_key, replicas=replicas)
+        options = NatsOptions(servers=tuple(nats_url.split(",")), creds=creds, tls_ca=tls_ca,
+                              tls_cert=tls_cert, tls_key=tls_key, replicas=replicas)
+        try:  # a bad TLS file is the command line's fault, not the server's: say so before connecting
+            options.tls_context()
+        except (OSError, ssl.SSLError) as exc:
+            raise click.BadParameter(f"cannot load the TLS files ({exc.strerror or exc})",
+                                     param_hint="--tls-ca/--tls-cert/--tls-key") from None
+        kwargs["nats"] = options
         return f(*args, **kwargs)
 
     options = [

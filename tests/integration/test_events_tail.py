@@ -68,7 +68,7 @@ async def test_lines_for_people_malformed_counted_and_ctrl_c_exits_0(nats_url):
     bus = await Bus.connect(nats_url, "node-agent", node="n0")
     peer = bus.nc  # raw publishes on the bus's own connection: one order for all
     try:
-        ready = await asyncio.wait_for(proc.stderr.readline(), 30)
+        ready = await asyncio.wait_for(proc.stderr.readline(), 60)
         assert b"listening on" in ready, ready
         telemetry = GpuTelemetry(node="n0", gpu=1, window_ms=100.0,
                                  instances=[InstanceTelemetry(instance_id="i-1", function="f"),
@@ -82,9 +82,9 @@ async def test_lines_for_people_malformed_counted_and_ctrl_c_exits_0(nats_url):
         await peer.publish(subj.scale_decided("f"), b'{"function": "f", "direction": "sideways", "count": 1}')
         await bus.publish(subj.scale_decided("f"), ScaleDecision(function="f", direction="out", count=2))
         await peer.flush()
-        lines = [(await asyncio.wait_for(proc.stdout.readline(), 10)).decode() for _ in range(5)]
+        lines = [(await asyncio.wait_for(proc.stdout.readline(), 30)).decode() for _ in range(5)]
         proc.send_signal(signal.SIGINT)
-        rc = await asyncio.wait_for(proc.wait(), 10)
+        rc = await asyncio.wait_for(proc.wait(), 30)
         rest = (await proc.stderr.read()).decode()
     finally:
         if proc.returncode is None:
@@ -100,3 +100,13 @@ async def test_lines_for_people_malformed_counted_and_ctrl_c_exits_0(nats_url):
     assert "ScaleDecision  SKIPPED (newer version)" in skipped and "'sideways'" in skipped
     assert "ScaleDecision  function=f direction=out count=2" in scale
     assert "3 events, 1 malformed, 1 skipped (newer version; 1 items within events), 0 on other subjects" in rest
+
+
+def test_a_bad_pattern_is_one_line_and_the_url_comes_from_dilu_nats_url(monkeypatch):
+    for bad in ("", "a b", "dilu..x", "dilu.>.x"):
+        res = CliRunner().invoke(events, ["tail", "--subject", bad])
+        assert res.exit_code == 2 and "is not a NATS subject pattern" in res.output, res.output
+        assert "Traceback" not in res.output
+    monkeypatch.setenv("DILU_NATS_URL", "nats://127.0.0.1:7")  # nothing listens on port 7
+    res = CliRunner().invoke(events, ["tail", "--max", "1"])
+    assert res.exit_code == 5 and "nats://127.0.0.1:7" in res.output, res.output

@@ -328,3 +328,21 @@ async def test_named_callers_read_only_their_own_replies(secured):
             await other.refused(alices)
         await alice.nc.subscribe(f"{inbox_prefix('caller')}.>")
         await alice.refused(f"{inbox_prefix('caller')}.>")
+
+
+def test_dilu_events_tail_on_a_forbidden_subject_ends_at_once_with_the_reason(secured):
+    """The integrator may not read the data plane: `dilu events tail` says so and exits, not waits."""
+    from click.testing import CliRunner
+
+    from dilu.cli.events import events
+    root, url = secured
+    res = CliRunner().invoke(events, ["tail", "--nats-url", url, "--creds", str(role_creds(root, "integrator", None, NODES)),
+                                      "--subject", "dilu.v1.invoke.>"])
+    assert res.exit_code == 2, res.output
+    assert "permissions violation" in res.output.lower() and "event subjects only" in res.output
+
+
+def test_adding_a_node_keeps_the_first_nodes_key(tmp_path):
+    first = {i.node: i.public_key for i in ensure_creds(tmp_path, ["n1"]) if i.role == "node-agent"}
+    second = {i.node: i.public_key for i in ensure_creds(tmp_path, ["n1", "n2"]) if i.role == "node-agent"}
+    assert second["n1"] == first["n1"] and second["n2"] != first["n1"]

@@ -146,9 +146,10 @@ def test_bad_tls_files_are_one_line(tls_url, pki, tmp_path):
     garbage.write_text("not a certificate\n")
     for args in (["--tls-ca", str(garbage)], ["--tls-ca", str(pki["ca"]), "--tls-cert", str(garbage),
                                              "--tls-key", str(pki["client-key"])]):
-        proc = dilu_status(tls_url, *args)
-        assert proc.returncode != 0
-        assert len(proc.stderr.strip().splitlines()) == 1 and "Traceback" not in proc.stderr, proc.stderr
+        proc = dilu_status(tls_url, *args)  # refused on the command line, before any connection
+        errors = [ln for ln in proc.stderr.splitlines() if ln.startswith("Error:")]
+        assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+        assert len(errors) == 1 and "cannot load the TLS files" in errors[0], proc.stderr
 
 
 def test_benches_take_the_tls_options(tls_url, pki):
