@@ -61,10 +61,18 @@ def test_unreachable_nats_fails_within_seconds_with_one_line():
     assert result.output.strip().count("\n") == 0 and "cannot reach NATS" in result.output
 
 
+def _sigint_as_from_a_terminal() -> None:
+    """In the child before exec: SIGINT at its default and unblocked, as a shell starts a command. A
+    signal mask or an ignored disposition left in this test process by earlier tests would
+    otherwise be inherited and the Ctrl-C below never arrive."""
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 async def test_lines_for_people_malformed_counted_and_ctrl_c_exits_0(nats_url):
     proc = await asyncio.create_subprocess_exec(
         sys.executable, "-m", "dilu.cli.events", "tail", "--nats-url", nats_url,
-        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, preexec_fn=_sigint_as_from_a_terminal)
     bus = await Bus.connect(nats_url, "node-agent", node="n0")
     peer = bus.nc  # raw publishes on the bus's own connection: one order for all
     try:
