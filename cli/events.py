@@ -23,7 +23,7 @@ from dilu.contracts.codec import MalformedEvent, SkippedEvent, decode_counted
 from dilu.contracts.events import Event
 from dilu.services.common.bus import settle
 from dilu.services.common.cliopts import ENV_PREFIX, nats_options
-from dilu.services.common.natsconn import CredentialsError, NatsOptions, connect
+from dilu.services.common.natsconn import CredentialsError, NatsOptions, connect, connect_failure
 
 from .functions import UNREACHABLE, USAGE, Failed
 
@@ -155,8 +155,7 @@ async def _tail(nats: NatsOptions, patterns: list[str], tail: Tail, limit: int) 
         raise Failed(str(exc), USAGE) from None
     except (OSError, asyncio.TimeoutError, nats_errors.Error) as exc:
         cause = errors[-1] if errors else exc
-        reason = ("connection refused (is nats-server running there?)" if isinstance(cause, ConnectionRefusedError)
-                  else str(cause) or type(cause).__name__)
+        reason = connect_failure(cause, CONNECT_TIMEOUT_S)
         raise Failed(f"cannot reach NATS at {nats.url}: {reason}", UNREACHABLE) from None
     connected = True
     nc.options["allow_reconnect"] = True  # once connected, ride out outages

@@ -32,7 +32,7 @@ from dilu.contracts.events import FunctionDeployed, FunctionSpec, FunctionState
 from dilu.services.common import logging as dlog
 from dilu.services.common.invoke import InvokeClient, InvokeResult, cancel_swallowed, cancels_now
 from dilu.services.common.kvkeys import kv_keys
-from dilu.services.common.natsconn import DEFAULT_URL, CredentialsError, NatsOptions, connect
+from dilu.services.common.natsconn import DEFAULT_URL, CredentialsError, NatsOptions, connect, connect_failure
 
 from .errors import (
     BadRequest,
@@ -333,14 +333,7 @@ class AsyncClient:
             raise Unreachable(str(exc)) from None
         except (OSError, asyncio.TimeoutError, nats.errors.Error) as exc:
             cause = errors[-1] if errors else exc  # nats-py's own error only says "no servers"
-            if isinstance(cause, ConnectionRefusedError):
-                reason = "connection refused (is nats-server running there?)"
-            elif isinstance(cause, (asyncio.TimeoutError, TimeoutError)):
-                reason = f"no answer within {connect_timeout_s:g} s"
-            else:
-                reason = str(cause) or type(cause).__name__
-            if "authorization violation" in reason.lower():
-                reason += " (the server admits Dilu's roles only: --creds FILE or DILU_NATS_CREDS)"
+            reason = connect_failure(cause, connect_timeout_s)
             raise Unreachable(f"cannot reach NATS at {nats_url}: {reason}") from None
         # the limits above were for the first connection; a live client rides out outages
         nc.options["allow_reconnect"] = reconnect

@@ -156,6 +156,19 @@ def creds_kwargs(path: Path) -> dict[str, Any]:
     return kwargs
 
 
+def connect_failure(cause: BaseException, connect_timeout_s: float) -> str:
+    """One line saying why a first connection failed (``cause``: the last error nats-py reported),
+    with the fix where there is an obvious one."""
+    if isinstance(cause, ConnectionRefusedError):
+        return "connection refused (is nats-server running there?)"
+    if isinstance(cause, TimeoutError):  # asyncio.TimeoutError is TimeoutError on 3.11
+        return f"no answer within {connect_timeout_s:g} s"
+    reason = str(cause) or type(cause).__name__
+    if "authorization violation" in reason.lower():
+        reason += " (the server admits Dilu's roles only: --creds FILE or DILU_NATS_CREDS)"
+    return reason
+
+
 async def connect(options: NatsOptions | str, *, name: str, **opts: Any) -> NATS:
     """``nats.connect`` with ``options`` (servers, credentials, TLS); ``opts`` are nats-py's own
     (reconnect policy, callbacks) and win over nothing here: they are passed as given.
