@@ -36,45 +36,16 @@ from prometheus_client.parser import text_string_to_metric_families
 from dilu.services.common.natsconn import ENV_CREDS, ENV_INBOX_PREFIX, NatsOptions
 from dilu.services.common.natsserver import EmbeddedNats, free_port
 from dilu.services.common.permissions import SERVICE_ROLES, inbox_prefix
+from dilu.services.common.policies import POLICIES as _POLICY_MODES
 
 from .creds import AUTH_CONF, ensure_creds, role_creds
 
 STOP_TIMEOUT_S = 28.0
 READY_TIMEOUT_S = 90.0
 
-# --policy -> the knobs of each service it sets:
-# dilu            placement by request/limit, tokens resized by the vertical scaler, lazy horizontal
-# horizontal-only dilu with the vertical dimension off: quotas fixed at the request and placed by
-#                 it alone (reserving limits an instance never bursts to would only strand GPUs),
-#                 horizontal scaling on load alone. In effect the static-mps configuration.
-# static-mps      fixed MPS-like slices at the request quota (no bursting), horizontal on load
-# exclusive       a whole GPU per instance, no token pacing, horizontal on load
-POLICIES: dict[str, dict[str, list[str]]] = {
-    "dilu": {
-        "vertical_scaler": ["--mode", "dilu"],
-        "horizontal_scaler": ["--mode", "lazy"],
-        "scheduler": ["--policy", "dilu"],
-        "node_agent": ["--initial-grant", "request"],
-    },
-    "horizontal-only": {
-        "vertical_scaler": ["--mode", "static"],
-        "horizontal_scaler": ["--mode", "eager"],
-        "scheduler": ["--policy", "static-mps"],
-        "node_agent": ["--initial-grant", "request"],
-    },
-    "static-mps": {
-        "vertical_scaler": ["--mode", "static-limit"],
-        "horizontal_scaler": ["--mode", "eager"],
-        "scheduler": ["--policy", "static-mps"],
-        "node_agent": ["--initial-grant", "request"],
-    },
-    "exclusive": {
-        "vertical_scaler": ["--mode", "off"],
-        "horizontal_scaler": ["--mode", "eager"],
-        "scheduler": ["--policy", "exclusive"],
-        "node_agent": ["--initial-grant", "limit"],
-    },
-}
+# --policy -> the knobs of each service it sets, derived from the one table of named policies
+# (services/common/policies.py, which says what each policy is; the simulator reads it too)
+POLICIES: dict[str, dict[str, list[str]]] = {name: m.service_args() for name, m in _POLICY_MODES.items()}
 SERVICES = ["scheduler", "profiler", "node_agent", "vertical_scaler", "horizontal_scaler"]
 GATEWAY = "gateway"
 NATS = "nats-server"  # its name where a process of the cluster is named (logs, exits)

@@ -1,0 +1,30 @@
+"""The named policies are defined once; the live cluster's service arguments come from them."""
+from dilu.cli.cluster import POLICIES
+from dilu.services.common import policies
+from dilu.services.horizontal_scaler.policy import MODES as H_MODES
+from dilu.services.scheduler.policy import ALLOCATIONS
+from dilu.services.vertical_scaler.policy import MODES as V_MODES
+
+
+def test_cluster_arguments_come_from_the_shared_table():
+    assert list(POLICIES) == ["dilu", "horizontal-only", "static-mps", "exclusive"]
+    assert POLICIES["dilu"] == {"vertical_scaler": ["--mode", "dilu"], "horizontal_scaler": ["--mode", "lazy"],
+                                "scheduler": ["--policy", "dilu"], "node_agent": ["--initial-grant", "request"]}
+    assert POLICIES["exclusive"]["node_agent"] == ["--initial-grant", "limit"]
+    for name, m in policies.POLICIES.items():
+        assert POLICIES[name] == m.service_args()
+
+
+def test_every_mode_is_one_the_services_know():
+    for m in policies.POLICIES.values():
+        assert m.vertical in V_MODES and m.horizontal in H_MODES and m.allocation in ALLOCATIONS
+        assert m.initial_grant in ("request", "limit")
+
+
+def test_unknown_policy_is_one_line():
+    try:
+        policies.modes("nope")
+    except ValueError as exc:
+        assert "nope" in str(exc) and "\n" not in str(exc)
+    else:
+        raise AssertionError("no error")
