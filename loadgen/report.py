@@ -56,6 +56,7 @@ import msgspec
 from hdrh.histogram import HdrHistogram
 from rich.console import Console
 from rich.table import Table
+from rich.text import Text
 
 from .arrivals import ReplayPlan
 from .generator import Record, RunResult
@@ -456,6 +457,84 @@ def _training(functions: Mapping[str, FunctionMeta], facts: RunFacts) -> list[Tr
 
 # --------------------------------------------------------------------------------- rendering
 
+# What each printed column (and compare row) means: one truth for the legend printed under the
+# tables and for the ``--help`` of ``dilu demo`` and ``dilu compare`` (:func:`legend_text`).
+LEGEND: dict[str, str] = {
+    "function": "the replayed function (fn- and the start of its trace hash)",
+    "model": "the model it serves (assigned by the seeded rule)",
+    "SLO ms": "its latency objective: ms from a request's scheduled send to its answer",
+    "offered": "requests sent; each ends as exactly one of completed, dropped, failed, timed out",
+    "completed": "requests answered",
+    "dropped": "requests never delivered (the bus refused them)",
+    "failed": "requests answered with an error",
+    "timed out": "requests not answered within their timeout or before the run ended",
+    "goodput/s": "requests completed within SLO per wall-clock second of the run",
+    "SLO viol.": "SLO violation rate: (completed later than SLO + dropped + failed + timed out) / offered",
+    "p50 ms": "median latency of completed requests, ms from scheduled send to answer (HDR histogram)",
+    "p99 ms": "99th percentile of that latency, ms",
+    "p99.9 ms": "99.9th percentile of that latency, ms",
+    "cold starts": "cold-start requests: requests that waited for an instance to launch",
+    "launches": "instances started",
+    "quota·s": "GPU share granted x seconds, summed over instances (1.0 = one whole GPU for one second)",
+    "TTFT / TPOT SLO ms": "an llm function's token objectives: time to first token / time per output token",
+    "TTFT p50 ms": "median time to first token of completed llm requests, ms from scheduled send",
+    "TTFT p99 ms": "99th percentile of the time to first token, ms",
+    "TPOT p50 ms": "median time per output token after the first, ms",
+    "TPOT p99 ms": "99th percentile of the time per output token, ms",
+    "token SLO viol.": "(llm requests over their TTFT or TPOT objective + dropped + failed + timed out) / offered",
+    "active GPU·s": "seconds each GPU held at least one instance, summed over GPUs",
+    "alloc. frag.": "allocation fragmentation: time-weighted mean over active GPUs of 1 - sum of request "
+                    "quotas (capacity no instance asked for)",
+    "idle frag.": "idle fragmentation: time-weighted mean over active GPUs of 1 - sum of measured SM-time "
+                  "shares (capacity left unused)",
+    "profiler trials": "measurements the profiler made",
+    "grant changes": "token grants that changed an instance's quota (vertical scaling)",
+    "token wait ms": "time kernel launches waited for tokens, summed, ms",
+    "scale-outs": "instances added by the horizontal scaler",
+    "retirements": "instances removed by the horizontal scaler",
+    "scale to zero": "times a function went to zero instances",
+    "reaction p50/p99 ms": "vertical scaling's reaction, stretch detected -> new grant in force, ms "
+                           "(– when no grant changed)",
+    "iterations": "training iterations done during the replay",
+    "seconds": "seconds the training job ran",
+    "iterations/s": "training iterations per second",
+    "wall s": "wall-clock seconds of the replay, draining included (the goodput denominator)",
+    "late sends": "sends later than the late threshold behind schedule (the load generator fell behind)",
+    "–": "nothing to measure (no completed request, no llm function, no grant change)",
+}
+
+# compare rows whose label is not itself a LEGEND key
+_COMPARE_KEYS = {
+    "SLO violation rate": "SLO viol.", "latency p50 ms": "p50 ms", "latency p99 ms": "p99 ms",
+    "latency p99.9 ms": "p99.9 ms", "cold-start requests": "cold starts", "instance launches": "launches",
+    "allocation fragmentation": "alloc. frag.", "idle fragmentation": "idle frag.",
+    "vertical reaction p99 ms": "reaction p50/p99 ms", "token SLO violation rate": "token SLO viol.",
+}
+
+
+def legend_text(keys: Iterable[str] | None = None, width: int = 78) -> str:
+    """The legend as plain text, one ``name  meaning`` entry per key (default: every LEGEND key),
+    meanings wrapped to ``width`` columns under a hanging indent. Raises KeyError on an unknown key."""
+    import textwrap
+
+    keys = list(LEGEND if keys is None else keys)
+    pad = max(len(k) for k in keys) + 2
+    lines = []
+    for key in keys:
+        lines += textwrap.wrap(LEGEND[key], width=width, initial_indent=key.ljust(pad),
+                               subsequent_indent=" " * pad) or [key]
+    return "\n".join(lines)
+
+
+def _legend_table(entries: Iterable[tuple[str, str]]) -> Table:
+    """A borderless two-column legend (name, meaning); meanings wrap to the console's width."""
+    grid = Table.grid(padding=(0, 2))
+    grid.add_column(no_wrap=True, style="bold")
+    grid.add_column()
+    for name, meaning in entries:
+        grid.add_row(name, meaning)
+    return grid
+
 
 def _ms(v: float | None) -> str:
     return "–" if v is None else (f"{v:,.1f}" if v < 1000 else f"{v:,.0f}")
@@ -491,45 +570,101 @@ _FIGURE_COLUMNS = [
     "p50 ms", "p99 ms", "p99.9 ms", "cold starts", "launches", "quota·s",
 ]
 _TOKEN_COLUMNS = ["TTFT p50 ms", "TTFT p99 ms", "TPOT p50 ms", "TPOT p99 ms", "token SLO viol."]
+_GPU_ROWS = ["active GPU·s", "alloc. frag.", "idle frag.", "profiler trials", "grant changes",
+             "token wait ms", "scale-outs", "retirements", "scale to zero", "reaction p50/p99 ms"]
+
+
+def _cell_len(cell: str) -> int:
+    return Text.from_markup(cell).cell_len
+
+
+def split_columns(widths: list[int], keys: int, width: int) -> list[list[int]]:
+    """Group the columns after the first ``keys`` (repeated in every group) so that each group's
+    table fits ``width`` cells: a column of content width w takes w + 3 (padding and its border),
+    a table 1 more. Returns lists of column indices, in order; a column too wide even alone with
+    the keys gets a group of its own."""
+    base = 1 + sum(w + 3 for w in widths[:keys])
+    groups: list[list[int]] = []
+    current: list[int] = []
+    used = base
+    for i in range(keys, len(widths)):
+        cost = widths[i] + 3
+        if current and used + cost > width:
+            groups.append(current)
+            current, used = [], base
+        current.append(i)
+        used += cost
+    if current:
+        groups.append(current)
+    return groups
+
+
+def _fitted(title: str, headers: list[tuple[str, str]], rows: list[tuple[list[str], dict]], width: int,
+            *, keys: int = 1) -> list[Table]:
+    """The table as one or more tables of at most ``width`` cells, split by columns (the first
+    ``keys`` columns repeated in each); no cell wraps or is cut. ``headers``: (name, justify);
+    ``rows``: (cells, add_row keyword arguments)."""
+    widths = [max([_cell_len(h)] + [_cell_len(cells[i]) for cells, _ in rows]) for i, (h, _) in enumerate(headers)]
+    groups = split_columns(widths, keys, width) or [[]]
+    tables = []
+    for n, group in enumerate(groups):
+        part = f" ({n + 1}/{len(groups)})" if len(groups) > 1 else ""
+        # wide enough for its title on one line, within the console
+        table = Table(title=title + part, min_width=min(width, _cell_len(title + part) + 4))
+        cols = [*range(keys), *group]
+        for i in cols:
+            name, justify = headers[i]
+            table.add_column(name, justify=justify, no_wrap=True, min_width=widths[i])
+        for cells, kw in rows:
+            table.add_row(*(cells[i] for i in cols), **kw)
+        tables.append(table)
+    return tables
 
 
 def render(report: Report, console: Console) -> None:
-    """Print the report: one row per function plus a total row, then the training jobs (when
-    there are any), GPU figures and the mechanism counters, with the run's facts as a caption.
-    The token columns (TTFT/TPOT objectives and percentiles, token SLO violations) appear only
-    when an llm function is in the report."""
+    """Print the report within the console's width: one row per function plus a total row (split
+    into several tables by columns when too wide, the function column repeated), the legend of
+    its columns, then the training jobs (when there are any) and the GPU figures and mechanism
+    counters (one per line, with their meaning); the run's facts under the first tables. The token
+    columns (TTFT/TPOT objectives and percentiles, token SLO violations) appear only when an llm
+    function is in the report."""
     run = report.run
+    width = console.width
     tokens = any(f.kind == "llm" for f in report.functions)
-    table = Table(title=f"Dilu replay — policy {run.policy}", caption=_caption(run))
-    table.add_column("function")
-    table.add_column("model")
-    table.add_column("SLO ms", justify="right")
-    for name in _FIGURE_COLUMNS:
-        table.add_column(name, justify="right")
+    headers = [("function", "left"), ("model", "left"), ("SLO ms", "right")]
+    headers += [(name, "right") for name in _FIGURE_COLUMNS]
     if tokens:
-        table.add_column("TTFT / TPOT SLO ms", justify="right", no_wrap=True)
-        for name in _TOKEN_COLUMNS:
-            table.add_column(name, justify="right")
+        headers += [("TTFT / TPOT SLO ms", "right")] + [(name, "right") for name in _TOKEN_COLUMNS]
+    rows: list[tuple[list[str], dict]] = []
     for i, f in enumerate(report.functions):
         extra = [_token_slo(f), *_token_row(f)] if tokens else []
-        table.add_row(f.name, f.model, _ms(f.slo_ms), *_row(f), *extra, end_section=i == len(report.functions) - 1)
-    table.add_row("total", "", "", *_row(report.totals), *(["", *_token_row(report.totals)] if tokens else []),
-                  style="bold")
-    console.print(table)
+        rows.append(([f.name, f.model, _ms(f.slo_ms), *_row(f), *extra],
+                     {"end_section": i == len(report.functions) - 1}))
+    rows.append((["total", "", "", *_row(report.totals), *(["", *_token_row(report.totals)] if tokens else [])],
+                 {"style": "bold"}))
+    for table in _fitted(f"Dilu replay — policy {run.policy}", headers, rows, width):
+        console.print(table)
+    console.print(Text(_caption(run), style="table.caption"))
+    shown = [h for h, _ in headers]
     if report.training:
-        console.print(_training_table(report.training))
+        t_headers, t_rows = _training_rows(report.training)
+        for table in _fitted("Training jobs", t_headers, t_rows, width):
+            console.print(table)
+        shown += [h for h, _ in t_headers if h not in shown]
+    console.print(_legend_table([(h, LEGEND[h]) for h in shown] + [("–", LEGEND["–"])]))
 
     t, m = report.totals, report.mechanism
-    gpu = Table(title="GPUs and mechanism", show_header=True)
-    for name in ("active GPU·s", "alloc. frag.", "idle frag.", "profiler trials", "grant changes",
-                 "token wait ms", "scale-outs", "retirements", "scale to zero", "reaction p50/p99 ms"):
-        gpu.add_column(name, justify="right")
-    gpu.add_row(
+    values = [
         f"{t.active_gpu_seconds:,.1f}", _pct(t.allocation_fragmentation), _pct(t.idle_fragmentation),
         f"{m.profiler_trials:,}", f"{m.grant_changes:,}", f"{m.token_wait_ms:,.1f}", f"{m.scale_outs:,}",
-        f"{m.retirements:,}", f"{m.scale_to_zero:,}",
-        _reaction(m),
-    )
+        f"{m.retirements:,}", f"{m.scale_to_zero:,}", _reaction(m),
+    ]
+    gpu = Table(title="GPUs and mechanism")
+    gpu.add_column("figure", no_wrap=True)
+    gpu.add_column("value", justify="right", no_wrap=True)
+    gpu.add_column("meaning")
+    for name, value in zip(_GPU_ROWS, values):
+        gpu.add_row(name, value, LEGEND[name])
     console.print(gpu)
 
 
@@ -553,17 +688,15 @@ def _caption(run: RunInfo) -> str:
     )
 
 
-def _training_table(training: list[TrainingReport]) -> Table:
-    table = Table(title="Training jobs")
-    table.add_column("function")
-    table.add_column("model")
-    for name in ("iterations", "seconds", "iterations/s", "launches", "quota·s"):
-        table.add_column(name, justify="right")
+def _training_rows(training: list[TrainingReport]) -> tuple[list[tuple[str, str]], list[tuple[list[str], dict]]]:
+    headers = [("function", "left"), ("model", "left")]
+    headers += [(name, "right") for name in ("iterations", "seconds", "iterations/s", "launches", "quota·s")]
+    rows = []
     for t in training:
         rate = "–" if t.iterations_per_s is None else f"{t.iterations_per_s:,.2f}"
-        table.add_row(t.name, t.model, f"{t.iterations:,}", f"{t.seconds:,.1f}", rate,
-                      f"{t.instance_launches:,}", f"{t.quota_seconds:,.1f}")
-    return table
+        rows.append(([t.name, t.model, f"{t.iterations:,}", f"{t.seconds:,.1f}", rate,
+                      f"{t.instance_launches:,}", f"{t.quota_seconds:,.1f}"], {}))
+    return headers, rows
 
 
 def _reaction(m: "Mechanism") -> str:
@@ -571,8 +704,6 @@ def _reaction(m: "Mechanism") -> str:
     if not m.grant_changes:
         return "–"
     return f"{m.vertical_reaction_ms_p50:.1f} / {m.vertical_reaction_ms_p99:.1f}"
-
-
 # (label, getter, format, better) ; better: "low", "high" or None (no best is marked)
 _COMPARE_ROWS: list[tuple[str, object, object, str | None]] = [
     ("offered", lambda r: r.totals.offered, "{:,}", None),
@@ -641,18 +772,35 @@ def _compare_rows(reports: Iterable[Report]) -> list[tuple[str, object, object, 
     return rows
 
 
+def versus(first: float | None, other: float | None, *, rate: bool = False) -> str:
+    """How ``other`` compares with ``first``: their ratio ``other / first`` as ``"0.53x"``, or for a
+    rate (a fraction 0..1) the difference in percentage points as ``"+1.2 pp"``; ``"–"`` when
+    either is missing or, for a ratio, ``first`` is 0."""
+    if first is None or other is None:
+        return "–"
+    if rate:
+        return f"{100 * (other - first):+.1f} pp"
+    if first == 0:
+        return "–"
+    return f"{other / first:.2f}x"
+
+
 def render_compare(reports: Mapping[str, Report], console: Console) -> None:
     """Print several policies' totals side by side, one column per policy (in the mapping's
-    order), one row per figure; the best value of a row is bold where lower or higher is
-    plainly better. Token rows (TTFT, TPOT, token SLO violations) appear when some report has
-    an llm function, an iterations/s row per training job when some report has one. Raises
-    ValueError on an empty mapping."""
+    order), one row per figure, then for each policy after the first a column comparing it with
+    the first (:func:`versus`: the ratio, or for rates the difference in percentage points), then
+    a legend of the rows and columns; split by columns when wider than the console. The best
+    value of a row is bold where lower or higher is plainly better. Token rows (TTFT, TPOT, token
+    SLO violations) appear when some report has an llm function, an iterations/s row per training
+    job when some report has one. Raises ValueError on an empty mapping."""
     if not reports:
         raise ValueError("nothing to compare")
-    table = Table(title="Policies compared on the same replay")
-    table.add_column("figure")
-    for policy in reports:
-        table.add_column(policy, justify="right")
+    names = list(reports)
+    first = names[0]
+    versus_names = [f"{p} / {first}" for p in names[1:]]
+    headers = [("figure", "left"), *((p, "right") for p in names), *((v, "right") for v in versus_names)]
+    rows: list[tuple[list[str], dict]] = []
+    labels = []
     for label, get, fmt, better in _compare_rows(reports.values()):
         values = [get(r) for r in reports.values()]
         present = [v for v in values if v is not None]
@@ -663,5 +811,20 @@ def render_compare(reports: Mapping[str, Report], console: Console) -> None:
         for v in values:
             text = fmt(v) if callable(fmt) else ("–" if v is None else fmt.format(v))
             cells.append(f"[bold]{text}[/bold]" if best is not None and v == best else text)
-        table.add_row(label, *cells)
-    console.print(table)
+        cells += [versus(values[0], v, rate=fmt is _pct) for v in values[1:]]
+        rows.append(([label, *cells], {}))
+        labels.append(label)
+    for table in _fitted("Policies compared on the same replay", headers, rows, console.width):
+        console.print(table)
+    entries = [(label, LEGEND[_compare_key(label)]) for label in labels]
+    entries += [(v, f"{p}'s figure / {first}'s (0.53x: {p} has 53 % of it); for a rate (%), the difference "
+                    f"{p} - {first} in percentage points (pp)") for p, v in zip(names[1:], versus_names)]
+    entries += [("bold", "the best value of a row, where lower or higher is plainly better"), ("–", LEGEND["–"])]
+    console.print(_legend_table(entries))
+
+
+def _compare_key(label: str) -> str:
+    """The LEGEND key of a compare row's label."""
+    if label.endswith(" iterations/s"):
+        return "iterations/s"
+    return _COMPARE_KEYS.get(label, label)
