@@ -23,6 +23,7 @@ COMMANDS: dict[str, str] = {
     "status": "dilu.cli.functions:status",
     "creds": "dilu.cli.creds:creds",
     "events": "dilu.cli.events:events",
+    "sim": "dilu.cli.sim:sim",
 }
 BENCHES: dict[str, str] = {
     "interceptor": "dilu.interceptor.bench:bench_interceptor",
@@ -30,6 +31,7 @@ BENCHES: dict[str, str] = {
     "vertical": "dilu.services.vertical_scaler.bench:bench_vertical",
     "loadgen": "dilu.loadgen.bench:bench_loadgen",
     "invoke": "dilu.loadgen.bench_invoke:bench_invoke",
+    "sim": "dilu.loadgen.sim.bench:bench_sim",
 }
 
 

@@ -1,0 +1,134 @@
+"""``dilu sim``: the platform's policies on a simulated cluster of N nodes x G GPUs over a real
+trace, in simulated time (:mod:`dilu.loadgen.sim`); or, with ``--workload``, the paper's
+scheduling workloads through the placement policy.
+
+Every option can also come from ``DILU_SIM_<FLAG>`` (``--nodes`` -> ``DILU_SIM_NODES``).
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import click
+
+from dilu.services.common.cliopts import writable_output
+from dilu.services.common.policies import POLICIES
+
+ENV = "DILU_SIM"
+
+
+def _policies(_ctx, param, value: str) -> list[str]:
+    names = [p.strip() for p in value.split(",") if p.strip()]
+    if not names:
+        raise click.BadParameter(f"no policy given; choose from {', '.join(POLICIES)}", param=param)
+    bad = [p for p in names if p not in POLICIES]
+    if bad:
+        raise click.BadParameter(f"unknown policies {', '.join(bad)}; choose from {', '.join(POLICIES)}", param=param)
+    if len(set(names)) != len(names):
+        raise click.BadParameter(f"a policy is named twice in {', '.join(names)}", param=param)
+    return names
+
+
+def _functions(_ctx, param, value: str) -> int | str:
+    if value == "all":
+        return "all"
+    try:
+        k = int(value)
+    except ValueError:
+        raise click.BadParameter(f"expected a count or 'all', got {value!r}", param=param) from None
+    if k < 1:
+        raise click.BadParameter(f"need at least 1 function, got {k}", param=param)
+    return k
+
+
+def _opt(*decls, **kw):
+    """A click option whose variable is DILU_SIM_<FLAG>."""
+    flag = next(d for d in decls if d.startswith("--"))
+    return click.option(*decls, envvar=f"{ENV}_{flag[2:].replace('-', '_').upper()}", show_envvar=True, **kw)
+
+
+@click.command("sim")
+@_opt("--trace", "trace_dir", type=click.Path(exists=True, file_okay=False), default=None,
+      help="trace directory in the Azure Functions 2019 format (default: the bundled 100-function sample)")
+@_opt("--functions", default="16", show_default=True, callback=_functions, help="K busiest functions of the span, or 'all'")
+@_opt("--hours", type=click.FloatRange(min=0, min_open=True, max=24 * 14), default=1.0, show_default=True,
+      help="hours of trace replayed (simulated time)")
+@_opt("--start-minute", type=int, default=None, help="trace minute to begin at (default: the first)")
+@_opt("--nodes", type=click.IntRange(min=1, max=100_000), default=1, show_default=True)
+@_opt("--gpus-per-node", type=click.IntRange(min=1, max=64), default=4, show_default=True, help="A100 40 GB GPUs per node")
+@_opt("--policies", default="dilu,horizontal-only", show_default=True, callback=_policies,
+      help=f"comma-separated, from: {', '.join(POLICIES)}")
+@_opt("--seed", type=click.IntRange(min=0), default=1, show_default=True)
+@_opt("--training-jobs", type=click.FloatRange(min=0, max=1), default=0.0, show_default=True,
+      help="fraction of the GPUs running a training job (0.1: one GPU in ten)")
+@_opt("--json", "json_path", type=click.Path(dir_okay=False), default=None, callback=writable_output,
+      help='write {"policies": {name: report}, "sim": {...}} here (the format of dilu compare --json)')
+@_opt("--plots", "plots_dir", type=click.Path(file_okay=False), default=None,
+      help="write PNG plots here (active GPUs, latency/SLO CDF, cold starts, fragmentation over time)")
+@_opt("--workload", type=click.Path(exists=True, dir_okay=False), default=None,
+      help="replay a dilu-sim scheduling workload (e.g. ../shared/data/workloads/dilu-sim/instances-3200.txt) "
+           "through the placement policy instead of a trace (default size: 1000 nodes)")
+def sim(trace_dir, functions, hours, start_minute, nodes, gpus_per_node, policies, seed, training_jobs, json_path,
+        plots_dir, workload) -> None:
+    """Simulate the platform's policies over a real trace (deterministic per seed) and print the
+    comparison table, as dilu compare does for live runs."""
+    from rich.console import Console
+
+    from dilu.loadgen import report
+    from dilu.loadgen.trace import TraceError
+
+    console = Console() if __import__("sys").stdout.isatty() else Console(width=100)
+    if workload:
+        from dilu.loadgen.sim.workload import WorkloadError, simulate_workload
+
+        ctx = click.get_current_context()
+        if ctx.get_parameter_source("nodes").name == "DEFAULT":
+            nodes = 1000
+        try:
+            out = simulate_workload(workload, nodes=nodes, gpus_per_node=gpus_per_node)
+        except (WorkloadError, ValueError) as exc:
+            raise click.ClickException(str(exc)) from None
+        _print_workload(out, console)
+        if json_path:
+            Path(json_path).write_text(json.dumps({"sim": out}, indent=2) + "\n")
+            console.print(f"written to {json_path}")
+        return
+
+    from dilu.loadgen.sim.run import SimConfig, simulate
+
+    try:
+        cfg = SimConfig(trace_dir=trace_dir, functions=functions, hours=hours, nodes=nodes, gpus_per_node=gpus_per_node,
+                        seed=seed, training_jobs=training_jobs, start_minute=start_minute)
+        out = simulate(cfg, policies, progress=lambda p: console.print(f"[dim]simulating policy {p}[/dim]"))
+    except (TraceError, ValueError, OSError) as exc:
+        raise click.ClickException(str(exc)) from None
+    report.render_compare({k: report.Report.from_dict(v) for k, v in out["policies"].items()}, console)
+    for name, s in out["sim"]["policies"].items():
+        console.print(f"{name}: {s['events']:,} events in {s['wall_s']:.1f} s; peak {s['peak_active_gpus']} active GPUs, "
+                      f"largest Σ limits on a GPU {s['max_limit_sum']:.2f}")
+    if json_path:
+        Path(json_path).write_text(dumps(out))
+        console.print(f"comparison written to {json_path}")
+    if plots_dir:
+        from dilu.loadgen.sim.plots import write_plots
+
+        for p in write_plots(out, Path(plots_dir)):
+            console.print(f"plot written to {p}")
+
+
+def dumps(out: dict) -> str:
+    """The JSON of a simulation (indented, keys in a fixed order: byte-identical per seed)."""
+    return json.dumps(out, indent=2) + "\n"
+
+
+def _print_workload(out: dict, console) -> None:
+    from rich.table import Table
+
+    table = Table(title=f"Scheduling workload {out['workload']} on {out['nodes']} x {out['gpus_per_node']} GPUs")
+    table.add_column("figure")
+    table.add_column("value", justify="right")
+    for k in ("events", "peak_active_gpus", "lower_bound_peak", "mean_active_gpus", "max_limit_sum",
+              "allocation_fragmentation", "unplaced", "violations"):
+        v = out[k]
+        table.add_row(k, f"{v:.3f}" if isinstance(v, float) else str(v))
+    console.print(table)

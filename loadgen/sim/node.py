@@ -1,0 +1,112 @@
+"""GPUs and instances of the simulated cluster, timed as the emulated node times them (DESIGN.md
+section 7, handlers/emulated.py):
+
+- an instance runs at SM width w = the limit quota it was placed with, paced to its grant q;
+- a batch of b requests alone at width w lasts L(b, w) (:func:`models.latency_ms`); paced to
+  q < w it lasts L(b, w) * w / q;
+- when the widths of the instances busy at once on one GPU sum to W > 1, each progresses W times
+  slower (the contention that kernel-cycle stretch detects). First order: the stretch of a batch
+  is fixed when it starts, from the instances busy at that instant;
+- a training job is always busy at its width; its iterations last ``TRAIN_PASSES`` x L(b, w),
+  paced and stretched alike;
+- the SM-time a batch consumes is w x L(b, w) (the work; pacing and contention spread it out).
+"""
+from __future__ import annotations
+
+from collections import deque
+from functools import lru_cache
+
+from dilu.services.common import models
+from dilu.services.node_agent.handlers.emulated import TRAIN_PASSES
+
+PACE_EPS = 1e-9
+
+
+@lru_cache(maxsize=None)
+def batch_ms(model: str, batch: int, width: float) -> float:
+    """Unpaced, uncontended latency (ms) of a batch at ``width`` (the surface, cached)."""
+    return models.latency_ms(model, batch, width)
+
+
+@lru_cache(maxsize=None)
+def iteration_ms(model: str, batch: int, width: float) -> float:
+    """Unpaced, uncontended duration (ms) of one training iteration at ``width``."""
+    return TRAIN_PASSES * models.latency_ms(model, batch, width)
+
+
+def pace(width: float, grant: float) -> float:
+    """How much longer work takes paced to ``grant`` at ``width`` (>= 1; 1 when grant >= width)."""
+    return width / grant if grant < width - PACE_EPS and grant > 0 else 1.0
+
+
+class Gpu:
+    """One GPU: its scheduler id ``gid``, the instances on it, the Σ widths of those busy now."""
+
+    __slots__ = ("gid", "instances", "busy_width", "consumed_ms", "quiet")
+
+    def __init__(self, gid: int) -> None:
+        self.gid = gid
+        self.instances: dict[str, Instance] = {}
+        self.busy_width = 0.0
+        self.consumed_ms = 0.0  # SM-time consumed (ms x fraction of the GPU)
+        self.quiet = 0  # telemetry windows in a row with nothing happening
+
+    def stretch(self) -> float:
+        """The slow-down of everything busy on this GPU now (>= 1)."""
+        return self.busy_width if self.busy_width > 1.0 else 1.0
+
+
+class Instance:
+    """One instance: ``state`` starting | ready | draining | gone; ``width`` its limit quota as
+    placed; ``grant`` the quota in force; ``batch`` the largest batch it pulls; ``ready_ms`` when
+    its cold start ends. Window counters (``win_*``) feed the next telemetry."""
+
+    __slots__ = ("iid", "fn", "gpu", "request", "width", "grant", "batch", "ready_ms", "state", "busy",
+                 "inflight", "quota_since", "win_busy_ms", "win_wait_ms", "win_lat_ms", "training",
+                 "iterations", "train_since", "priority")
+
+    def __init__(self, iid: str, fn, gpu: Gpu, request: float, width: float, grant: float, batch: int,
+                 ready_ms: float, now_ms: float, training: bool, priority: str) -> None:
+        self.iid = iid
+        self.fn = fn
+        self.gpu = gpu
+        self.request = request
+        self.width = width
+        self.grant = grant
+        self.batch = batch
+        self.ready_ms = ready_ms
+        self.state = "starting"
+        self.busy = False
+        self.inflight: list[int] = []
+        self.quota_since = now_ms
+        self.win_busy_ms = 0.0
+        self.win_wait_ms = 0.0
+        self.win_lat_ms = 0.0
+        self.training = training
+        self.iterations = 0.0
+        self.train_since = ready_ms
+        self.priority = priority
+
+
+class Function:
+    """A deployed function as the simulator serves it: its spec and profile, the requests waiting
+    for an instance (the work queue, oldest first), its live instances and counters."""
+
+    __slots__ = ("name", "spec", "model", "slo_ms", "timeout_ms", "batch", "demand", "pending", "ready",
+                 "instances", "arrivals", "launches", "quota_ms", "training")
+
+    def __init__(self, name: str, spec, slo_ms: float, timeout_ms: float, batch: int, demand, training: bool) -> None:
+        self.name = name
+        self.spec = spec
+        self.model = spec.model
+        self.slo_ms = slo_ms
+        self.timeout_ms = timeout_ms
+        self.batch = batch
+        self.demand = demand
+        self.pending: deque[int] = deque()
+        self.ready: list[Instance] = []  # ready, not draining: they pull from ``pending``
+        self.instances: dict[str, Instance] = {}
+        self.arrivals = 0
+        self.launches = 0
+        self.quota_ms = 0.0
+        self.training = training

@@ -1,0 +1,629 @@
+"""One simulated run per policy: the trace, the live policy objects and the surfaces wired into a
+discrete-event simulation, reported with the live demo's :func:`report.build_report`.
+
+What drives what, as in the live cluster (services/*/service.py):
+
+- **Plan.** :func:`cli.demo.build_plan` (the same trace reading, K busiest functions, seeded
+  arrivals with idle gaps kept, seeded model assignment) at speed-up 1: simulated time is trace
+  time. Functions are deployed with :func:`cli.deploy.function_spec`, training jobs with
+  :func:`cli.deploy.training_spec`.
+- **Profiler.** :func:`profiler.policy.search_for` ask/tell, each trial answered from the model's
+  surface as ``dilu profile`` answers it (:class:`profiler.surface.SurfaceBackend`); the trials
+  are counted in ``profiler_trials``.
+- **Scheduler.** :class:`scheduler.policy.Cluster` places an instance's :class:`Demand` (quotas by
+  :func:`allocation_quotas` of the policy's allocation) and removes it at retirement; batches by
+  :func:`allocation_batch`.
+- **Node agent.** An instance starts at its initial grant (request or limit) fitted with
+  :func:`node_agent.grants.fit_quota`; it is ready after process start + the model's
+  :func:`models.cold_start_ms`; ready instances pull batches from the function's work queue.
+  Every ``vertical_tick_ms`` (the agent's 250 ms telemetry) each GPU with instances sends its
+  instances' :class:`InstanceTelemetry` to the vertical policy; a batch that starts stretched by
+  ``STRETCH_RATIO`` or more reports a kernel-cycle stretch at once.
+- **Vertical scaler.** :class:`VerticalPolicy` in the policy's mode; its grants are fitted on the
+  GPU as the node agent fits them.
+- **Horizontal scaler.** :class:`HorizontalPolicy` (windows of :func:`cli.demo.scaler_windows` at
+  speed-up 1) with :func:`function_params` of each profile; every ``horizontal_tick_ms`` (its
+  500 ms tick) each function records its backlog (waiting + in flight) and arrivals, decides
+  with its :func:`vertical_headroom`, and places (:class:`PlacementBackoff` after a refusal) or
+  retires (draining: an instance finishes its batch, then leaves).
+
+The replay starts ``warm_up_s`` after the control plane, so initial instances are warm, as the
+demo waits for them. Requests unanswered after max(30 s, 10 x SLO) time out, those left
+``drain_s`` after the span are timed out. GPU figures are accounted from the replay's start.
+Deterministic: same configuration and seed, same report, byte for byte.
+"""
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+
+from dilu.cli.deploy import function_spec, training_spec
+from dilu.contracts.events import InstanceTelemetry
+from dilu.loadgen import report
+from dilu.loadgen.generator import Record, RunResult
+from dilu.services.common import models
+from dilu.services.common.functions import GIB, STRETCH_RATIO, default_priority, yields_share
+from dilu.services.common.policies import modes
+from dilu.services.horizontal_scaler.policy import (HorizontalConfig, HorizontalPolicy, InstanceShare, PlacementBackoff,
+                                                    function_params, vertical_headroom)
+from dilu.services.horizontal_scaler.service import MAX_PLACE_COUNT
+from dilu.services.node_agent.grants import fit_quota
+from dilu.services.profiler.policy import NoFeasibleSetting, search_for
+from dilu.services.profiler.surface import SurfaceBackend, model_surface, run_search
+from dilu.services.scheduler.policy import Cluster, Demand, NoCapacity, allocation_batch, allocation_quotas
+from dilu.services.vertical_scaler.policy import VerticalConfig, VerticalPolicy
+
+from .engine import EventLoop
+from .node import Function, Gpu, Instance, batch_ms, iteration_ms, pace
+
+PROCESS_START_MS = 1000.0  # an instance's process start and imports before it loads weights (A100 node, Python)
+GPU_MEMORY_BYTES = 40 * GIB  # the emulated A100 40 GB (node_agent.devices "a100-40gb" rounds to 40 GiB)
+REQUEST_TIMEOUT_MIN_MS = 30_000.0  # cli.demo.REQUEST_TIMEOUT_MIN_S
+TIMEOUT_SLO_FACTOR = 10.0
+# Telemetry windows (3 s) with nothing busy, queued or starting on a GPU after which its telemetry
+# pauses until something happens there: by then the vertical policy has released every idle
+# instance to its floor (release_per_s 0.5 takes a limit of 1 to 0.1 in 1.8 s) and recovered
+# training (recovery_per_s 0.5), so further windows would change nothing. Keeps an 8-hour run of
+# thousands of GPUs from spending its time on GPUs nobody uses.
+QUIET_WINDOWS = 12
+RUN_ID = "sim"
+
+
+@dataclass
+class SimConfig:
+    """A simulated run. ``trace_dir``: Azure Functions 2019 format (None: the bundled sample);
+    ``functions``: K busiest or ``"all"``; ``hours`` of trace replayed from ``start_minute``
+    (None: the first); ``nodes`` x ``gpus_per_node`` GPUs of 40 GB; ``training_jobs``: fraction
+    (0..1) of the GPUs running a training job; ticks in ms; ``sample_s``: timeline resolution."""
+
+    trace_dir: str | None = None
+    functions: int | str = 16
+    hours: float = 1.0
+    nodes: int = 1
+    gpus_per_node: int = 4
+    seed: int = 1
+    training_jobs: float = 0.0
+    start_minute: int | None = None
+    vertical_tick_ms: float = 250.0
+    horizontal_tick_ms: float = 500.0
+    warm_up_s: float = 30.0
+    drain_s: float = 20.0
+    sample_s: float = 10.0
+    keep_records: bool = True
+
+    def __post_init__(self) -> None:
+        if not (self.hours > 0 and math.isfinite(self.hours)):
+            raise ValueError(f"hours must be a positive number, got {self.hours}")
+        if self.nodes < 1 or self.gpus_per_node < 1:
+            raise ValueError(f"need at least 1 node and 1 GPU per node, got {self.nodes} x {self.gpus_per_node}")
+        if not 0.0 <= self.training_jobs <= 1.0:
+            raise ValueError(f"training_jobs is a fraction of the GPUs (0..1), got {self.training_jobs}")
+
+    @property
+    def gpus(self) -> int:
+        return self.nodes * self.gpus_per_node
+
+
+@dataclass
+class Workload:
+    """What every policy of one comparison replays: the plan and the deployed specs, profiled."""
+
+    plan: object
+    specs: list
+    profiles: dict  # function -> (Profile | None, trials)
+
+
+def prepare(cfg: SimConfig) -> Workload:
+    """The replay plan (:func:`cli.demo.build_plan` at speed-up 1), the functions' specs with their
+    seeded models, the training jobs, and each inference function's profile from the profiler's
+    search on its surface. Raises ValueError / TraceError for a bad trace or span."""
+    from dilu.cli.demo import RunOptions, build_plan  # the demo's plan rule, not a copy of it
+
+    opts = RunOptions(duration=cfg.hours * 3600.0, speedup=1.0, seed=cfg.seed, trace_dir=cfg.trace_dir,
+                      start_minute=cfg.start_minute, functions=cfg.functions, gpus=str(cfg.gpus_per_node),
+                      nats_url=None, log_dir=None, training_jobs=0, progress=False)
+    plan, chosen, _ = build_plan(opts, RUN_ID)
+    specs = [function_spec(f.name, chosen[f.name], peak_rps=f.peak_rps) for f in plan.functions]
+    specs += [training_spec(f"train-{i}") for i in range(round(cfg.training_jobs * cfg.gpus))]
+    profiles: dict = {}
+    cache: dict = {}
+    for s in specs:
+        if s.profile is not None:
+            profiles[s.name] = (s.profile, 0)
+            continue
+        key = (s.model, s.slo_ms, s.max_batch)
+        if key not in cache:
+            backend = SurfaceBackend(model_surface(s.model))
+            try:
+                res = run_search(search_for(s), backend)
+            except NoFeasibleSetting:
+                res = None
+            cache[key] = (res, backend.trials)
+        res, trials = cache[key]
+        profiles[s.name] = (res.to_profile(s.name, "surface") if res is not None else None, trials)
+    return Workload(plan, specs, profiles)
+
+
+def horizontal_config(mode: str) -> HorizontalConfig:
+    """The horizontal scaler's settings of a replay at speed-up 1 (:func:`cli.demo.scaler_windows`)."""
+    from dilu.cli.demo import scaler_windows
+
+    args = scaler_windows(1.0)
+    kw = {args[i].lstrip("-").replace("-", "_"): float(args[i + 1]) for i in range(0, len(args), 2)}
+    return HorizontalConfig(mode=mode, **kw)
+
+
+@dataclass
+class SimFacts:
+    """Simulator-only figures of one run (not in the Report): ``events`` processed, ``wall_s``
+    real seconds it took, ``peak_active_gpus``, ``max_limit_sum`` (largest Σ limits on one GPU)
+    and the ``timeline`` (t_s, active GPUs, cold-start requests so far, allocation and idle
+    fragmentation over the sample) used by the plots."""
+
+    events: int = 0
+    wall_s: float = 0.0
+    peak_active_gpus: int = 0
+    max_limit_sum: float = 0.0
+    unplaced: int = 0
+    timeline: list = field(default_factory=list)
+
+
+class Simulation:
+    """One policy over one :class:`Workload` (see the module docstring)."""
+
+    def __init__(self, cfg: SimConfig, policy: str, work: Workload) -> None:
+        self.cfg, self.policy, self.work = cfg, policy, work
+        m = modes(policy)
+        self.modes = m
+        self.loop = EventLoop(0.0)
+        self.cluster = Cluster([f"node{i}" for i in range(cfg.nodes)], cfg.gpus_per_node, GPU_MEMORY_BYTES)
+        self.vertical = VerticalPolicy(VerticalConfig(mode=m.vertical))
+        self.hconf = horizontal_config(m.horizontal)
+        self.horizontal = HorizontalPolicy(self.hconf)
+        self.backoff = PlacementBackoff(cfg.horizontal_tick_ms / 1000.0, 30.0)
+        self.gpus: dict[int, Gpu] = {}
+        self.instances: dict[str, Instance] = {}
+        self.fns: dict[str, Function] = {}
+        self.mech = report.Mechanism()
+        self.facts = SimFacts()
+        self.t0 = cfg.warm_up_s * 1000.0  # the replay's start on the simulated clock
+        self.end = self.t0 + work.plan.duration_s * 1000.0 + cfg.drain_s * 1000.0
+        self.seq = 0
+        invs = work.plan.invocations
+        self.inv = invs
+        self.sched = [self.t0 + i.scheduled_ns / 1e6 for i in invs]
+        self.done = [0.0] * len(invs)
+        self.status = [""] * len(invs)
+        self.cold = bytearray(len(invs))
+        self.cold_total = 0
+        self.live_req = 0.0
+        self.acc_t = self.t0
+        self.area = self.frag = 0.0
+        self.consumed = 0.0
+        self._sample_prev = (0.0, 0.0, 0.0)  # (area, frag area, consumed) at the last sample
+        self.last_answer = 0.0
+        self.train_iters: dict[str, float] = {}
+        for s in work.specs:
+            self._deploy(s)
+        self.by_fn = [self.fns[i.function] for i in invs]
+
+    # ------------------------------------------------------------------ setup
+
+    def _deploy(self, spec) -> None:
+        profile, trials = self.work.profiles[spec.name]
+        self.mech.profiler_trials += trials
+        training = spec.kind == "training"
+        slo = spec.slo_ms
+        timeout = max(REQUEST_TIMEOUT_MIN_MS, TIMEOUT_SLO_FACTOR * slo)
+        demand = None
+        batch = 1
+        if profile is not None:
+            req, lim = allocation_quotas(self.modes.allocation, profile.request_quota, profile.limit_quota)
+            demand = Demand(function=spec.name, request_quota=req, limit_quota=lim, memory_bytes=spec.memory_bytes,
+                            kind="training" if training else "inference")
+            batch = allocation_batch(self.modes.allocation, profile.batch_size, profile.burst_batch)
+        f = Function(spec.name, spec, slo, timeout, batch, demand, training)
+        self.fns[spec.name] = f
+        if training:
+            self.loop.at(0.0, self._launch_training, f)
+        elif demand is not None:
+            self.horizontal.add_function(spec.name, function_params(spec, profile, None, slo_ms=slo))
+            self.horizontal.deployed(spec.name, 0.0)
+
+    # ------------------------------------------------------------------ accounting
+
+    def _account(self) -> None:
+        """Integrate active GPUs and allocation fragmentation up to now (from the replay's start)."""
+        now = self.loop.now
+        if now > self.acc_t:
+            dt = now - self.acc_t
+            active = self.cluster.active
+            self.area += active * dt
+            self.frag += (active - self.live_req) * dt
+            self.acc_t = now
+
+    def _set_grant(self, inst: Instance, q: float, count: bool) -> None:
+        now = self.loop.now
+        if abs(q - inst.grant) <= 1e-9:
+            return
+        inst.fn.quota_ms += inst.grant * (now - max(inst.quota_since, self.t0)) if now > self.t0 else 0.0
+        inst.quota_since = now
+        if inst.training:
+            self._train_progress(inst)
+        inst.grant = q
+        self.mech.grant_changes += count
+
+    def _fit(self, gpu: Gpu, inst: Instance, wanted: float, granted: bool = True) -> None:
+        """Write ``wanted`` for ``inst`` as the node agent does: fitted so Σ quotas <= 1."""
+        in_force = {i: o.grant for i, o in gpu.instances.items()}
+        requests = {i: o.request for i, o in gpu.instances.items()}
+        for iid, q in fit_quota(in_force, requests, inst.iid, min(1.0, max(0.0, wanted))):
+            self._set_grant(gpu.instances[iid], q, granted)
+
+    # ------------------------------------------------------------------ instances
+
+    def _place(self, f: Function) -> Instance | None:
+        now = self.loop.now
+        self.seq += 1
+        iid = f"{f.name}-{self.seq}"
+        try:
+            slots = self.cluster.place(iid, f.demand)
+        except NoCapacity:
+            self.facts.unplaced += 1
+            return None
+        self._account()
+        gid = self.cluster.gpu_id(slots[0])
+        gpu = self.gpus.get(gid)
+        if gpu is None:
+            gpu = self.gpus[gid] = Gpu(gid)
+        d = f.demand
+        self.live_req += d.request_quota
+        self.facts.peak_active_gpus = max(self.facts.peak_active_gpus, self.cluster.active)
+        self.facts.max_limit_sum = max(self.facts.max_limit_sum, round(self.cluster.gpus[gid].lim, 9))
+        ready = now + PROCESS_START_MS + models.cold_start_ms(f.model)
+        inst = Instance(iid, f, gpu, d.request_quota, d.limit_quota, 0.0, f.batch, ready, now, f.training,
+                        f.spec.priority or default_priority(f.spec.kind))
+        gpu.instances[iid] = inst
+        gpu.quiet = 0
+        self.instances[iid] = inst
+        f.instances[iid] = inst
+        f.launches += 1
+        self._fit(gpu, inst, d.request_quota if self.modes.initial_grant == "request" else d.limit_quota,
+                  granted=False)
+        inst.quota_since = now
+        self.loop.at(ready, self._ready, inst)
+        return inst
+
+    def _launch_training(self, f: Function) -> None:
+        inst = self._place(f)
+        if inst is not None:
+            inst.busy = True  # always busy once ready; counted in the GPU's busy width then
+
+    def _ready(self, inst: Instance) -> None:
+        if inst.state != "starting":
+            return
+        inst.state = "ready"
+        if inst.training:
+            inst.gpu.busy_width += inst.width
+            inst.train_since = self.loop.now
+            return
+        self.horizontal.instance_ready(inst.fn.name, inst.iid, self.loop.now / 1000.0)
+        inst.fn.ready.append(inst)
+        self._start_batch(inst)
+
+    def _retire(self, inst: Instance) -> None:
+        """Drain: a starting instance is cancelled, a busy one finishes its batch first."""
+        if inst.state in ("draining", "gone"):
+            return
+        was = inst.state
+        inst.state = "draining"
+        if was == "ready":
+            inst.fn.ready.remove(inst)
+        if not inst.busy:
+            self._gone(inst)
+
+    def _gone(self, inst: Instance) -> None:
+        now = self.loop.now
+        self._account()
+        f, gpu = inst.fn, inst.gpu
+        if inst.training:
+            self._train_progress(inst)
+        if now > self.t0:
+            f.quota_ms += inst.grant * (now - max(inst.quota_since, self.t0))
+        inst.state = "gone"
+        self.cluster.remove(inst.iid)
+        self.live_req -= inst.request
+        del gpu.instances[inst.iid]
+        del self.instances[inst.iid]
+        del f.instances[inst.iid]
+        if not gpu.instances:
+            del self.gpus[gpu.gid]
+        self.mech.retirements += 1
+        if not f.training:
+            self.horizontal.instance_retired(f.name, inst.iid)
+            if not f.instances:
+                self.mech.scale_to_zero += 1
+
+    # ------------------------------------------------------------------ requests
+
+    def _arrive(self, i: int) -> None:
+        f = self.by_fn[i]
+        f.pending.append(i)
+        f.arrivals += 1
+        nxt = i + 1
+        if nxt < len(self.sched):
+            self.loop.at(self.sched[nxt], self._arrive, nxt)
+        for inst in f.ready:
+            if not inst.busy:
+                self._start_batch(inst)
+                break
+
+    def _start_batch(self, inst: Instance) -> None:
+        f = inst.fn
+        pending = f.pending
+        if not pending:
+            return
+        now = self.loop.now
+        sched, limit = self.sched, f.timeout_ms
+        reqs = inst.inflight = []
+        while pending and len(reqs) < inst.batch:
+            i = pending.popleft()
+            if now - sched[i] > limit:
+                self._finish(i, sched[i] + limit, "timeout", False)
+            else:
+                reqs.append(i)
+        if not reqs:
+            return
+        gpu = inst.gpu
+        base = batch_ms(f.model, len(reqs), inst.width)
+        slow = pace(inst.width, inst.grant)
+        gpu.busy_width += inst.width
+        stretch = gpu.busy_width if gpu.busy_width > 1.0 else 1.0
+        dur = base * slow * stretch
+        inst.busy = True
+        gpu.quiet = 0
+        if slow > 1.0:
+            self.mech.token_wait_ms += base * stretch * (slow - 1.0)
+            inst.win_wait_ms += base * stretch * (slow - 1.0)
+        inst.win_busy_ms += dur
+        if now >= self.t0:
+            self.consumed += inst.width * base
+        self.loop.at(now + dur, self._end_batch, inst)
+        if stretch >= STRETCH_RATIO and not yields_share(inst.priority):
+            for g in self.vertical.on_stretch(gpu.gid, now, inst.iid, stretch):
+                target = gpu.instances.get(g.instance_id)
+                if target is not None:
+                    self._fit(gpu, target, g.quota)
+
+    def _end_batch(self, inst: Instance) -> None:
+        now = self.loop.now
+        inst.busy = False
+        inst.gpu.busy_width -= inst.width
+        ready_ms, sched = inst.ready_ms, self.sched
+        worst = 0.0
+        for i in inst.inflight:
+            self._finish(i, now, "ok", ready_ms > sched[i])
+            lat = now - sched[i]
+            if lat > worst:
+                worst = lat
+        if worst > inst.win_lat_ms:
+            inst.win_lat_ms = worst
+        inst.inflight = []
+        if inst.state == "draining":
+            self._gone(inst)
+        elif inst.state == "ready":
+            self._start_batch(inst)
+
+    def _finish(self, i: int, at_ms: float, status: str, cold: bool) -> None:
+        self.done[i] = at_ms
+        self.status[i] = status
+        if cold:
+            self.cold[i] = 1
+            self.cold_total += 1
+        if at_ms > self.last_answer:
+            self.last_answer = at_ms
+
+    # ------------------------------------------------------------------ training
+
+    def _train_progress(self, inst: Instance) -> None:
+        """Iterations of a training instance since it was last accounted, at its grant and the
+        GPU's stretch now (piecewise constant between telemetry windows and grant changes)."""
+        now = self.loop.now
+        if inst.state != "ready" or now <= inst.train_since:
+            return
+        start = max(inst.train_since, self.t0)
+        if now > start:
+            it = iteration_ms(inst.fn.model, inst.fn.spec.max_batch, inst.width)
+            dt = now - start
+            n = dt / (it * pace(inst.width, inst.grant) * inst.gpu.stretch())
+            inst.iterations += n
+            self.train_iters[inst.fn.name] = self.train_iters.get(inst.fn.name, 0.0) + n
+            self.consumed += min(inst.grant, inst.width) * dt / inst.gpu.stretch()
+        inst.train_since = now
+
+    # ------------------------------------------------------------------ control ticks
+
+    def _vertical_tick(self, _=None) -> None:
+        now = self.loop.now
+        window = self.cfg.vertical_tick_ms
+        for gpu in list(self.gpus.values()):
+            active = False
+            for inst in gpu.instances.values():
+                if inst.training:
+                    self._train_progress(inst)
+                elif inst.win_busy_ms or inst.win_lat_ms or inst.fn.pending or inst.state == "starting":
+                    active = True
+            gpu.quiet = 0 if active else gpu.quiet + 1
+            if gpu.quiet > QUIET_WINDOWS:
+                continue  # nothing busy, queued or starting for QUIET_WINDOWS windows: grants have settled
+            rows = []
+            for inst in gpu.instances.values():
+                f = inst.fn
+                if inst.training:
+                    busy = 1.0 if inst.state == "ready" else 0.0
+                else:
+                    busy = min(1.0, inst.win_busy_ms / window)
+                rows.append(InstanceTelemetry(
+                    instance_id=inst.iid, function=f.name, priority=inst.priority, quota=inst.grant,
+                    request_quota=inst.request, limit_quota=inst.width, width=inst.width, busy_share=busy,
+                    sm_time_share=busy * inst.width, wait_us=int(inst.win_wait_ms * 1000), slo_ms=f.slo_ms,
+                    latency_ms_recent=inst.win_lat_ms, queue_depth=len(f.pending)))
+                if not inst.training:
+                    if inst.state != "starting":
+                        self.horizontal.set_busy(f.name, inst.iid, busy)
+                    inst.win_busy_ms = inst.win_wait_ms = inst.win_lat_ms = 0.0
+            for g in self.vertical.on_telemetry(gpu.gid, now, rows):
+                target = gpu.instances.get(g.instance_id)
+                if target is not None:
+                    self._fit(gpu, target, g.quota)
+        if now + window <= self.end:
+            self.loop.at(now + window, self._vertical_tick)
+
+    def _horizontal_tick(self, _=None) -> None:
+        now = self.loop.now
+        now_s = now / 1000.0
+        headroom: dict[str, float] = {}
+        if self.hconf.mode == "lazy":
+            headroom = vertical_headroom({
+                gid: [InstanceShare(i.iid, i.fn.name, i.priority, i.grant, i.request, i.width)
+                      for i in gpu.instances.values()]
+                for gid, gpu in self.gpus.items()})
+        hp = self.horizontal
+        for f in self.fns.values():
+            if f.training or f.demand is None:
+                continue
+            backlog = len(f.pending) + sum(len(i.inflight) for i in f.instances.values() if i.busy)
+            hp.record(f.name, now_s, backlog, f.arrivals)
+            f.arrivals = 0
+            d = hp.decide(f.name, now_s, headroom.get(f.name, 0.0))
+            if d.place and not self.backoff.blocked(f.name, now_s):
+                placed = 0
+                for _ in range(min(d.place, MAX_PLACE_COUNT)):
+                    inst = self._place(f)
+                    if inst is None:
+                        break
+                    hp.instance_starting(f.name, inst.iid, now_s)
+                    placed += 1
+                if placed:
+                    self.backoff.clear(f.name)
+                    self.mech.scale_outs += placed
+                else:
+                    self.backoff.failed(f.name, now_s)
+            for iid in d.retire:
+                inst = f.instances.get(iid)
+                if inst is not None:
+                    self._retire(inst)
+        if now + self.cfg.horizontal_tick_ms <= self.end:
+            self.loop.at(now + self.cfg.horizontal_tick_ms, self._horizontal_tick)
+
+    def _sample(self, _=None) -> None:
+        self._account()
+        now = self.loop.now
+        pa, pf, pc = self._sample_prev
+        darea = self.area - pa
+        alloc = (self.frag - pf) / darea if darea > 0 else 0.0
+        idle = max(0.0, 1.0 - (self.consumed - pc) / darea) if darea > 0 else 0.0
+        self.facts.timeline.append((round((now - self.t0) / 1000.0, 3), self.cluster.active, self.cold_total,
+                                    round(alloc, 6), round(idle, 6)))
+        self._sample_prev = (self.area, self.frag, self.consumed)
+        step = self.cfg.sample_s * 1000.0
+        if now + step <= self.end:
+            self.loop.at(now + step, self._sample)
+
+    # ------------------------------------------------------------------ run
+
+    def run(self) -> tuple[report.Report, SimFacts]:
+        """Simulate to the end; the live demo's Report of the run and the simulator's own facts."""
+        started = time.perf_counter()
+        loop = self.loop
+        loop.at(0.0, self._vertical_tick)
+        loop.at(0.0, self._horizontal_tick)
+        if self.sched:
+            loop.at(self.sched[0], self._arrive, 0)
+        loop.run(self.t0)
+        self._account()
+        self.area = self.frag = self.consumed = 0.0  # GPU figures count from the replay's start
+        self._sample_prev = (0.0, 0.0, 0.0)
+        loop.at(self.t0, self._sample)
+        loop.run(self.end)
+        self._close()
+        self.facts.events = loop.processed
+        rep = self._report()
+        self.facts.wall_s = round(time.perf_counter() - started, 3)
+        return rep, self.facts
+
+    def _close(self) -> None:
+        """Account what is still running at the end; requests still unanswered time out."""
+        self._account()
+        now = self.loop.now
+        for inst in list(self.instances.values()):
+            f = inst.fn
+            if inst.training:
+                self._train_progress(inst)
+            f.quota_ms += inst.grant * (now - max(inst.quota_since, self.t0))
+            inst.quota_since = now
+            for i in inst.inflight:
+                self._finish(i, self.sched[i] + f.timeout_ms, "timeout", False)
+            inst.inflight = []
+        for f in self.fns.values():
+            while f.pending:
+                i = f.pending.popleft()
+                self._finish(i, self.sched[i] + f.timeout_ms, "timeout", False)
+
+    def _report(self) -> report.Report:
+        t0 = self.t0
+        plan = self.work.plan
+        sent = len(self.sched) if not self.sched else sum(1 for s in self.status if s)
+        records = []
+        for k, inv in enumerate(self.inv):
+            if not self.status[k]:  # never sent (arrived after the end): not offered
+                continue
+            done = int(round((self.done[k] - t0) * 1e6))
+            records.append(Record(id=inv.id, function=inv.function, scheduled_ns=inv.scheduled_ns,
+                                  sent_ns=inv.scheduled_ns, done_ns=done, status=self.status[k],
+                                  cold_start=bool(self.cold[k])))
+        wall_s = max(plan.duration_s, (self.last_answer - t0) / 1000.0, 1e-3)
+        result = RunResult(records=records, wall_s=round(wall_s, 6), started_unix_ns=0, late_sends=0,
+                           late_threshold_ms=0.0, max_late_ms=0.0, not_sent=len(self.sched) - sent)
+        meta = {s.name: report.FunctionMeta(model=s.model, slo_ms=s.slo_ms, kind=s.kind) for s in self.work.specs}
+        per_fn = {name: report.FunctionFacts(instance_launches=f.launches, quota_seconds=round(f.quota_ms / 1000.0, 6))
+                  for name, f in self.fns.items()}
+        training = {name: report.TrainingFacts(iterations=int(self.train_iters.get(name, 0.0)),
+                                               seconds=round(plan.duration_s, 6))
+                    for name, f in self.fns.items() if f.training}
+        area_s = self.area / 1000.0
+        facts = report.RunFacts(
+            functions=per_fn, training=training, mechanism=self.mech,
+            active_gpu_seconds=round(area_s, 6),
+            allocation_fragmentation=round(min(1.0, max(0.0, self.frag / self.area)), 6) if self.area else 0.0,
+            idle_fragmentation=round(min(1.0, max(0.0, 1.0 - self.consumed / self.area)), 6) if self.area else 0.0)
+        self.mech.token_wait_ms = round(self.mech.token_wait_ms, 3)
+        info = report.run_info(plan, result, policy=self.policy, gpus=self.cfg.gpus)
+        return report.build_report(records, meta, facts, info)
+
+
+def simulate(cfg: SimConfig, policies: list[str], progress=None) -> dict:
+    """Every policy over the same workload: ``{"policies": {name: report dict}, "sim": {...}}``
+    (the format of ``dilu compare --json`` plus the simulator's own figures, in ``sim``:
+    configuration, and per policy ``events``, ``wall_s``, ``peak_active_gpus``,
+    ``max_limit_sum``, ``unplaced`` and the ``timeline`` rows ``[t_s, active GPUs, cold-start
+    requests so far, allocation fragmentation, idle fragmentation]``). ``progress(name)`` is called
+    before each policy. Raises ValueError for an unknown policy or a bad span."""
+    for p in policies:
+        modes(p)
+    work = prepare(cfg)
+    reports: dict = {}
+    facts: dict = {}
+    for p in policies:
+        if progress is not None:
+            progress(p)
+        rep, f = Simulation(cfg, p, work).run()
+        reports[p] = rep.to_dict()
+        facts[p] = {"events": f.events, "wall_s": f.wall_s, "peak_active_gpus": f.peak_active_gpus,
+                    "max_limit_sum": f.max_limit_sum, "unplaced": f.unplaced,
+                    "timeline": [list(r) for r in f.timeline]}
+    conf = {"nodes": cfg.nodes, "gpus_per_node": cfg.gpus_per_node, "hours": cfg.hours, "functions": cfg.functions,
+            "seed": cfg.seed, "training_jobs": cfg.training_jobs, "vertical_tick_ms": cfg.vertical_tick_ms,
+            "horizontal_tick_ms": cfg.horizontal_tick_ms, "warm_up_s": cfg.warm_up_s, "drain_s": cfg.drain_s}
+    return {"policies": reports, "sim": {"config": conf, "policies": facts}}

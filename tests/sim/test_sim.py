@@ -1,0 +1,134 @@
+"""dilu sim: deterministic per seed, the live report's schema (check-report.py), policies that
+differ where they must, the scheduling workloads within the placement rules, one-line errors."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from dilu.cli.main import main
+from dilu.loadgen.sim.run import SimConfig, Simulation, Workload, prepare, simulate
+
+ROOT = Path(__file__).resolve().parents[2]
+CHECK = ROOT.parent / "shared" / "tools" / "check-report.py"
+WORKLOADS = ROOT / "services" / "scheduler" / "workloads"
+SMALL = dict(functions=8, hours=0.05, nodes=1, gpus_per_node=4)
+
+
+def _run(args: list[str], tmp_path: Path, name: str = "out.json") -> tuple[dict, str]:
+    out = tmp_path / name
+    r = CliRunner().invoke(main, ["sim", *args, "--json", str(out)], catch_exceptions=False)
+    assert r.exit_code == 0, r.output
+    return json.loads(out.read_text()), out.read_text()
+
+
+def _without_wall(text: str) -> str:
+    data = json.loads(text)
+    for facts in data["sim"]["policies"].values():
+        facts.pop("wall_s")
+    return json.dumps(data, sort_keys=True)
+
+
+def test_same_seed_same_json_other_seed_differs(tmp_path):
+    args = ["--functions", "8", "--hours", "0.05", "--policies", "dilu,horizontal-only", "--training-jobs", "0.25"]
+    _, a = _run([*args, "--seed", "3"], tmp_path, "a.json")
+    _, b = _run([*args, "--seed", "3"], tmp_path, "b.json")
+    _, c = _run([*args, "--seed", "4"], tmp_path, "c.json")
+    # byte-identical but for the real seconds each policy took (wall_s in "sim")
+    assert _without_wall(a) == _without_wall(b)
+    assert json.loads(a)["policies"] == json.loads(b)["policies"]
+    assert json.loads(a)["policies"] != json.loads(c)["policies"]
+
+
+def test_report_passes_check_report(tmp_path):
+    data, _ = _run(["--functions", "8", "--hours", "0.05", "--policies", "dilu,horizontal-only,static-mps,exclusive",
+                    "--training-jobs", "0.25"], tmp_path)
+    assert set(data["policies"]) == {"dilu", "horizontal-only", "static-mps", "exclusive"}
+    r = subprocess.run([sys.executable, str(CHECK), str(tmp_path / "out.json")], capture_output=True, text=True)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "PROBLEM" not in r.stdout
+    dilu = data["policies"]["dilu"]
+    assert dilu["totals"]["offered"] > 0 and dilu["mechanism"]["profiler_trials"] > 0
+    assert dilu["training"] and dilu["training"][0]["iterations"] > 0
+    facts = data["sim"]["policies"]["dilu"]
+    assert facts["events"] > 0 and facts["peak_active_gpus"] >= 1 and facts["max_limit_sum"] <= 1.5 + 1e-9
+
+
+def test_exclusive_pays_at_least_dilus_gpu_seconds():
+    cfg = SimConfig(**SMALL, seed=1)
+    out = simulate(cfg, ["dilu", "exclusive"])
+    gpu_s = {p: r["totals"]["active_gpu_seconds"] for p, r in out["policies"].items()}
+    assert gpu_s["exclusive"] >= gpu_s["dilu"] > 0
+
+
+def test_vertical_headroom_saves_cold_starts_on_a_bursty_trace():
+    """One function, idle then a burst several times one instance's request capacity: dilu's lazy
+    scaler lets the instance burst to its limit; horizontal-only launches (cold) instances."""
+    from dilu.loadgen.arrivals import Invocation
+
+    cfg = SimConfig(**SMALL, seed=1)
+    base = prepare(cfg)
+    spec = next(s for s in base.specs if s.model == "resnet152") if any(s.model == "resnet152" for s in base.specs) \
+        else base.specs[0]
+    profile = base.profiles[spec.name][0]
+    rate = 1.6 * profile.throughput_rps  # requests/s: above the request's capacity, within the limit's
+    invs, n = [], 0
+    for k in range(int(rate * 20)):  # 20 s of burst after 60 s idle
+        invs.append(Invocation(id=f"b{n:06d}", function=spec.name, scheduled_ns=int((60 + k / rate) * 1e9),
+                               trace_minute=0))
+        n += 1
+    plan = base.plan.__class__(**{**{f: getattr(base.plan, f) for f in base.plan.__struct_fields__},
+                                  "invocations": tuple(invs), "duration_s": 90.0})
+    work = Workload(plan, [spec], {spec.name: base.profiles[spec.name]})
+    cold = {}
+    for p in ("dilu", "horizontal-only"):
+        rep, _ = Simulation(cfg, p, work).run()
+        cold[p] = rep.totals.cold_start_requests
+    assert cold["horizontal-only"] >= cold["dilu"]
+    assert cold["horizontal-only"] > 0
+
+
+@pytest.mark.parametrize("name", ["instances-100.txt", "instances-400.txt"])
+def test_workload_limits_within_capacity(tmp_path, name):
+    out = tmp_path / "w.json"
+    r = CliRunner().invoke(main, ["sim", "--workload", str(WORKLOADS / name), "--nodes", "100", "--json", str(out)])
+    assert r.exit_code == 0, r.output
+    s = json.loads(out.read_text())["sim"]
+    assert 0 < s["peak_active_gpus"] <= 400
+    assert s["max_limit_sum"] <= s["gamma"] + 1e-9  # Σ limits on a GPU within the cap
+    assert s["violations"] == 0 and s["lower_bound_peak"] <= s["peak_active_gpus"]
+
+
+@pytest.mark.parametrize("args, words", [
+    (["--policies", "dilu,nope"], "unknown policies nope"),
+    (["--policies", ","], "no policy given"),
+    (["--functions", "zero"], "expected a count"),
+    (["--hours", "-1"], "--hours"),
+    (["--training-jobs", "2"], "--training-jobs"),
+    (["--start-minute", "5"], "outside the trace"),
+])
+def test_bad_input_is_one_line(args, words):
+    r = CliRunner().invoke(main, ["sim", *args])
+    assert r.exit_code == 2 or r.exit_code == 1
+    errors = [line for line in r.output.splitlines() if "Error" in line]
+    assert len(errors) == 1 and words in r.output, r.output
+
+
+def test_bad_workload_line_is_one_line(tmp_path):
+    bad = tmp_path / "bad.txt"
+    bad.write_text("{'Time': 'nope'}\n")
+    r = CliRunner().invoke(main, ["sim", "--workload", str(bad)])
+    assert r.exit_code == 1 and "bad.txt:1" in r.output and len(r.output.strip().splitlines()) == 1, r.output
+
+
+def test_options_from_the_environment(tmp_path):
+    out = tmp_path / "env.json"
+    r = CliRunner().invoke(main, ["sim"], env={"DILU_SIM_FUNCTIONS": "4", "DILU_SIM_HOURS": "0.02",
+                                               "DILU_SIM_POLICIES": "exclusive", "DILU_SIM_JSON": str(out)})
+    assert r.exit_code == 0, r.output
+    data = json.loads(out.read_text())
+    assert list(data["policies"]) == ["exclusive"] and data["policies"]["exclusive"]["run"]["functions"] == 4
