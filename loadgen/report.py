@@ -581,8 +581,22 @@ def _cell_len(cell: str) -> int:
 def split_columns(widths: list[int], keys: int, width: int) -> list[list[int]]:
     """Group the columns after the first ``keys`` (repeated in every group) so that each group's
     table fits ``width`` cells: a column of content width w takes w + 3 (padding and its border),
-    a table 1 more. Returns lists of column indices, in order; a column too wide even alone with
-    the keys gets a group of its own."""
+    a table 1 more. As few groups as can be, as even in width as can be (no lone last column).
+    Returns lists of column indices, in order; a column too wide even alone with the keys gets a
+    group of its own."""
+    groups = _pack(widths, keys, width)
+    low, high = 0, width  # the narrowest limit that still needs no more groups
+    while low < high:
+        mid = (low + high) // 2
+        if len(_pack(widths, keys, mid)) <= len(groups):
+            high = mid
+        else:
+            low = mid + 1
+    return _pack(widths, keys, high)
+
+
+def _pack(widths: list[int], keys: int, width: int) -> list[list[int]]:
+    """Greedy packing in order: each group takes columns while its table fits ``width``."""
     base = 1 + sum(w + 3 for w in widths[:keys])
     groups: list[list[int]] = []
     current: list[int] = []
