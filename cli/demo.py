@@ -11,9 +11,10 @@ from __future__ import annotations
 import asyncio
 import json
 import math
+import os
 import signal
-import sys
 import tempfile
+import time
 import uuid
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -43,6 +44,8 @@ from .deploy import (WarmWatch, cluster_facts, cpu_function_spec, deploy_all, fu
 DRAIN_GRACE_S = 20.0  # after the last send, how long answers may still arrive
 WARM_UP_TIMEOUT_S = 30.0  # longest wait for the functions' initial instances before the replay
 REQUEST_TIMEOUT_MIN_S = 30.0  # a request unanswered this long (or 10 x its SLO) counts as timed out
+PROGRESS_EVERY_S = 10.0  # a progress line this often when the output is not a terminal
+REPORT_WIDTH = 100  # columns of the report in a file or pipe (COLUMNS overrides); the tables split to fit
 
 
 @dataclass
@@ -183,7 +186,33 @@ async def _replay(opts: RunOptions, cluster: Cluster, plan, chosen: dict[str, st
                   timeout_floor_s: float = REQUEST_TIMEOUT_MIN_S, drain_s: float = DRAIN_GRACE_S) -> Replay:
     """Deploy, replay. ``during(gen)`` runs beside the replay from its first send (its result is
     the Replay's ``during``); requests time out after :func:`_timeout_s`, at least
-    ``timeout_floor_s``; answers may arrive until ``drain_s`` after the replay's planned end."""
+    ``timeout_floor_s``; answers may arrive until ``drain_s`` after the replay's planned end.
+    Progress: a live bar on a terminal, else a :class:`ProgressLines` line every
+    PROGRESS_EVERY_S seconds from the first deploy to the end of the drain."""
+    lines = None if console.is_terminal or not opts.progress else ProgressLines(console)
+    printer = None
+    if lines is not None:
+        async def refresh() -> None:
+            lines.active_gpus = await asyncio.to_thread(active_gpus, cluster)
+        printer = asyncio.create_task(lines.run(refresh))
+    try:
+        return await _replay_with(opts, cluster, plan, chosen, llm_plan, console, stop, lines, during=during,
+                                  timeout_floor_s=timeout_floor_s, drain_s=drain_s)
+    finally:
+        if printer is not None:
+            printer.cancel()
+            await asyncio.gather(printer, return_exceptions=True)
+
+
+async def _replay_with(opts: RunOptions, cluster: Cluster, plan, chosen: dict[str, str], llm_plan, console: Console,
+                       stop: asyncio.Event, lines: ProgressLines | None, *,
+                       during: Callable[[generator.OpenLoopGenerator], Awaitable] | None,
+                       timeout_floor_s: float, drain_s: float) -> Replay:
+    """:func:`_replay`'s work, reporting its phases and counts to ``lines`` (None: no lines)."""
+    def phase(text: str) -> None:
+        if lines is not None:
+            lines.phase = text
+
     # two identities, as on a platform: the operator deploys, the caller only invokes
     op = await connect(cluster.nats_options("operator"), name="dilu-loadgen-operator", max_reconnect_attempts=-1,
                        error_cb=quiet_error_cb(dlog.get("loadgen"), cluster.url))
@@ -203,16 +232,19 @@ async def _replay(opts: RunOptions, cluster: Cluster, plan, chosen: dict[str, st
                       + (f" and {len(training)} training jobs" if training else "")
                       + ("; the profiler measures them on the emulated GPUs" if opts.gpus != "cpu" else
                          " (torch CNN on the CPU node)") + "[/dim]")
+        phase("profiling")
         if not await _unless_stopped(profile_all(op, [s for s in specs if s.profile is None]), stop):
-            raise Interrupted("stopped while profiling: nothing was offered")
+            raise Interrupted("stopped while profiling: nothing was offered", signal_exit(stop))
         warm = await WarmWatch({s.name for s in specs}).start(op)
+        phase("deploying")
         if not await _unless_stopped(deploy_all(op, specs), stop):
-            raise Interrupted("stopped while deploying: nothing was offered")
+            raise Interrupted("stopped while deploying: nothing was offered", signal_exit(stop))
         # each function's initial instance (the horizontal scaler's initial scale) starts before
         # the replay, as on a platform where functions are deployed ahead of their traffic
+        phase("starting the initial instances")
         waiting = asyncio.ensure_future(warm.wait(WARM_UP_TIMEOUT_S))
         if not await _unless_stopped(waiting, stop):
-            raise Interrupted("stopped while the initial instances started: nothing was offered")
+            raise Interrupted("stopped while the initial instances started: nothing was offered", signal_exit(stop))
         cold = waiting.result()
         if cold:
             console.print(f"[yellow]{len(cold)} of {len(specs)} functions have no warm instance after "
@@ -226,8 +258,12 @@ async def _replay(opts: RunOptions, cluster: Cluster, plan, chosen: dict[str, st
             scheduled = gen.started_unix_ns + inv.scheduled_ns
             streamed = isinstance(inv, llmtrace.LlmInvocation)
             body = llmtrace.payload(inv) if streamed else inv.id.encode()
+            if lines is not None:
+                lines.sent += 1
             r = await client.invoke(inv.function, body, request_id=inv.id, scheduled_ns=scheduled,
                                     timeout_s=max(timeout_floor_s, _timeout_s(by_name[inv.function], inv)))
+            if lines is not None and r.status == "ok":
+                lines.completed += 1
             ttft, tpot = generator.token_times_ms(scheduled, r.chunks, r.first_chunk_ns, r.last_chunk_ns)
             return generator.Outcome(status=r.status, cold_start=r.cold_start, detail=r.error,
                                      ttft_ms=ttft if streamed else None, tpot_ms=tpot if streamed else None,
@@ -236,10 +272,13 @@ async def _replay(opts: RunOptions, cluster: Cluster, plan, chosen: dict[str, st
         invocations = sorted([*plan.invocations, *(llm_plan.invocations if llm_plan else ())],
                              key=lambda i: (i.scheduled_ns, i.id))
         duration = max(plan.duration_s, llm_plan.duration_s if llm_plan else 0.0)
-        gen = generator.OpenLoopGenerator(invoke, drain_timeout_s=drain_s, progress=opts.progress, console=console)
+        gen = generator.OpenLoopGenerator(invoke, drain_timeout_s=drain_s, progress=opts.progress and lines is None,
+                                          console=console)
         watcher = asyncio.create_task(_stop_on(stop, gen))
         before = await asyncio.to_thread(training_iterations, cluster)
         beside = asyncio.ensure_future(during(gen)) if during is not None else None  # starts at gen.run's first await
+        if lines is not None:
+            lines.replay(len(invocations), duration)
         try:
             result = await gen.run(invocations, duration_s=duration)
             side = await beside if beside is not None else None
@@ -270,7 +309,89 @@ class Replay:
 
 
 class Interrupted(RuntimeError):
-    """Ctrl-C before the replay began."""
+    """Ctrl-C (or SIGTERM) before the replay began; ``code`` is the exit status to end with."""
+
+    def __init__(self, message: str, code: int = 130) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+class ProgressLines:
+    """Progress as one plain line every ``every_s`` seconds (s, > 0), for output that is not a
+    terminal (a file, a pipe, CI), where a live bar would show nothing until the end.
+
+    The run sets :attr:`phase` (and :meth:`replay` when the replay begins) and counts ``sent`` and
+    ``completed`` requests; ``active_gpus`` is the number of GPUs with quota in force (None:
+    unknown). ``clock`` (monotonic seconds) is injectable for tests. Raises ValueError when
+    ``every_s`` is not positive.
+    """
+
+    def __init__(self, console: Console, *, every_s: float = PROGRESS_EVERY_S,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        if not every_s > 0:
+            raise ValueError(f"every_s must be positive, got {every_s}")
+        self.console = console
+        self.every_s = every_s
+        self.clock = clock
+        self.phase = "starting the services"
+        self.planned = 0
+        self.duration_s = 0.0
+        self.sent = 0
+        self.completed = 0
+        self.active_gpus: int | None = None
+        self._start = clock()
+        self._replay_start: float | None = None
+        self._next = self._start + every_s
+
+    def replay(self, planned: int, duration_s: float) -> None:
+        """The replay begins: ``planned`` requests over ``duration_s`` seconds."""
+        self.phase, self.planned, self.duration_s = "replay", planned, duration_s
+        self._replay_start = self.clock()
+
+    def line(self) -> str:
+        """The progress as one line: elapsed seconds, phase, requests sent and completed, active GPUs."""
+        now = self.clock()
+        phase = self.phase
+        if self._replay_start is not None and now - self._replay_start > self.duration_s:
+            phase = "replay done, waiting for answers:"
+        text = f"[{now - self._start:,.0f} s] {phase}"
+        if self._replay_start is not None:
+            text += (f" {now - self._replay_start:,.0f} of {self.duration_s:,.0f} s: sent {self.sent:,} of "
+                     f"{self.planned:,}, completed {self.completed:,}")
+        if self.active_gpus is not None:
+            text += f", active GPUs {self.active_gpus}"
+        return text
+
+    def tick(self) -> bool:
+        """Print the line when its time has come (every ``every_s`` from the start, skipping
+        periods missed); True when printed."""
+        now = self.clock()
+        if now < self._next:
+            return False
+        self.console.print(self.line(), markup=False, highlight=False, soft_wrap=True)
+        self._next += self.every_s * (math.floor((now - self._next) / self.every_s) + 1)
+        return True
+
+    async def run(self, refresh: Callable[[], Awaitable[None]] | None = None) -> None:
+        """Print lines until cancelled; ``refresh()`` is awaited before each (e.g. to read the
+        active GPUs), its failures ignored."""
+        while True:
+            await asyncio.sleep(max(0.0, self._next - self.clock()))
+            if refresh is not None:
+                try:
+                    await refresh()
+                except Exception:  # noqa: BLE001 - a progress line must never end the run
+                    self.active_gpus = None
+            self.tick()
+
+
+def active_gpus(cluster: Cluster) -> int | None:
+    """GPUs of the node with quota in force now (the node agent's ``dilu_gpu_quota_sum``), or None
+    when its metrics cannot be read."""
+    node = cluster.metrics("node_agent")
+    if not node:
+        return None
+    return sum(1 for k, v in node.items() if k.startswith("dilu_gpu_quota_sum{") and v > 0)
 
 
 async def _unless_stopped(work, stop: asyncio.Event) -> bool:
@@ -327,40 +448,78 @@ def _run_or_explain(main):
     not start, functions never profiled) ends with its message, not a traceback."""
     try:
         return uvloop.run(main())
+    except Interrupted as exc:  # stopped before anything was offered: nothing to report
+        click.echo(f"Interrupted: {exc}", err=True)
+        raise SystemExit(exc.code) from None
+    except KeyboardInterrupt:  # Ctrl-C before the stop handler was in place
+        click.echo("Interrupted", err=True)
+        raise SystemExit(128 + signal.SIGINT) from None
     except (trace.TraceError, ValueError, RuntimeError, TimeoutError, OSError) as exc:
         raise click.ClickException(str(exc)) from None
 
 
 def make_console() -> Console:
-    """A terminal's own width; 200 columns when writing to a file or pipe (rich's 80 would fold
-    the report's columns into unreadable stubs)."""
-    return Console() if sys.stdout.isatty() else Console(width=200)
+    """A terminal's own width; REPORT_WIDTH columns when writing to a file or pipe, unless
+    COLUMNS says otherwise (the report's tables split to fit either)."""
+    console = Console()
+    if not console.is_terminal and not os.environ.get("COLUMNS", "").strip().isdigit():
+        console.width = REPORT_WIDTH
+    return console
 
 
 def _install_stop(stop: asyncio.Event, console: Console) -> None:
+    """On SIGINT or SIGTERM set ``stop`` (the run stops sending, drains and reports) and remember
+    the first signal on it for :func:`signal_exit`."""
     loop = asyncio.get_running_loop()
 
-    def on_signal() -> None:
+    def on_signal(sig: signal.Signals) -> None:
         if not stop.is_set():
-            console.print("[yellow]stopping: no new sends; waiting for answers, then shutting down[/yellow]")
+            console.print(f"[yellow]{sig.name}: stopping: no new sends; waiting for answers, then shutting "
+                          f"down[/yellow]")
+            stop.signum = sig  # type: ignore[attr-defined]
         stop.set()
 
     for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, on_signal)
+        loop.add_signal_handler(sig, on_signal, sig)
 
 
-@click.command()
+def signal_exit(stop: asyncio.Event | None) -> int:
+    """The exit status of a run stopped by a signal, as a shell reports it: 128 + the signal's
+    number (130 for SIGINT, 143 for SIGTERM); 0 when no signal stopped it."""
+    sig = getattr(stop, "signum", None)
+    return 128 + int(sig) if sig is not None else 0
+
+
+def _end(console: Console, stop: asyncio.Event | None) -> None:
+    """After the report: exit with :func:`signal_exit`'s status when a signal stopped the run."""
+    code = signal_exit(stop)
+    if code:
+        console.print(f"[yellow]interrupted ({stop.signum.name}): the report covers what ran before the stop; "
+                      f"exit status {code}[/yellow]")
+        raise SystemExit(code)
+
+
+_HELP_LEGEND = report.legend_text(width=76)
+DEMO_EPILOG = "Columns of the report (also printed under it):\n\n\b\n" + _HELP_LEGEND
+COMPARE_EPILOG = ("Rows of the comparison (also printed under it). A column 'P / FIRST' per policy P after "
+                  "the first gives P's figure / the first's (0.53x) or, for a rate, the difference P - FIRST in "
+                  "percentage points (pp). Meanings:\n\n\b\n" + _HELP_LEGEND)
+
+
+@click.command(epilog=DEMO_EPILOG)
 @run_options
 @click.option("--policy", type=click.Choice(list(POLICIES)), default="dilu", show_default=True)
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None, callback=writable_output,
               help="also write the report as JSON")
 def demo(json_path, policy, **kw) -> None:
-    """Run the whole platform on a real trace and print the report."""
+    """Run the whole platform on a real trace and print the report. Ctrl-C or SIGTERM stops
+    sending, reports what was offered and exits with 130 or 143."""
     opts = RunOptions(**kw)
     console = make_console()
+    held: dict[str, asyncio.Event] = {}
 
     async def main() -> dict:
-        stop = asyncio.Event()
+        stop = held["stop"] = asyncio.Event()
         _install_stop(stop, console)
         return await run_once(opts, policy, console, stop)
 
@@ -369,15 +528,17 @@ def demo(json_path, policy, **kw) -> None:
     if json_path:
         Path(json_path).write_text(json.dumps(rep, indent=2))
         console.print(f"report written to {json_path}")
+    _end(console, held.get("stop"))
 
 
-@click.command()
+@click.command(epilog=COMPARE_EPILOG)
 @run_options
 @click.option("--policies", default="dilu,horizontal-only", show_default=True, help=f"comma-separated, from: {', '.join(POLICIES)}")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None, callback=writable_output)
 def compare(json_path, policies, **kw) -> None:
     """Run the same trace and seed under several policies back to back; print one table.
-    Ctrl-C stops the policy under way; the ones already finished are still reported. No training
+    Ctrl-C (or SIGTERM) stops the policy under way; the ones already finished, and the stopped
+    one's replay so far, are still reported, and the exit status is 130 (143). No training
     jobs unless --training-jobs asks (the exclusive policy gives each a whole GPU)."""
     names = [p.strip() for p in policies.split(",") if p.strip()]
     bad = [p for p in names if p not in POLICIES]
@@ -392,8 +553,10 @@ def compare(json_path, policies, **kw) -> None:
         opts.training_jobs = 0
     console = make_console()
 
+    held: dict[str, asyncio.Event] = {}
+
     async def main() -> dict:
-        stop = asyncio.Event()
+        stop = held["stop"] = asyncio.Event()
         _install_stop(stop, console)
         out = {}
         for name in names:
@@ -412,4 +575,5 @@ def compare(json_path, policies, **kw) -> None:
     if json_path:
         Path(json_path).write_text(json.dumps({"policies": results}, indent=2))
         console.print(f"comparison written to {json_path}")
+    _end(console, held.get("stop"))
 

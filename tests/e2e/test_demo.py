@@ -69,7 +69,7 @@ def test_demo_reports_every_request_and_leaves_nothing_running(tmp_path: Path):
     assert "policy dilu" in out
 
 
-def test_ctrl_c_stops_cleanly_and_still_accounts(tmp_path: Path):
+def test_ctrl_c_stops_cleanly_still_accounts_and_exits_130(tmp_path: Path):
     report = tmp_path / "r.json"
     proc = subprocess.Popen([*DILU, "demo", "--duration", "60", "--functions", "2", "--json", str(report),
                              "--log-dir", str(tmp_path / "logs")], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
@@ -81,7 +81,8 @@ def test_ctrl_c_stops_cleanly_and_still_accounts(tmp_path: Path):
         time.sleep(0.5)
     proc.send_signal(signal.SIGINT)
     out = proc.communicate(timeout=60)[0]
-    assert proc.returncode == 0, out[-3000:]
+    assert proc.returncode == 130, out[-3000:]  # 128 + SIGINT, as a shell reports it, after the report
+    assert "interrupted (SIGINT)" in out
     assert time.monotonic() - started < 25 + 45
     time.sleep(1)
     assert _alive(seen) == []
