@@ -68,6 +68,7 @@ TIMEOUT_SLO_FACTOR = 10.0
 # thousands of GPUs from spending its time on GPUs nobody uses.
 QUIET_WINDOWS = 12
 RUN_ID = "sim"
+CDF_POINTS = 200  # quantiles of latency / SLO kept per policy (the plots' CDF)
 
 
 @dataclass
@@ -167,6 +168,7 @@ class SimFacts:
     max_limit_sum: float = 0.0
     unplaced: int = 0
     timeline: list = field(default_factory=list)
+    latency_slo_cdf: list = field(default_factory=list)
 
 
 class Simulation:
@@ -524,8 +526,9 @@ class Simulation:
         darea = self.area - pa
         alloc = (self.frag - pf) / darea if darea > 0 else 0.0
         idle = max(0.0, 1.0 - (self.consumed - pc) / darea) if darea > 0 else 0.0
-        self.facts.timeline.append((round((now - self.t0) / 1000.0, 3), self.cluster.active, self.cold_total,
-                                    round(alloc, 6), round(idle, 6)))
+        if darea > 0 or self.facts.timeline:  # the first row covers the first interval
+            self.facts.timeline.append((round((now - self.t0) / 1000.0, 3), self.cluster.active, self.cold_total,
+                                        round(alloc, 6), round(idle, 6)))
         self._sample_prev = (self.area, self.frag, self.consumed)
         step = self.cfg.sample_s * 1000.0
         if now + step <= self.end:
@@ -583,6 +586,12 @@ class Simulation:
             records.append(Record(id=inv.id, function=inv.function, scheduled_ns=inv.scheduled_ns,
                                   sent_ns=inv.scheduled_ns, done_ns=done, status=self.status[k],
                                   cold_start=bool(self.cold[k])))
+        ratios = sorted((self.done[k] - self.sched[k]) / f.slo_ms for k, f in enumerate(self.by_fn)
+                        if self.status[k] == "ok" and f.slo_ms > 0)
+        if ratios:
+            n = len(ratios)
+            self.facts.latency_slo_cdf = [[q / CDF_POINTS, round(ratios[min(n - 1, max(0, math.ceil(q / CDF_POINTS * n) - 1))], 6)]
+                                          for q in range(1, CDF_POINTS + 1)]
         wall_s = max(plan.duration_s, (self.last_answer - t0) / 1000.0, 1e-3)
         result = RunResult(records=records, wall_s=round(wall_s, 6), started_unix_ns=0, late_sends=0,
                            late_threshold_ms=0.0, max_late_ms=0.0, not_sent=len(self.sched) - sent)
@@ -607,8 +616,9 @@ def simulate(cfg: SimConfig, policies: list[str], progress=None) -> dict:
     """Every policy over the same workload: ``{"policies": {name: report dict}, "sim": {...}}``
     (the format of ``dilu compare --json`` plus the simulator's own figures, in ``sim``:
     configuration, and per policy ``events``, ``wall_s``, ``peak_active_gpus``,
-    ``max_limit_sum``, ``unplaced`` and the ``timeline`` rows ``[t_s, active GPUs, cold-start
-    requests so far, allocation fragmentation, idle fragmentation]``). ``progress(name)`` is called
+    ``max_limit_sum``, ``unplaced``, the ``timeline`` rows ``[t_s, active GPUs, cold-start
+    requests so far, allocation fragmentation, idle fragmentation]`` every ``sample_s`` and the
+    ``latency_slo_cdf``: [fraction, latency / SLO] at 200 quantiles of the completed requests). ``progress(name)`` is called
     before each policy. Raises ValueError for an unknown policy or a bad span."""
     for p in policies:
         modes(p)
@@ -622,7 +632,7 @@ def simulate(cfg: SimConfig, policies: list[str], progress=None) -> dict:
         reports[p] = rep.to_dict()
         facts[p] = {"events": f.events, "wall_s": f.wall_s, "peak_active_gpus": f.peak_active_gpus,
                     "max_limit_sum": f.max_limit_sum, "unplaced": f.unplaced,
-                    "timeline": [list(r) for r in f.timeline]}
+                    "timeline": [list(r) for r in f.timeline], "latency_slo_cdf": f.latency_slo_cdf}
     conf = {"nodes": cfg.nodes, "gpus_per_node": cfg.gpus_per_node, "hours": cfg.hours, "functions": cfg.functions,
             "seed": cfg.seed, "training_jobs": cfg.training_jobs, "vertical_tick_ms": cfg.vertical_tick_ms,
             "horizontal_tick_ms": cfg.horizontal_tick_ms, "warm_up_s": cfg.warm_up_s, "drain_s": cfg.drain_s}

@@ -132,3 +132,13 @@ def test_options_from_the_environment(tmp_path):
     assert r.exit_code == 0, r.output
     data = json.loads(out.read_text())
     assert list(data["policies"]) == ["exclusive"] and data["policies"]["exclusive"]["run"]["functions"] == 4
+
+
+def test_plots_are_written(tmp_path):
+    plots = tmp_path / "plots"
+    r = CliRunner().invoke(main, ["sim", "--functions", "4", "--hours", "0.05", "--policies", "dilu,exclusive",
+                                  "--plots", str(plots)])
+    assert r.exit_code == 0, r.output
+    names = sorted(p.name for p in plots.iterdir())
+    assert names == ["active_gpus.png", "cold_starts.png", "fragmentation.png", "latency_cdf.png"]
+    assert all((plots / n).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" for n in names)

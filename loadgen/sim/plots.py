@@ -1,0 +1,80 @@
+"""PNG plots of a ``dilu sim`` comparison (matplotlib, Agg backend: no display needed), one line
+per policy: active GPUs over time, the CDF of latency / SLO, cold-start requests over time, and
+allocation and idle fragmentation over time. Inputs are the JSON of :func:`run.simulate`: the
+reports and each policy's ``timeline`` rows ``[t_s, active GPUs, cold-start requests so far,
+allocation fragmentation, idle fragmentation]`` (fragmentation over each sample interval)."""
+from __future__ import annotations
+
+from pathlib import Path
+
+
+def write_plots(out: dict, directory: Path) -> list[Path]:
+    """Write ``active_gpus.png``, ``latency_cdf.png``, ``cold_starts.png`` and
+    ``fragmentation.png`` into ``directory`` (created); returns their paths. The CDF is drawn
+    from each policy's ``latency_slo_cdf`` ([fraction, latency / SLO] of the completed requests).
+    Raises OSError when the directory cannot be written."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    directory.mkdir(parents=True, exist_ok=True)
+    facts = out["sim"]["policies"]
+    paths = []
+
+    def series(col: int, title: str, ylabel: str, name: str, scale: float = 1.0) -> None:
+        fig, ax = plt.subplots(figsize=(8, 4))
+        for policy, f in facts.items():
+            rows = f["timeline"]
+            ax.plot([r[0] / 3600.0 for r in rows], [r[col] * scale for r in rows], label=policy, linewidth=1)
+        ax.set_xlabel("trace time (h)")
+        ax.set_ylabel(ylabel)
+        ax.set_title(title)
+        ax.legend()
+        ax.grid(alpha=0.3)
+        fig.tight_layout()
+        path = directory / name
+        fig.savefig(path, dpi=100, metadata={"Software": None})
+        plt.close(fig)
+        paths.append(path)
+
+    series(1, "Active GPUs", "GPUs holding an instance", "active_gpus.png")
+    series(2, "Cold-start requests (cumulative)", "requests", "cold_starts.png")
+
+    fig, ax = plt.subplots(figsize=(8, 4))
+    for policy, f in facts.items():
+        rows = f["timeline"]
+        hours = [r[0] / 3600.0 for r in rows]
+        line, = ax.plot(hours, [r[3] * 100 for r in rows], label=f"{policy} allocation", linewidth=1)
+        ax.plot(hours, [r[4] * 100 for r in rows], label=f"{policy} idle", linewidth=1, linestyle="--",
+                color=line.get_color())
+    ax.set_xlabel("trace time (h)")
+    ax.set_ylabel("% of active GPUs")
+    ax.set_title("Fragmentation (allocation: solid, idle: dashed)")
+    ax.set_ylim(0, 100)
+    ax.legend(fontsize="small")
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    path = directory / "fragmentation.png"
+    fig.savefig(path, dpi=100, metadata={"Software": None})
+    plt.close(fig)
+    paths.append(path)
+
+    fig, ax = plt.subplots(figsize=(8, 4))
+    for policy, f in facts.items():
+        cdf = f.get("latency_slo_cdf") or []
+        if cdf:
+            ax.step([r for _, r in cdf], [q for q, _ in cdf], where="post", label=policy, linewidth=1)
+    ax.axvline(1.0, color="grey", linestyle=":", linewidth=1)
+    ax.set_xscale("log")
+    ax.set_xlabel("latency / SLO (completed requests; right of 1: SLO missed)")
+    ax.set_ylabel("fraction of requests")
+    ax.set_title("Latency CDF, normalised by each function's SLO")
+    ax.legend()
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    path = directory / "latency_cdf.png"
+    fig.savefig(path, dpi=100, metadata={"Software": None})
+    plt.close(fig)
+    paths.append(path)
+    return paths
