@@ -1161,6 +1161,25 @@ API CUresult cuCtxSynchronize(void)
     return CUDA_SUCCESS;
 }
 
+/* CUDA 13's entry point for the name cuCtxSynchronize (cuGetProcAddress at version 13000): it
+ * takes the context, NULL meaning the current one. Anything but NULL, the current context or the
+ * primary one is refused as the real driver refuses a stale handle, so a caller (or an
+ * interceptor) that drops the argument fails here as it does on a GPU. */
+API CUresult cuCtxSynchronize_v2(CUcontext h)
+{
+    if (!g_inited)
+        return CUDA_ERROR_NOT_INITIALIZED;
+    struct ctx *c = h ? (struct ctx *)h : cur_ctx();
+    if (h && c != t_ctx && c != g_primary)
+        return CUDA_ERROR_CONTEXT_IS_DESTROYED;
+    if (c->destroyed)
+        return CUDA_ERROR_CONTEXT_IS_DESTROYED;
+    pthread_mutex_lock(&g_mu);
+    ctx_sync(c);
+    pthread_mutex_unlock(&g_mu);
+    return CUDA_SUCCESS;
+}
+
 /* ------------------------------------------------------------------ API: modules, functions */
 
 API CUresult cuModuleLoadData(CUmodule *m, const void *image)
@@ -1705,7 +1724,7 @@ static const struct { const char *name; void *fn; } g_entries[] = {
     ENTRY(cuCtxCreate), ENTRY(cuCtxCreate_v2), ENTRY(cuCtxCreate_v4), ENTRY(cuCtxDestroy),
     ENTRY(cuCtxDestroy_v2), ENTRY(cuDevicePrimaryCtxRetain), ENTRY(cuDevicePrimaryCtxRelease),
     ENTRY(cuDevicePrimaryCtxRelease_v2), ENTRY(cuCtxGetCurrent), ENTRY(cuCtxSetCurrent),
-    ENTRY(cuCtxPushCurrent_v2), ENTRY(cuCtxPopCurrent_v2), ENTRY(cuCtxSynchronize),
+    ENTRY(cuCtxPushCurrent_v2), ENTRY(cuCtxPopCurrent_v2), ENTRY(cuCtxSynchronize), ENTRY(cuCtxSynchronize_v2),
     ENTRY(cuModuleLoadData), ENTRY(cuModuleLoad), ENTRY(cuModuleUnload), ENTRY(cuModuleGetFunction),
     ENTRY(cuLaunchKernel), ENTRY(cuLaunchKernel_ptsz), ENTRY(cuLaunchKernelEx),
     ENTRY(cuLaunchKernelEx_ptsz), ENTRY(cuLaunchCooperativeKernel),
@@ -1769,6 +1788,8 @@ API CUresult cuGetProcAddress_v2(const char *sym, void **pfn, int ver, cuuint64_
         base = "cuGraphInstantiateWithFlags";
     else if (strcmp(sym, "cuEventElapsedTime") == 0 && ver >= 13000)
         base = "cuEventElapsedTime_v2";
+    else if (strcmp(sym, "cuCtxSynchronize") == 0 && ver >= 13000)
+        base = "cuCtxSynchronize_v2";
     if (flags & CU_GET_PROC_ADDRESS_PER_THREAD_DEFAULT_STREAM) {
         snprintf(name, sizeof name, "%s_ptsz", base);
         fn = entry(name);

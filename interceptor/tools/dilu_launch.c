@@ -6,7 +6,9 @@
  *
  * MODE: direct (linked cuLaunchKernel, default), ptsz (linked cuLaunchKernel_ptsz), dlsym
  * (dlopen + dlsym), gpa0 / gpa2 (cuGetProcAddress_v2 with flags 0 / 2), gpa4 (4-argument
- * cuGetProcAddress), ex (cuLaunchKernelEx), coop (cuLaunchCooperativeKernel), graph (captures
+ * cuGetProcAddress), gpa13 (cuGetProcAddress_v2 at CUDA version 13000, for the launch and for
+ * cuCtxSynchronize, whose CUDA 13 entry point takes the context), ex (cuLaunchKernelEx), coop
+ * (cuLaunchCooperativeKernel), graph (captures
  * GRAPH_LEN kernels into a graph, then launches the graph; COUNT counts graph launches).
  * KERNEL: a fake-driver kernel name, e.g. k_50 (50 µs). Launches COUNT times, or for SECONDS
  * (when -t is given), synchronising every SYNC_EVERY launches (0: only at the end).
@@ -81,6 +83,7 @@ CUresult cuMemGetInfo_v2(size_t *, size_t *);
 
 typedef CUresult (*launch_fn)(CUfunction, unsigned, unsigned, unsigned, unsigned, unsigned,
                               unsigned, unsigned, CUstream, void **, void **);
+typedef CUresult (*sync13_fn)(CUcontext); /* PFN_cuCtxSynchronize_v13000 */
 
 static unsigned long long now_ns(void)
 {
@@ -333,6 +336,7 @@ int main(int argc, char **argv)
     if (alloc_bytes >= 0)
         return alloc_main(mode, entry, (size_t)alloc_bytes, count, free_each, hold, leak, do_fork);
     launch_fn launch = cuLaunchKernel;
+    sync13_fn sync13 = NULL; /* mode gpa13: cuCtxSynchronize as CUDA 13 hands it out */
     if (strcmp(mode, "ptsz") == 0) {
         launch = cuLaunchKernel_ptsz;
     } else if (strcmp(mode, "dlsym") == 0) {
@@ -343,7 +347,12 @@ int main(int argc, char **argv)
         int st = 0;
         if (strcmp(mode, "gpa4") == 0)
             CHECK(cuGetProcAddress("cuLaunchKernel", &p, 12000, 0));
-        else
+        else if (strcmp(mode, "gpa13") == 0) {
+            void *q = NULL;
+            CHECK(cuGetProcAddress_v2("cuLaunchKernel", &p, 13000, 0, &st));
+            CHECK(cuGetProcAddress_v2("cuCtxSynchronize", &q, 13000, 0, &st));
+            sync13 = (sync13_fn)q;
+        } else
             CHECK(cuGetProcAddress_v2("cuLaunchKernel", &p, 12000, strcmp(mode, "gpa2") == 0 ? 2 : 0, &st));
         launch = (launch_fn)p;
     }
@@ -402,13 +411,13 @@ int main(int argc, char **argv)
             first_ns = now_ns();
         done++;
         if (sync_every > 0 && done % sync_every == 0) {
-            CHECK(cuCtxSynchronize());
+            CHECK(sync13 ? sync13(ctx) : cuCtxSynchronize());
             if (pause_us > 0) /* host-side think time: an idle gap between cycles */
                 usleep((useconds_t)pause_us);
         }
     }
     unsigned long long loop_ns = now_ns() - loop_start;
-    CHECK(cuCtxSynchronize());
+    CHECK(sync13 ? sync13(ctx) : cuCtxSynchronize());
     if (forked)
         while (wait(NULL) > 0) {
         }

@@ -1,5 +1,6 @@
 """Every path into the driver is metered: linked directly (plain and _ptsz), dlopen + dlsym,
-cuGetProcAddress_v2 with flags 0 and 2, 4-argument cuGetProcAddress, cuLaunchKernelEx,
+cuGetProcAddress_v2 with flags 0 and 2, 4-argument cuGetProcAddress, cuGetProcAddress at CUDA 13
+(whose cuCtxSynchronize takes the context), cuLaunchKernelEx,
 cooperative launches, graph launches and Python ctypes. The launch counter in the control block
 must equal the launches made, and the timeline must hold every kernel."""
 from __future__ import annotations
@@ -16,7 +17,7 @@ pytestmark = pytest.mark.native
 N = 60
 
 
-@pytest.mark.parametrize("mode", ["direct", "ptsz", "dlsym", "gpa0", "gpa2", "gpa4", "ex", "coop"])
+@pytest.mark.parametrize("mode", ["direct", "ptsz", "dlsym", "gpa0", "gpa2", "gpa4", "gpa13", "ex", "coop"])
 def test_every_kernel_launch_path_is_metered(agent, gpu, mode):
     cb = agent.block(request_quota=1.0)
     out = finish(spawn(launch_env(cb.path, gpu), "-m", mode, "-k", "k_20", "-n", str(N)))
