@@ -173,6 +173,7 @@ class NodeAgent:
         self.bus: Bus | None = None
         self.log = dlog.get(self.name).bind(node=node)
         self._tasks: list[asyncio.Task] = []
+        self._draining: set[asyncio.Task] = set()  # retirements the scheduler asked for, in progress
         self._watcher = None
         self._stopping = False
         self._trial = None
@@ -329,6 +330,7 @@ class NodeAgent:
     async def _on_entry(self, entry) -> None:
         if entry.operation in ("DEL", "PURGE"):
             self._placements.pop(entry.key, None)
+            self._forget(entry.key)  # also when it runs nowhere now (crashed, awaiting relaunch)
             inst = self.instances.get(entry.key)
             if inst is not None:
                 await self._retire(inst, "placement removed")
@@ -348,7 +350,9 @@ class NodeAgent:
         inst = self.instances.get(placement.instance_id)
         if placement.draining:
             if inst is not None:
-                asyncio.create_task(self._retire(inst, "drained by scheduler"))
+                task = asyncio.create_task(self._retire(inst, "drained by scheduler"))
+                self._draining.add(task)  # held while it runs (the loop keeps only weak references)
+                task.add_done_callback(self._draining.discard)
             elif not self._stopping:  # nothing runs it (it crashed, or ended before): say so, the scheduler frees it
                 await self._publish_instance("retired", ev.InstanceRetired(
                     instance_id=placement.instance_id, function=placement.function, node=self.node,
@@ -525,6 +529,9 @@ class NodeAgent:
         await self._relaunch(p)
 
     def _forget(self, instance_id: str) -> None:
+        """Drop what the agent keeps about ``instance_id`` across relaunches (its restart count
+        and last error): once it is retired for good nothing per instance may stay, or a node
+        that runs instances for months grows with each one."""
         self._restarts.pop(instance_id, None)
         self._last_error.pop(instance_id, None)
 
@@ -580,6 +587,7 @@ class NodeAgent:
             except ProcessLookupError:
                 pass
         await self._finish(inst, reason, code if code is not None else 0)
+        self._forget(inst.placement.instance_id)  # retired for good: not relaunched
 
     async def _finish(self, inst: ManagedInstance, reason: str, code: int, error: str = "") -> None:
         if inst.state == "gone":
