@@ -8,7 +8,8 @@ agent stopped (SIGSTOP) for 5 s. Once the load is over the node agent is killed 
 every instance must end with it. The report counts how every request ended (nothing lost, no
 duplicate reaching the caller), each fault's recovery time and the largest sum of quotas in
 force on a GPU. ``--soak`` replays without faults and reports the slope of every process's
-memory, descriptors and threads and of the node's shared-memory segments.
+own memory (private dirty pages outside shared-memory segments), descriptors and threads, and of
+the node's shared-memory segments (count and allocated bytes).
 """
 from __future__ import annotations
 
@@ -182,9 +183,12 @@ class Injector:
 
 
 class Sampler:
-    """Reads private memory (USS), open descriptors and threads of every process of the cluster
-    (services and nats-server) and the count of the node agent's shared-memory segments every
-    ``period_s`` for ``duration_s`` from the replay's first send."""
+    """Reads the own memory (:func:`chaos.own_bytes`), open descriptors and threads of every
+    process of the cluster (services and nats-server), and the count and allocated bytes of the
+    node agent's shared-memory segments, every ``period_s`` for ``duration_s`` from the replay's
+    first send. Segment pages are told apart from the processes': an emulated GPU's timeline
+    fills (to its fixed size) with the kernels instances write, and its pages count as private
+    to the agent once those instances have ended."""
 
     def __init__(self, cluster: Cluster, period_s: float, duration_s: float) -> None:
         self.cluster, self.period_s, self.duration_s = cluster, period_s, duration_s
@@ -206,13 +210,22 @@ class Sampler:
             try:
                 p = psutil.Process(pid)
                 with p.oneshot():
-                    out.append(chaos.Sample(process=name, t_s=t_s, private_bytes=p.memory_full_info().uss,
+                    own = chaos.own_bytes(p.memory_maps(grouped=True), str(segments.SHM_DIR))
+                    out.append(chaos.Sample(process=name, t_s=t_s, private_bytes=own,
                                             fds=p.num_fds(), threads=p.num_threads()))
             except psutil.NoSuchProcess:
                 continue
         agent = procs.get("node_agent")
-        shm = sum(1 for e in segments.SHM_DIR.iterdir() if agent is not None and segments.owner(e.name) == agent)
-        out.append(chaos.Sample(process="shm-segments", t_s=t_s, fds=shm))
+        count = allocated = 0
+        for e in segments.SHM_DIR.iterdir():
+            if agent is None or segments.owner(e.name) != agent:
+                continue
+            try:
+                allocated += e.stat().st_blocks * 512  # pages written so far: segments are sparse
+            except FileNotFoundError:  # removed meanwhile (an instance retired)
+                continue
+            count += 1
+        out.append(chaos.Sample(process="shm-segments", t_s=t_s, private_bytes=allocated, fds=count))
         return out
 
 
@@ -329,7 +342,7 @@ def render(out: dict, console: Console) -> None:
               help="length of the load (all faults need at least 1.7)")
 @click.option("--faults", "kinds", default="all", show_default=True, callback=lambda c, p, v: _faults(v),
               help=f"comma-separated fault kinds, in order, or 'all': {', '.join([*chaos.KINDS, chaos.LOSE_AGENT])}")
-@click.option("--soak", is_flag=True, help="no faults: sample every process's memory, descriptors and threads")
+@click.option("--soak", is_flag=True, help="no faults: sample every process's own memory, descriptors and threads, and the shared-memory segments")
 @click.option("--sample-s", type=click.FloatRange(min=0.5), default=10.0, show_default=True, callback=_finite,
               help="soak sampling period")
 @click.option("--functions", type=click.IntRange(min=1), default=8, show_default=True, help="K busiest functions of the span")

@@ -13,6 +13,7 @@ from __future__ import annotations
 import statistics
 from collections import Counter
 from collections.abc import Iterable, Sequence
+from typing import Protocol
 
 import msgspec
 
@@ -120,15 +121,37 @@ def recovery_s(fault: Fault, records: Iterable[Record], started_unix_ns: int) ->
 
 class Sample(msgspec.Struct, frozen=True, kw_only=True):
     """One reading of one process (or of ``shm-segments``: the node agent's shared-memory segments,
-    counted in ``fds``). ``t_s``: s since the soak began; ``private_bytes``: memory the process
-    alone holds (USS: shared pages such as the emulated GPUs' mapped timelines are left out, as
-    they fill to their fixed size); ``fds``: open file descriptors; ``threads``."""
+    counted in ``fds``, their allocated bytes in ``private_bytes``). ``t_s``: s since the soak
+    began; ``private_bytes``: the process's own memory, :func:`own_bytes`; ``fds``: open file
+    descriptors; ``threads``."""
 
     process: str
     t_s: float
     private_bytes: int = 0
     fds: int = 0
     threads: int = 0
+
+
+class MappedRegion(Protocol):
+    """What :func:`own_bytes` reads of one mapping (``psutil.Process.memory_maps(grouped=True)``
+    rows have these fields; bytes)."""
+
+    path: str
+    private_dirty: int
+    swap: int
+
+
+def own_bytes(maps: Iterable[MappedRegion], shm_dir: str = "/dev/shm") -> int:
+    """Bytes a process holds for itself and would free by exiting: private dirty pages (heap,
+    malloc arenas, stacks, written library data) and their swap, summed over its mappings.
+
+    Left out: mappings of files under ``shm_dir`` (shared-memory segments; their pages count as
+    private to the last process still mapping them, so a segment that instances wrote and left
+    would read as the agent's growth: the soak reports segments as their own series), and clean
+    file pages (USS counts them, but they turn shared and back as other processes map the same
+    libraries: MiB of noise, never a leak). Pure."""
+    prefix = shm_dir.rstrip("/") + "/"
+    return sum(m.private_dirty + m.swap for m in maps if not m.path.startswith(prefix))
 
 
 class Slope(msgspec.Struct, kw_only=True):

@@ -57,3 +57,38 @@ def test_sampler_reads_each_process_and_the_shared_memory_segments(tmp_path: Pat
     assert by_name["scheduler"].threads == 1 and by_name["scheduler"].t_s == 4.0
     # a process that has gone is skipped, not an error
     assert [s.process for s in Sampler(cluster, 1.0, 1.0).read(5.0)] == ["shm-segments"]
+
+
+SEGMENT_WRITER = """
+import mmap, os, sys, time
+path = f"/dev/shm/dilu-cb-{os.getpid()}-soaktest-i1"
+size = 16 * 2**20
+fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+os.ftruncate(fd, size)
+mm = mmap.mmap(fd, size)
+for off in range(0, size, 4096):  # every page written, and this process alone maps them
+    mm[off] = 1
+print(path, flush=True)
+time.sleep(60)
+"""
+
+
+def test_segment_pages_count_as_segments_not_as_the_agents_own_memory(tmp_path: Path):
+    # a segment only the agent still maps (its instances gone) reads as private to the agent:
+    # the soak must report it as the segments' bytes, never as the agent's growth
+    import psutil
+
+    writer = subprocess.Popen([sys.executable, "-c", SEGMENT_WRITER], stdout=subprocess.PIPE, text=True)
+    path = Path(writer.stdout.readline().strip())
+    try:
+        cluster = Cluster(log_dir=tmp_path)
+        cluster.services["node_agent"] = ServiceProc("node_agent", writer, 0, tmp_path / "a.log")
+        by_name = {s.process: s for s in Sampler(cluster, period_s=1.0, duration_s=1.0).read(1.0)}
+        uss = psutil.Process(writer.pid).memory_full_info().uss
+    finally:
+        writer.kill()
+        writer.wait()
+        path.unlink(missing_ok=True)
+    assert uss - by_name["node_agent"].private_bytes >= 16 * 2**20  # USS counts the segment; own bytes do not
+    assert 0 < by_name["node_agent"].private_bytes
+    assert by_name["shm-segments"].fds == 1 and by_name["shm-segments"].private_bytes >= 16 * 2**20

@@ -72,3 +72,16 @@ def test_slopes_per_minute_and_flat_series():
     assert s["agent"].private_bytes_per_min == pytest.approx(7.0)
     assert s["agent"].fds_per_min == 0.0 and s["agent"].threads_per_min == pytest.approx(1.0)
     assert s["agent"].minutes == pytest.approx(4.0) and s["agent"].samples == 5
+
+
+def test_own_bytes_leave_out_shared_memory_segments_and_clean_file_pages():
+    from types import SimpleNamespace as M
+
+    maps = [M(path="[heap]", private_dirty=4096, private_clean=0, swap=8192),
+            M(path="[anon]", private_dirty=1000, private_clean=0, swap=0),
+            M(path="/usr/lib/libfoo.so", private_dirty=200, private_clean=50_000, swap=0),  # clean: left out
+            M(path="/dev/shm/dilu-gpu-dilu-1-n-r-g0", private_dirty=30_000_000, private_clean=0, swap=0),
+            M(path="/dev/shmx/other", private_dirty=7, private_clean=0, swap=0)]  # not under /dev/shm/
+    assert chaos.own_bytes(maps) == 4096 + 8192 + 1000 + 200 + 7
+    assert chaos.own_bytes(maps, shm_dir="/dev/shm/") == 4096 + 8192 + 1000 + 200 + 7
+    assert chaos.own_bytes([]) == 0

@@ -7,7 +7,6 @@ from __future__ import annotations
 import asyncio
 from types import SimpleNamespace
 
-import pytest
 from prometheus_client import REGISTRY
 
 from dilu.contracts import encode
