@@ -3,7 +3,7 @@
 For ResNet-50 (batch 64, 224x224) and the BERT-base-sized encoder (batch 32 x 128 tokens), fp16,
 each eagerly and as a CUDA graph: one run without the interceptor, then one process under it whose
 quota is set to 1.0, 0.5 and 0.25 in turn through its control block (width 1: no MPS). Per phase
-(GPU_CHECK_SECONDS seconds, default 2.0, after 0.3 s of warm-up):
+(GPU_CHECK_SECONDS seconds, default 2.0, after GPU_CHECK_WARMUP_S, default 1.0, of warm-up):
 
 - items_per_s and ``vs_none``, the throughput ratio against the run without the interceptor;
 - ``share_events``: busy share measured with CUDA events: steps done x one step's GPU time
@@ -28,7 +28,9 @@ from util import (UtilSampler, Worker, cb_path, control_block_class, gpu_env, in
                   one_line, run_step, say, step_deadline)
 
 STEP = "throughput"
-MODELS = (("resnet50", 64), ("bert_base", 32))
+# GPU_CHECK_MODELS (e.g. "bert_base") runs only those
+MODELS = tuple((m, b) for m, b in (("resnet50", 64), ("bert_base", 32))
+               if m in (os.environ.get("GPU_CHECK_MODELS") or "resnet50,bert_base").split(","))
 MODES = ("eager", "graph")
 QUOTAS = (1.0, 0.5, 0.25)
 SECONDS = float(os.environ.get("GPU_CHECK_SECONDS", "2.0"))
