@@ -93,7 +93,7 @@ class Function:
     for an instance (the work queue, oldest first), its live instances and counters."""
 
     __slots__ = ("name", "spec", "model", "slo_ms", "timeout_ms", "batch", "demand", "pending", "ready",
-                 "instances", "arrivals", "launches", "quota_ms", "training")
+                 "instances", "arrivals", "launches", "quota_ms", "training", "asleep", "last_tick", "last_busy")
 
     def __init__(self, name: str, spec, slo_ms: float, timeout_ms: float, batch: int, demand, training: bool) -> None:
         self.name = name
@@ -110,3 +110,6 @@ class Function:
         self.launches = 0
         self.quota_ms = 0.0
         self.training = training
+        self.asleep = False  # skipped by the horizontal ticks while nothing can change (run.py)
+        self.last_tick = -1  # index of the last horizontal tick that recorded a sample for it
+        self.last_busy = -1  # index of the last horizontal tick that recorded a backlog > 0

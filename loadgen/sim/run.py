@@ -172,7 +172,11 @@ class SimFacts:
 
 
 class Simulation:
-    """One policy over one :class:`Workload` (see the module docstring)."""
+    """One policy over one :class:`Workload` (see the module docstring). ``sleep_idle``: skip the
+    horizontal ticks of functions asleep (:meth:`_horizontal_tick`); the report is the same
+    either way (a test holds it so), only slower without."""
+
+    sleep_idle = True
 
     def __init__(self, cfg: SimConfig, policy: str, work: Workload) -> None:
         self.cfg, self.policy, self.work = cfg, policy, work
@@ -185,6 +189,8 @@ class Simulation:
         self.horizontal = HorizontalPolicy(self.hconf)
         self.backoff = PlacementBackoff(cfg.horizontal_tick_ms / 1000.0, 30.0)
         self.gpus: dict[int, Gpu] = {}
+        self.awake: dict[int, Gpu] = {}  # GPUs whose telemetry is not paused (see QUIET_WINDOWS)
+        self.vtick = self.htick = 0  # tick counters: tick k runs at k x its period
         self.instances: dict[str, Instance] = {}
         self.fns: dict[str, Function] = {}
         self.mech = report.Mechanism()
@@ -287,7 +293,7 @@ class Simulation:
         inst = Instance(iid, f, gpu, d.request_quota, d.limit_quota, 0.0, f.batch, ready, now, f.training,
                         f.spec.priority or default_priority(f.spec.kind))
         gpu.instances[iid] = inst
-        gpu.quiet = 0
+        self._wake(gpu)
         self.instances[iid] = inst
         f.instances[iid] = inst
         f.launches += 1
@@ -341,6 +347,9 @@ class Simulation:
         del f.instances[inst.iid]
         if not gpu.instances:
             del self.gpus[gpu.gid]
+            self.awake.pop(gpu.gid, None)
+        else:
+            self._wake(gpu)
         self.mech.retirements += 1
         if not f.training:
             self.horizontal.instance_retired(f.name, inst.iid)
@@ -353,6 +362,7 @@ class Simulation:
         f = self.by_fn[i]
         f.pending.append(i)
         f.arrivals += 1
+        f.asleep = False
         nxt = i + 1
         if nxt < len(self.sched):
             self.loop.at(self.sched[nxt], self._arrive, nxt)
@@ -384,7 +394,8 @@ class Simulation:
         stretch = gpu.busy_width if gpu.busy_width > 1.0 else 1.0
         dur = base * slow * stretch
         inst.busy = True
-        gpu.quiet = 0
+        if gpu.quiet:
+            self._wake(gpu)
         if slow > 1.0:
             self.mech.token_wait_ms += base * stretch * (slow - 1.0)
             inst.win_wait_ms += base * stretch * (slow - 1.0)
@@ -426,6 +437,16 @@ class Simulation:
         if at_ms > self.last_answer:
             self.last_answer = at_ms
 
+    def _wake(self, gpu: Gpu) -> None:
+        """Something happens on ``gpu``: its telemetry resumes; training progress is accounted up
+        to now first (at the stretch that held while it was quiet)."""
+        if gpu.gid not in self.awake:
+            for inst in gpu.instances.values():
+                if inst.training:
+                    self._train_progress(inst)
+            self.awake[gpu.gid] = gpu
+        gpu.quiet = 0
+
     # ------------------------------------------------------------------ training
 
     def _train_progress(self, inst: Instance) -> None:
@@ -449,7 +470,7 @@ class Simulation:
     def _vertical_tick(self, _=None) -> None:
         now = self.loop.now
         window = self.cfg.vertical_tick_ms
-        for gpu in list(self.gpus.values()):
+        for gpu in list(self.awake.values()):
             active = False
             for inst in gpu.instances.values():
                 if inst.training:
@@ -458,7 +479,8 @@ class Simulation:
                     active = True
             gpu.quiet = 0 if active else gpu.quiet + 1
             if gpu.quiet > QUIET_WINDOWS:
-                continue  # nothing busy, queued or starting for QUIET_WINDOWS windows: grants have settled
+                del self.awake[gpu.gid]  # nothing busy, queued or starting: grants have settled
+                continue
             rows = []
             for inst in gpu.instances.values():
                 f = inst.fn
@@ -479,25 +501,43 @@ class Simulation:
                 target = gpu.instances.get(g.instance_id)
                 if target is not None:
                     self._fit(gpu, target, g.quota)
-        if now + window <= self.end:
-            self.loop.at(now + window, self._vertical_tick)
+        self.vtick += 1
+        nxt = self.vtick * window
+        if nxt <= self.end:
+            self.loop.at(nxt, self._vertical_tick)
 
     def _horizontal_tick(self, _=None) -> None:
+        """Every function's tick, as the live scaler's (record the backlog, decide, act), except
+        for functions asleep: at zero instances, with nothing waiting, no pre-warm to come and
+        only zero samples in their windows, where a decision cannot change anything. Such a
+        function wakes at its next arrival; the zero samples its skipped ticks would have recorded
+        within the stable window are recorded then, so its windows hold what they would have."""
+        tick = self.cfg.horizontal_tick_ms
+        k = self.htick
         now = self.loop.now
         now_s = now / 1000.0
+        hp = self.horizontal
+        due = [f for f in self.fns.values() if not f.asleep and not f.training and f.demand is not None]
         headroom: dict[str, float] = {}
         if self.hconf.mode == "lazy":
+            gpus = {i.gpu.gid: i.gpu for f in due for i in f.instances.values()}
             headroom = vertical_headroom({
                 gid: [InstanceShare(i.iid, i.fn.name, i.priority, i.grant, i.request, i.width)
                       for i in gpu.instances.values()]
-                for gid, gpu in self.gpus.items()})
-        hp = self.horizontal
-        for f in self.fns.values():
-            if f.training or f.demand is None:
-                continue
+                for gid, gpu in gpus.items()})
+        window_ticks = self.hconf.stable_window_s * 1000.0 / tick
+        for f in due:
+            if f.last_tick < k - 1:  # woken: the zero samples of the skipped ticks still in the window
+                first = max(f.last_tick + 1, math.floor(k - window_ticks) + 1)
+                for j in range(first, k):
+                    hp.record(f.name, j * tick / 1000.0, 0, 0)
             backlog = len(f.pending) + sum(len(i.inflight) for i in f.instances.values() if i.busy)
-            hp.record(f.name, now_s, backlog, f.arrivals)
+            arrived = f.arrivals
+            hp.record(f.name, now_s, backlog, arrived)
             f.arrivals = 0
+            f.last_tick = k
+            if backlog:
+                f.last_busy = k
             d = hp.decide(f.name, now_s, headroom.get(f.name, 0.0))
             if d.place and not self.backoff.blocked(f.name, now_s):
                 placed = 0
@@ -516,8 +556,14 @@ class Simulation:
                 inst = f.instances.get(iid)
                 if inst is not None:
                     self._retire(inst)
-        if now + self.cfg.horizontal_tick_ms <= self.end:
-            self.loop.at(now + self.cfg.horizontal_tick_ms, self._horizontal_tick)
+            if (self.sleep_idle and not f.instances and not backlog and not arrived and d.desired == 0 and not d.panic
+                    and not d.place and hp.idle_windows(f.name).prewarm_s == 0
+                    and k - f.last_busy >= window_ticks):  # every sample in the stable window is 0
+                f.asleep = True
+        self.htick = k + 1
+        nxt = self.htick * tick
+        if nxt <= self.end:
+            self.loop.at(nxt, self._horizontal_tick)
 
     def _sample(self, _=None) -> None:
         self._account()
