@@ -327,8 +327,8 @@ def render(out: dict, console: Console) -> None:
     if out.get("grant_sum_max") is not None:
         console.print(f"largest sum of quotas in force on one GPU: {out['grant_sum_max']:.3f}")
     if "soak" in out:
-        st = Table(title="soak: slope per minute")
-        for col in ("process", "samples", "private bytes/min", "fds/min", "threads/min", "private first -> last MiB"):
+        st = Table(title="soak: slope per minute (shm-segments: count in fds, allocated bytes in own)")
+        for col in ("process", "samples", "own bytes/min", "fds/min", "threads/min", "own first -> last MiB"):
             st.add_column(col, justify="right")
         for name, s in sorted(out["soak"].items()):
             st.add_row(name, str(s["samples"]), f"{s['private_bytes_per_min']:,.0f}", f"{s['fds_per_min']:.2f}",
