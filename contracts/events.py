@@ -143,8 +143,11 @@ class ProfileReply(Event):
 class TrialRequest(Event):
     """Request-reply on ``dilu.v1.node.trial.<node>``: run one profiling trial on an emulated GPU.
 
-    Runs ``repeats`` batches of ``batch`` for ``model`` at SM width ``quota`` and token rate
-    ``quota`` (so no pacing: the setting the A100 MPS surfaces were measured at).
+    Runs ``repeats`` batches of ``batch`` for ``model`` at SM width ``quota`` paced by tokens to
+    ``grant`` (fractions 0..1 of the GPU). ``grant`` 0 (the default, and every message from
+    before the field existed) means ``grant = quota``: no pacing, the setting the A100 MPS
+    surfaces were measured at. ``0 < grant < quota`` is an instance as deployed: width = its
+    limit quota, paced to its request quota.
     """
 
     model: str
@@ -152,6 +155,7 @@ class TrialRequest(Event):
     quota: float
     repeats: int = 5
     gpu: int = -1
+    grant: float = 0.0
 
 
 class TrialReply(Event):

@@ -108,6 +108,32 @@ def latency_ms(model: str, batch: int, width: float) -> float:
     return spec(model).steps_per_request * step_latency_ms(model, batch, width)
 
 
+def pacing_stretch(width: float, grant: float) -> float:
+    """How many times longer a batch takes at SM width ``width`` when paced by tokens to
+    ``grant`` (both fractions of the GPU, 0 < grant, width <= 1): ``width / grant`` when
+    ``grant < width``, else 1 (a grant at or above the width does not slow it).
+
+    Source: the interceptor refills tokens (µs of busy time) at ``grant / width`` per µs of wall
+    time (interceptor.c, set_rate), so the instance may keep its width's SMs busy only
+    ``grant / width`` of the time, and a batch of busy time L(b, w) lasts L(b, w) · w / grant
+    (DESIGN.md section 7, first-order timing model). The token bucket's burst (DILU_BURST_US,
+    2 ms) is left out: a first-order model, exact for batches much longer than the burst.
+    Raises ValueError for a width or grant outside (0, 1]."""
+    if not (0 < width <= 1.0 + 1e-9 and 0 < grant <= 1.0 + 1e-9):
+        raise ValueError(f"width and grant must be in (0, 1], got width={width} grant={grant}")
+    return max(1.0, width / grant)
+
+
+def paced_latency_ms(model: str, batch: int, width: float, grant: float) -> float:
+    """Latency (ms) of a whole batch of ``batch`` requests of ``model`` by an instance of SM
+    width ``width`` (its limit quota) paced to token grant ``grant`` (e.g. its request quota):
+    ``latency_ms(model, batch, width) × pacing_stretch(width, grant)`` (the emulated GPU's
+    pacing under the interceptor; see :func:`pacing_stretch` for the source). The profiler's
+    deployed-configuration trials and the simulator answer from this one function. Raises
+    ValueError for batch < 1 or a width/grant outside (0, 1]; KeyError for an unknown model."""
+    return latency_ms(model, batch, width) * pacing_stretch(width, grant)
+
+
 def throughput_rps(model: str, batch: int, width: float) -> float:
     """Requests per second of back-to-back batches at ``width``."""
     return batch / latency_ms(model, batch, width) * 1000.0

@@ -1,10 +1,14 @@
 """Profiling trials on an emulated GPU, run by a long-lived worker process under the interceptor.
 
 The node agent keeps one trial worker (``python -m dilu.services.node_agent.trial``) with its own
-control block at a full grant; each trial replays ``repeats`` batches of the model at the width
-under test (after one warm-up batch) and answers mean and p99 (max of the repeats) batch latency.
-Trials run at grant = width = quota, the setting the A100 MPS surfaces were measured at. A
-generative model's request (32 decode steps) is timed over ``TRIAL_STEPS`` steps and scaled.
+control block; each trial replays ``repeats`` batches of the model at the width under test
+(``quota``: its kernels last as at that width, after one warm-up batch) and answers mean and p99
+(max of the repeats) batch latency. The trial is paced by tokens to its ``grant`` below its width
+(an instance as deployed: width = its limit, paced to its request); grant 0 or ≥ the width means
+no pacing, the setting the A100 MPS surfaces were measured at. The worker's block has width 1
+(the interceptor refills grant / width busy-µs per wall µs), so pacing width w to grant g is
+the block's grant g / w: the same busy fraction, on the emulated device timeline. A generative
+model's request (32 decode steps) is timed over ``TRIAL_STEPS`` steps and scaled.
 Requests and answers are JSON lines over the worker's stdin/stdout.
 """
 from __future__ import annotations
@@ -48,8 +52,13 @@ class TrialWorker:
             stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE)
 
     async def run(self, req: ev.TrialRequest) -> ev.TrialReply:
+        """Run one trial (see the module doc). A failure is an ok=false reply with the reason,
+        never an exception: a grant outside [0, 1], a worker gone, a timeout."""
         if self.proc is None or self.proc.returncode is not None:
             return ev.TrialReply(ok=False, error="trial worker is not running")
+        if not 0.0 <= req.grant <= 1.0:
+            return ev.TrialReply(ok=False, error=f"grant must be in [0, 1] (0: the quota), got {req.grant}")
+        self.cb.write_grant(busy_fraction(req))
         self.cb.heartbeat()
         self.proc.stdin.write(msgspec.json.encode(req) + b"\n")
         await self.proc.stdin.drain()
@@ -72,6 +81,15 @@ class TrialWorker:
         if self.cb is not None:
             self.cb.close()
             Path(self.cb_path).unlink(missing_ok=True)
+
+
+def busy_fraction(req: ev.TrialRequest) -> float:
+    """The grant (fraction 0..1) the width-1 trial block gets so that the trial runs as width
+    ``req.quota`` paced to ``req.grant``: ``grant / quota``, capped at 1 (1: no pacing; grant 0
+    means grant = quota)."""
+    if req.grant <= 0 or req.quota <= 0 or req.grant >= req.quota:
+        return 1.0
+    return req.grant / req.quota
 
 
 def _serve() -> None:
