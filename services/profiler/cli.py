@@ -14,12 +14,28 @@ from .surface import SurfaceBackend, SurfaceError, load_surface, run_search, sur
 
 SLO_FACTORS = (2.0, 3.0, 5.0)
 
+# Every column of the printed table, defined once: the legend under the table and --help.
+LEGEND = (
+    ("SLO ms", "request latency SLO (ms); a batch must finish in --queueing-budget x it"),
+    ("quota", "request quota: the token grant (share of GPU SM-time) an instance needs as deployed"),
+    ("batch", "batch size served at the request quota"),
+    ("limit", "limit quota: the instance's SM width; its burst batch meets the SLO there"),
+    ("lat ms", "latency (ms) of one batch as deployed: width = limit, paced to the request quota"),
+    ("TE", "throughput efficacy: requests/s at the request quota / request quota"),
+    ("optimum TE", "best TE of any grid point within the bound, unpaced (width = grant)"),
+    ("TE/opt", "TE / optimum TE (below 1: pacing at the limit costs quota, or an early stop)"),
+    ("trials", "trials the search measured / trials of an exhaustive search"),
+)
+
 
 def profile_surface(path: Path, slo_ms: float, stop_threshold: float = 0.15,
-                    queueing_budget: float = QUEUEING_BUDGET) -> dict:
+                    queueing_budget: float = QUEUEING_BUDGET, deployed: bool = True) -> dict:
     """Profile one surface at one request SLO (ms) as the profiler service does: batch latency
-    within ``queueing_budget`` × ``slo_ms``, limit knee, the burst batch measured at the limit.
-    A dict of the choice, its trial count and the exhaustive optimum under the same latency bound.
+    within ``queueing_budget`` × ``slo_ms``, limit knee, the burst batch measured at the limit,
+    and (``deployed``, one-axis surfaces) the request raised until its batch meets the bound at
+    width = limit paced to it (paced trials answered by ``models.pacing_stretch``).
+    A dict of the choice, its trial count and the exhaustive optimum under the same latency bound
+    (unpaced: width = grant at every grid point).
 
     Raises NoFeasibleSetting when no grid point meets the bound, SurfaceError for a bad file.
     """
@@ -31,7 +47,7 @@ def profile_surface(path: Path, slo_ms: float, stop_threshold: float = 0.15,
                                 f"(batch latency ≤ {bound:.4g} ms)")
     backend = SurfaceBackend(surf)
     search = ProfileSearch("inference", surf.batches, surf.quota_axes, slo_ms, queueing_budget=queueing_budget,
-                           stop_threshold=stop_threshold)
+                           stop_threshold=stop_threshold, deployed=deployed)
     res = run_search(search, backend)
     return {
         "surface": str(path),
@@ -60,7 +76,11 @@ def profile_surface(path: Path, slo_ms: float, stop_threshold: float = 0.15,
     }
 
 
-@click.command("profile")
+def _legend_text() -> str:
+    return "\n".join(f"{name}: {text}" for name, text in LEGEND)
+
+
+@click.command("profile", epilog="Columns:\n\n\b\n" + _legend_text())
 @click.option("--surface", "surface_path", type=click.Path(exists=True, dir_okay=False, path_type=Path),
               help="Surface CSV (a100-mps or v100-sm-quota format). Without it: every shipped surface.")
 @click.option("--slo-ms", type=click.FloatRange(min=0, min_open=True, max=1e7), help="Request latency SLO in ms. Default: 2, 3 and 5 × batch-1 full-GPU latency.")
@@ -71,7 +91,11 @@ def profile_surface(path: Path, slo_ms: float, stop_threshold: float = 0.15,
 @click.option("--json", "json_path", type=click.Path(dir_okay=False, path_type=Path), help="Write the results here.")
 def profile(surface_path: Path | None, slo_ms: float | None, queueing_budget: float, stop_threshold: float,
             json_path: Path | None) -> None:
-    """Profile on a recorded surface: request/limit quota, batch, TE and trials vs the exhaustive optimum."""
+    """Profile on a recorded surface: request/limit quota, batch, TE and trials vs the exhaustive optimum.
+
+    The request quota is profiled as an instance is deployed: at SM width = its limit, paced by
+    tokens to its request (on the surfaces with one quota axis).
+    """
     paths = [surface_path] if surface_path else surface_files()
     rows: list[dict] = []
     try:
@@ -92,11 +116,13 @@ def profile(surface_path: Path | None, slo_ms: float | None, queueing_budget: fl
 
 
 def _print(rows: list[dict]) -> None:
-    table = Table("surface", "SLO ms", "quota", "batch", "limit", "TE", "optimum TE", "TE/opt", "trials")
+    table = Table("surface", *(name for name, _ in LEGEND))
     for r in rows:
         table.add_row(
             Path(r["surface"]).stem, f"{r['slo_ms']:.1f}", f"{r['request_quota']:.3f}", str(r["batch_size"]),
-            f"{r['limit_quota']:.3f}", f"{r['te']:.1f}", f"{r['optimum']['te']:.1f}", f"{r['te_ratio']:.3f}",
-            f"{r['trials']}/{r['optimum']['trials']}",
+            f"{r['limit_quota']:.3f}", f"{r['latency_ms']:.1f}", f"{r['te']:.1f}", f"{r['optimum']['te']:.1f}",
+            f"{r['te_ratio']:.3f}", f"{r['trials']}/{r['optimum']['trials']}",
         )
-    Console(width=120).print(table)
+    console = Console(width=100)
+    console.print(table)
+    console.print(_legend_text(), highlight=False)

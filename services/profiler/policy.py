@@ -44,15 +44,24 @@ class SearchProtocolError(RuntimeError):
 class Trial:
     """One measurement to make: run batches of ``batch`` at quota setting ``setting``.
 
-    ``quota`` (property) is the product of the setting's fractions: the share of the GPU's SM-time.
+    ``quota`` (property) is the product of the setting's fractions: the share of the GPU's SM-time,
+    and the SM width the trial runs at. ``grant`` (fraction 0..1 of the GPU), when given, paces the
+    trial by tokens to that rate below its width: an instance as deployed (width = its limit,
+    grant = its request). None: grant = width, no pacing (the surfaces' own setting).
     """
 
     setting: Setting
     batch: int
+    grant: float | None = None
 
     @property
     def quota(self) -> float:
         return round(math.prod(self.setting), 6)
+
+    @property
+    def rate(self) -> float:
+        """The token rate the trial runs at (fraction of the GPU): ``grant``, else ``quota``."""
+        return self.quota if self.grant is None else self.grant
 
 
 @dataclass(frozen=True)
@@ -540,7 +549,13 @@ class ProfileSearch:
     (``knee``), the limit being the larger of the two searches' limits and never below the
     request; (3) one trial of the burst batch at the limit (what an instance scaled up to its
     limit serves: the horizontal scaler's lazy sizing), skipped when limit and burst equal request
-    and batch. Training: :class:`TrainingSearch` at the largest batch; its limit is measured there.
+    and batch; (4) the deployed configuration (``deployed``, one quota axis only): an instance runs
+    at width = its limit, paced by tokens to its request, so the request's batch is measured at
+    width = limit and grant = request; when that misses the latency bound the grant is raised to
+    the next grid quota up (width still the limit) until it fits or reaches the limit, and the
+    request quota (with its latency, throughput and TE) is the grant found there. ``deployed=False``
+    keeps the request as measured at width = grant (the request of the A100 MPS surfaces).
+    Training: :class:`TrainingSearch` at the largest batch; its limit is measured there.
 
     Trials proposed by a later stage that an earlier one measured are answered from memory:
     ``trials`` counts distinct (setting, batch) pairs measured. ``slo_ms`` is in ms (ignored for
@@ -550,7 +565,7 @@ class ProfileSearch:
 
     def __init__(self, kind: str, grid_batches: Sequence[int], grid_quotas: Sequence[float] | Sequence[Sequence[float]],
                  slo_ms: float = 0.0, *, queueing_budget: float = QUEUEING_BUDGET, knee: float = LIMIT_KNEE,
-                 stop_threshold: float = 0.15) -> None:
+                 stop_threshold: float = 0.15, deployed: bool = True) -> None:
         if kind not in ("inference", "training"):
             raise ValueError(f"kind must be 'inference' or 'training', got {kind!r}")
         if not 0 < queueing_budget <= 1:
@@ -572,6 +587,9 @@ class ProfileSearch:
         self._knee: KneeSearch | None = None
         self._at_limit: Trial | None = None
         self._first: ProfileResult | None = None
+        self._deployed = deployed and kind == "inference" and len(self.axes) == 1
+        self._grants: list[float] = []  # deployed stage: grants still to try, ascending
+        self._found: Trial | None = None  # deployed stage: the trial whose grant is the request
         self._done = False
 
     @property
@@ -601,9 +619,29 @@ class ProfileSearch:
             elif self._at_limit is not None and self._at_limit not in self._memo:
                 self._pending = self._at_limit
                 return self._at_limit
+            elif self._grants:
+                t = self._deployed_trial(self._grants[0])
+                if t not in self._memo:
+                    self._pending = t
+                    return t
+                if self._memo[t].latency_ms <= self._bound or len(self._grants) == 1:
+                    self._found, self._grants = t, []  # fits, or the grant reached the limit
+                else:
+                    self._grants.pop(0)
             else:
                 self._done = True
         return None
+
+    @property
+    def _bound(self) -> float:
+        """The batch latency bound (ms) every accepted setting meets."""
+        return self._main.slo_ms
+
+    def _deployed_trial(self, grant: float) -> Trial:
+        """The request's batch at width = the limit, paced to ``grant`` (unpaced at the limit)."""
+        limit, _ = self._limit()
+        g = round(grant, 6)
+        return Trial(limit, self._first.batch_size, None if g >= round(math.prod(limit), 6) else g)
 
     def _advance(self) -> None:
         """The current stage ended: start the next one."""
@@ -622,6 +660,9 @@ class ProfileSearch:
         first = self._first
         if (round(math.prod(limit), 6), burst) != (first.request_quota, first.batch_size) and self.kind == "inference":
             self._at_limit = Trial(limit, burst)
+        lq = round(math.prod(limit), 6)
+        if self._deployed and lq > first.request_quota:
+            self._grants = [q for q in self.axes[0] if first.request_quota - 1e-9 <= q <= lq + 1e-9]
 
     def _limit(self) -> tuple[Setting, int]:
         first = self._first
@@ -660,24 +701,31 @@ class ProfileSearch:
         at = self._memo.get(Trial(limit, burst)) if self._at_limit is not None else None
         if at is None:
             at = Measurement(first.latency_ms, first.throughput_rps)
+        rq, rs, req = first.request_quota, first.request_setting, Measurement(first.latency_ms, first.throughput_rps)
+        te = first.te
+        if self._found is not None:  # the request as deployed: the grant found at width = limit
+            rq = self._found.rate
+            rs, req = (rq,), self._memo[self._found]
+            te = req.throughput_rps / rq
         return ProfileResult(
-            kind=first.kind, request_quota=first.request_quota, request_setting=first.request_setting,
+            kind=first.kind, request_quota=rq, request_setting=rs,
             batch_size=first.batch_size, limit_quota=round(math.prod(limit), 6), limit_setting=limit,
-            burst_batch=first.burst_batch, te=first.te, throughput_rps=first.throughput_rps,
-            latency_ms=first.latency_ms, trials=self.trials, limit_latency_ms=at.latency_ms,
+            burst_batch=first.burst_batch, te=te, throughput_rps=req.throughput_rps,
+            latency_ms=req.latency_ms, trials=self.trials, limit_latency_ms=at.latency_ms,
             limit_throughput_rps=at.throughput_rps,
         )
 
 
-def search_for(spec: FunctionSpec, stop_threshold: float = 0.15) -> ProfileSearch:
+def search_for(spec: FunctionSpec, stop_threshold: float = 0.15, deployed: bool = True) -> ProfileSearch:
     """The profile search for ``spec`` on the A100 grid (:data:`QUOTA_GRID`, batches of
     :data:`BATCH_GRID` up to ``spec.max_batch``); the request SLO is ``spec.slo_ms`` or, when 0,
-    5 × the model's batch-1 full-GPU latency. Raises KeyError for an unknown model."""
+    5 × the model's batch-1 full-GPU latency; ``deployed``: see :class:`ProfileSearch`. Raises
+    KeyError for an unknown model."""
     models.model(spec.model)
     batches = [b for b in BATCH_GRID if b <= max(1, spec.max_batch)]
     slo = 0.0 if spec.kind == "training" else (spec.slo_ms or models.default_slo_ms(spec.model))
     return ProfileSearch("training" if spec.kind == "training" else "inference", batches, QUOTA_GRID, slo,
-                         stop_threshold=stop_threshold)
+                         stop_threshold=stop_threshold, deployed=deployed)
 
 
 # --------------------------------------------------------------------------- profiles without trials

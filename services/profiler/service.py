@@ -7,7 +7,8 @@
 - Profiles are cached by (model, kind, SLO ms, max batch): a second deploy of the same model costs
   no trials. Each profile is stored in the JetStream KV bucket ``dilu-profiles`` (history 5, key =
   sanitised function name) and announced with ProfileReady on ``dilu.v1.profile.ready.<fn>``.
-- The procedure (inference search, limit knee, the trial at the limit) is one pure
+- The procedure (inference search, limit knee, the trial at the limit, the request as deployed:
+  width = limit paced to the request, TrialRequest ``grant``) is one pure
   :class:`.policy.ProfileSearch`, the same one ``dilu profile`` and the simulator drive.
 - Training functions have no measured training surface: their binary search runs on the model's
   largest-batch inference curve as a stand-in (documented in issue 4).
@@ -68,7 +69,8 @@ class NodeTrialBackend:
 
     async def run(self, trial: Trial) -> Measurement:
         """Raises TrialFailed with the reason."""
-        req = TrialRequest(model=self.model, batch=trial.batch, quota=trial.quota, repeats=self.repeats)
+        req = TrialRequest(model=self.model, batch=trial.batch, quota=trial.quota, repeats=self.repeats,
+                           grant=trial.grant or 0.0)  # 0: unpaced (grant = width)
         try:
             reply = await self.bus.request(subjects.node_trial(self.node), req, TrialReply, timeout=self.timeout_s)
         except (NatsTimeout, NoRespondersError, asyncio.TimeoutError) as exc:

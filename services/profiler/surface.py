@@ -154,19 +154,29 @@ class SurfaceBackend:
     """Answers trials from a recorded surface, and counts the distinct grid points measured.
 
     Answers are grid points, never interpolated: a trial off the grid raises SurfaceError.
-    ``trials`` counts distinct (setting, batch) pairs, so measuring a point twice costs once.
+    A paced trial (``trial.grant`` below its width, one quota axis) is the grid point at its width
+    slowed by :func:`dilu.services.common.models.pacing_stretch` (the emulated GPU's pacing: the
+    same rule the simulator and the node's trials follow): latency × w/g, throughput × g/w.
+    ``trials`` counts distinct (setting, batch, grant) triples, so measuring one twice costs once.
     """
 
     surface: Surface
-    measured: set[tuple[Setting, int]] = field(default_factory=set)
+    measured: set[tuple[Setting, int, float | None]] = field(default_factory=set)
 
     @property
     def trials(self) -> int:
         return len(self.measured)
 
     def run(self, trial: Trial) -> Measurement:
+        """The measurement of ``trial``. Raises SurfaceError off the grid, or for a paced trial
+        on a surface with more than one quota axis (its time-quota axis is a pacing of its own)."""
         m = self.surface.measure(trial.setting, trial.batch)
-        self.measured.add((tuple(round(v, 4) for v in trial.setting), trial.batch))
+        if trial.grant is not None:
+            if len(trial.setting) != 1:
+                raise SurfaceError(f"{self.surface.name}: a paced trial needs a one-axis (SM share) surface")
+            stretch = models.pacing_stretch(trial.quota, trial.grant)
+            m = Measurement(latency_ms=m.latency_ms * stretch, throughput_rps=m.throughput_rps / stretch)
+        self.measured.add((tuple(round(v, 4) for v in trial.setting), trial.batch, trial.grant))
         return m
 
 

@@ -29,7 +29,8 @@ pytestmark = pytest.mark.nats
 
 @contextlib.asynccontextmanager
 async def fake_node(nc, node="node0", fail=False):
-    """Answers TrialRequests: latency from the surface (ms), throughput = batch / latency."""
+    """Answers TrialRequests: latency from the surface at width ``quota`` paced to ``grant`` (ms),
+    throughput = batch / latency."""
     seen: list[TrialRequest] = []
 
     async def cb(msg):
@@ -38,7 +39,7 @@ async def fake_node(nc, node="node0", fail=False):
         if fail:
             reply = TrialReply(ok=False, error="emulated GPU busy")
         else:
-            lat = models.latency_ms(req.model, req.batch, req.quota)
+            lat = models.paced_latency_ms(req.model, req.batch, req.quota, req.grant or req.quota)
             reply = TrialReply(ok=True, latency_ms_mean=lat, latency_ms_p99=lat, throughput_rps=req.batch / lat * 1000)
         await nc.publish(msg.reply, encode(reply))
 
