@@ -102,6 +102,10 @@ def sim(trace_dir, functions, hours, start_minute, nodes, gpus_per_node, policie
         out = simulate(cfg, policies, progress=lambda p: console.print(f"[dim]simulating policy {p}[/dim]"))
     except (TraceError, ValueError, OSError) as exc:
         raise click.ClickException(str(exc)) from None
+    first = next(iter(out["policies"].values()))
+    if isinstance(functions, int) and first["run"]["functions"] < functions:
+        console.print(f"[yellow]--functions {functions}: the span has only {first['run']['functions']} functions "
+                      f"with invocations; simulated those[/yellow]")
     report.render_compare({k: report.Report.from_dict(v) for k, v in out["policies"].items()}, console)
     for name, s in out["sim"]["policies"].items():
         console.print(f"{name}: {s['events']:,} events in {s['wall_s']:.1f} s; peak {s['peak_active_gpus']} active GPUs, "
