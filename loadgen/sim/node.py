@@ -19,9 +19,6 @@ from functools import lru_cache
 from dilu.services.common import models
 from dilu.services.node_agent.handlers.emulated import TRAIN_PASSES
 
-PACE_EPS = 1e-9
-
-
 @lru_cache(maxsize=None)
 def batch_ms(model: str, batch: int, width: float) -> float:
     """Unpaced, uncontended latency (ms) of a batch at ``width`` (the surface, cached)."""
@@ -35,8 +32,10 @@ def iteration_ms(model: str, batch: int, width: float) -> float:
 
 
 def pace(width: float, grant: float) -> float:
-    """How much longer work takes paced to ``grant`` at ``width`` (>= 1; 1 when grant >= width)."""
-    return width / grant if grant < width - PACE_EPS and grant > 0 else 1.0
+    """How much longer work takes paced to ``grant`` at ``width`` (>= 1): the interceptor's rule,
+    :func:`models.pacing_stretch` (one truth with the profiler); a zero grant (none written yet)
+    counts as unpaced."""
+    return models.pacing_stretch(width, grant) if grant > 0 else 1.0
 
 
 class Gpu:
