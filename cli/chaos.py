@@ -34,7 +34,7 @@ from dilu.services.common.workqueue import DEFAULT_ACK_WAIT_S
 from dilu.services.node_agent import segments
 
 from .cluster import NATS, Cluster
-from .demo import RunOptions, _finite, _gpus, _install_stop, _replay, _run_or_explain, build_plan, make_console, scaler_windows
+from .demo import RunOptions, _end, _finite, _gpus, _install_stop, _replay, _run_or_explain, build_plan, make_console, scaler_windows
 
 WHOLE_TIMEOUT_S = 90.0  # longest wait for every process to be running and ready after a fault
 ORPHAN_WAIT_S = 10.0  # how long instances may outlive a node agent killed for good
@@ -353,15 +353,17 @@ def render(out: dict, console: Console) -> None:
 @click.option("--log-dir", default=None, type=click.Path(file_okay=False))
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None, callback=writable_output)
 def chaos_cmd(minutes, kinds, soak, sample_s, functions, gpus, speedup, seed, trace_dir, log_dir, json_path) -> None:
-    """Replay a trace while the platform's processes fail; report how every request ended."""
+    """Replay a trace while the platform's processes fail; report how every request ended. Ctrl-C
+    (or SIGTERM) stops the load, still reports what ran and exits with 130 (143)."""
     if soak:
         kinds = []
     opts = RunOptions(duration=minutes * 60.0, speedup=speedup, seed=seed, trace_dir=trace_dir, start_minute=None,
                       functions=functions, gpus=gpus, nats_url=None, log_dir=log_dir, training_jobs=0)
     console = make_console()
+    held: dict[str, asyncio.Event] = {}
 
     async def main() -> dict:
-        stop = asyncio.Event()
+        stop = held["stop"] = asyncio.Event()
         _install_stop(stop, console)
         return await run_chaos(opts, kinds, soak, min(sample_s, opts.duration / 12), console, stop)
 
@@ -370,3 +372,4 @@ def chaos_cmd(minutes, kinds, soak, sample_s, functions, gpus, speedup, seed, tr
     if json_path:
         Path(json_path).write_text(json.dumps(out, indent=2))
         console.print(f"written to {json_path}")
+    _end(console, held.get("stop"))

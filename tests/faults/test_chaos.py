@@ -4,8 +4,10 @@ stops the node agent for 5 s, and at the end kills the node agent for good. Ever
 must end exactly once, each fault must be recovered from, no instance may outlive its agent and the
 quotas in force on a GPU never sum above 1."""
 import json
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -40,6 +42,26 @@ def test_every_request_ends_once_through_every_fault(tmp_path: Path):
     assert r["faults"][chaos.KINDS.index(chaos.PAUSE_AGENT)]["recovery_s"] >= chaos.PAUSE_S
     assert r["orphans"] == 0 and r["run"]["seed"] == 2 and r["run"]["functions"] == 4
     assert r["grant_sum_max"] is not None and r["grant_sum_max"] <= 1.0 + 1e-6
+
+
+@pytest.mark.nats
+@pytest.mark.native
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_sigterm_still_reports_and_exits_143(tmp_path: Path):
+    out = tmp_path / "soak.json"
+    proc = subprocess.Popen([*DILU, "chaos", "--soak", "--minutes", "2", "--functions", "2", "--json", str(out),
+                             "--log-dir", str(tmp_path / "logs")], stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    started = time.monotonic()
+    while time.monotonic() - started < 30 and proc.poll() is None:
+        time.sleep(0.5)
+    proc.send_signal(signal.SIGTERM)
+    text = proc.communicate(timeout=120)[0]
+    assert proc.returncode == 143, text[-3000:]  # 128 + SIGTERM, after the report
+    assert "interrupted (SIGTERM)" in text
+    r = json.loads(out.read_text())
+    assert r["offered"] == r["completed"] + r["dropped"] + r["failed"] + r["timed_out"] + r["lost"]
 
 
 def test_sampler_reads_each_process_and_the_shared_memory_segments(tmp_path: Path):
