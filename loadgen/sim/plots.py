@@ -22,21 +22,24 @@ def write_plots(out: dict, directory: Path) -> list[Path]:
     facts = out["sim"]["policies"]
     paths = []
 
-    def series(col: int, title: str, ylabel: str, name: str, scale: float = 1.0) -> None:
-        fig, ax = plt.subplots(figsize=(8, 4))
-        for policy, f in facts.items():
-            rows = f["timeline"]
-            ax.plot([r[0] / 3600.0 for r in rows], [r[col] * scale for r in rows], label=policy, linewidth=1)
-        ax.set_xlabel("trace time (h)")
+    def save(fig, ax, title: str, xlabel: str, ylabel: str, name: str, legend_size: str | None = None) -> None:
+        ax.set_xlabel(xlabel)
         ax.set_ylabel(ylabel)
         ax.set_title(title)
-        ax.legend()
+        ax.legend(fontsize=legend_size)
         ax.grid(alpha=0.3)
         fig.tight_layout()
         path = directory / name
-        fig.savefig(path, dpi=100, metadata={"Software": None})
+        fig.savefig(path, dpi=100, metadata={"Software": None})  # no version stamp: same run, same bytes
         plt.close(fig)
         paths.append(path)
+
+    def series(col: int, title: str, ylabel: str, name: str) -> None:
+        fig, ax = plt.subplots(figsize=(8, 4))
+        for policy, f in facts.items():
+            rows = f["timeline"]
+            ax.plot([r[0] / 3600.0 for r in rows], [r[col] for r in rows], label=policy, linewidth=1)
+        save(fig, ax, title, "trace time (h)", ylabel, name)
 
     series(1, "Active GPUs", "GPUs holding an instance", "active_gpus.png")
     series(2, "Cold-start requests (cumulative)", "requests", "cold_starts.png")
@@ -48,17 +51,9 @@ def write_plots(out: dict, directory: Path) -> list[Path]:
         line, = ax.plot(hours, [r[3] * 100 for r in rows], label=f"{policy} allocation", linewidth=1)
         ax.plot(hours, [r[4] * 100 for r in rows], label=f"{policy} idle", linewidth=1, linestyle="--",
                 color=line.get_color())
-    ax.set_xlabel("trace time (h)")
-    ax.set_ylabel("% of active GPUs")
-    ax.set_title("Fragmentation (allocation: solid, idle: dashed)")
     ax.set_ylim(0, 100)
-    ax.legend(fontsize="small")
-    ax.grid(alpha=0.3)
-    fig.tight_layout()
-    path = directory / "fragmentation.png"
-    fig.savefig(path, dpi=100, metadata={"Software": None})
-    plt.close(fig)
-    paths.append(path)
+    save(fig, ax, "Fragmentation (allocation: solid, idle: dashed)", "trace time (h)", "% of active GPUs",
+         "fragmentation.png", legend_size="small")
 
     fig, ax = plt.subplots(figsize=(8, 4))
     for policy, f in facts.items():
@@ -67,14 +62,6 @@ def write_plots(out: dict, directory: Path) -> list[Path]:
             ax.step([r for _, r in cdf], [q for q, _ in cdf], where="post", label=policy, linewidth=1)
     ax.axvline(1.0, color="grey", linestyle=":", linewidth=1)
     ax.set_xscale("log")
-    ax.set_xlabel("latency / SLO (completed requests; right of 1: SLO missed)")
-    ax.set_ylabel("fraction of requests")
-    ax.set_title("Latency CDF, normalised by each function's SLO")
-    ax.legend()
-    ax.grid(alpha=0.3)
-    fig.tight_layout()
-    path = directory / "latency_cdf.png"
-    fig.savefig(path, dpi=100, metadata={"Software": None})
-    plt.close(fig)
-    paths.append(path)
+    save(fig, ax, "Latency CDF, normalised by each function's SLO",
+         "latency / SLO (completed requests; right of 1: SLO missed)", "fraction of requests", "latency_cdf.png")
     return paths
