@@ -54,6 +54,9 @@ def _opt(*decls, **kw):
 @_opt("--hours", type=click.FloatRange(min=0, min_open=True, max=24 * 14), default=1.0, show_default=True,
       help="hours of trace replayed (simulated time)")
 @_opt("--start-minute", type=int, default=None, help="trace minute to begin at (default: the first)")
+@_opt("--speedup", type=click.FloatRange(min=0, min_open=True, max=1000), default=1.0, show_default=True,
+      help="compress trace time as dilu demo --speedup does: the replay lasts hours / speedup and the "
+           "horizontal windows shrink with it; cold starts do not (dilu demo's default is 10)")
 @_opt("--nodes", type=click.IntRange(min=1, max=100_000), default=1, show_default=True)
 @_opt("--gpus-per-node", type=click.IntRange(min=1, max=64), default=4, show_default=True, help="A100 40 GB GPUs per node")
 @_opt("--policies", default="dilu,horizontal-only", show_default=True, callback=_policies,
@@ -68,16 +71,16 @@ def _opt(*decls, **kw):
 @_opt("--workload", type=click.Path(exists=True, dir_okay=False), default=None,
       help="replay a dilu-sim scheduling workload (e.g. ../shared/data/workloads/dilu-sim/instances-3200.txt) "
            "through the placement policy instead of a trace (default size: 1000 nodes)")
-def sim(trace_dir, functions, hours, start_minute, nodes, gpus_per_node, policies, seed, training_jobs, json_path,
+def sim(trace_dir, functions, hours, start_minute, speedup, nodes, gpus_per_node, policies, seed, training_jobs, json_path,
         plots_dir, workload) -> None:
     """Simulate the platform's policies over a real trace (deterministic per seed) and print the
     comparison table, as dilu compare does for live runs."""
-    from rich.console import Console
+    from dilu.cli.demo import make_console
 
     from dilu.loadgen import report
     from dilu.loadgen.trace import TraceError
 
-    console = Console() if __import__("sys").stdout.isatty() else Console(width=100)
+    console = make_console()  # the demo's width rule: 100 columns in a file or pipe unless COLUMNS says
     if workload:
         from dilu.loadgen.sim.workload import WorkloadError, simulate_workload
 
@@ -98,7 +101,8 @@ def sim(trace_dir, functions, hours, start_minute, nodes, gpus_per_node, policie
 
     try:
         cfg = SimConfig(trace_dir=trace_dir, functions=functions, hours=hours, nodes=nodes, gpus_per_node=gpus_per_node,
-                        seed=seed, training_jobs=training_jobs, start_minute=start_minute)
+                        seed=seed, training_jobs=training_jobs, start_minute=start_minute,
+                        speedup=speedup)
         out = simulate(cfg, policies, progress=lambda p: console.print(f"[dim]simulating policy {p}[/dim]"))
     except (TraceError, ValueError, OSError) as exc:
         raise click.ClickException(str(exc)) from None

@@ -75,7 +75,9 @@ CDF_POINTS = 200  # quantiles of latency / SLO kept per policy (the plots' CDF)
 class SimConfig:
     """A simulated run. ``trace_dir``: Azure Functions 2019 format (None: the bundled sample);
     ``functions``: K busiest or ``"all"``; ``hours`` of trace replayed from ``start_minute``
-    (None: the first); ``nodes`` x ``gpus_per_node`` GPUs of 40 GB; ``training_jobs``: fraction
+    (None: the first); ``speedup``: trace time compressed as ``dilu demo --speedup`` does (the
+    replay lasts ``hours`` / ``speedup``, the horizontal windows shrink with it, cold starts do
+    not; 1: trace time); ``nodes`` x ``gpus_per_node`` GPUs of 40 GB; ``training_jobs``: fraction
     (0..1) of the GPUs running a training job; ticks in ms; ``sample_s``: timeline resolution."""
 
     trace_dir: str | None = None
@@ -86,6 +88,7 @@ class SimConfig:
     seed: int = 1
     training_jobs: float = 0.0
     start_minute: int | None = None
+    speedup: float = 1.0
     vertical_tick_ms: float = 250.0
     horizontal_tick_ms: float = 500.0
     warm_up_s: float = 30.0
@@ -96,6 +99,8 @@ class SimConfig:
     def __post_init__(self) -> None:
         if not (self.hours > 0 and math.isfinite(self.hours)):
             raise ValueError(f"hours must be a positive number, got {self.hours}")
+        if not (0 < self.speedup <= 1000 and math.isfinite(self.speedup)):
+            raise ValueError(f"speedup must be in (0, 1000], got {self.speedup}")
         if self.nodes < 1 or self.gpus_per_node < 1:
             raise ValueError(f"need at least 1 node and 1 GPU per node, got {self.nodes} x {self.gpus_per_node}")
         if not 0.0 <= self.training_jobs <= 1.0:
@@ -116,12 +121,12 @@ class Workload:
 
 
 def prepare(cfg: SimConfig) -> Workload:
-    """The replay plan (:func:`cli.demo.build_plan` at speed-up 1), the functions' specs with their
+    """The replay plan (:func:`cli.demo.build_plan` at ``cfg.speedup``), the functions' specs with their
     seeded models, the training jobs, and each inference function's profile from the profiler's
     search on its surface. Raises ValueError / TraceError for a bad trace or span."""
     from dilu.cli.demo import RunOptions, build_plan  # the demo's plan rule, not a copy of it
 
-    opts = RunOptions(duration=cfg.hours * 3600.0, speedup=1.0, seed=cfg.seed, trace_dir=cfg.trace_dir,
+    opts = RunOptions(duration=cfg.hours * 3600.0 / cfg.speedup, speedup=cfg.speedup, seed=cfg.seed, trace_dir=cfg.trace_dir,
                       start_minute=cfg.start_minute, functions=cfg.functions, gpus=str(cfg.gpus_per_node),
                       nats_url=None, log_dir=None, training_jobs=0, progress=False)
     plan, chosen, _ = build_plan(opts, RUN_ID)
@@ -146,11 +151,12 @@ def prepare(cfg: SimConfig) -> Workload:
     return Workload(plan, specs, profiles)
 
 
-def horizontal_config(mode: str) -> HorizontalConfig:
-    """The horizontal scaler's settings of a replay at speed-up 1 (:func:`cli.demo.scaler_windows`)."""
+def horizontal_config(mode: str, speedup: float = 1.0) -> HorizontalConfig:
+    """The horizontal scaler's settings of a replay at ``speedup`` (:func:`cli.demo.scaler_windows`,
+    the live replay's rule)."""
     from dilu.cli.demo import scaler_windows
 
-    args = scaler_windows(1.0)
+    args = scaler_windows(speedup)
     kw = {args[i].lstrip("-").replace("-", "_"): float(args[i + 1]) for i in range(0, len(args), 2)}
     return HorizontalConfig(mode=mode, **kw)
 
@@ -185,7 +191,7 @@ class Simulation:
         self.loop = EventLoop(0.0)
         self.cluster = Cluster([f"node{i}" for i in range(cfg.nodes)], cfg.gpus_per_node, GPU_MEMORY_BYTES)
         self.vertical = VerticalPolicy(VerticalConfig(mode=m.vertical))
-        self.hconf = horizontal_config(m.horizontal)
+        self.hconf = horizontal_config(m.horizontal, cfg.speedup)
         self.horizontal = HorizontalPolicy(self.hconf)
         self.backoff = PlacementBackoff(cfg.horizontal_tick_ms / 1000.0, 30.0)
         self.gpus: dict[int, Gpu] = {}
@@ -679,7 +685,8 @@ def simulate(cfg: SimConfig, policies: list[str], progress=None) -> dict:
         facts[p] = {"events": f.events, "wall_s": f.wall_s, "peak_active_gpus": f.peak_active_gpus,
                     "max_limit_sum": f.max_limit_sum, "unplaced": f.unplaced,
                     "timeline": [list(r) for r in f.timeline], "latency_slo_cdf": f.latency_slo_cdf}
-    conf = {"nodes": cfg.nodes, "gpus_per_node": cfg.gpus_per_node, "hours": cfg.hours, "functions": cfg.functions,
+    conf = {"nodes": cfg.nodes, "gpus_per_node": cfg.gpus_per_node, "hours": cfg.hours, "speedup": cfg.speedup,
+            "functions": cfg.functions,
             "seed": cfg.seed, "training_jobs": cfg.training_jobs, "vertical_tick_ms": cfg.vertical_tick_ms,
             "horizontal_tick_ms": cfg.horizontal_tick_ms, "warm_up_s": cfg.warm_up_s, "drain_s": cfg.drain_s}
     return {"policies": reports, "sim": {"config": conf, "policies": facts}}

@@ -142,3 +142,26 @@ def test_plots_are_written(tmp_path):
     names = sorted(p.name for p in plots.iterdir())
     assert names == ["active_gpus.png", "cold_starts.png", "fragmentation.png", "latency_cdf.png"]
     assert all((plots / n).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" for n in names)
+
+
+def test_speedup_replays_the_live_plan_and_shrinks_the_windows():
+    """--speedup S compresses trace time as dilu demo --speedup does: the same requests as the
+    live replay's plan (same rule, same seed), in 1/S of the time, with the horizontal windows
+    of the live replay at S (cli.demo.scaler_windows)."""
+    from dilu.cli.demo import RunOptions, build_plan
+    from dilu.loadgen.sim.run import horizontal_config
+
+    cfg = SimConfig(functions=4, hours=1 / 6, speedup=10.0, seed=2)
+    work = prepare(cfg)
+    live, _, _ = build_plan(RunOptions(duration=60.0, speedup=10.0, seed=2, trace_dir=None, start_minute=None,
+                                       functions=4, gpus="4", nats_url=None, log_dir=None, training_jobs=0,
+                                       progress=False), "sim")
+    assert work.plan.duration_s == pytest.approx(60.0)
+    assert [(i.function, i.scheduled_ns) for i in work.plan.invocations] == \
+        [(i.function, i.scheduled_ns) for i in live.invocations]
+    assert horizontal_config("lazy", 10.0).stable_window_s == pytest.approx(6.0)
+    assert horizontal_config("lazy", 1.0).stable_window_s == pytest.approx(60.0)
+    rep = Simulation(cfg, "dilu", work).run()[0]
+    assert rep.totals.offered == len(live.invocations) and rep.run.speedup == 10.0
+    with pytest.raises(ValueError, match="speedup"):
+        SimConfig(speedup=0.0)
