@@ -190,15 +190,22 @@ class Sampler:
     fills (to its fixed size) with the kernels instances write, and its pages count as private
     to the agent once those instances have ended."""
 
-    def __init__(self, cluster: Cluster, period_s: float, duration_s: float) -> None:
+    def __init__(self, cluster: Cluster, period_s: float, duration_s: float,
+                 stop: asyncio.Event | None = None) -> None:
         self.cluster, self.period_s, self.duration_s = cluster, period_s, duration_s
+        self.stop = stop or asyncio.Event()
         self.samples: list[chaos.Sample] = []
 
     async def run(self, gen) -> list[chaos.Sample]:
+        """Sample every ``period_s`` until ``duration_s`` has passed or ``stop`` is set (the replay
+        waits for this task, so a stop must end it at once)."""
         t0 = gen.started_unix_ns / 1e9
-        while (elapsed := time.time() - t0) <= self.duration_s:
+        while (elapsed := time.time() - t0) <= self.duration_s and not self.stop.is_set():
             self.samples.extend(await asyncio.to_thread(self.read, elapsed))
-            await asyncio.sleep(self.period_s)
+            try:
+                await asyncio.wait_for(self.stop.wait(), self.period_s)
+            except TimeoutError:
+                pass
         return self.samples
 
     def read(self, t_s: float) -> list[chaos.Sample]:
@@ -261,7 +268,7 @@ async def run_chaos(opts: RunOptions, kinds: list[str], soak: bool, sample_s: fl
     cluster = Cluster(log_dir=log_dir, gpus=opts.gpus, nats_url=None, auth=True,
                       extra_args={"horizontal_scaler": scaler_windows(opts.speedup)})
     injector = Injector(cluster, faults, opts.seed, console, stop)
-    sampler = Sampler(cluster, sample_s, plan.duration_s)
+    sampler = Sampler(cluster, sample_s, plan.duration_s, stop)
     await asyncio.to_thread(cluster.start)
     lost_agent = None
     try:

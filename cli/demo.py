@@ -27,7 +27,7 @@ from rich.console import Console
 from dilu.loadgen import arrivals, assign, generator, report, trace
 from dilu.loadgen import llm as llmtrace
 from dilu.services.common import logging as dlog
-from dilu.services.common.cliopts import writable_output
+from dilu.services.common.cliopts import finite, writable_output
 from dilu.services.common import models
 from dilu.services.common.bus import quiet_error_cb
 from dilu.services.common.invoke import InvokeClient
@@ -91,10 +91,7 @@ def _gpus(value: str) -> str:
     return "cpu" if n == 0 else str(n or EMULATED_DEFAULT_COUNT)
 
 
-def _finite(_ctx, param, value: float) -> float:
-    if not math.isfinite(value):
-        raise click.BadParameter(f"must be a finite number, got {value}", param=param)
-    return value
+_finite = finite  # the callback's name where the run options use it (cli.chaos too)
 
 
 def run_options(f):

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import click
 
-from dilu.services.common.cliopts import writable_output
+from dilu.services.common.cliopts import writable_dir, writable_output, write_output
 from dilu.services.common.policies import POLICIES
 
 ENV = "DILU_SIM"
@@ -66,10 +66,10 @@ def _opt(*decls, **kw):
       help="fraction of the GPUs running a training job (0.1: one GPU in ten)")
 @_opt("--json", "json_path", type=click.Path(dir_okay=False), default=None, callback=writable_output,
       help='write {"policies": {name: report}, "sim": {...}} here (the format of dilu compare --json)')
-@_opt("--plots", "plots_dir", type=click.Path(file_okay=False), default=None,
+@_opt("--plots", "plots_dir", type=click.Path(file_okay=False), default=None, callback=writable_dir,
       help="write PNG plots here (active GPUs, latency/SLO CDF, cold starts, fragmentation over time)")
 @_opt("--workload", type=click.Path(exists=True, dir_okay=False), default=None,
-      help="replay a dilu-sim scheduling workload (e.g. ../shared/data/workloads/dilu-sim/instances-3200.txt) "
+      help="replay a dilu-sim scheduling workload (e.g. services/scheduler/workloads/instances-3200.txt) "
            "through the placement policy instead of a trace (default size: 1000 nodes)")
 def sim(trace_dir, functions, hours, start_minute, speedup, nodes, gpus_per_node, policies, seed, training_jobs, json_path,
         plots_dir, workload) -> None:
@@ -93,7 +93,7 @@ def sim(trace_dir, functions, hours, start_minute, speedup, nodes, gpus_per_node
             raise click.ClickException(str(exc)) from None
         _print_workload(out, console)
         if json_path:
-            Path(json_path).write_text(json.dumps({"sim": out}, indent=2) + "\n")
+            write_output(json_path, json.dumps({"sim": out}, indent=2) + "\n")
             console.print(f"written to {json_path}")
         return
 
@@ -115,12 +115,16 @@ def sim(trace_dir, functions, hours, start_minute, speedup, nodes, gpus_per_node
         console.print(f"{name}: {s['events']:,} events in {s['wall_s']:.1f} s; peak {s['peak_active_gpus']} active GPUs, "
                       f"largest Σ limits on a GPU {s['max_limit_sum']:.2f}")
     if json_path:
-        Path(json_path).write_text(dumps(out))
+        write_output(json_path, dumps(out))
         console.print(f"comparison written to {json_path}")
     if plots_dir:
         from dilu.loadgen.sim.plots import write_plots
 
-        for p in write_plots(out, Path(plots_dir)):
+        try:
+            paths = write_plots(out, Path(plots_dir))
+        except OSError as exc:
+            raise click.ClickException(f"cannot write the plots into {plots_dir}: {exc.strerror or exc}") from None
+        for p in paths:
             console.print(f"plot written to {p}")
 
 

@@ -11,6 +11,7 @@ import functools
 import math
 import socket
 import ssl
+import tempfile
 from pathlib import Path
 from urllib.parse import urlsplit
 
@@ -180,6 +181,38 @@ def writable_output(ctx, param, value):
         if not existed:
             path.unlink(missing_ok=True)
     return value
+
+
+def finite(_ctx, param, value):
+    """Click callback for a float option: NaN and infinities are refused in one line (click's
+    FloatRange lets NaN through, since every comparison with it is false). None passes."""
+    if value is not None and not math.isfinite(value):
+        raise click.BadParameter(f"must be a finite number, got {value}", param=param)
+    return value
+
+
+def writable_dir(ctx, param, value):
+    """Click callback for an output directory option (``--plots``): created (with its parents)
+    and written to once before the run, so a bad path fails in one line before minutes of work.
+    Raises click.BadParameter naming the path and the reason."""
+    if value is not None:
+        path = Path(value)
+        try:
+            path.mkdir(parents=True, exist_ok=True)
+            with tempfile.NamedTemporaryFile(dir=path):
+                pass
+        except OSError as exc:
+            raise click.BadParameter(f"cannot write into {value}: {exc.strerror or exc}") from None
+    return value
+
+
+def write_output(path, text: str) -> None:
+    """Write ``text`` to ``path``; a failure (a full disk, a path gone since the option was
+    checked) is one line (click.ClickException), not a traceback."""
+    try:
+        Path(path).write_text(text)
+    except OSError as exc:
+        raise click.ClickException(f"cannot write {path}: {exc.strerror or exc}") from None
 
 
 def flag_envvars(command: click.Command) -> click.Command:

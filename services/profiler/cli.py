@@ -9,6 +9,8 @@ import click
 from rich.console import Console
 from rich.table import Table
 
+from dilu.services.common.cliopts import finite, writable_output, write_output
+
 from .policy import QUEUEING_BUDGET, NoFeasibleSetting, ProfileSearch
 from .surface import SurfaceBackend, SurfaceError, load_surface, run_search, surface_files
 
@@ -83,12 +85,13 @@ def _legend_text() -> str:
 @click.command("profile", epilog="Columns:\n\n\b\n" + _legend_text())
 @click.option("--surface", "surface_path", type=click.Path(exists=True, dir_okay=False, path_type=Path),
               help="Surface CSV (a100-mps or v100-sm-quota format). Without it: every shipped surface.")
-@click.option("--slo-ms", type=click.FloatRange(min=0, min_open=True, max=1e7), help="Request latency SLO in ms. Default: 2, 3 and 5 × batch-1 full-GPU latency.")
+@click.option("--slo-ms", type=click.FloatRange(min=0, min_open=True, max=1e7), callback=finite, help="Request latency SLO in ms. Default: 2, 3 and 5 × batch-1 full-GPU latency.")
 @click.option("--queueing-budget", type=click.FloatRange(min=0, min_open=True, max=1), default=QUEUEING_BUDGET,
-              show_default=True, help="Share of the SLO a batch may take (a request waits for the batch ahead).")
-@click.option("--stop-threshold", type=click.FloatRange(min=0, max=1), default=0.15, show_default=True,
+              show_default=True, callback=finite, help="Share of the SLO a batch may take (a request waits for the batch ahead).")
+@click.option("--stop-threshold", type=click.FloatRange(min=0, max=1), default=0.15, show_default=True, callback=finite,
               help="Relative TE margin below the best within which the search keeps growing.")
-@click.option("--json", "json_path", type=click.Path(dir_okay=False, path_type=Path), help="Write the results here.")
+@click.option("--json", "json_path", type=click.Path(dir_okay=False, path_type=Path), callback=writable_output,
+              help="Write the results here.")
 def profile(surface_path: Path | None, slo_ms: float | None, queueing_budget: float, stop_threshold: float,
             json_path: Path | None) -> None:
     """Profile on a recorded surface: request/limit quota, batch, TE and trials vs the exhaustive optimum.
@@ -112,7 +115,7 @@ def profile(surface_path: Path | None, slo_ms: float | None, queueing_budget: fl
     _print(rows)
     if json_path:
         out = rows[0] if surface_path and slo_ms else rows
-        json_path.write_text(json.dumps(out, indent=2) + "\n")
+        write_output(json_path, json.dumps(out, indent=2) + "\n")
 
 
 def _print(rows: list[dict]) -> None:

@@ -108,15 +108,20 @@ def load_surface(path: str | Path, tokens_per_request: int | None = None) -> Sur
 
     ``tokens_per_request`` defaults to 32 for a file whose name starts with ``llama`` (per-token
     latency, DESIGN.md section 7) and 1 otherwise. Raises SurfaceError for an unknown header,
-    a non-numeric or non-positive value, or an empty file.
+    a non-numeric or non-positive value, an empty or binary file.
     """
     path = Path(path)
     if tokens_per_request is None:
         tokens_per_request = 32 if path.name.lower().startswith("llama") else 1
-    with path.open(newline="") as fh:
-        reader = csv.DictReader(fh)
-        header = tuple(c.strip() for c in (reader.fieldnames or ()))
-        rows = list(reader)
+    try:
+        with path.open(newline="") as fh:
+            reader = csv.DictReader(fh)
+            header = tuple(c.strip() for c in (reader.fieldnames or ()))
+            rows = list(reader)
+    except UnicodeDecodeError:
+        raise SurfaceError(f"{path}: not a text CSV file") from None
+    except csv.Error as exc:
+        raise SurfaceError(f"{path}: {exc}") from None
     if header == A100_HEADER:
         fmt = "a100-mps"
     elif header == V100_HEADER:

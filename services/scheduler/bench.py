@@ -42,29 +42,57 @@ class WorkloadError(ValueError):
 
 
 def parse_workload(path: str | Path) -> list[tuple[float, str, str, Demand]]:
-    """Events as (time s, action, instance name, demand); raises WorkloadError naming the bad line."""
+    """Events as (time s, action, instance name, demand), one per non-blank line of the Dilu
+    authors' format (a Python dict literal, read with ast.literal_eval: nothing is executed).
+    Raises WorkloadError naming the file and line and saying what is wrong, also for a binary or
+    event-less file."""
+    try:
+        lines = Path(path).read_text().splitlines()
+    except UnicodeDecodeError:
+        raise WorkloadError(f"{path}: not a text file") from None
     events = []
-    for n, line in enumerate(Path(path).read_text().splitlines(), start=1):
+    for n, line in enumerate(lines, start=1):
         if not line.strip():
             continue
         try:
-            e = ast.literal_eval(line)
-            inst = e["Instance"]
-            t = datetime.strptime(e["Time"], "%Y-%m-%d %H:%M:%S").timestamp()
-            gpus = int(inst["gpu_num"])
-            kind = "training" if inst["type"] == "training" else "inference"
-            d = Demand(
-                function=inst["service_name"], request_quota=float(inst["sm_requests"]),
-                limit_quota=float(inst["sm_limits"]), memory_bytes=int(max(inst["memory"]) * GiB),
-                kind=kind, gpus=gpus if kind == "training" else 1,
-            )
-            action = e["Action"]
-            if action not in ("start", "delete"):
-                raise ValueError(f"unknown action {action!r}")
-        except (ValueError, SyntaxError, KeyError, TypeError) as exc:
-            raise WorkloadError(f"{path}:{n}: {type(exc).__name__}: {exc}") from None
-        events.append((t, action, inst["service_name"], d))
+            events.append(_event(line))
+        except (ValueError, TypeError) as exc:
+            raise WorkloadError(f"{path}:{n}: {exc}") from None
+    if not events:
+        raise WorkloadError(f"{path}: no events (expected one dict per line with 'Time', 'Action' and 'Instance')")
     return events
+
+
+def _event(line: str) -> tuple[float, str, str, Demand]:
+    """One workload line as an event; ValueError / TypeError say what is wrong with it."""
+    try:
+        e = ast.literal_eval(line)
+    except (ValueError, SyntaxError, MemoryError, RecursionError):
+        raise ValueError("not a dict literal of plain values") from None
+    if not isinstance(e, dict) or not isinstance(e.get("Instance"), dict):
+        raise ValueError("expected a dict with 'Time', 'Action' and an 'Instance' dict")
+    inst = e["Instance"]
+    missing = [k for k in ("Time", "Action") if k not in e] + \
+        [k for k in ("service_name", "type", "gpu_num", "sm_requests", "sm_limits", "memory") if k not in inst]
+    if missing:
+        raise ValueError(f"missing {', '.join(map(repr, missing))}")
+    t = datetime.strptime(str(e["Time"]), "%Y-%m-%d %H:%M:%S").timestamp()
+    action = e["Action"]
+    if action not in ("start", "delete"):
+        raise ValueError(f"unknown action {action!r} (start or delete)")
+    gpus = int(inst["gpu_num"])
+    request, limit = float(inst["sm_requests"]), float(inst["sm_limits"])
+    memory = inst["memory"] if isinstance(inst["memory"], list) else [inst["memory"]]
+    if gpus < 1:
+        raise ValueError(f"gpu_num must be at least 1, got {gpus}")
+    if not (0 < request <= limit <= 1):
+        raise ValueError(f"need 0 < sm_requests <= sm_limits <= 1, got {request} and {limit}")
+    if not memory or not all(isinstance(m, (int, float)) and 0 <= m < 1e6 for m in memory):
+        raise ValueError(f"memory must be a list of GB per GPU, got {inst['memory']!r}")
+    kind = "training" if inst["type"] == "training" else "inference"
+    d = Demand(function=str(inst["service_name"]), request_quota=request, limit_quota=limit,
+               memory_bytes=int(max(memory) * GiB), kind=kind, gpus=gpus if kind == "training" else 1)
+    return t, action, str(inst["service_name"]), d
 
 
 def _timer() -> HdrHistogram:

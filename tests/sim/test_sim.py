@@ -125,6 +125,40 @@ def test_bad_workload_line_is_one_line(tmp_path):
     assert r.exit_code == 1 and "bad.txt:1" in r.output and len(r.output.strip().splitlines()) == 1, r.output
 
 
+GOOD = ("{'Time': '2024-01-01 00:00:00', 'Action': 'start', 'Instance': {'service_name': 'a', "
+        "'type': 'inference', 'gpu_num': 1, 'sm_requests': 0.3, 'sm_limits': 0.5, 'memory': [4]}}")
+
+
+@pytest.mark.parametrize("text, words", [
+    ("", "no events"),
+    ("\n\n", "no events"),
+    (GOOD.replace("'gpu_num': 1", "'gpu_num': 0"), "gpu_num must be at least 1"),
+    (GOOD.replace("0.5", "0.2"), "sm_requests <= sm_limits"),
+    (GOOD.replace("'memory': [4]", "'memory': []"), "memory must be"),
+    (GOOD.replace("'type': 'inference', ", ""), "missing 'type'"),
+    ("__import__('os').system('true')", "not a dict literal"),
+    ("[1, 2]", "expected a dict"),
+])
+def test_workload_refusals_say_what_is_wrong(tmp_path, text, words):
+    bad = tmp_path / "w.txt"
+    bad.write_text(text)
+    r = CliRunner().invoke(main, ["sim", "--workload", str(bad)])
+    assert r.exit_code == 1 and words in r.output and len(r.output.strip().splitlines()) == 1, r.output
+    assert "0x" not in r.output and "KeyError" not in r.output  # no Python internals for people
+    good = tmp_path / "ok.txt"
+    good.write_text(GOOD + "\n")
+    assert CliRunner().invoke(main, ["sim", "--workload", str(good), "--nodes", "1"]).exit_code == 0
+
+
+def test_outputs_that_cannot_be_written_fail_in_one_line(tmp_path):
+    afile = tmp_path / "f"
+    afile.write_text("x")
+    r = CliRunner().invoke(main, ["sim", "--functions", "2", "--hours", "0.01", "--plots", str(afile / "p")])
+    assert r.exit_code == 2 and "cannot write into" in r.output, r.output
+    r = CliRunner().invoke(main, ["sim", "--functions", "2", "--hours", "0.01", "--json", "/dev/full"])
+    assert r.exit_code == 1 and "cannot write /dev/full" in r.output and "Traceback" not in r.output, r.output
+
+
 def test_options_from_the_environment(tmp_path):
     out = tmp_path / "env.json"
     r = CliRunner().invoke(main, ["sim"], env={"DILU_SIM_FUNCTIONS": "4", "DILU_SIM_HOURS": "0.02",

@@ -221,6 +221,25 @@ def test_bad_surface_file_is_a_clear_error(tmp_path):
     bad.write_text("batch,sm_percent,latency_s,throughput_rps\n1,10,x,3\n")
     with pytest.raises(SurfaceError, match="latency_s"):
         load_surface(bad)
+    bad.write_bytes(bytes(range(256)) * 4)  # not text at all
+    with pytest.raises(SurfaceError, match="not a text CSV"):
+        load_surface(bad)
+
+
+@pytest.mark.parametrize("args, words", [
+    (["--slo-ms", "nan"], "must be a finite number"),
+    (["--queueing-budget", "nan"], "must be a finite number"),
+    (["--slo-ms", "98", "--json", "/nonexistent-dir/p.json"], "cannot write /nonexistent-dir/p.json"),
+])
+def test_dilu_profile_bad_options_are_one_line(args, words):
+    from click.testing import CliRunner
+
+    from dilu.services.profiler.cli import profile
+    from dilu.services.profiler.surface import SURFACES_DIR
+
+    surface = str(SURFACES_DIR / models.spec("resnet152").surface)
+    r = CliRunner().invoke(profile, ["--surface", surface, *args])
+    assert r.exit_code == 2 and words in r.output and "Traceback" not in r.output, r.output
 
 
 def test_models_catalogue():
