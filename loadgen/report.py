@@ -461,6 +461,8 @@ def _training(functions: Mapping[str, FunctionMeta], facts: RunFacts) -> list[Tr
 # tables and for the ``--help`` of ``dilu demo`` and ``dilu compare`` (:func:`legend_text`).
 LEGEND: dict[str, str] = {
     "function": "the replayed function (fn- and the start of its trace hash)",
+    "total": "the functions' requests together; its instance launches and quota·s also count the training "
+             "jobs' (listed below), so they exceed the sum of the rows above",
     "model": "the model it serves (assigned by the seeded rule)",
     "SLO ms": "its latency objective: ms from a request's scheduled send to its answer",
     "offered": "requests sent; each ends as exactly one of completed, dropped, failed, timed out",
@@ -665,7 +667,8 @@ def render(report: Report, console: Console) -> None:
         for table in _fitted("Training jobs", t_headers, t_rows, width):
             console.print(table)
         shown += [h for h, _ in t_headers if h not in shown]
-    console.print(_legend_table([(h, LEGEND[h]) for h in shown] + [("–", LEGEND["–"])]))
+    notes = [("total", LEGEND["total"])] if report.training else []
+    console.print(_legend_table([(h, LEGEND[h]) for h in shown] + notes + [("–", LEGEND["–"])]))
 
     t, m = report.totals, report.mechanism
     values = [
