@@ -74,7 +74,9 @@ def _opt(*decls, **kw):
 def sim(trace_dir, functions, hours, start_minute, speedup, nodes, gpus_per_node, policies, seed, training_jobs, json_path,
         plots_dir, workload) -> None:
     """Simulate the platform's policies over a real trace (deterministic per seed) and print the
-    comparison table, as dilu compare does for live runs."""
+    comparison table, as dilu compare does for live runs. In a simulated report, seconds are
+    simulated seconds ("wall s" and goodput's denominator included), and the vertical reaction is
+    not modelled (a grant takes effect at the vertical scaler's next tick, every 250 ms)."""
     from dilu.cli.demo import make_console
 
     from dilu.loadgen import report
