@@ -105,7 +105,9 @@ def sim(trace_dir, functions, hours, start_minute, speedup, nodes, gpus_per_node
         cfg = SimConfig(trace_dir=trace_dir, functions=functions, hours=hours, nodes=nodes, gpus_per_node=gpus_per_node,
                         seed=seed, training_jobs=training_jobs, start_minute=start_minute,
                         speedup=speedup)
-        out = simulate(cfg, policies, progress=lambda p: console.print(f"[dim]simulating policy {p}[/dim]"))
+        out = simulate(cfg, policies, progress=lambda p: console.print(f"[dim]simulating policy {p}[/dim]"),
+                       tick=lambda p, done, total: console.print(
+                           f"[dim]{p}: {done:,.0f} of {total:,.0f} simulated s[/dim]", highlight=False))
     except (TraceError, ValueError, OSError) as exc:
         raise click.ClickException(str(exc)) from None
     first = next(iter(out["policies"].values()))

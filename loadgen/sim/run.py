@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from dilu.cli.deploy import function_spec, training_spec
@@ -69,6 +70,7 @@ TIMEOUT_SLO_FACTOR = 10.0
 QUIET_WINDOWS = 12
 RUN_ID = "sim"
 CDF_POINTS = 200  # quantiles of latency / SLO kept per policy (the plots' CDF)
+PROGRESS_EVERY_S = 10.0  # wall seconds between progress reports (the live demo's line period)
 
 
 @dataclass
@@ -184,8 +186,11 @@ class Simulation:
 
     sleep_idle = True
 
-    def __init__(self, cfg: SimConfig, policy: str, work: Workload) -> None:
+    def __init__(self, cfg: SimConfig, policy: str, work: Workload,
+                 on_progress: Callable[[float, float], None] | None = None) -> None:
         self.cfg, self.policy, self.work = cfg, policy, work
+        self.on_progress = on_progress  # (simulated s done, s in all), at most every PROGRESS_EVERY_S
+        self._progress_at = time.monotonic()
         m = modes(policy)
         self.modes = m
         self.loop = EventLoop(0.0)
@@ -582,6 +587,9 @@ class Simulation:
             self.facts.timeline.append((round((now - self.t0) / 1000.0, 3), self.cluster.active, self.cold_total,
                                         round(alloc, 6), round(idle, 6)))
         self._sample_prev = (self.area, self.frag, self.consumed)
+        if self.on_progress is not None and time.monotonic() - self._progress_at >= PROGRESS_EVERY_S:
+            self._progress_at = time.monotonic()  # the printing only: nothing simulated reads it
+            self.on_progress((now - self.t0) / 1000.0, (self.end - self.t0) / 1000.0)
         step = self.cfg.sample_s * 1000.0
         if now + step <= self.end:
             self.loop.at(now + step, self._sample)
@@ -664,14 +672,15 @@ class Simulation:
         return report.build_report(records, meta, facts, info)
 
 
-def simulate(cfg: SimConfig, policies: list[str], progress=None) -> dict:
+def simulate(cfg: SimConfig, policies: list[str], progress=None, tick=None) -> dict:
     """Every policy over the same workload: ``{"policies": {name: report dict}, "sim": {...}}``
     (the format of ``dilu compare --json`` plus the simulator's own figures, in ``sim``:
     configuration, and per policy ``events``, ``wall_s``, ``peak_active_gpus``,
     ``max_limit_sum``, ``unplaced``, the ``timeline`` rows ``[t_s, active GPUs, cold-start
     requests so far, allocation fragmentation, idle fragmentation]`` every ``sample_s`` and the
     ``latency_slo_cdf``: [fraction, latency / SLO] at 200 quantiles of the completed requests). ``progress(name)`` is called
-    before each policy. Raises ValueError for an unknown policy or a bad span."""
+    before each policy, ``tick(name, simulated s done, s in all)`` every 10 wall seconds within
+    one (printing only: the run is the same without). Raises ValueError for an unknown policy or a bad span."""
     for p in policies:
         modes(p)
     work = prepare(cfg)
@@ -680,7 +689,8 @@ def simulate(cfg: SimConfig, policies: list[str], progress=None) -> dict:
     for p in policies:
         if progress is not None:
             progress(p)
-        rep, f = Simulation(cfg, p, work).run()
+        on = None if tick is None else (lambda done, total, p=p: tick(p, done, total))
+        rep, f = Simulation(cfg, p, work, on_progress=on).run()
         reports[p] = rep.to_dict()
         facts[p] = {"events": f.events, "wall_s": f.wall_s, "peak_active_gpus": f.peak_active_gpus,
                     "max_limit_sum": f.max_limit_sum, "unplaced": f.unplaced,

@@ -199,3 +199,18 @@ def test_speedup_replays_the_live_plan_and_shrinks_the_windows():
     assert rep.totals.offered == len(live.invocations) and rep.run.speedup == 10.0
     with pytest.raises(ValueError, match="speedup"):
         SimConfig(speedup=0.0)
+
+
+def test_progress_ticks_change_nothing_simulated(monkeypatch):
+    from dilu.loadgen.sim import run as sim_run
+
+    cfg = SimConfig(**SMALL, seed=5)
+    quiet = simulate(cfg, ["dilu"])
+    monkeypatch.setattr(sim_run, "PROGRESS_EVERY_S", 0.0)  # a tick at every timeline sample
+    ticks: list = []
+    loud = simulate(cfg, ["dilu"], tick=lambda p, done, total: ticks.append((p, done, total)))
+    assert len(ticks) > 3 and all(p == "dilu" and 0 <= d <= t for p, d, t in ticks)
+    assert [d for _, d, _ in ticks] == sorted(d for _, d, _ in ticks)
+    for out in (quiet, loud):
+        out["sim"]["policies"]["dilu"].pop("wall_s")
+    assert quiet == loud
