@@ -200,6 +200,7 @@ class IdleTimeHistogram:
         self.margin, self.min_samples, self.cv_min = margin, min_samples, cv_min
         self.counts = [0] * math.ceil(range_s / bin_s)
         self.out_of_bounds = 0
+        self._windows: tuple[float, IdleWindows] | None = None  # (fallback, answer) since the last add
 
     @property
     def samples(self) -> int:
@@ -210,6 +211,7 @@ class IdleTimeHistogram:
         if not (math.isfinite(idle_s) and idle_s >= 0):
             raise ValueError(f"idle time must be finite and >= 0 s, got {idle_s!r}")
         b = int(idle_s // self.bin_s)
+        self._windows = None
         if b < len(self.counts):
             self.counts[b] += 1
         else:
@@ -232,7 +234,16 @@ class IdleTimeHistogram:
         return len(self.counts) - 1
 
     def windows(self, fallback_keep_alive_s: float) -> IdleWindows:
-        """Pre-warm and keep-alive windows (s), or ``(0, fallback)`` when not representative."""
+        """Pre-warm and keep-alive windows (s), or ``(0, fallback)`` when not representative.
+        Computed once per change of the histogram (every tick reads it; few ticks add to it)."""
+        cached = self._windows
+        if cached is not None and cached[0] == fallback_keep_alive_s:
+            return cached[1]
+        answer = self._compute_windows(fallback_keep_alive_s)
+        self._windows = (fallback_keep_alive_s, answer)
+        return answer
+
+    def _compute_windows(self, fallback_keep_alive_s: float) -> IdleWindows:
         if not self.representative():
             return IdleWindows(0.0, fallback_keep_alive_s, False)
         head = self._percentile_bin(self.head_pct) * self.bin_s  # lower edge of the head bin
@@ -296,7 +307,8 @@ class _Function:
     name: str
     params: FunctionParams
     histogram: IdleTimeHistogram
-    samples: deque = field(default_factory=deque)  # (t, backlog)
+    stable: _Window = field(default_factory=lambda: _Window())  # backlog over the stable window
+    panic: _Window = field(default_factory=lambda: _Window())  # backlog over the panic window
     arrivals: deque = field(default_factory=deque)  # (t, count)
     instances: dict[str, _Instance] = field(default_factory=dict)
     backlog: float | None = None
@@ -327,9 +339,33 @@ def concurrency_target(batch: int, batch_latency_ms: float, slo_ms: float) -> fl
     return float(b * max(1, math.floor(slo_ms / batch_latency_ms)))
 
 
-def _avg(samples: Iterable[tuple[float, float]], since: float) -> float:
-    vals = [v for t, v in samples if t > since]
-    return sum(vals) / len(vals) if vals else 0.0
+class _Window:
+    """Backlog samples (t s, value) newer than a cut-off, with their sum kept as they come and go:
+    the mean over a window is O(1) per tick instead of a pass over every sample in it (the
+    simulator decides for thousands of functions per tick). Times must not decrease."""
+
+    __slots__ = ("_q", "_sum")
+
+    def __init__(self) -> None:
+        self._q: deque = deque()
+        self._sum = 0.0
+
+    def add(self, t_s: float, value: float) -> None:
+        self._q.append((t_s, value))
+        self._sum += value
+
+    def trim(self, since_s: float) -> None:
+        """Drop the samples with t <= ``since_s``."""
+        q = self._q
+        while q and q[0][0] <= since_s:
+            self._sum -= q.popleft()[1]
+        if not q:
+            self._sum = 0.0  # no rounding drift carried past an empty window
+
+    def mean_since(self, since_s: float) -> float:
+        """Mean of the samples with t > ``since_s`` (0 when none); older ones are dropped."""
+        self.trim(since_s)
+        return self._sum / len(self._q) if self._q else 0.0
 
 
 def _ceil(x: float) -> int:
@@ -463,13 +499,15 @@ class HorizontalPolicy:
             return
         if backlog < 0 or (arrivals is not None and arrivals < 0):
             raise ValueError(f"{fn}: backlog and arrivals must be >= 0, got {backlog}, {arrivals}")
-        f.samples.append((now_s, float(backlog)))
+        f.stable.add(now_s, float(backlog))
+        f.panic.add(now_s, float(backlog))
         if arrivals is not None:
             f.arrivals.append((now_s, float(arrivals)))
         horizon = now_s - self.config.stable_window_s
-        for q in (f.samples, f.arrivals):
-            while q and q[0][0] <= horizon:
-                q.popleft()
+        f.stable.trim(horizon)
+        f.panic.trim(now_s - self.config.panic_window)
+        while f.arrivals and f.arrivals[0][0] <= horizon:
+            f.arrivals.popleft()
         self._track_idle(f, now_s, backlog)
         f.backlog = backlog
 
@@ -509,8 +547,8 @@ class HorizontalPolicy:
         if f.backlog is None:
             return self._hold(f, d)
         target, _ = f.params.sizing(cfg.mode)
-        stable_avg = _avg(f.samples, now_s - cfg.stable_window_s)
-        panic_avg = _avg(f.samples, now_s - cfg.panic_window)
+        stable_avg = f.stable.mean_since(now_s - cfg.stable_window_s)
+        panic_avg = f.panic.mean_since(now_s - cfg.panic_window)
         desired, reason = self._kpa(f, d, now_s, stable_avg, panic_avg, target)
         desired, reason = self._idle(f, now_s, desired, reason)
         if f.backlog > 0 and desired == 0:

@@ -400,3 +400,24 @@ def test_scale_down_delay_holds_a_fresh_scale_out():
     # with the delay nothing is retired within 20 s of the scale-out; without it, it is
     assert min(delayed[first_out:first_out + 19]) == max(delayed[first_out:first_out + 19])
     assert min(eager_in[first_out:first_out + 19]) < max(eager_in[first_out:first_out + 19])
+
+
+def test_window_mean_is_the_mean_of_the_samples_inside_it():
+    """The running sum gives what a pass over the samples gives, as samples come and go
+    (integers stay exact; an empty window resets the sum)."""
+    import random
+
+    from dilu.services.horizontal_scaler.policy import _Window
+
+    rng = random.Random(7)
+    w, kept, t = _Window(), [], 0.0
+    for _ in range(2000):
+        t += rng.choice([0.5, 1.0, 3.0, 90.0])
+        v = float(rng.randint(0, 40))
+        w.add(t, v)
+        kept.append((t, v))
+        since = t - rng.choice([6.0, 60.0])
+        inside = [x for s, x in kept if s > since]
+        assert w.mean_since(since) == (sum(inside) / len(inside) if inside else 0.0)
+        kept = [(s, x) for s, x in kept if s > since]
+    assert w.mean_since(t) == 0.0 and w._sum == 0.0
