@@ -1,6 +1,9 @@
 """Shared fixtures. ``nats_url``: a real nats-server with JetStream in a temp dir, one per test."""
 from __future__ import annotations
 
+import os
+from pathlib import Path
+
 import nats
 import pytest
 
@@ -11,6 +14,21 @@ from dilu.services.common.natsserver import EmbeddedNats
 def nats_url():
     with EmbeddedNats() as server:
         yield server.url
+
+
+# the project's shared report checker: DILU_CHECK_REPORT, else beside the checkout, else the
+# workplace's copy (a fresh clone elsewhere has none beside it)
+_CHECKERS = [Path(__file__).resolve().parents[2] / "shared" / "tools" / "check-report.py",
+             Path("/work/shared/tools/check-report.py")]
+CHECK_REPORT = Path(os.environ.get("DILU_CHECK_REPORT") or next((p for p in _CHECKERS if p.exists()), _CHECKERS[0]))
+
+
+@pytest.fixture
+def check_report() -> Path:
+    """The path of check-report.py; the test is skipped where the checkout has no shared tools."""
+    if not CHECK_REPORT.exists():
+        pytest.skip(f"no report checker at {CHECK_REPORT} (set DILU_CHECK_REPORT)")
+    return CHECK_REPORT
 
 
 @pytest.fixture

@@ -14,7 +14,6 @@ from dilu.cli.main import main
 from dilu.loadgen.sim.run import SimConfig, Simulation, Workload, prepare, simulate
 
 ROOT = Path(__file__).resolve().parents[2]
-CHECK = ROOT.parent / "shared" / "tools" / "check-report.py"
 WORKLOADS = ROOT / "services" / "scheduler" / "workloads"
 SMALL = dict(functions=8, hours=0.05, nodes=1, gpus_per_node=4)
 
@@ -44,11 +43,11 @@ def test_same_seed_same_json_other_seed_differs(tmp_path):
     assert json.loads(a)["policies"] != json.loads(c)["policies"]
 
 
-def test_report_passes_check_report(tmp_path):
+def test_report_passes_check_report(tmp_path, check_report):
     data, _ = _run(["--functions", "8", "--hours", "0.05", "--policies", "dilu,horizontal-only,static-mps,exclusive",
                     "--training-jobs", "0.25"], tmp_path)
     assert set(data["policies"]) == {"dilu", "horizontal-only", "static-mps", "exclusive"}
-    r = subprocess.run([sys.executable, str(CHECK), str(tmp_path / "out.json")], capture_output=True, text=True)
+    r = subprocess.run([sys.executable, str(check_report), str(tmp_path / "out.json")], capture_output=True, text=True)
     assert r.returncode == 0, r.stdout + r.stderr
     assert "PROBLEM" not in r.stdout
     dilu = data["policies"]["dilu"]

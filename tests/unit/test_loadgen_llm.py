@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import csv
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -28,8 +27,6 @@ from dilu.services.node_agent.handlers.emulated import parse_llm_payload
 
 MS = 1_000_000
 S = 1_000_000_000
-# the project's shared report checker, beside the checkout (DILU_CHECK_REPORT names another copy)
-CHECK_REPORT = Path(os.environ.get("DILU_CHECK_REPORT", "/work/shared/tools/check-report.py"))
 HEADER = "TIMESTAMP,ContextTokens,GeneratedTokens\n"
 
 
@@ -331,12 +328,11 @@ def test_inference_only_reports_keep_their_json_shape(tmp_path):
     assert read_report(path) == llm_report()
 
 
-def check_report(path: Path) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, str(CHECK_REPORT), str(path)], capture_output=True, text=True, timeout=60)
+def run_checker(checker: Path, path: Path) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(checker), str(path)], capture_output=True, text=True, timeout=60)
 
 
-@pytest.mark.skipif(not CHECK_REPORT.exists(), reason=f"no report checker at {CHECK_REPORT}")
-def test_check_report_passes_on_built_reports(tmp_path):
+def test_check_report_passes_on_built_reports(tmp_path, check_report):
     llm_path, old_path, both_path = tmp_path / "llm.json", tmp_path / "old.json", tmp_path / "compare.json"
     write_report(llm_report(), llm_path)
     write_report(build_report([rec(0, "bert", 10)], {"bert": LLM_META["bert"]}, RunFacts(), RunInfo(wall_s=1)),
@@ -344,13 +340,13 @@ def test_check_report_passes_on_built_reports(tmp_path):
     both_path.write_text(json.dumps({"policies": {"dilu": llm_report().to_dict(),
                                                   "exclusive": json.loads(old_path.read_text())}}))
     for path in (llm_path, old_path, both_path):
-        done = check_report(path)
+        done = run_checker(check_report, path)
         assert done.returncode == 0, done.stdout + done.stderr
         assert "PROBLEM" not in done.stdout
     broken = llm_report().to_dict()
     broken["functions"][0]["completed"] += 1  # the checker does catch a broken account
     llm_path.write_text(json.dumps(broken))
-    assert check_report(llm_path).returncode == 1
+    assert run_checker(check_report, llm_path).returncode == 1
 
 
 def test_render_shows_token_columns_only_with_an_llm_function():
