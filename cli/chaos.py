@@ -29,7 +29,7 @@ from rich.table import Table
 
 from dilu.loadgen import chaos, report
 from dilu.services.common import logging as dlog
-from dilu.services.common.cliopts import writable_output
+from dilu.services.common.cliopts import writable_output, write_output
 from dilu.services.common.workqueue import DEFAULT_ACK_WAIT_S
 from dilu.services.node_agent import segments
 
@@ -377,6 +377,6 @@ def chaos_cmd(minutes, kinds, soak, sample_s, functions, gpus, speedup, seed, tr
     out = _run_or_explain(main)
     render(out, console)
     if json_path:
-        Path(json_path).write_text(json.dumps(out, indent=2))
+        write_output(json_path, json.dumps(out, indent=2))
         console.print(f"written to {json_path}")
     _end(console, held.get("stop"))
