@@ -41,6 +41,8 @@ class Node:
     def apply(self, grants):
         running = dict(self.quota)
         for g in grants:  # in order: the sum must never exceed 1, even between two grants
+            if g.instance_id not in self.specs:
+                continue  # retired here: the node agent has no block to write it to
             running[g.instance_id] = g.quota
             assert not self.check_sum or sum(running.values()) <= 1.0 + 1e-6, grants
         self.quota = running
