@@ -29,12 +29,12 @@ from rich.table import Table
 
 from dilu.loadgen import chaos, report
 from dilu.services.common import logging as dlog
-from dilu.services.common.cliopts import writable_output, write_output
+from dilu.services.common.cliopts import finite, writable_output, write_output
 from dilu.services.common.workqueue import DEFAULT_ACK_WAIT_S
 from dilu.services.node_agent import segments
 
 from .cluster import NATS, Cluster
-from .demo import RunOptions, _end, _finite, _gpus, _install_stop, _replay, _run_or_explain, build_plan, make_console, scaler_windows
+from .demo import RunOptions, _end, _gpus, _install_stop, _replay, _run_or_explain, build_plan, make_console, scaler_windows
 
 WHOLE_TIMEOUT_S = 90.0  # longest wait for every process to be running and ready after a fault
 ORPHAN_WAIT_S = 10.0  # how long instances may outlive a node agent killed for good
@@ -345,16 +345,16 @@ def render(out: dict, console: Console) -> None:
 
 
 @click.command()
-@click.option("--minutes", type=click.FloatRange(min=0.5), default=3.0, show_default=True, callback=_finite,
+@click.option("--minutes", type=click.FloatRange(min=0.5), default=3.0, show_default=True, callback=finite,
               help="length of the load (all faults need at least 1.7)")
 @click.option("--faults", "kinds", default="all", show_default=True, callback=lambda c, p, v: _faults(v),
               help=f"comma-separated fault kinds, in order, or 'all': {', '.join([*chaos.KINDS, chaos.LOSE_AGENT])}")
 @click.option("--soak", is_flag=True, help="no faults: sample every process's own memory, descriptors and threads, and the shared-memory segments")
-@click.option("--sample-s", type=click.FloatRange(min=0.5), default=10.0, show_default=True, callback=_finite,
+@click.option("--sample-s", type=click.FloatRange(min=0.5), default=10.0, show_default=True, callback=finite,
               help="soak sampling period")
 @click.option("--functions", type=click.IntRange(min=1), default=8, show_default=True, help="K busiest functions of the span")
 @click.option("--gpus", default="4", show_default=True, callback=lambda c, p, v: _gpus(v), help="emulated GPUs on the node")
-@click.option("--speedup", type=click.FloatRange(min=0.01, max=1000), default=10.0, show_default=True, callback=_finite)
+@click.option("--speedup", type=click.FloatRange(min=0.01, max=1000), default=10.0, show_default=True, callback=finite)
 @click.option("--seed", type=click.IntRange(min=0), default=1, show_default=True)
 @click.option("--trace", "trace_dir", type=click.Path(exists=True, file_okay=False), default=None)
 @click.option("--log-dir", default=None, type=click.Path(file_okay=False))

@@ -91,14 +91,11 @@ def _gpus(value: str) -> str:
     return "cpu" if n == 0 else str(n or EMULATED_DEFAULT_COUNT)
 
 
-_finite = finite  # the callback's name where the run options use it (cli.chaos too)
-
-
 def run_options(f):
     """The options of a run, shared by ``demo`` and ``compare``."""
     opts = [
-        click.option("--duration", type=click.FloatRange(min=1), default=120.0, show_default=True, callback=_finite, help="wall-clock seconds of replay"),
-        click.option("--speedup", type=click.FloatRange(min=0.01, max=1000), default=10.0, show_default=True, callback=_finite, help="trace seconds per wall second (arrivals only)"),
+        click.option("--duration", type=click.FloatRange(min=1), default=120.0, show_default=True, callback=finite, help="wall-clock seconds of replay"),
+        click.option("--speedup", type=click.FloatRange(min=0.01, max=1000), default=10.0, show_default=True, callback=finite, help="trace seconds per wall second (arrivals only)"),
         click.option("--seed", type=click.IntRange(min=0), default=1, show_default=True),
         click.option("--trace", "trace_dir", type=click.Path(exists=True, file_okay=False), default=None, help="trace directory in the Azure Functions 2019 format (default: the bundled 100-function sample)"),
         click.option("--start-minute", type=int, default=None, help="trace minute to begin at (default: the first)"),
@@ -107,7 +104,7 @@ def run_options(f):
         click.option("--nats-url", default=None, help="use a running NATS server instead of starting one"),
         click.option("--log-dir", default=None, type=click.Path(file_okay=False), help="where the services' JSON logs go (default: a temp dir)"),
         click.option("--training-jobs", type=click.IntRange(min=0, max=64), default=None, help="training jobs collocated with the inference functions (default: one per GPU; 0: none)"),
-        click.option("--llm-share", type=click.FloatRange(min=0.0, max=1.0), default=0.0, show_default=True, callback=_finite, help="also replay this fraction of the Azure LLM 2023 code trace's requests (real arrival times, prompt and output lengths) against an llm function on LLaMA2-7B; 0: none"),
+        click.option("--llm-share", type=click.FloatRange(min=0.0, max=1.0), default=0.0, show_default=True, callback=finite, help="also replay this fraction of the Azure LLM 2023 code trace's requests (real arrival times, prompt and output lengths) against an llm function on LLaMA2-7B; 0: none"),
     ]
     for opt in reversed(opts):
         f = opt(f)
