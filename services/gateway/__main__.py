@@ -9,7 +9,7 @@ from dilu.services.common.cliopts import Finite, log_level_option, metrics_port_
 from dilu.services.common.runner import StartFailed, run
 
 from .app import MIB, Limits
-from .service import Gateway
+from .service import HTTP_KEEP_ALIVE_S, Gateway
 
 
 @click.command()
@@ -25,15 +25,19 @@ from .service import Gateway
               help="largest Dilu-Timeout accepted, s (larger: 400)")
 @click.option("--drain-s", type=Finite(0, 15), default=10.0, show_default=True,
               help="on stop, how long in-flight requests may still finish, s (then 503)")
+@click.option("--http-keep-alive-s", type=Finite(0.001, 3600), default=HTTP_KEEP_ALIVE_S, show_default=True,
+              help="how long an idle HTTP connection stays open, s; keep it above the idle timeout "
+                   "of the load balancer or client pool in front, so that they close first")
 @metrics_port_option("gateway")
 @log_level_option
-def main(nats, host, port, max_body_bytes, default_timeout_s, max_timeout_s, drain_s, metrics_port, log_level):
+def main(nats, host, port, max_body_bytes, default_timeout_s, max_timeout_s, drain_s, http_keep_alive_s, metrics_port,
+         log_level):
     """Run the HTTP gateway: invoke functions over HTTP (server-sent events for llm streams)."""
     if default_timeout_s > max_timeout_s:
         raise click.BadParameter(f"{default_timeout_s:g} is above --max-timeout-s {max_timeout_s:g}",
                                  param_hint="--default-timeout-s")
     limits = Limits(max_body_bytes=max_body_bytes, default_timeout_s=default_timeout_s, max_timeout_s=max_timeout_s)
-    gateway = Gateway(host=host, port=port, limits=limits, drain_s=drain_s)
+    gateway = Gateway(host=host, port=port, limits=limits, drain_s=drain_s, keep_alive_s=http_keep_alive_s)
     try:
         gateway.check_address()  # a taken port fails now, not once NATS is reachable
     except StartFailed as exc:

@@ -39,6 +39,11 @@ from .app import Limits, Stopping, build_app
 CONNECT_TIMEOUT_S = 10.0  # the bus is connected already: starting the client is quick or failing
 CUT_GRACE_S = 2.0  # after the drain time: for the 503s to go out before uvicorn cancels the rest
 STARTUP_TIMEOUT_S = 10.0
+# How long an idle HTTP keep-alive connection stays open, s. Longer than the idle expiry of
+# client pools and load balancers in front (httpx 5 s, aiohttp 15 s, AWS ALB 60 s), so that the
+# client always closes first: a server that closes an idle connection as the client reuses it
+# resets the request sent on it (ECONNRESET at the caller). 75 s is nginx's keepalive_timeout.
+HTTP_KEEP_ALIVE_S = 75.0
 
 log = dlog.get("gateway")
 
@@ -61,17 +66,22 @@ class Gateway:
 
     ``host``/``port``: the HTTP address (port 0: any free one; :attr:`port` tells which);
     ``limits``: body and timeout limits; ``drain_s``: seconds in-flight requests get on stop
-    (keep it under the runner's 20 s stop budget); ``connect``: ``async (bus) -> client``, the
-    client every request goes through (tests may inject a stand-in).
+    (keep it under the runner's 20 s stop budget); ``keep_alive_s``: seconds an idle connection
+    stays open (:data:`HTTP_KEEP_ALIVE_S`; ``--http-keep-alive-s``); ``connect``:
+    ``async (bus) -> client``, the client every request goes through (tests may inject a
+    stand-in). Raises ValueError for a negative ``drain_s`` or a ``keep_alive_s`` not above 0.
     """
 
     name = "gateway"
 
     def __init__(self, *, host: str = "127.0.0.1", port: int = 8080, limits: Limits | None = None,
-                 drain_s: float = 10.0, connect: Callable[[Bus], Awaitable[Any]] = attach_client) -> None:
+                 drain_s: float = 10.0, keep_alive_s: float = HTTP_KEEP_ALIVE_S,
+                 connect: Callable[[Bus], Awaitable[Any]] = attach_client) -> None:
         if drain_s < 0:
             raise ValueError("drain_s must be >= 0")
-        self.host, self.drain_s = host, drain_s
+        if not keep_alive_s > 0:
+            raise ValueError("keep_alive_s must be > 0")
+        self.host, self.drain_s, self.keep_alive_s = host, drain_s, keep_alive_s
         self.limits = limits or Limits()
         self._port = port
         self._connect = connect
@@ -126,7 +136,7 @@ class Gateway:
             raise StartFailed(f"cannot start the client or read the deployed functions: "
                               f"{type(exc).__name__}: {exc}") from None
         config = uvicorn.Config(self.app, lifespan="off", log_config=None, access_log=False, server_header=False,
-                                timeout_graceful_shutdown=self.drain_s + CUT_GRACE_S)
+                                timeout_keep_alive=self.keep_alive_s, timeout_graceful_shutdown=self.drain_s + CUT_GRACE_S)
         self._server = _Server(config)
         self._task = asyncio.create_task(self._server.serve(sockets=[sock]), name="gateway-http")
         deadline = time.monotonic() + STARTUP_TIMEOUT_S

@@ -25,7 +25,7 @@ from dilu.services.common.workqueue import consumer_name, ensure_consumer
 from dilu.services.gateway.app import Limits
 
 from client_fakes import seed_functions
-from dilu.services.gateway.service import Gateway
+from dilu.services.gateway.service import HTTP_KEEP_ALIVE_S, Gateway
 
 pytestmark = pytest.mark.nats
 
@@ -289,6 +289,26 @@ async def test_the_body_limit_fits_what_nats_carries(nats_url, instance):
         problem(await http.post("/v1/functions/echo:invoke", content=b"x" * max_payload), 413, "payload-too-large")
         resp = await http.post("/v1/functions/echo:invoke", content=b"y" * gw.limits.max_body_bytes)
         assert resp.status_code == 200 and len(resp.content) == gw.limits.max_body_bytes
+
+
+async def test_an_idle_connection_is_closed_by_the_client_first(nats_url, instance):
+    """The server keeps an idle connection past the client pool's idle expiry: were it to close
+    first, a request sent as it closes would be reset (ECONNRESET, seen under overload)."""
+    assert HTTP_KEEP_ALIVE_S > httpx.Limits().keepalive_expiry
+    for keep_alive_s, open_at_s in ((0.3, None), (3.0, 0.6)):
+        gw = Gateway(port=0, keep_alive_s=keep_alive_s)
+        async with running(gw, nats_url):
+            reader, writer = await asyncio.open_connection("127.0.0.1", gw.port)
+            writer.write(b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n")
+            head = await reader.readuntil(b"\r\n\r\n")
+            assert head.startswith(b"HTTP/1.1 200")
+            await reader.readexactly(int(head.lower().split(b"content-length: ")[1].split(b"\r\n")[0]))
+            if open_at_s is None:  # closed by the server once idle for keep_alive_s
+                assert await asyncio.wait_for(reader.read(), 3.0) == b""
+            else:
+                with pytest.raises(asyncio.TimeoutError):
+                    await asyncio.wait_for(reader.read(), open_at_s)
+            writer.close()
 
 
 def _runs_in(task: asyncio.Task, *places: str) -> bool:
