@@ -27,6 +27,7 @@ from nats.js.api import KeyValueConfig
 from dilu.contracts import MalformedEvent, cloudevents, decode, encode, subjects
 from dilu.contracts import events as ev
 from dilu.services.common import bundle, workqueue
+from dilu.services.common.bus import settle
 from dilu.services.common.jsresources import ensure_kv
 from dilu.services.common.nodes import read_inventories
 
@@ -215,7 +216,7 @@ class _ReadyWatch:
 
         self._subs = [await nc.subscribe(f"{subjects.PREFIX}.instance.ready.*", cb=on_ready),
                       await nc.subscribe(f"{subjects.PREFIX}.instance.retired.*", cb=on_retired)]
-        await nc.flush()
+        await settle(nc)  # the server has both SUBs before the deploy can make an instance ready
         return self
 
     async def wait(self, timeout_s: float) -> ReadyInstance | None:
@@ -287,7 +288,7 @@ async def deploy(target: NATS | AsyncClient, loaded: LoadedSpec | ev.FunctionSpe
         kv = await functions_bucket(js, replicas=replicas)
         await kv.put(subjects.token(spec.name), encode(spec))
         await publish_event(nc, subjects.function_deployed(spec.name), ev.FunctionDeployed(spec=spec))
-        await nc.flush()
+        await settle(nc)
         started = time.monotonic()
         if watch:
             step(f"waiting up to {wait_ready_s:g} s for the first instance")
@@ -322,7 +323,7 @@ async def undeploy(target: NATS | AsyncClient, name: str, *, wait_s: float = 30.
         kind = "inference"
     await kv.delete(key)
     await publish_event(nc, subjects.function_undeployed(name), ev.FunctionUndeployed(name=name))
-    await nc.flush()
+    await settle(nc)
     deadline = time.monotonic() + wait_s
     while (remaining := len(await placements(js, name))) and time.monotonic() < deadline:
         await asyncio.sleep(min(UNDEPLOY_POLL_S, max(0.0, deadline - time.monotonic())))

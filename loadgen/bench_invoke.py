@@ -35,6 +35,7 @@ import uvloop
 from nats.js.api import AckPolicy, ConsumerConfig, RetentionPolicy, StorageType, StreamConfig
 
 from dilu.services.common import logging as dlog
+from dilu.services.common.bus import settle
 from dilu.services.common.cliopts import nats_options, writable_output
 from dilu.services.common.invoke import InvokeClient
 from dilu.services.common.natsconn import NatsOptions, connect
@@ -163,7 +164,7 @@ class BarePath:
                 fut.set_result(None)
 
         await self.nc_caller.subscribe(f"{self.inbox}.*", cb=on_reply)
-        await self.nc_caller.flush()
+        await settle(self.nc_caller)
         self.serving = asyncio.create_task(self._serve())
 
     async def _serve(self) -> None:

@@ -19,6 +19,7 @@ from nats.js.api import KeyValueConfig, StorageType
 from dilu.contracts import decode, encode, subjects
 from dilu.contracts import events as ev
 from dilu.services.common.workqueue import consumer_name, ensure_stream
+from dilu.services.common.bus import settle
 
 FAKE_PROFILE = dict(request_quota=0.3, limit_quota=0.6, batch_size=4)
 
@@ -50,7 +51,7 @@ class FakeServices:
             p = subjects.PREFIX
             self._subs.append(await self.nc.subscribe(f"{p}.function.deployed.*", cb=self._deployed))
             self._subs.append(await self.nc.subscribe(f"{p}.function.undeployed.*", cb=self._undeployed))
-        await self.nc.flush()
+        await settle(self.nc)
         return self
 
     async def _admit(self, msg) -> None:

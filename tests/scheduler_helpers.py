@@ -21,6 +21,7 @@ from dilu.contracts.events import (
     ProfileReady,
 )
 from dilu.services.common.kvkeys import kv_keys
+from dilu.services.common.bus import settle
 
 GiB = 2**30
 
@@ -56,7 +57,7 @@ async def deploy(nc, svc, name, request=0.5, limit=0.5, memory=4 * GiB, profile=
     if profile:
         p = Profile(function=name, request_quota=request, limit_quota=limit, batch_size=4)
         await nc.publish(subjects.profile_ready(name), encode(ProfileReady(profile=p)))
-    await nc.flush()
+    await settle(nc)
     await wait_for(lambda: name in svc.functions and (not profile or name in svc.profiles), f"scheduler learnt {name}")
 
 

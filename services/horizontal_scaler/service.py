@@ -170,7 +170,6 @@ class HorizontalScaler:
         await bus.subscribe(f"{p}.instance.ready.*", InstanceReady, self._on_ready)
         await bus.subscribe(f"{p}.instance.retired.*", InstanceRetired, self._on_retired)
         await bus.subscribe(f"{p}.telemetry.gpu.*.*", GpuTelemetry, self._on_telemetry)
-        await bus.nc.flush()
         await self.state.open(bus.js, replicas=bus.options.replicas, log=bus.log)
         await self._rebuild()
         self._loop_task = asyncio.create_task(self._loop(), name="horizontal-scaler-tick")

@@ -27,6 +27,7 @@ from dilu.contracts import decode, encode, subjects
 from dilu.contracts.events import GpuTelemetry, InstanceTelemetry, KernelCycleStretch, TokenGrant
 from dilu.services.common import logging as dlog
 from dilu.loadgen.bench import given_nats, one_line_nats_errors, reachable_or_exit
+from dilu.services.common.bus import settle
 from dilu.services.common.cliopts import nats_options, writable_output
 from dilu.services.common.natsconn import NatsOptions, connect
 from dilu.services.common.natsserver import EmbeddedNats
@@ -131,7 +132,7 @@ async def run_bench(events: int, interval_ms: float, telemetry_ms: float,
         nc = await connect(url, name="dilu-bench-vertical")
         node = SyntheticNode(nc, telemetry_ms)
         await nc.subscribe(subjects.grant_issued(NODE, GPU), cb=node.on_grant)
-        await nc.flush()
+        await settle(nc)
         tel = asyncio.create_task(node.telemetry_loop())
         await node.first_grant(timeout_s=10.0)  # the scaler has learnt the GPU
         for _ in range(events):

@@ -60,7 +60,6 @@ class VerticalScaler:
         node = subjects.token(self.node)
         await bus.subscribe(f"{subjects.PREFIX}.event.kernel_cycle_stretch.{node}.*", KernelCycleStretch, self._on_stretch)
         await bus.subscribe(f"{subjects.PREFIX}.telemetry.gpu.{node}.*", GpuTelemetry, self._on_telemetry)
-        await bus.nc.flush()
         # Start-up objects (modules, config) never become garbage: keep the cyclic collector from
         # rescanning them on every collection, which shortens the pauses a grant can wait behind.
         gc.freeze()

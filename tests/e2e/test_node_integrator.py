@@ -23,6 +23,7 @@ from dilu.contracts.codec import encode
 from dilu.contracts.events import FunctionDeployed, FunctionSpec, FunctionUndeployed, TokenGrant
 from dilu.services.common.natsconn import ENV_INBOX_PREFIX
 from dilu.services.common.permissions import inbox_prefix
+from dilu.services.common.bus import settle
 
 from test_up import DILU, invoke, start, stop, ups  # noqa: F401  (ups: the fixture)
 
@@ -197,7 +198,7 @@ async def test_the_integrator_reports_each_kind_of_invalid_event(nc, nats_url, i
         await nc.publish(subject, data, headers=good)
         for case, (payload, headers, _) in cases.items():
             await nc.publish(sj.function_undeployed(case), payload, headers=headers)
-        await nc.flush()  # in the server: the integrator's own flush (after stdin closes) then sees them all
+        await settle(nc)  # in the server: the integrator's own flush (after stdin closes) then sees them all
     finally:
         summary, report = finish(proc)
     assert proc.returncode == 1, report

@@ -23,6 +23,7 @@ from dilu.contracts import events as ev
 from dilu.services.node_agent.devices import Gpu
 from dilu.services.node_agent.instance import AGENT_PID_ENV
 from dilu.services.node_agent.service import ManagedInstance, NodeAgent
+from dilu.services.common.bus import settle
 
 from test_node_agent import Harness, placement
 
@@ -102,7 +103,7 @@ async def test_grants_never_oversubscribe_a_gpu(nats_url):
         async def grant(iid, quota):
             await h.nc.publish(subjects.grant_issued("n1", 0), encode(ev.TokenGrant(node="n1", gpu=0, instance_id=iid,
                                                                                    quota=quota)))
-            await h.nc.flush()
+            await settle(h.nc)
 
         for iid in ("a", "b"):
             await h.kv.put(iid, encode(placement(iid, "f1", request=0.3)))

@@ -29,6 +29,7 @@ from dilu.contracts.events import (
 from dilu.services.common.runner import serve
 from dilu.services.horizontal_scaler.policy import HorizontalConfig
 from dilu.services.horizontal_scaler.service import HorizontalScaler, consumer_name
+from dilu.services.common.bus import settle
 
 pytestmark = pytest.mark.nats
 FN = "resnet.v1"  # a dot: the consumer name and subjects must use the sanitised token
@@ -51,7 +52,7 @@ class FakeCluster:
         await self.nc.subscribe(subjects.SCHEDULER_RETIRE, cb=self.on_retire)
         await self.nc.subscribe(f"{subjects.PREFIX}.scale.decided.*", cb=self.on_decision)
         await self.nc.subscribe(f"{subjects.PREFIX}.event.burst_window_breach.*", cb=self.on_breach)
-        await self.nc.flush()
+        await settle(self.nc)
 
     async def on_place(self, msg):
         req = decode(msg.data, PlaceRequest)
@@ -109,7 +110,7 @@ async def setup(nats_url, with_consumer=True):
     await until(scaler.ready)
     spec = FunctionSpec(name=FN, model="resnet50", slo_ms=100.0, max_instances=4)
     await nc.publish(subjects.function_deployed(FN), encode(FunctionDeployed(spec=spec)))
-    await nc.flush()
+    await settle(nc)
     await until(lambda: FN in scaler.policy.functions())
     return nc, js, cluster, scaler, shutdown, task
 

@@ -25,6 +25,7 @@ from dilu.services.common.runner import serve
 from dilu.services.common.workqueue import ensure_consumer, ensure_stream
 from dilu.services.node_agent.runtime import EMULATED_HANDLER
 from dilu.services.node_agent.service import FUNCTION_STATS_SUBJECTS, NodeAgent
+from dilu.services.common.bus import settle
 
 pytestmark = pytest.mark.nats
 
@@ -147,7 +148,7 @@ async def raw_invoke(env: Env, fn: str, payload: bytes, rid: str) -> list:
             done.set()
 
     sub = await env.nc.subscribe(inbox, cb=cb)
-    await env.nc.flush()
+    await settle(env.nc)
     await env.js.publish(subjects.invoke(fn), payload, headers={
         subjects.H_REQUEST_ID: rid, subjects.H_SCHEDULED_NS: str(time.time_ns()), subjects.H_REPLY_TO: inbox})
     await asyncio.wait_for(done.wait(), 30)

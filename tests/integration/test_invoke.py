@@ -11,6 +11,7 @@ import pytest
 from dilu.contracts import subjects as subj
 from dilu.services.common.invoke import InvokeClient
 from dilu.services.common.workqueue import BatchPuller, consumer_name, ensure_consumer, ensure_stream
+from dilu.services.common.bus import settle
 
 pytestmark = pytest.mark.nats
 
@@ -110,7 +111,7 @@ async def test_timeout_then_late_reply_is_counted_not_delivered(nc, js):
     msg = await take_one(js)  # an instance appears and answers anyway
     await nc.publish(msg.headers[subj.H_REPLY_TO], b"late", headers={subj.H_REQUEST_ID: "r1", subj.H_STATUS: "ok"})
     await msg.ack()
-    await nc.flush()
+    await settle(nc)
     await asyncio.sleep(0.1)
     assert client.stats.late_replies == 1 and client.stats.timeout == 1 and client.stats.ok == 0
     assert balanced(client)
@@ -129,7 +130,7 @@ async def test_duplicate_and_unknown_replies_are_ignored_and_counted(nc, js):
     await nc.publish(reply_to, b"?", headers={subj.H_REQUEST_ID: "never-sent", subj.H_STATUS: "ok"})
     await msg.ack()
     result = await task
-    await nc.flush()
+    await settle(nc)
     await asyncio.sleep(0.1)
     assert result.payload == b"first"
     assert client.stats.ok == 1 and client.stats.duplicate_replies == 1 and client.stats.unknown_replies == 1

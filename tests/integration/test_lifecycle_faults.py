@@ -34,6 +34,7 @@ from dilu.services.horizontal_scaler.service import HorizontalScaler
 from dilu.services.node_agent import service as agent_service
 from dilu.services.node_agent.service import NodeAgent
 from dilu.services.scheduler.service import SchedulerService
+from dilu.services.common.bus import settle
 from scheduler_helpers import deploy, inventory, place, table, wait_for
 
 pytestmark = pytest.mark.nats
@@ -168,7 +169,7 @@ class FakeScheduler:
     async def start(self):
         await self.nc.subscribe(subjects.SCHEDULER_PLACE, cb=self.on_place)
         await self.nc.subscribe(subjects.SCHEDULER_RETIRE, cb=self.on_retire)
-        await self.nc.flush()
+        await settle(self.nc)
 
     async def on_place(self, msg):
         req = decode(msg.data, ev.PlaceRequest)

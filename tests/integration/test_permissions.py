@@ -20,6 +20,7 @@ from dilu.services.common import bundle
 from dilu.contracts import events as ev
 from dilu.services.common.permissions import NODE_SCOPED, ROLES, inbox_prefix, pattern, permissions
 from dilu.services.common.workqueue import consumer_name, ensure_consumer, ensure_stream
+from dilu.services.common.bus import settle
 
 pytestmark = pytest.mark.nats
 
@@ -79,27 +80,22 @@ async def as_role(secured, role: str, node: str | None = None, *, caller: str | 
 
 
 async def delivered(sender: Conn, subject: str, sub) -> str:
-    """Publish on ``subject`` until ``sub`` receives it (now and then a first message between
-    two fresh connections is not delivered, with or without authorization: up to 5 tries, 1 s
-    each); the subject received."""
-    for _ in range(5):
-        await sender.nc.publish(subject, b"{}")
-        await sender.nc.flush()
-        try:
-            return (await sub.next_msg(timeout=1.0)).subject
-        except nats.errors.TimeoutError:
-            continue
-    pytest.fail(f"{subject} never delivered; sender errors: {list(sender.errors._queue)}")
+    """Publish on ``subject`` and return the subject ``sub`` received (its subscriber settled
+    its SUB first: :func:`settle`, not a bare flush)."""
+    await sender.nc.publish(subject, b"{}")
+    await settle(sender.nc)
+    try:
+        return (await sub.next_msg(timeout=WAIT_S)).subject
+    except nats.errors.TimeoutError:
+        pytest.fail(f"{subject} not delivered; sender errors: {list(sender.errors._queue)}")
 
 
 async def answer(asker: Conn, subject: str) -> bytes:
-    """A request's reply, asked again after a lost first message (see :func:`delivered`)."""
-    for _ in range(4):
-        try:
-            return (await asker.nc.request(subject, b"{}", timeout=1.5)).data
-        except nats.errors.TimeoutError:
-            continue
-    pytest.fail(f"no answer on {subject}; errors: {list(asker.errors._queue)}")
+    """A request's reply (its responder settled its SUB first)."""
+    try:
+        return (await asker.nc.request(subject, b"{}", timeout=WAIT_S)).data
+    except nats.errors.TimeoutError:
+        pytest.fail(f"no answer on {subject}; errors: {list(asker.errors._queue)}")
 
 
 def test_creds_files_are_private_seeds_and_a_rerun_keeps_them(tmp_path):
@@ -142,7 +138,7 @@ async def test_a_connection_without_credentials_or_with_unknown_ones_is_refused(
 async def test_integrator_reads_events_and_publishes_nothing(secured):
     async with as_role(secured, "integrator") as integ, as_role(secured, "node-agent", "n1") as agent:
         sub = await integ.nc.subscribe(f"{sj.PREFIX}.telemetry.gpu.*.*")
-        await integ.nc.flush()
+        await settle(integ.nc)
         assert await delivered(agent, sj.telemetry_gpu("n1", 0), sub) == sj.telemetry_gpu("n1", 0)
         for subject in (sj.telemetry_gpu("n1", 0), sj.invoke("f"), sj.SCHEDULER_PLACE):
             await integ.nc.publish(subject, b"{}")
@@ -155,7 +151,7 @@ async def test_integrator_reads_events_and_publishes_nothing(secured):
 async def test_node_agent_is_confined_to_its_node(secured):
     async with as_role(secured, "node-agent", "n1") as agent, as_role(secured, "vertical-scaler", "n1") as vs:
         sub = await vs.nc.subscribe(f"{sj.PREFIX}.telemetry.gpu.n1.*")
-        await vs.nc.flush()
+        await settle(vs.nc)
         assert await delivered(agent, sj.telemetry_gpu("n1", 0), sub) == sj.telemetry_gpu("n1", 0)
         for subject in (sj.telemetry_gpu("n2", 0), sj.kernel_cycle_stretch("n2", 0), sj.instance_state("ready", "n2"),
                         sj.node_inventory("n2"), sj.grant_issued("n1", 0)):
@@ -177,7 +173,7 @@ async def test_only_the_vertical_scaler_of_a_node_grants_on_it(secured):
     async with (as_role(secured, "vertical-scaler", "n1") as vs1, as_role(secured, "node-agent", "n1") as agent,
                 as_role(secured, "instance") as inst, as_role(secured, "scheduler") as sched):
         sub = await agent.nc.subscribe(f"{sj.PREFIX}.grant.issued.n1.*")
-        await agent.nc.flush()
+        await settle(agent.nc)
         assert await delivered(vs1, sj.grant_issued("n1", 2), sub) == sj.grant_issued("n1", 2)
         await vs1.nc.publish(sj.grant_issued("n2", 2), b"{}")
         await vs1.refused(sj.grant_issued("n2", 2))
@@ -211,7 +207,7 @@ async def test_the_data_plane_caller_operator_instance(secured):
         async def admit(msg):
             await msg.respond(b'{"ok":true}')
         await sched.nc.subscribe(sj.SCHEDULER_ADMIT, cb=admit)
-        await sched.nc.flush()
+        await settle(sched.nc)
         assert await answer(op, sj.SCHEDULER_ADMIT) == b'{"ok":true}'
         fkv = await op.js.create_key_value(KeyValueConfig(bucket=sj.FUNCTIONS_BUCKET))
         await fkv.put("echo", b"{}")
@@ -254,7 +250,7 @@ async def test_a_trial_request_from_the_profiler_reaches_its_node_only(secured):
         async def trial(msg):
             await msg.respond(b"measured")
         await agent.nc.subscribe(sj.node_trial("n1"), cb=trial)
-        await agent.nc.flush()
+        await settle(agent.nc)
         assert await answer(prof, sj.node_trial("n1")) == b"measured"
         await hs.nc.publish(sj.node_trial("n1"), b"{}")
         await hs.refused(sj.node_trial("n1"))

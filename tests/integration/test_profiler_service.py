@@ -23,6 +23,7 @@ from dilu.contracts.events import (
 from dilu.services.common.runner import running
 from dilu.services.common import models
 from dilu.services.profiler.service import ProfilerService
+from dilu.services.common.bus import settle
 
 pytestmark = pytest.mark.nats
 
@@ -102,7 +103,7 @@ async def test_bad_requests_get_clear_errors_and_service_survives(nats_url):
         msg = await nc.request(subjects.PROFILER_PROFILE, b'{"spec": 3}', timeout=5)
         assert b'"ok":false' in msg.data.replace(b" ", b"")
         await nc.publish(subjects.function_deployed("z"), b"not json")
-        await nc.flush()
+        await settle(nc)
         for _ in range(750):  # up to 15 s on a loaded host
             if svc.bus.malformed >= 2:
                 break

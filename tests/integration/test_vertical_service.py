@@ -13,6 +13,7 @@ from dilu.services.common.runner import serve
 from dilu.services.vertical_scaler.bench import run_bench
 from dilu.services.vertical_scaler.policy import VerticalConfig
 from dilu.services.vertical_scaler.service import VerticalScaler
+from dilu.services.common.bus import settle
 
 pytestmark = pytest.mark.nats
 NODE = "node0"
@@ -91,7 +92,7 @@ async def test_off_mode_sends_nothing(nats_url):
     await nc.publish(subjects.telemetry_gpu(NODE, 1), encode(telemetry({"ls": 0.3, "be": 0.2})))
     await nc.publish(subjects.kernel_cycle_stretch(NODE, 1), encode(KernelCycleStretch(
         node=NODE, gpu=1, instance_id="ls", ratio=2.5)))
-    await nc.flush()
+    await settle(nc)
     await asyncio.sleep(0.3)
     assert got == [] and scaler.bus.handler_errors == 0
     await nc.close()

@@ -21,6 +21,7 @@ from dilu.interceptor import native, timeline
 from dilu.services.common import models
 from dilu.services.common.workqueue import ensure_consumer, ensure_stream
 from dilu.services.node_agent.handlers import emulated
+from dilu.services.common.bus import settle
 
 pytestmark = [pytest.mark.native, pytest.mark.nats]
 
@@ -63,7 +64,7 @@ async def test_emulated_llm_streams_a_prefill_then_one_replay_per_token(nats_url
                 done.set()
 
         await nc.subscribe(inbox, cb=cb)
-        await nc.flush()
+        await settle(nc)
         await js.publish(subjects.invoke("chat"), b'{"prompt_tokens": 64, "max_new_tokens": 6}', headers={
             subjects.H_REQUEST_ID: "q1", subjects.H_SCHEDULED_NS: str(time.time_ns()), subjects.H_REPLY_TO: inbox})
         await asyncio.wait_for(done.wait(), 30)
