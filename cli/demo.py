@@ -38,7 +38,7 @@ from dilu.services.node_agent.__main__ import parse_gpus
 from dilu.services.node_agent.devices import EMULATED_DEFAULT_COUNT
 
 from .cluster import POLICIES, Cluster
-from .deploy import (WarmWatch, cluster_facts, cpu_function_spec, deploy_all, function_spec, llm_spec, profile_all,
+from .deploy import (WarmWatch, cluster_counters, cluster_facts, cpu_function_spec, deploy_all, function_spec, llm_spec, profile_all,
                      training_iterations, training_spec)
 
 DRAIN_GRACE_S = 20.0  # after the last send, how long answers may still arrive
@@ -270,6 +270,7 @@ async def _replay_with(opts: RunOptions, cluster: Cluster, plan, chosen: dict[st
                                           console=console)
         watcher = asyncio.create_task(_stop_on(stop, gen))
         before = await asyncio.to_thread(training_iterations, cluster)
+        counters = await asyncio.to_thread(cluster_counters, cluster)  # the report counts from here
         beside = asyncio.ensure_future(during(gen)) if during is not None else None  # starts at gen.run's first await
         if lines is not None:
             lines.replay(len(invocations), duration)
@@ -284,7 +285,7 @@ async def _replay_with(opts: RunOptions, cluster: Cluster, plan, chosen: dict[st
         trained = {s.name: report.TrainingFacts(iterations=int(after.get(s.name, 0) - before.get(s.name, 0)),
                                                 seconds=result.wall_s) for s in training}
         await client.close()
-        return Replay(result, specs, trained, client.stats, side)
+        return Replay(result, specs, trained, client.stats, side, counters)
     finally:
         await nc.drain()
         await op.drain()
@@ -293,13 +294,16 @@ async def _replay_with(opts: RunOptions, cluster: Cluster, plan, chosen: dict[st
 @dataclass
 class Replay:
     """What :func:`_replay` saw: the generator's result, the deployed specs, the training jobs'
-    facts, the caller's InvokeStats (duplicate and late replies) and what ``during`` returned."""
+    facts, the caller's InvokeStats (duplicate and late replies), what ``during`` returned and
+    the services' counters as the replay began (:func:`cluster_counters`: the report counts from
+    there)."""
 
     result: generator.RunResult
     specs: list
     trained: dict
     stats: object
     during: object = None
+    counters: dict | None = None
 
 
 class Interrupted(RuntimeError):
@@ -427,7 +431,7 @@ async def run_once(opts: RunOptions, policy: str, console: Console, stop: asynci
     try:
         replay = await _replay(opts, cluster, plan, chosen, llm_plan, console, stop)
         result, specs, trained = replay.result, replay.specs, replay.trained
-        facts = cluster_facts(cluster)
+        facts = cluster_facts(cluster, since=replay.counters)
     finally:
         await asyncio.to_thread(cluster.stop)
     meta = {s.name: report.FunctionMeta(model=s.model, slo_ms=s.slo_ms, kind=s.kind, ttft_ms=s.ttft_ms or None,

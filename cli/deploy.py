@@ -201,34 +201,64 @@ def _by_label(metrics: dict[str, float], name: str, label: str) -> dict[str, flo
     return out
 
 
-def cluster_facts(cluster: Cluster) -> dict:
+_GPU_COUNTERS = ("dilu_active_gpu_seconds", "dilu_allocation_frag_gpu_seconds", "dilu_idle_frag_gpu_seconds")
+_MECHANISM_COUNTERS = {"profiler_trials": ("profiler", "dilu_profiler_trials"),
+                       "grant_changes": ("node_agent", "dilu_grant_changes"),
+                       "token_wait_ms": ("node_agent", "dilu_token_wait_ms"),
+                       "scale_outs": ("horizontal_scaler", "dilu_scale_outs"),
+                       "retirements": ("horizontal_scaler", "dilu_retirements"),
+                       "scale_to_zero": ("horizontal_scaler", "dilu_scale_to_zero")}
+
+
+def cluster_counters(cluster: Cluster) -> dict:
+    """The services' counters as they stand now, scraped from their /metrics (totals since each
+    service started): ``{"gpu": {counter: GPU·s}, "quota_seconds": {fn: s}, "instance_launches":
+    {fn: n}, "mechanism": {field: n}, "reaction_ms": (p50, p99)}``; :func:`cluster_facts` turns
+    two of them into the figures of the span between."""
+    node = cluster.metrics("node_agent")
+    scraped = {"node_agent": node, "profiler": cluster.metrics("profiler"),
+               "horizontal_scaler": cluster.metrics("horizontal_scaler")}
+    return {
+        "gpu": {name: _sum(node, name) for name in _GPU_COUNTERS},
+        "quota_seconds": _by_label(node, "dilu_quota_seconds", "function"),
+        "instance_launches": _by_label(node, "dilu_instance_launches", "function"),
+        "mechanism": {field: _sum(scraped[svc], name) for field, (svc, name) in _MECHANISM_COUNTERS.items()},
+        "reaction_ms": (node.get("dilu_vertical_reaction_ms{quantile=0.5}", 0.0),
+                        node.get("dilu_vertical_reaction_ms{quantile=0.99}", 0.0)),
+    }
+
+
+def cluster_facts(cluster: Cluster, since: dict | None = None) -> dict:
     """GPU-side figures and mechanism counters, scraped from the services' /metrics.
+
+    ``since``: a :func:`cluster_counters` taken earlier on the same cluster; the time integrals
+    (active GPU·s, the fragmentations, quota·s) then cover only the time after it: a replay's
+    own GPU·s, not those of the profiling trials and of the initial instances' warm-up before
+    it, as ``dilu sim`` integrates from the replay's start. Counts of events (launches, trials,
+    grants, scale-outs) stay the whole run's, as the simulator's do, and so do the vertical
+    reaction quantiles (a summary cannot be differenced).
 
     Returns ``{"gpu": {...}, "per_function": {fn: {...}}, "mechanism": {...}}`` with the fields
     DESIGN.md section 8 defines (fragmentations as time-weighted means over active GPUs).
     """
-    node = cluster.metrics("node_agent")
-    prof = cluster.metrics("profiler")
-    hs = cluster.metrics("horizontal_scaler")
-    active = _sum(node, "dilu_active_gpu_seconds")
+    now = cluster_counters(cluster)
+    then = since or {"gpu": {}, "quota_seconds": {}}
+
+    def delta(kind: str) -> dict[str, float]:
+        return {k: v - then[kind].get(k, 0.0) for k, v in now[kind].items()}
+
+    gpu_s = delta("gpu")
+    active = gpu_s["dilu_active_gpu_seconds"]
     gpu = {
         "active_gpu_seconds": active,
-        "allocation_fragmentation": _sum(node, "dilu_allocation_frag_gpu_seconds") / active if active else 0.0,
-        "idle_fragmentation": _sum(node, "dilu_idle_frag_gpu_seconds") / active if active else 0.0,
+        "allocation_fragmentation": gpu_s["dilu_allocation_frag_gpu_seconds"] / active if active else 0.0,
+        "idle_fragmentation": gpu_s["dilu_idle_frag_gpu_seconds"] / active if active else 0.0,
     }
     per_function: dict[str, dict] = {}
-    for fn, q in _by_label(node, "dilu_quota_seconds", "function").items():
+    for fn, q in delta("quota_seconds").items():
         per_function.setdefault(fn, {})["quota_seconds"] = q
-    for fn, n in _by_label(node, "dilu_instance_launches", "function").items():
+    for fn, n in now["instance_launches"].items():
         per_function.setdefault(fn, {})["instance_launches"] = int(n)
-    mechanism = {
-        "profiler_trials": int(_sum(prof, "dilu_profiler_trials")),
-        "grant_changes": int(_sum(node, "dilu_grant_changes")),
-        "token_wait_ms": round(_sum(node, "dilu_token_wait_ms"), 3),
-        "scale_outs": int(_sum(hs, "dilu_scale_outs")),
-        "retirements": int(_sum(hs, "dilu_retirements")),
-        "scale_to_zero": int(_sum(hs, "dilu_scale_to_zero")),
-        "vertical_reaction_ms_p50": node.get('dilu_vertical_reaction_ms{quantile=0.5}', 0.0),
-        "vertical_reaction_ms_p99": node.get('dilu_vertical_reaction_ms{quantile=0.99}', 0.0),
-    }
+    mechanism = {field: (round(v, 3) if field == "token_wait_ms" else int(v)) for field, v in now["mechanism"].items()}
+    mechanism["vertical_reaction_ms_p50"], mechanism["vertical_reaction_ms_p99"] = now["reaction_ms"]
     return {"gpu": gpu, "per_function": per_function, "mechanism": mechanism}

@@ -19,7 +19,10 @@ Definitions (DESIGN.md section 8, pinned):
   per function; ``active_gpu_seconds``, ``allocation_fragmentation`` (time-weighted mean over
   active GPUs of 1 - sum of request quotas) and ``idle_fragmentation`` (time-weighted mean over
   active GPUs of 1 - sum of measured SM-time shares) for the whole run only, as they are
-  properties of GPUs; and the mechanism counters.
+  properties of GPUs; and the mechanism counters. The time integrals (quota·s, active GPU·s,
+  the fragmentations) run from the replay's first send to the end of its drain, live as in
+  ``dilu sim``: the profiling trials and the initial instances' warm-up before it are left out.
+  Counts of events (launches, trials, grants, scale-outs) are the whole run's.
 
 Token-level figures, for ``llm`` functions only (``FunctionMeta.kind == "llm"``; their replies
 stream one chunk per generated token):
@@ -116,7 +119,8 @@ class Mechanism(msgspec.Struct, kw_only=True):
 
 
 class RunFacts(msgspec.Struct, kw_only=True):
-    """What the platform accounted during the run (node agent, scalers, profiler).
+    """What the platform accounted for the run (node agent, scalers, profiler): time integrals
+    over the replay, counts over the whole run (module docstring).
 
     ``functions``: per-function facts by function name; ``active_gpu_seconds``: seconds during
     which each GPU hosted at least one instance, summed over GPUs; ``allocation_fragmentation``
@@ -477,14 +481,15 @@ LEGEND: dict[str, str] = {
     "p99.9 ms": "99.9th percentile of that latency, ms",
     "cold starts": "cold-start requests: requests that waited for an instance to launch",
     "launches": "instances started",
-    "quota·s": "GPU share granted x seconds, summed over instances (1.0 = one whole GPU for one second)",
+    "quota·s": "GPU share granted x seconds during the replay, summed over instances (1.0 = one whole GPU "
+               "for one second)",
     "TTFT / TPOT SLO ms": "an llm function's token objectives: time to first token / time per output token",
     "TTFT p50 ms": "median time to first token of completed llm requests, ms from scheduled send",
     "TTFT p99 ms": "99th percentile of the time to first token, ms",
     "TPOT p50 ms": "median time per output token after the first, ms",
     "TPOT p99 ms": "99th percentile of the time per output token, ms",
     "token SLO viol.": "(llm requests over their TTFT or TPOT objective + dropped + failed + timed out) / offered",
-    "active GPU·s": "seconds each GPU held at least one instance, summed over GPUs",
+    "active GPU·s": "seconds each GPU held at least one instance during the replay, summed over GPUs",
     "alloc. frag.": "allocation fragmentation: time-weighted mean over active GPUs of 1 - sum of request "
                     "quotas (capacity no instance asked for)",
     "idle frag.": "idle fragmentation: time-weighted mean over active GPUs of 1 - sum of measured SM-time "
