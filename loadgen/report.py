@@ -20,7 +20,7 @@ Definitions (DESIGN.md section 8, pinned):
   active GPUs of 1 - sum of request quotas) and ``idle_fragmentation`` (time-weighted mean over
   active GPUs of 1 - sum of measured SM-time shares) for the whole run only, as they are
   properties of GPUs; and the mechanism counters. The time integrals (quota·s, active GPU·s,
-  the fragmentations) run from the replay's first send to the end of its drain, live as in
+  the fragmentations) run from the replay's first send to its end (its last request ended), live as in
   ``dilu sim``: the profiling trials and the initial instances' warm-up before it are left out.
   Counts of events (launches, trials, grants, scale-outs) are the whole run's.
 

@@ -29,7 +29,10 @@ What drives what, as in the live cluster (services/*/service.py):
 
 The replay starts ``warm_up_s`` after the control plane, so initial instances are warm, as the
 demo waits for them. Requests unanswered after max(30 s, 10 x SLO) time out, those left
-``drain_s`` after the span are timed out. GPU figures are accounted from the replay's start.
+``drain_s`` after the span are timed out. GPU figures (active GPU·s, fragmentations, quota·s)
+and training iterations are integrated from the replay's start to its end: the end of the span,
+or the moment the last request ended if that is later (at most ``drain_s`` after the span), as
+a live replay ends when its last answer is in.
 Deterministic: same configuration and seed, same report, byte for byte.
 """
 from __future__ import annotations
@@ -179,6 +182,19 @@ class SimFacts:
     latency_slo_cdf: list = field(default_factory=list)
 
 
+@dataclass
+class _Cut:
+    """The run's integrals at the replay's end (ms on the simulated clock; area, frag and
+    consumed in GPU·ms; quota_ms per function; training iterations per function)."""
+
+    at_ms: float
+    area: float
+    frag: float
+    consumed: float
+    quota_ms: dict
+    train_iters: dict
+
+
 class Simulation:
     """One policy over one :class:`Workload` (see the module docstring). ``sleep_idle``: skip the
     horizontal ticks of functions asleep (:meth:`_horizontal_tick`); the report is the same
@@ -207,7 +223,8 @@ class Simulation:
         self.mech = report.Mechanism()
         self.facts = SimFacts()
         self.t0 = cfg.warm_up_s * 1000.0  # the replay's start on the simulated clock
-        self.end = self.t0 + work.plan.duration_s * 1000.0 + cfg.drain_s * 1000.0
+        self.span_end = self.t0 + work.plan.duration_s * 1000.0
+        self.end = self.span_end + cfg.drain_s * 1000.0
         self.seq = 0
         invs = work.plan.invocations
         self.inv = invs
@@ -222,6 +239,8 @@ class Simulation:
         self.consumed = 0.0
         self._sample_prev = (0.0, 0.0, 0.0)  # (area, frag area, consumed) at the last sample
         self.last_answer = 0.0
+        self.finished = 0  # requests ended (answered, failed or timed out)
+        self.cut: _Cut | None = None  # the integrals when the replay ended (None: at self.end)
         self.train_iters: dict[str, float] = {}
         for s in work.specs:
             self._deploy(s)
@@ -447,6 +466,28 @@ class Simulation:
             self.cold_total += 1
         if at_ms > self.last_answer:
             self.last_answer = at_ms
+        self.finished += 1
+        if self.finished == len(self.sched) and self.loop.now >= self.span_end:
+            self._take_cut()
+
+    def _cut_if_done(self, _=None) -> None:
+        """At the span's end: the replay ends here if every request has ended already."""
+        if self.cut is None and self.finished == len(self.sched):
+            self._take_cut()
+
+    def _take_cut(self) -> None:
+        """The replay ends now: keep the GPU integrals, quota·s and training iterations so far
+        (the loop runs on to ``end`` for the timeline alone)."""
+        self._account()
+        now = self.loop.now
+        for inst in self.instances.values():
+            if inst.training:
+                self._train_progress(inst)
+        quota = {name: f.quota_ms for name, f in self.fns.items()}
+        for inst in self.instances.values():
+            quota[inst.fn.name] += inst.grant * (now - max(inst.quota_since, self.t0)) if now > self.t0 else 0.0
+        self.cut = _Cut(at_ms=now, area=self.area, frag=self.frag, consumed=self.consumed, quota_ms=quota,
+                        train_iters=dict(self.train_iters))
 
     def _wake(self, gpu: Gpu) -> None:
         """Something happens on ``gpu``: its telemetry resumes; training progress is accounted up
@@ -609,6 +650,7 @@ class Simulation:
         self.area = self.frag = self.consumed = 0.0  # GPU figures count from the replay's start
         self._sample_prev = (0.0, 0.0, 0.0)
         loop.at(self.t0, self._sample)
+        loop.at(self.span_end, self._cut_if_done)
         loop.run(self.end)
         self._close()
         self.facts.events = loop.processed
@@ -656,17 +698,21 @@ class Simulation:
         result = RunResult(records=records, wall_s=round(wall_s, 6), started_unix_ns=0, late_sends=0,
                            late_threshold_ms=0.0, max_late_ms=0.0, not_sent=len(self.sched) - sent)
         meta = {s.name: report.FunctionMeta(model=s.model, slo_ms=s.slo_ms, kind=s.kind) for s in self.work.specs}
-        per_fn = {name: report.FunctionFacts(instance_launches=f.launches, quota_seconds=round(f.quota_ms / 1000.0, 6))
+        cut = self.cut or _Cut(at_ms=self.loop.now, area=self.area, frag=self.frag, consumed=self.consumed,
+                               quota_ms={name: f.quota_ms for name, f in self.fns.items()},
+                               train_iters=self.train_iters)
+        per_fn = {name: report.FunctionFacts(instance_launches=f.launches,
+                                             quota_seconds=round(cut.quota_ms[name] / 1000.0, 6))
                   for name, f in self.fns.items()}
-        training = {name: report.TrainingFacts(iterations=int(self.train_iters.get(name, 0.0)),
-                                               seconds=round(plan.duration_s, 6))
+        training = {name: report.TrainingFacts(iterations=int(cut.train_iters.get(name, 0.0)),
+                                               seconds=round((cut.at_ms - t0) / 1000.0, 6))
                     for name, f in self.fns.items() if f.training}
-        area_s = self.area / 1000.0
+        area = cut.area
         facts = report.RunFacts(
             functions=per_fn, training=training, mechanism=self.mech,
-            active_gpu_seconds=round(area_s, 6),
-            allocation_fragmentation=round(min(1.0, max(0.0, self.frag / self.area)), 6) if self.area else 0.0,
-            idle_fragmentation=round(min(1.0, max(0.0, 1.0 - self.consumed / self.area)), 6) if self.area else 0.0)
+            active_gpu_seconds=round(area / 1000.0, 6),
+            allocation_fragmentation=round(min(1.0, max(0.0, cut.frag / area)), 6) if area else 0.0,
+            idle_fragmentation=round(min(1.0, max(0.0, 1.0 - cut.consumed / area)), 6) if area else 0.0)
         self.mech.token_wait_ms = round(self.mech.token_wait_ms, 3)
         info = report.run_info(plan, result, policy=self.policy, gpus=self.cfg.gpus)
         return report.build_report(records, meta, facts, info)

@@ -213,3 +213,19 @@ def test_progress_ticks_change_nothing_simulated(monkeypatch):
     for out in (quiet, loud):
         out["sim"]["policies"]["dilu"].pop("wall_s")
     assert quiet == loud
+
+
+def test_gpu_time_ends_with_the_last_request_not_the_drain():
+    """GPU time is integrated to the replay's end (the last request ended), as a live replay's
+    is: a longer drain allowance changes nothing once every request has ended, and the GPU·s
+    stay under the active GPUs' count times the span plus the drain."""
+    runs = {d: Simulation(SimConfig(**SMALL, seed=1, drain_s=d), "dilu", prepare(SimConfig(**SMALL, seed=1, drain_s=d)))
+            for d in (20.0, 120.0)}
+    reports = {d: sim.run()[0] for d, sim in runs.items()}
+    short, long = reports[20.0], reports[120.0]
+    assert short.totals.offered == short.totals.completed  # every request ended before the drain did
+    assert short.totals.active_gpu_seconds == pytest.approx(long.totals.active_gpu_seconds)
+    assert [f.quota_seconds for f in short.functions] == pytest.approx([f.quota_seconds for f in long.functions])
+    cut_s = (runs[20.0].cut.at_ms - runs[20.0].t0) / 1000.0
+    assert SMALL["hours"] * 3600 <= cut_s < SMALL["hours"] * 3600 + 20.0
+    assert short.totals.active_gpu_seconds <= runs[20.0].facts.peak_active_gpus * cut_s + 1e-6
