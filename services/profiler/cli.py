@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 
 import click
+from rich import box
 from rich.console import Console
 from rich.table import Table
 
@@ -119,7 +120,12 @@ def profile(surface_path: Path | None, slo_ms: float | None, queueing_budget: fl
 
 
 def _print(rows: list[dict]) -> None:
-    table = Table("surface", *(name for name, _ in LEGEND))
+    # light borders, so that the longest surface name fits whole beside the figures in 100 columns
+    names = [Path(r["surface"]).stem for r in rows]
+    table = Table(box=box.SIMPLE_HEAD, padding=(0, 1), collapse_padding=True, pad_edge=False)
+    table.add_column("surface", no_wrap=True, min_width=max(map(len, names), default=7))
+    for name, _ in LEGEND:
+        table.add_column(name, no_wrap=True)
     for r in rows:
         table.add_row(
             Path(r["surface"]).stem, f"{r['slo_ms']:.1f}", f"{r['request_quota']:.3f}", str(r["batch_size"]),

@@ -111,3 +111,15 @@ def test_dilu_profile_resnet152_request_meets_the_bound_as_deployed(tmp_path):
     assert old["request_quota"] < r["request_quota"]
     assert models.paced_latency_ms("resnet152", old["batch_size"], old["limit_quota"],
                                    old["request_quota"]) > r["batch_latency_bound_ms"]
+
+
+def test_the_table_names_every_surface_whole_within_100_columns():
+    from dilu.services.profiler.surface import surface_files
+
+    res = CliRunner().invoke(profile, [])
+    assert res.exit_code == 0, res.output
+    lines = res.output.splitlines()
+    assert max(len(line.rstrip()) for line in lines) <= 100
+    rows = [line.split() for line in lines]
+    for path in surface_files():
+        assert any(row and row[0] == path.stem for row in rows), path.stem  # not cut to "mobilenet_v…"
