@@ -103,7 +103,7 @@ def run_options(f):
         click.option("--gpus", default="4", show_default=True, callback=lambda c, p, v: _gpus(v), help="emulated A100 40 GB GPUs on the node (1..64), or 'cpu'"),
         click.option("--nats-url", default=None, help="use a running NATS server instead of starting one"),
         click.option("--log-dir", default=None, type=click.Path(file_okay=False), help="where the services' JSON logs go (default: a temp dir)"),
-        click.option("--training-jobs", type=click.IntRange(min=0, max=64), default=None, help="training jobs collocated with the inference functions (default: one per GPU; 0: none)"),
+        click.option("--training-jobs", type=click.IntRange(min=0, max=64), default=None, help="training jobs collocated with the inference functions (default: one per GPU in dilu demo, none in dilu compare; 0: none)"),
         click.option("--llm-share", type=click.FloatRange(min=0.0, max=1.0), default=0.0, show_default=True, callback=finite, help="also replay this fraction of the Azure LLM 2023 code trace's requests (real arrival times, prompt and output lengths) against an llm function on LLaMA2-7B; 0: none"),
     ]
     for opt in reversed(opts):
@@ -543,9 +543,9 @@ def compare(json_path, policies, **kw) -> None:
     if not names:
         raise click.BadParameter(f"no policy given; choose from {', '.join(POLICIES)}", param_hint="--policies")
     if bad:
-        raise click.BadParameter(f"unknown policies {bad}; choose from {', '.join(POLICIES)}", param_hint="--policies")
+        raise click.BadParameter(f"unknown policies {', '.join(bad)}; choose from {', '.join(POLICIES)}", param_hint="--policies")
     if len(set(names)) != len(names):
-        raise click.BadParameter(f"a policy is named twice in {names}", param_hint="--policies")
+        raise click.BadParameter(f"a policy is named twice in {', '.join(names)}", param_hint="--policies")
     opts = RunOptions(**kw)
     if opts.training_jobs is None:  # an exclusive GPU per instance leaves no room to collocate
         opts.training_jobs = 0

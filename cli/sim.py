@@ -2,7 +2,8 @@
 trace, in simulated time (:mod:`dilu.loadgen.sim`); or, with ``--workload``, the paper's
 scheduling workloads through the placement policy.
 
-Every option can also come from ``DILU_SIM_<FLAG>`` (``--nodes`` -> ``DILU_SIM_NODES``).
+Every option can also come from ``DILU_<FLAG>`` (``--nodes`` -> ``DILU_NODES``), as for every
+command.
 """
 from __future__ import annotations
 
@@ -11,10 +12,10 @@ from pathlib import Path
 
 import click
 
-from dilu.services.common.cliopts import writable_dir, writable_output, write_output
+from dilu.services.common.cliopts import Finite, writable_dir, writable_output, write_output
 from dilu.services.common.policies import POLICIES
 
-ENV = "DILU_SIM"
+ENV = "DILU"
 
 
 def _policies(_ctx, param, value: str) -> list[str]:
@@ -42,7 +43,7 @@ def _functions(_ctx, param, value: str) -> int | str:
 
 
 def _opt(*decls, **kw):
-    """A click option whose variable is DILU_SIM_<FLAG>."""
+    """A click option whose variable is DILU_<FLAG>."""
     flag = next(d for d in decls if d.startswith("--"))
     return click.option(*decls, envvar=f"{ENV}_{flag[2:].replace('-', '_').upper()}", show_envvar=True, **kw)
 
@@ -51,10 +52,10 @@ def _opt(*decls, **kw):
 @_opt("--trace", "trace_dir", type=click.Path(exists=True, file_okay=False), default=None,
       help="trace directory in the Azure Functions 2019 format (default: the bundled 100-function sample)")
 @_opt("--functions", default="16", show_default=True, callback=_functions, help="K busiest functions of the span, or 'all'")
-@_opt("--hours", type=click.FloatRange(min=0, min_open=True, max=24 * 14), default=1.0, show_default=True,
+@_opt("--hours", type=Finite(min=0, min_open=True, max=24 * 14), default=1.0, show_default=True,
       help="hours of trace replayed (simulated time)")
 @_opt("--start-minute", type=int, default=None, help="trace minute to begin at (default: the first)")
-@_opt("--speedup", type=click.FloatRange(min=0, min_open=True, max=1000), default=1.0, show_default=True,
+@_opt("--speedup", type=Finite(min=0, min_open=True, max=1000), default=1.0, show_default=True,
       help="compress trace time as dilu demo --speedup does: the replay lasts hours / speedup and the "
            "horizontal windows shrink with it; cold starts do not (dilu demo's default is 10)")
 @_opt("--nodes", type=click.IntRange(min=1, max=100_000), default=1, show_default=True)
@@ -62,7 +63,7 @@ def _opt(*decls, **kw):
 @_opt("--policies", default="dilu,horizontal-only", show_default=True, callback=_policies,
       help=f"comma-separated, from: {', '.join(POLICIES)}")
 @_opt("--seed", type=click.IntRange(min=0), default=1, show_default=True)
-@_opt("--training-jobs", type=click.FloatRange(min=0, max=1), default=0.0, show_default=True,
+@_opt("--training-jobs", type=Finite(min=0, max=1), default=0.0, show_default=True,
       help="fraction of the GPUs running a training job (0.1: one GPU in ten)")
 @_opt("--json", "json_path", type=click.Path(dir_okay=False), default=None, callback=writable_output,
       help='write {"policies": {name: report}, "sim": {...}} here (the format of dilu compare --json)')

@@ -109,6 +109,8 @@ def test_workload_limits_within_capacity(tmp_path, name):
     (["--hours", "-1"], "--hours"),
     (["--training-jobs", "2"], "--training-jobs"),
     (["--start-minute", "5"], "outside the trace"),
+    (["--hours", "nan"], "--hours"),  # refused while parsing (exit 2), not later by the simulator
+    (["--speedup", "inf"], "--speedup"),
 ])
 def test_bad_input_is_one_line(args, words):
     r = CliRunner().invoke(main, ["sim", *args])
@@ -160,8 +162,8 @@ def test_outputs_that_cannot_be_written_fail_in_one_line(tmp_path):
 
 def test_options_from_the_environment(tmp_path):
     out = tmp_path / "env.json"
-    r = CliRunner().invoke(main, ["sim"], env={"DILU_SIM_FUNCTIONS": "4", "DILU_SIM_HOURS": "0.02",
-                                               "DILU_SIM_POLICIES": "exclusive", "DILU_SIM_JSON": str(out)})
+    r = CliRunner().invoke(main, ["sim"], env={"DILU_FUNCTIONS": "4", "DILU_HOURS": "0.02",
+                                               "DILU_POLICIES": "exclusive", "DILU_JSON": str(out)})
     assert r.exit_code == 0, r.output
     data = json.loads(out.read_text())
     assert list(data["policies"]) == ["exclusive"] and data["policies"]["exclusive"]["run"]["functions"] == 4
