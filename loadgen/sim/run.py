@@ -281,11 +281,16 @@ class Simulation:
             self.frag += (active - self.live_req) * dt
             self.acc_t = now
 
+    def _held_ms(self, inst: Instance, now: float) -> float:
+        """Quota·ms ``inst`` has held at its grant since its last change, counted from the
+        replay's start only (as a live report scrapes it, DESIGN.md section 8)."""
+        return inst.grant * max(0.0, now - max(inst.quota_since, self.t0))
+
     def _set_grant(self, inst: Instance, q: float, count: bool) -> None:
         now = self.loop.now
         if abs(q - inst.grant) <= 1e-9:
             return
-        inst.fn.quota_ms += inst.grant * (now - max(inst.quota_since, self.t0)) if now > self.t0 else 0.0
+        inst.fn.quota_ms += self._held_ms(inst, now)
         inst.quota_since = now
         if inst.training:
             self._train_progress(inst)
@@ -367,8 +372,7 @@ class Simulation:
         f, gpu = inst.fn, inst.gpu
         if inst.training:
             self._train_progress(inst)
-        if now > self.t0:
-            f.quota_ms += inst.grant * (now - max(inst.quota_since, self.t0))
+        f.quota_ms += self._held_ms(inst, now)
         inst.state = "gone"
         self.cluster.remove(inst.iid)
         self.live_req -= inst.request
@@ -485,7 +489,7 @@ class Simulation:
                 self._train_progress(inst)
         quota = {name: f.quota_ms for name, f in self.fns.items()}
         for inst in self.instances.values():
-            quota[inst.fn.name] += inst.grant * (now - max(inst.quota_since, self.t0)) if now > self.t0 else 0.0
+            quota[inst.fn.name] += self._held_ms(inst, now)
         self.cut = _Cut(at_ms=now, area=self.area, frag=self.frag, consumed=self.consumed, quota_ms=quota,
                         train_iters=dict(self.train_iters))
 
@@ -666,7 +670,7 @@ class Simulation:
             f = inst.fn
             if inst.training:
                 self._train_progress(inst)
-            f.quota_ms += inst.grant * (now - max(inst.quota_since, self.t0))
+            f.quota_ms += self._held_ms(inst, now)
             inst.quota_since = now
             for i in inst.inflight:
                 self._finish(i, self.sched[i] + f.timeout_ms, "timeout", False)
@@ -698,9 +702,9 @@ class Simulation:
         result = RunResult(records=records, wall_s=round(wall_s, 6), started_unix_ns=0, late_sends=0,
                            late_threshold_ms=0.0, max_late_ms=0.0, not_sent=len(self.sched) - sent)
         meta = {s.name: report.FunctionMeta(model=s.model, slo_ms=s.slo_ms, kind=s.kind) for s in self.work.specs}
-        cut = self.cut or _Cut(at_ms=self.loop.now, area=self.area, frag=self.frag, consumed=self.consumed,
-                               quota_ms={name: f.quota_ms for name, f in self.fns.items()},
-                               train_iters=self.train_iters)
+        if self.cut is None:  # the replay never ended before the drain did: it ends now
+            self._take_cut()
+        cut = self.cut
         per_fn = {name: report.FunctionFacts(instance_launches=f.launches,
                                              quota_seconds=round(cut.quota_ms[name] / 1000.0, 6))
                   for name, f in self.fns.items()}
