@@ -186,7 +186,8 @@ def permissions(role: str, node: str | None = None, *, caller: str | None = None
         responds = True
     elif role == "vertical-scaler":
         pub += [pattern(ev.TokenGrant, node)]
-        sub += [pattern(ev.KernelCycleStretch, node), pattern(ev.GpuTelemetry, node)]
+        sub += [pattern(ev.KernelCycleStretch, node), pattern(ev.GpuTelemetry, node),
+                instance_pattern("retired", node)]
     elif role == "scheduler":
         pub += [pattern(ev.PlacementDecided)]
         pub += kv_write(sj.PLACEMENT_BUCKET) + kv_read(sj.PROFILES_BUCKET, create=True)

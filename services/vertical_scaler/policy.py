@@ -42,7 +42,8 @@ The rules, in order of strength:
 6. **The window is not trusted to be whole.** An instance the policy knows that a telemetry window
    omits still holds the quota last granted to it: it is kept, *absent*, at that grant (counted in
    Σ and given first claim after the floors, never raised) until it has been missing for
-   ``forget_after_ms``, then taken for retired and forgotten. An instance listed twice in one
+   ``forget_after_ms``, then taken for retired and forgotten; one the node agent reports retired
+   (:meth:`VerticalPolicy.on_retired`) is forgotten at once. An instance listed twice in one
    window is counted once (its first row; the rest are counted in ``duplicate_rows``).
 7. **Hysteresis.** Only changes of at least ``hysteresis`` are sent (plus any change needed to
    restore a floor, a limit or Σ ≤ 1); decreases are listed before increases so that a node agent
@@ -241,6 +242,19 @@ class VerticalPolicy:
             return []
         self._recover(g, now_ms)
         self._pressure(g, inst, now_ms, f"stretch x{ratio:.2f}")
+        return self._rebalance(g, now_ms)
+
+    def on_retired(self, gpu: int, now_ms: float, instance_id: str) -> list[Grant]:
+        """``instance_id``'s process on ``gpu`` has ended (the node agent's InstanceRetired, sent
+        once the process is gone): its grant leaves Σ now and its share goes to the others at
+        once, instead of after ``forget_after_ms`` of absence from telemetry (rule 6 is for a
+        window that omits an instance nobody said was gone). An unknown instance or GPU changes
+        nothing and returns no grant; if telemetry lists the id again, it is taken up anew.
+        """
+        g = self._gpus.get(gpu)
+        if g is None or g.instances.pop(instance_id, None) is None:
+            return []
+        self._recover(g, now_ms)
         return self._rebalance(g, now_ms)
 
     def quotas(self, gpu: int) -> dict[str, float]:

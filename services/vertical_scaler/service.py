@@ -1,8 +1,9 @@
 """The vertical scaler service: one per node, a thin asyncio shell around :class:`VerticalPolicy`.
 
-Subscribes ``dilu.v1.telemetry.gpu.<node>.*`` (GpuTelemetry) and
-``dilu.v1.event.kernel_cycle_stretch.<node>.*`` (KernelCycleStretch), feeds the policy with the
-monotonic clock in ms, and publishes each resulting :class:`TokenGrant` on
+Subscribes ``dilu.v1.telemetry.gpu.<node>.*`` (GpuTelemetry),
+``dilu.v1.event.kernel_cycle_stretch.<node>.*`` (KernelCycleStretch) and
+``dilu.v1.instance.retired.<node>`` (InstanceRetired: the retired instance's share goes back at
+once), feeds the policy with the monotonic clock in ms, and publishes each resulting :class:`TokenGrant` on
 ``dilu.v1.grant.issued.<node>.<gpu>`` with:
 
 - ``epoch``: increasing per grant from this process, seeded from the wall clock in ms at start so
@@ -27,7 +28,7 @@ import time
 from prometheus_client import Counter
 
 from dilu.contracts import subjects
-from dilu.contracts.events import GpuTelemetry, KernelCycleStretch, TokenGrant
+from dilu.contracts.events import GpuTelemetry, InstanceRetired, KernelCycleStretch, TokenGrant
 from dilu.services.common.bus import Bus
 
 from .policy import Grant, VerticalConfig, VerticalPolicy
@@ -60,6 +61,7 @@ class VerticalScaler:
         node = subjects.token(self.node)
         await bus.subscribe(f"{subjects.PREFIX}.event.kernel_cycle_stretch.{node}.*", KernelCycleStretch, self._on_stretch)
         await bus.subscribe(f"{subjects.PREFIX}.telemetry.gpu.{node}.*", GpuTelemetry, self._on_telemetry)
+        await bus.subscribe(subjects.instance_state("retired", self.node), InstanceRetired, self._on_retired)
         # Start-up objects (modules, config) never become garbage: keep the cyclic collector from
         # rescanning them on every collection, which shortens the pauses a grant can wait behind.
         gc.freeze()
@@ -87,6 +89,11 @@ class VerticalScaler:
     async def _on_telemetry(self, event: GpuTelemetry, _msg) -> None:
         self._check_node(event.node)
         grants = self.policy.on_telemetry(event.gpu, self._now_ms(), event.instances)
+        await self._publish(event.gpu, grants, event.ts_ns)
+
+    async def _on_retired(self, event: InstanceRetired, _msg) -> None:
+        self._check_node(event.node)
+        grants = self.policy.on_retired(event.gpu, self._now_ms(), event.instance_id)
         await self._publish(event.gpu, grants, event.ts_ns)
 
     async def _publish(self, gpu: int, grants: list[Grant], cause_ns: int) -> None:

@@ -8,7 +8,7 @@ import nats
 import pytest
 
 from dilu.contracts import decode, encode, subjects
-from dilu.contracts.events import GpuTelemetry, InstanceTelemetry, KernelCycleStretch, TokenGrant
+from dilu.contracts.events import GpuTelemetry, InstanceRetired, InstanceTelemetry, KernelCycleStretch, TokenGrant
 from dilu.services.common.runner import serve
 from dilu.services.vertical_scaler.bench import run_bench
 from dilu.services.vertical_scaler.policy import VerticalConfig
@@ -76,6 +76,39 @@ async def test_telemetry_and_stretch_produce_grants_with_cause_and_increasing_ep
     assert g.epoch < down.epoch < up.epoch
     assert "stretch" in up.reason
     assert scaler.bus.malformed == 1 and scaler.grants_sent == 3
+    await nc.close()
+    shutdown.set()
+    await task
+
+
+async def test_a_retired_instance_s_share_goes_to_its_neighbour_on_the_event(nats_url):
+    """InstanceRetired from the node agent frees the instance's grant at once: the hungry
+    neighbour gets its limit then, not after forget_after_ms of absent telemetry."""
+    scaler, shutdown, task = await start(nats_url, VerticalConfig(park_idle=False, forget_after_ms=600_000))
+    nc = await nats.connect(nats_url)
+    grants: asyncio.Queue = asyncio.Queue()
+
+    async def on_grant(msg):
+        await grants.put(decode(msg.data, TokenGrant))
+
+    await nc.subscribe(f"{subjects.PREFIX}.grant.issued.{NODE}.*", cb=on_grant)
+    await settle(nc)
+    rows = [InstanceTelemetry(instance_id="ls", function="fn-ls", priority="latency-sensitive", quota=0.3,
+                              request_quota=0.3, limit_quota=0.9, width=0.9, sm_time_share=0.3, busy_share=1.0,
+                              wait_us=3000),
+            InstanceTelemetry(instance_id="tr", function="fn-tr", priority="training", quota=0.6, request_quota=0.6,
+                              limit_quota=0.7, width=0.7, sm_time_share=0.6, busy_share=1.0, wait_us=3000)]
+    await nc.publish(subjects.telemetry_gpu(NODE, 1), encode(GpuTelemetry(node=NODE, gpu=1, window_ms=100.0,
+                                                                          instances=rows)))
+    await asyncio.sleep(0.3)
+    while not grants.empty():
+        grants.get_nowait()
+    assert scaler.policy.quotas(1)["ls"] <= 0.4 + 1e-9  # training keeps its request: no room to grow
+    await nc.publish(subjects.instance_state("retired", NODE), encode(InstanceRetired(
+        instance_id="tr", function="fn-tr", node=NODE, gpu=1, ts_ns=time.time_ns())))
+    (g,) = await next_grants(grants)
+    assert (g.instance_id, g.quota) == ("ls", pytest.approx(0.9))
+    assert "tr" not in scaler.policy.quotas(1)
     await nc.close()
     shutdown.set()
     await task

@@ -89,3 +89,21 @@ def test_no_window_breaks_the_sum_or_a_floor(specs, windows, hysteresis):
             assert 0 < q <= s["lim"] + 1e-6
             if s["prio"] != "best-effort":
                 assert q >= s["req"] - 1e-6
+
+
+def test_a_retired_instance_gives_its_share_back_at_once():
+    """Rule 6 kept a retired instance's grant for forget_after_ms (2 s); the node agent's
+    InstanceRetired says the process is gone, so its neighbour gets the share on that event."""
+    specs = {"ls": dict(prio="latency-sensitive", req=0.3, lim=0.9),
+             "tr": dict(prio="training", req=0.5, lim=0.7)}
+    node = Node(VerticalPolicy(), specs)
+    node.report(0.0, tr=busy(0.5), ls=busy(0.3))
+    assert node.quota["ls"] < 0.6  # training holds at least its request
+    assert node.apply(node.policy.on_retired(GPU, 10.0, "nope")) == {}  # unknown: nothing changes
+    del node.specs["tr"]
+    grants = node.policy.on_retired(GPU, 10.0, "tr")
+    assert "tr" not in node.policy.quotas(GPU)
+    node.quota.pop("tr")
+    node.apply(grants)
+    assert node.quota["ls"] >= 0.9 - 1e-9  # its limit, at the retirement, not 2 s later
+    assert node.policy.on_retired(7, 10.0, "ls") == []  # another GPU: nothing known there
