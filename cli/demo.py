@@ -153,14 +153,20 @@ def _timeout_s(spec, inv) -> float:
     return max(REQUEST_TIMEOUT_MIN_S, 10 * objective_ms / 1000.0)
 
 
-def scaler_windows(speedup: float) -> list[str]:
-    """Horizontal-scaler settings for a replay: the trace-time windows (stable window 60 s,
-    keep-alive 10 min, idle-histogram bins of 1 min) divided by ``speedup``, since arrivals are
+def scaler_windows(speedup: float, keep_alive_s: float | None = None) -> list[str]:
+    """Horizontal-scaler settings for a replay: the trace-time windows (stable window 60 s, the
+    fallback keep-alive ``keep_alive_s``, by default the scaler's 10 min, Knative's scale-to-zero
+    grace 30 s, idle-histogram bins of 1 min) divided by ``speedup``, since arrivals are
     compressed; at most doubling the ready instances per decision, since cold starts stay real
     time (seconds) and panic mode would otherwise launch the maximum while the first starts; and a
     scale-down delay of two stable windows, so a function hovering near one instance's capacity
     does not flap 1 -> 2 -> 1 and pay a cold start each time."""
-    return ["--stable-window-s", f"{max(1.0, 60.0 / speedup):g}", "--keep-alive-s", f"{600.0 / speedup:g}",
+    from dilu.services.horizontal_scaler.policy import HorizontalConfig
+
+    d = HorizontalConfig()
+    keep = d.keep_alive_s if keep_alive_s is None else keep_alive_s
+    return ["--stable-window-s", f"{max(1.0, 60.0 / speedup):g}", "--keep-alive-s", f"{keep / speedup:g}",
+            "--scale-to-zero-grace-s", f"{d.scale_to_zero_grace_s / speedup:g}",
             "--idle-bin-s", f"{max(0.1, 60.0 / speedup):g}", "--max-scale-up-rate", "2",
             "--scale-down-delay-s", f"{max(1.0, 120.0 / speedup):g}"]
 

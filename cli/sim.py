@@ -12,8 +12,10 @@ from pathlib import Path
 
 import click
 
+from dilu.services.common import models
 from dilu.services.common.cliopts import Finite, writable_dir, writable_output, write_output
 from dilu.services.common.policies import POLICIES
+from dilu.services.horizontal_scaler.policy import HorizontalConfig
 
 ENV = "DILU"
 
@@ -65,6 +67,13 @@ def _opt(*decls, **kw):
 @_opt("--seed", type=click.IntRange(min=0), default=1, show_default=True)
 @_opt("--training-jobs", type=Finite(min=0, max=1), default=0.0, show_default=True,
       help="fraction of the GPUs running a training job (0.1: one GPU in ten)")
+@_opt("--keep-alive-s", type=Finite(min=0, max=86_400), default=HorizontalConfig.keep_alive_s, show_default=True,
+      help="fallback keep-alive of an idle function, trace seconds (the horizontal scaler's; dilu, static-mps and "
+           "exclusive keep by the idle-time histogram once it is representative; horizontal-only scales to "
+           "zero as Knative does and ignores it)")
+@_opt("--process-start-ms", type=Finite(min=0, max=600_000), default=models.PROCESS_START_MS, show_default=True,
+      help="an instance's process start before its weights load (a cold start is this plus the weights at "
+           "4 GB/s); set it to what your node measures (the node agent logs cold_start_ms per instance)")
 @_opt("--json", "json_path", type=click.Path(dir_okay=False), default=None, callback=writable_output,
       help='write {"policies": {name: report}, "sim": {...}} here (the format of dilu compare --json)')
 @_opt("--plots", "plots_dir", type=click.Path(file_okay=False), default=None, callback=writable_dir,
@@ -72,8 +81,8 @@ def _opt(*decls, **kw):
 @_opt("--workload", type=click.Path(exists=True, dir_okay=False), default=None,
       help="replay a dilu-sim scheduling workload (e.g. services/scheduler/workloads/instances-3200.txt) "
            "through the placement policy instead of a trace (default size: 1000 nodes)")
-def sim(trace_dir, functions, hours, start_minute, speedup, nodes, gpus_per_node, policies, seed, training_jobs, json_path,
-        plots_dir, workload) -> None:
+def sim(trace_dir, functions, hours, start_minute, speedup, nodes, gpus_per_node, policies, seed, training_jobs,
+        keep_alive_s, process_start_ms, json_path, plots_dir, workload) -> None:
     """Simulate the platform's policies over a real trace (deterministic per seed) and print the
     comparison table, as dilu compare does for live runs. In a simulated report, seconds are
     simulated seconds ("wall s" and goodput's denominator included), and the vertical reaction is
@@ -105,7 +114,7 @@ def sim(trace_dir, functions, hours, start_minute, speedup, nodes, gpus_per_node
     try:
         cfg = SimConfig(trace_dir=trace_dir, functions=functions, hours=hours, nodes=nodes, gpus_per_node=gpus_per_node,
                         seed=seed, training_jobs=training_jobs, start_minute=start_minute,
-                        speedup=speedup)
+                        speedup=speedup, keep_alive_s=keep_alive_s, process_start_ms=process_start_ms)
         out = simulate(cfg, policies, progress=lambda p: console.print(f"[dim]simulating policy {p}[/dim]"),
                        tick=lambda p, done, total: console.print(
                            f"[dim]{p}: {done:,.0f} of {total:,.0f} simulated s[/dim]", highlight=False))

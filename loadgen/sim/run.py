@@ -20,8 +20,9 @@ What drives what, as in the live cluster (services/*/service.py):
   instances' :class:`InstanceTelemetry` to the vertical policy; a batch that starts stretched by
   ``STRETCH_RATIO`` or more reports a kernel-cycle stretch at once.
 - **Vertical scaler.** :class:`VerticalPolicy` in the policy's mode; its grants are fitted on the
-  GPU as the node agent fits them.
-- **Horizontal scaler.** :class:`HorizontalPolicy` (windows of :func:`cli.demo.scaler_windows` at
+  GPU as the node agent fits them; a retired instance is reported to it at once
+  (:meth:`VerticalPolicy.on_retired`), as the node agent's InstanceRetired reports it live.
+- **Horizontal scaler.** :func:`horizontal_policy` (windows of :func:`cli.demo.scaler_windows` at
   speed-up 1) with :func:`function_params` of each profile; every ``horizontal_tick_ms`` (its
   500 ms tick) each function records its backlog (waiting + in flight) and arrivals, decides
   with its :func:`vertical_headroom`, and places (:class:`PlacementBackoff` after a refusal) or
@@ -49,8 +50,8 @@ from dilu.loadgen.generator import Record, RunResult
 from dilu.services.common import models
 from dilu.services.common.functions import GIB, STRETCH_RATIO, default_priority, yields_share
 from dilu.services.common.policies import modes
-from dilu.services.horizontal_scaler.policy import (HorizontalConfig, HorizontalPolicy, InstanceShare, PlacementBackoff,
-                                                    function_params, vertical_headroom)
+from dilu.services.horizontal_scaler.policy import (HorizontalConfig, InstanceShare, PlacementBackoff, function_params,
+                                                    horizontal_policy, vertical_headroom)
 from dilu.services.horizontal_scaler.service import MAX_PLACE_COUNT
 from dilu.services.node_agent.grants import fit_quota
 from dilu.services.profiler.policy import NoFeasibleSetting, search_for
@@ -61,7 +62,6 @@ from dilu.services.vertical_scaler.policy import VerticalConfig, VerticalPolicy
 from .engine import EventLoop
 from .node import Function, Gpu, Instance, batch_ms, iteration_ms, pace
 
-PROCESS_START_MS = 1000.0  # an instance's process start and imports before it loads weights (A100 node, Python)
 GPU_MEMORY_BYTES = 40 * GIB  # the emulated A100 40 GB (node_agent.devices "a100-40gb" rounds to 40 GiB)
 REQUEST_TIMEOUT_MIN_MS = 30_000.0  # cli.demo.REQUEST_TIMEOUT_MIN_S
 TIMEOUT_SLO_FACTOR = 10.0
@@ -83,7 +83,10 @@ class SimConfig:
     (None: the first); ``speedup``: trace time compressed as ``dilu demo --speedup`` does (the
     replay lasts ``hours`` / ``speedup``, the horizontal windows shrink with it, cold starts do
     not; 1: trace time); ``nodes`` x ``gpus_per_node`` GPUs of 40 GB; ``training_jobs``: fraction
-    (0..1) of the GPUs running a training job; ticks in ms; ``sample_s``: timeline resolution."""
+    (0..1) of the GPUs running a training job; ``keep_alive_s``: the horizontal scaler's fallback
+    keep-alive in trace seconds (None: its default, 10 min; Knative's KPA has none);
+    ``process_start_ms``: an instance's process start before its weights load (a cold start is
+    that plus the weights at 4 GB/s); ticks in ms; ``sample_s``: timeline resolution."""
 
     trace_dir: str | None = None
     functions: int | str = 16
@@ -94,6 +97,8 @@ class SimConfig:
     training_jobs: float = 0.0
     start_minute: int | None = None
     speedup: float = 1.0
+    keep_alive_s: float | None = None
+    process_start_ms: float = models.PROCESS_START_MS
     vertical_tick_ms: float = 250.0
     horizontal_tick_ms: float = 500.0
     warm_up_s: float = 30.0
@@ -108,6 +113,10 @@ class SimConfig:
             raise ValueError(f"speedup must be in (0, 1000], got {self.speedup}")
         if self.nodes < 1 or self.gpus_per_node < 1:
             raise ValueError(f"need at least 1 node and 1 GPU per node, got {self.nodes} x {self.gpus_per_node}")
+        if self.keep_alive_s is not None and not (0 <= self.keep_alive_s <= 86_400):
+            raise ValueError(f"keep_alive_s must be in [0, 86400] s, got {self.keep_alive_s}")
+        if not (0 <= self.process_start_ms <= 600_000):
+            raise ValueError(f"process_start_ms must be in [0, 600000] ms, got {self.process_start_ms}")
         if not 0.0 <= self.training_jobs <= 1.0:
             raise ValueError(f"training_jobs is a fraction of the GPUs (0..1), got {self.training_jobs}")
 
@@ -156,12 +165,13 @@ def prepare(cfg: SimConfig) -> Workload:
     return Workload(plan, specs, profiles)
 
 
-def horizontal_config(mode: str, speedup: float = 1.0) -> HorizontalConfig:
+def horizontal_config(mode: str, speedup: float = 1.0, keep_alive_s: float | None = None) -> HorizontalConfig:
     """The horizontal scaler's settings of a replay at ``speedup`` (:func:`cli.demo.scaler_windows`,
-    the live replay's rule)."""
+    the live replay's rule); ``keep_alive_s``: the fallback keep-alive in trace seconds (None: the
+    scaler's default)."""
     from dilu.cli.demo import scaler_windows
 
-    args = scaler_windows(speedup)
+    args = scaler_windows(speedup, keep_alive_s)
     kw = {args[i].lstrip("-").replace("-", "_"): float(args[i + 1]) for i in range(0, len(args), 2)}
     return HorizontalConfig(mode=mode, **kw)
 
@@ -212,8 +222,8 @@ class Simulation:
         self.loop = EventLoop(0.0)
         self.cluster = Cluster([f"node{i}" for i in range(cfg.nodes)], cfg.gpus_per_node, GPU_MEMORY_BYTES)
         self.vertical = VerticalPolicy(VerticalConfig(mode=m.vertical))
-        self.hconf = horizontal_config(m.horizontal, cfg.speedup)
-        self.horizontal = HorizontalPolicy(self.hconf)
+        self.hconf = horizontal_config(m.horizontal, cfg.speedup, cfg.keep_alive_s)
+        self.horizontal = horizontal_policy(self.hconf)
         self.backoff = PlacementBackoff(cfg.horizontal_tick_ms / 1000.0, 30.0)
         self.gpus: dict[int, Gpu] = {}
         self.awake: dict[int, Gpu] = {}  # GPUs whose telemetry is not paused (see QUIET_WINDOWS)
@@ -324,7 +334,7 @@ class Simulation:
         self.live_req += d.request_quota
         self.facts.peak_active_gpus = max(self.facts.peak_active_gpus, self.cluster.active)
         self.facts.max_limit_sum = max(self.facts.max_limit_sum, round(self.cluster.gpus[gid].lim, 9))
-        ready = now + PROCESS_START_MS + models.cold_start_ms(f.model)
+        ready = now + self.cfg.process_start_ms + models.cold_start_ms(f.model)
         inst = Instance(iid, f, gpu, d.request_quota, d.limit_quota, 0.0, f.batch, ready, now, f.training,
                         f.spec.priority or default_priority(f.spec.kind))
         gpu.instances[iid] = inst
@@ -379,11 +389,16 @@ class Simulation:
         del gpu.instances[inst.iid]
         del self.instances[inst.iid]
         del f.instances[inst.iid]
+        grants = self.vertical.on_retired(gpu.gid, now, inst.iid)  # the node agent's InstanceRetired
         if not gpu.instances:
             del self.gpus[gpu.gid]
             self.awake.pop(gpu.gid, None)
         else:
             self._wake(gpu)
+            for g in grants:
+                target = gpu.instances.get(g.instance_id)
+                if target is not None:
+                    self._fit(gpu, target, g.quota)
         self.mech.retirements += 1
         if not f.training:
             self.horizontal.instance_retired(f.name, inst.iid)
@@ -746,7 +761,7 @@ def simulate(cfg: SimConfig, policies: list[str], progress=None, tick=None) -> d
                     "max_limit_sum": f.max_limit_sum, "unplaced": f.unplaced,
                     "timeline": [list(r) for r in f.timeline], "latency_slo_cdf": f.latency_slo_cdf}
     conf = {"nodes": cfg.nodes, "gpus_per_node": cfg.gpus_per_node, "hours": cfg.hours, "speedup": cfg.speedup,
-            "functions": cfg.functions,
+            "functions": cfg.functions, "keep_alive_s": cfg.keep_alive_s, "process_start_ms": cfg.process_start_ms,
             "seed": cfg.seed, "training_jobs": cfg.training_jobs, "vertical_tick_ms": cfg.vertical_tick_ms,
             "horizontal_tick_ms": cfg.horizontal_tick_ms, "warm_up_s": cfg.warm_up_s, "drain_s": cfg.drain_s}
     return {"policies": reports, "sim": {"config": conf, "policies": facts}}

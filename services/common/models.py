@@ -26,6 +26,9 @@ SURFACES = Path(__file__).parent / "surfaces"
 MEMORY_FIXED_BYTES = int(1.5 * 2**30)
 MEMORY_ACTIVATION_FRACTION = 0.2
 LOAD_BANDWIDTH_BYTES_PER_S = 4e9
+# An instance's process start and imports before it loads weights (Python on an A100 node); the
+# emulated node pays it for real, so only the simulator uses this figure (dilu sim --process-start-ms).
+PROCESS_START_MS = 1000.0
 DEFAULT_SLO_FACTOR = 5.0
 
 

@@ -5,11 +5,12 @@ services' command-line arguments from it (:meth:`PolicyModes.service_args`, used
 cannot drift.
 
 - ``dilu``: placement by request/limit, tokens resized by the vertical scaler, lazy horizontal.
-- ``horizontal-only``: dilu with the vertical dimension off: quotas fixed at the request and
-  placed by it alone (reserving limits an instance never bursts to would only strand GPUs),
-  horizontal scaling on load alone. In effect the static-mps configuration.
-- ``static-mps``: fixed MPS-like slices at the request quota (no bursting), horizontal on load.
-- ``exclusive``: a whole GPU per instance, no token pacing, horizontal on load.
+- ``horizontal-only``: Knative's KPA as it ships (``kpa``: on load alone, scale to zero a stable
+  window plus 30 s after the last request, no pre-warm) over quotas fixed at the request and
+  placed by it alone (reserving limits an instance never bursts to would only strand GPUs).
+- ``static-mps``: fixed MPS-like slices at the request quota (no bursting), horizontal on load
+  with dilu's keep-alive and pre-warm (INFless keeps instances by an idle-time histogram too).
+- ``exclusive``: a whole GPU per instance, no token pacing, horizontal on load, dilu's keep-alive.
 """
 from __future__ import annotations
 
@@ -39,7 +40,7 @@ class PolicyModes:
 
 POLICIES: dict[str, PolicyModes] = {
     "dilu": PolicyModes(vertical="dilu", horizontal="lazy", allocation="dilu", initial_grant="request"),
-    "horizontal-only": PolicyModes(vertical="static", horizontal="eager", allocation="static-mps",
+    "horizontal-only": PolicyModes(vertical="static", horizontal="kpa", allocation="static-mps",
                                    initial_grant="request"),
     "static-mps": PolicyModes(vertical="static-limit", horizontal="eager", allocation="static-mps",
                               initial_grant="request"),

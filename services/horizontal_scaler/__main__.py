@@ -14,7 +14,9 @@ from .service import HorizontalScaler
 @click.command()
 @nats_options
 @click.option("--mode", type=click.Choice(MODES), default="lazy", show_default=True,
-              help="lazy: scale out once vertical headroom is used (dilu); eager: on load alone (baselines)")
+              help="lazy: scale out once vertical headroom is used (dilu); kpa: Knative's KPA as it ships, "
+                   "scale to zero after a stable window + grace idle (horizontal-only); eager: on load alone, "
+                   "dilu's keep-alive (static-mps, exclusive)")
 @click.option("--initial-scale", type=click.IntRange(0, 1000), default=1, show_default=True,
               help="instances a newly deployed function gets before its first request (Knative's initial-scale)")
 @click.option("--tick-ms", type=Finite(10, 60_000), default=500.0, show_default=True)
@@ -23,7 +25,10 @@ from .service import HorizontalScaler
 @click.option("--panic-threshold", type=Finite(1.01, 100), default=2.0, show_default=True,
               help="panic when the panic estimate reaches this multiple of the ready instances")
 @click.option("--keep-alive-s", type=Finite(0, 86_400), default=600.0, show_default=True,
-              help="fixed keep-alive while the idle-time histogram is not representative")
+              help="fixed keep-alive while the idle-time histogram is not representative (lazy, eager)")
+@click.option("--scale-to-zero-grace-s", type=Finite(0, 86_400), default=30.0, show_default=True,
+              help="kpa: the last instance goes this long after a stable window with no request "
+                   "(Knative's scale-to-zero-grace-period)")
 @click.option("--idle-bin-s", type=Finite(0.1, 3600), default=60.0, show_default=True,
               help="idle-time histogram bin width (its range is 240 bins)")
 @click.option("--target", type=Finite(0, 10_000), default=0.0, show_default=True,
@@ -38,11 +43,13 @@ from .service import HorizontalScaler
               help="no scale-in to a non-zero count this long after a scale-out (Knative's scale-down-delay)")
 @metrics_port_option("horizontal_scaler")
 @log_level_option
-def main(nats, mode, initial_scale, tick_ms, stable_window_s, panic_window_pct, panic_threshold, keep_alive_s, idle_bin_s,
+def main(nats, mode, initial_scale, tick_ms, stable_window_s, panic_window_pct, panic_threshold, keep_alive_s,
+         scale_to_zero_grace_s, idle_bin_s,
          target, headroom_min, lazy_max_hold_s, max_scale_up_rate, scale_down_delay_s, metrics_port, log_level):
     """Run the horizontal scaler: backlog, burst windows and headroom in, placements and retirements out."""
     config = HorizontalConfig(mode=mode, initial_scale=initial_scale, stable_window_s=stable_window_s, panic_window_pct=panic_window_pct,
-                              panic_threshold=panic_threshold, keep_alive_s=keep_alive_s, idle_bin_s=idle_bin_s,
+                              panic_threshold=panic_threshold, keep_alive_s=keep_alive_s,
+                              scale_to_zero_grace_s=scale_to_zero_grace_s, idle_bin_s=idle_bin_s,
                               idle_range_s=idle_bin_s * 240, headroom_min=headroom_min,
                               lazy_max_hold_s=lazy_max_hold_s, max_scale_up_rate=max_scale_up_rate,
                               scale_down_delay_s=scale_down_delay_s)

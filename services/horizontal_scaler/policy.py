@@ -30,8 +30,8 @@ pending plus in flight: the concurrency Knative measures at its queue proxy) and
   (Σ limit − Σ quota of its instances, realisable on their GPUs; see :func:`vertical_headroom`)
   of at least ``headroom_min``: the vertical scaler absorbs the burst in milliseconds. If the
   headroom has not been used after ``lazy_max_hold_s`` (default: one panic window) it is not
-  realisable and the scale-out goes ahead. ``eager`` mode (the horizontal-only baseline) ignores
-  headroom.
+  realisable and the scale-out goes ahead. ``eager`` mode (static-mps, exclusive) ignores
+  headroom, as :class:`KnativeKPA` (``kpa``, the horizontal-only baseline) does.
 - **Victims.** Scale-in cancels starting instances first (newest first), then retires the ready
   instance with the lowest busy share (newest on ties), never one already draining: the order of
   the Kubernetes ReplicaSet controller (not-ready before ready). Retiring drains: the instance
@@ -69,8 +69,8 @@ from typing import Literal
 from dilu.contracts.events import FunctionSpec, Profile
 from dilu.services.common.functions import PRIORITY_RANK, reclaimable_share
 
-Mode = Literal["lazy", "eager"]
-MODES: tuple[str, ...] = ("lazy", "eager")
+Mode = Literal["lazy", "eager", "kpa"]
+MODES: tuple[str, ...] = ("lazy", "eager", "kpa")
 InstanceState = Literal["starting", "ready", "draining"]
 _EPS = 1e-9
 
@@ -101,6 +101,7 @@ class HorizontalConfig:
     headroom_min: float = 0.05
     lazy_max_hold_s: float = 0.0  # 0: one panic window
     keep_alive_s: float = 600.0
+    scale_to_zero_grace_s: float = 30.0  # Knative's scale-to-zero-grace-period (kpa mode)
     idle_grace_s: float = 1.0
     idle_bin_s: float = 60.0
     idle_range_s: float = 4 * 3600.0
@@ -120,6 +121,8 @@ class HorizontalConfig:
             raise ValueError(f"initial_scale must be >= 0, got {self.initial_scale}")
         if self.panic_threshold <= 1.0 or self.max_scale_up_rate <= 1.0 or self.max_scale_down_rate <= 1.0:
             raise ValueError("panic threshold and max scale rates must be > 1")
+        if not self.scale_to_zero_grace_s >= 0:
+            raise ValueError(f"scale_to_zero_grace_s must be >= 0, got {self.scale_to_zero_grace_s}")
 
     @property
     def panic_window(self) -> float:
@@ -697,6 +700,32 @@ class HorizontalPolicy:
         live = [i for i in f.instances.values() if i.state != "draining"]
         live.sort(key=lambda i: (i.state != "starting", i.busy_share if i.state == "ready" else 0.0, -i.since_s))
         return [i.instance_id for i in live[:n]]
+
+
+class KnativeKPA(HorizontalPolicy):
+    """Knative's KPA as it ships: the horizontal-only baseline (``kpa`` mode).
+
+    The same windows, panic, rates and tolerance as :class:`HorizontalPolicy`, with instances
+    sized at the request (vertical headroom ignored), and Knative's scale to zero in place of
+    the idle-time histogram: once the backlog has been 0 for a stable window the stable average
+    reaches 0, and after ``scale_to_zero_grace_s`` more (``scale-to-zero-grace-period``, 30 s
+    by default) the last instance goes (serving ``pkg/autoscaler/scaling/autoscaler.go`` and
+    ``config-autoscaler``). No pre-warm. A keep-alive the function's owner fixed still wins, as
+    Knative's ``scale-to-zero-pod-retention-period`` annotation does.
+    """
+
+    def _windows(self, f: _Function) -> IdleWindows:
+        if f.params.keep_alive_s > 0:
+            return IdleWindows(0.0, f.params.keep_alive_s, False)
+        return IdleWindows(0.0, self.config.stable_window_s + self.config.scale_to_zero_grace_s, False)
+
+
+def horizontal_policy(config: HorizontalConfig | None = None) -> HorizontalPolicy:
+    """The horizontal policy implementation ``config.mode`` names: :class:`KnativeKPA` for
+    ``kpa``, :class:`HorizontalPolicy` (dilu's, lazy or eager) otherwise. The live service and
+    the simulator both build theirs here."""
+    config = config or HorizontalConfig()
+    return (KnativeKPA if config.mode == "kpa" else HorizontalPolicy)(config)
 
 
 # ---------------------------------------------------------------------- vertical headroom

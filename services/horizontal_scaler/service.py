@@ -38,9 +38,10 @@ have no invocations and are only held at their ``min_instances``):
 Mechanism counters (DESIGN.md section 8): ``dilu_scale_outs`` (instances added),
 ``dilu_retirements`` (instances removed, cancellations included), ``dilu_scale_to_zero``.
 
-``--mode`` (what ``dilu demo --policy`` selects): ``lazy`` for dilu (scale out only once the
-vertical headroom is used); ``eager`` for horizontal-only, static-mps and exclusive (scale on load
-alone).
+``--mode`` (what ``dilu demo --policy`` selects, see services/common/policies.py): ``lazy`` for
+dilu (scale out only once the vertical headroom is used); ``kpa`` for horizontal-only (Knative's KPA
+as it ships: on load alone, scale to zero a stable window plus a grace period after the last
+request); ``eager`` for static-mps and exclusive (on load alone, dilu's keep-alive and pre-warm).
 """
 from __future__ import annotations
 
@@ -80,8 +81,8 @@ from dilu.services.common.bus import Bus
 from dilu.services.common.kvkeys import kv_keys
 
 from .state import FunctionStateStore
-from .policy import (Decision, HorizontalConfig, HorizontalPolicy, InitialScaleGate, InstanceShare, PlacementBackoff,
-                     function_params, vertical_headroom)
+from .policy import (Decision, HorizontalConfig, InitialScaleGate, InstanceShare, PlacementBackoff,
+                     function_params, horizontal_policy, vertical_headroom)
 
 SCALE_OUTS = Counter("dilu_scale_outs", "Instances added by the horizontal scaler", ["function"])
 RETIREMENTS = Counter("dilu_retirements", "Instances removed (drained or cancelled) by the horizontal scaler", ["function"])
@@ -138,7 +139,7 @@ class HorizontalScaler:
                  place_backoff_max_s: float = 10.0) -> None:
         if tick_s <= 0 or request_timeout_s <= 0:
             raise ValueError("tick_s and request_timeout_s must be > 0")
-        self.policy = HorizontalPolicy(config)
+        self.policy = horizontal_policy(config)
         self.tick_s, self.target, self.timeout = tick_s, target, request_timeout_s
         self.telemetry_stale_s, self.place_backoff_max_s = telemetry_stale_s, place_backoff_max_s
         self.bus: Bus | None = None

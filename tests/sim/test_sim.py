@@ -231,3 +231,19 @@ def test_gpu_time_ends_with_the_last_request_not_the_drain():
     cut_s = (runs[20.0].cut.at_ms - runs[20.0].t0) / 1000.0
     assert SMALL["hours"] * 3600 <= cut_s < SMALL["hours"] * 3600 + 20.0
     assert short.totals.active_gpu_seconds <= runs[20.0].facts.peak_active_gpus * cut_s + 1e-6
+
+
+def test_keep_alive_and_process_start_move_what_they_should():
+    """A shorter fallback keep-alive trades cold starts for GPU·s; a slower process start makes
+    every cold start longer, so more requests wait for one (--keep-alive-s, --process-start-ms)."""
+    def totals(**kw):
+        cfg = SimConfig(functions=16, hours=0.5, nodes=1, gpus_per_node=4, seed=1, **kw)
+        return simulate(cfg, ["dilu"])["policies"]["dilu"]["totals"]
+
+    base, short = totals(), totals(keep_alive_s=30.0)
+    assert short["cold_start_requests"] > base["cold_start_requests"]
+    assert short["active_gpu_seconds"] < base["active_gpu_seconds"]
+    slow = totals(keep_alive_s=30.0, process_start_ms=5000.0)
+    assert slow["cold_start_requests"] > short["cold_start_requests"]
+    with pytest.raises(ValueError, match="process_start_ms"):
+        SimConfig(process_start_ms=-1.0)
