@@ -28,8 +28,10 @@ What drives what, as in the live cluster (services/*/service.py):
   with its :func:`vertical_headroom`, and places (:class:`PlacementBackoff` after a refusal) or
   retires (draining: an instance finishes its batch, then leaves).
 
-The replay starts ``warm_up_s`` after the control plane, so initial instances are warm, as the
-demo waits for them. Requests unanswered after max(30 s, 10 x SLO) time out, those left
+The replay starts when every function's initial instance is ready, as the demo starts it once
+:class:`cli.deploy.WarmWatch` has seen them all (the longest cold start of the deployed models,
+at most the demo's ``WARM_UP_TIMEOUT_S``; ``warm_up_s`` fixes it instead). Starting later would
+let a short keep-alive (Knative's) unload them before the first request, as no live run does. Requests unanswered after max(30 s, 10 x SLO) time out, those left
 ``drain_s`` after the span are timed out. GPU figures (active GPU·s, fragmentations, quota·s)
 and training iterations are integrated from the replay's start to its end: the end of the span,
 or the moment the last request ended if that is later (at most ``drain_s`` after the span), as
@@ -101,7 +103,7 @@ class SimConfig:
     process_start_ms: float = models.PROCESS_START_MS
     vertical_tick_ms: float = 250.0
     horizontal_tick_ms: float = 500.0
-    warm_up_s: float = 30.0
+    warm_up_s: float | None = None  # None: when the initial instances are ready (warm_up_ms)
     drain_s: float = 20.0
     sample_s: float = 10.0
     keep_records: bool = True
@@ -176,6 +178,18 @@ def horizontal_config(mode: str, speedup: float = 1.0, keep_alive_s: float | Non
     return HorizontalConfig(mode=mode, **kw)
 
 
+def warm_up_ms(cfg: SimConfig, work: Workload) -> float:
+    """When the replay starts (ms after the deploy): ``cfg.warm_up_s`` if set, else when the
+    initial instances placed at 0 ms (the first horizontal tick) are all ready, the longest cold
+    start among the deployed models, at most the demo's ``WARM_UP_TIMEOUT_S``."""
+    from dilu.cli.demo import WARM_UP_TIMEOUT_S
+
+    if cfg.warm_up_s is not None:
+        return cfg.warm_up_s * 1000.0
+    longest = max((models.cold_start_ms(s.model) for s in work.specs), default=0.0)
+    return min(cfg.process_start_ms + longest, WARM_UP_TIMEOUT_S * 1000.0)
+
+
 @dataclass
 class SimFacts:
     """Simulator-only figures of one run (not in the Report): ``events`` processed, ``wall_s``
@@ -232,7 +246,7 @@ class Simulation:
         self.fns: dict[str, Function] = {}
         self.mech = report.Mechanism()
         self.facts = SimFacts()
-        self.t0 = cfg.warm_up_s * 1000.0  # the replay's start on the simulated clock
+        self.t0 = warm_up_ms(cfg, work)  # the replay's start on the simulated clock
         self.span_end = self.t0 + work.plan.duration_s * 1000.0
         self.end = self.span_end + cfg.drain_s * 1000.0
         self.seq = 0
@@ -257,6 +271,7 @@ class Simulation:
         self.by_fn = [self.fns[i.function] for i in invs]
 
     # ------------------------------------------------------------------ setup
+
 
     def _deploy(self, spec) -> None:
         profile, trials = self.work.profiles[spec.name]
@@ -763,5 +778,6 @@ def simulate(cfg: SimConfig, policies: list[str], progress=None, tick=None) -> d
     conf = {"nodes": cfg.nodes, "gpus_per_node": cfg.gpus_per_node, "hours": cfg.hours, "speedup": cfg.speedup,
             "functions": cfg.functions, "keep_alive_s": cfg.keep_alive_s, "process_start_ms": cfg.process_start_ms,
             "seed": cfg.seed, "training_jobs": cfg.training_jobs, "vertical_tick_ms": cfg.vertical_tick_ms,
-            "horizontal_tick_ms": cfg.horizontal_tick_ms, "warm_up_s": cfg.warm_up_s, "drain_s": cfg.drain_s}
+            "horizontal_tick_ms": cfg.horizontal_tick_ms,
+            "warm_up_s": round(warm_up_ms(cfg, work) / 1000.0, 6), "drain_s": cfg.drain_s}
     return {"policies": reports, "sim": {"config": conf, "policies": facts}}

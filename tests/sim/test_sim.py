@@ -247,3 +247,22 @@ def test_keep_alive_and_process_start_move_what_they_should():
     assert slow["cold_start_requests"] > short["cold_start_requests"]
     with pytest.raises(ValueError, match="process_start_ms"):
         SimConfig(process_start_ms=-1.0)
+
+
+def test_the_replay_starts_when_the_initial_instances_are_ready():
+    """As the demo starts its replay once every function has a warm instance: a keep-alive
+    shorter than a fixed warm-up (Knative's 9 s at speed-up 10) must not unload them first."""
+    from dilu.loadgen.sim.run import warm_up_ms
+    from dilu.services.common import models
+
+    cfg = SimConfig(functions=16, hours=0.05, speedup=10, seed=2)
+    work = prepare(cfg)
+    longest = max(models.cold_start_ms(s.model) for s in work.specs)
+    assert warm_up_ms(cfg, work) == pytest.approx(cfg.process_start_ms + longest)
+    sim = Simulation(cfg, "horizontal-only", work)
+    sim.run()
+    first = {}
+    for k, inv in enumerate(sim.inv):
+        first.setdefault(inv.function, k)
+    early = [k for k in first.values() if sim.sched[k] - sim.t0 < 5000.0]  # well within the 9 s keep-alive
+    assert early and not any(sim.cold[k] for k in early)
