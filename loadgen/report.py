@@ -106,7 +106,9 @@ class Mechanism(msgspec.Struct, kw_only=True):
     (measurements the profiler made), ``grant_changes`` (TokenGrants that changed a quota),
     ``token_wait_ms`` (time launches waited for tokens, summed), ``scale_outs`` and
     ``retirements`` (instances added and removed by the horizontal scaler), ``scale_to_zero``
-    (times a function went to zero instances)."""
+    (times a function went to zero instances); ``vertical_reaction_ms_p50``/``_p99``: stretch
+    detected -> grant in the control block, ms (None where it is not measured: ``dilu sim``
+    does not model the reaction, its grants take effect at the next vertical tick)."""
 
     profiler_trials: int = 0
     grant_changes: int = 0
@@ -114,8 +116,8 @@ class Mechanism(msgspec.Struct, kw_only=True):
     scale_outs: int = 0
     retirements: int = 0
     scale_to_zero: int = 0
-    vertical_reaction_ms_p50: float = 0.0  # stretch detected -> grant in the control block
-    vertical_reaction_ms_p99: float = 0.0
+    vertical_reaction_ms_p50: float | None = 0.0
+    vertical_reaction_ms_p99: float | None = 0.0
 
 
 class RunFacts(msgspec.Struct, kw_only=True):
@@ -501,13 +503,13 @@ LEGEND: dict[str, str] = {
     "retirements": "instances removed by the horizontal scaler",
     "scale to zero": "times a function went to zero instances",
     "reaction p50/p99 ms": "vertical scaling's reaction, stretch detected -> new grant in force, ms "
-                           "(– when no grant changed)",
+                           "(– when no grant changed, and in dilu sim, which does not model it)",
     "iterations": "training iterations done during the replay",
     "seconds": "seconds the training job ran",
     "iterations/s": "training iterations per second",
     "wall s": "wall-clock seconds of the replay, draining included (the goodput denominator)",
     "late sends": "sends later than the late threshold behind schedule (the load generator fell behind)",
-    "–": "nothing to measure (no completed request, no llm function, no grant change)",
+    "–": "nothing to measure (no completed request, no llm function, no grant change, a ratio to 0)",
 }
 
 # compare rows whose label is not itself a LEGEND key
@@ -722,8 +724,8 @@ def _training_rows(training: list[TrainingReport]) -> tuple[list[tuple[str, str]
 
 
 def _reaction(m: "Mechanism") -> str:
-    """Vertical reaction p50 / p99, or a dash when no grant changed (nothing was measured)."""
-    if not m.grant_changes:
+    """Vertical reaction p50 / p99, or a dash when no grant changed or it was not measured."""
+    if not m.grant_changes or m.vertical_reaction_ms_p50 is None or m.vertical_reaction_ms_p99 is None:
         return "–"
     return f"{m.vertical_reaction_ms_p50:.1f} / {m.vertical_reaction_ms_p99:.1f}"
 # (label, getter, format, better) ; better: "low", "high" or None (no best is marked)

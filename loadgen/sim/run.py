@@ -244,7 +244,7 @@ class Simulation:
         self.vtick = self.htick = 0  # tick counters: tick k runs at k x its period
         self.instances: dict[str, Instance] = {}
         self.fns: dict[str, Function] = {}
-        self.mech = report.Mechanism()
+        self.mech = report.Mechanism(vertical_reaction_ms_p50=None, vertical_reaction_ms_p99=None)  # not modelled
         self.facts = SimFacts()
         self.t0 = warm_up_ms(cfg, work)  # the replay's start on the simulated clock
         self.span_end = self.t0 + work.plan.duration_s * 1000.0

@@ -53,6 +53,7 @@ def test_report_passes_check_report(tmp_path, check_report):
     dilu = data["policies"]["dilu"]
     assert dilu["totals"]["offered"] > 0 and dilu["mechanism"]["profiler_trials"] > 0
     assert dilu["training"] and dilu["training"][0]["iterations"] > 0
+    assert dilu["mechanism"]["grant_changes"] > 0 and dilu["mechanism"]["vertical_reaction_ms_p99"] is None  # not modelled
     facts = data["sim"]["policies"]["dilu"]
     assert facts["events"] > 0 and facts["peak_active_gpus"] >= 1 and facts["max_limit_sum"] <= 1.5 + 1e-9
 
