@@ -254,13 +254,19 @@ class InvokeClient:
 
     async def _store(self, subject: str, payload: bytes, headers: dict, budget_s: float) -> None:
         """Publish into the stream until JetStream acknowledges storing it: attempts of at most
-        PUBLISH_ATTEMPT_S, retried on a lost acknowledgement (exponential back-off from 50 ms to
-        0.5 s) within ``budget_s`` seconds. Raises the last attempt's error once the budget is
+        PUBLISH_ATTEMPT_S, retried on a lost acknowledgement (the first retry at once, then
+        exponential back-off from 50 ms to 0.5 s) within ``budget_s`` seconds. Raises the last attempt's error once the budget is
         spent, or at once for an error a retry cannot mend (e.g. a payload over the limit)."""
         end = time.monotonic() + budget_s
-        retrying = tenacity.AsyncRetrying(
+        try:  # the first attempt outside tenacity: its set-up costs ~20 µs a call on the hot path
+            await self.js.publish(subject, payload, headers=headers, timeout=max(0.001, min(PUBLISH_ATTEMPT_S, budget_s)))
+            return
+        except Exception as exc:  # noqa: BLE001 - sorted below: retried, or raised as it is
+            if not _retryable(exc) or time.monotonic() >= end:
+                raise
+        retrying = tenacity.AsyncRetrying(  # the first retry goes at once: the lost ack took a whole attempt
             retry=tenacity.retry_if_exception(_retryable),
-            stop=tenacity.stop_after_delay(budget_s),
+            stop=tenacity.stop_after_delay(max(0.0, end - time.monotonic())),
             wait=tenacity.wait_exponential(multiplier=0.05, max=0.5),
             reraise=True,
         )
