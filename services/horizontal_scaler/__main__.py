@@ -17,29 +17,29 @@ from .service import HorizontalScaler
               help="lazy: scale out once vertical headroom is used (dilu); kpa: Knative's KPA as it ships, "
                    "scale to zero after a stable window + grace idle (horizontal-only); eager: on load alone, "
                    "dilu's keep-alive (static-mps, exclusive)")
-@click.option("--initial-scale", type=click.IntRange(0, 1000), default=1, show_default=True,
+@click.option("--initial-scale", type=click.IntRange(0, 1000), default=HorizontalConfig.initial_scale, show_default=True,
               help="instances a newly deployed function gets before its first request (Knative's initial-scale)")
 @click.option("--tick-ms", type=Finite(10, 60_000), default=500.0, show_default=True)
-@click.option("--stable-window-s", type=Finite(0.1, 3600), default=60.0, show_default=True)
-@click.option("--panic-window-pct", type=Finite(1, 100), default=10.0, show_default=True)
-@click.option("--panic-threshold", type=Finite(1.01, 100), default=2.0, show_default=True,
+@click.option("--stable-window-s", type=Finite(0.1, 3600), default=HorizontalConfig.stable_window_s, show_default=True)
+@click.option("--panic-window-pct", type=Finite(1, 100), default=HorizontalConfig.panic_window_pct, show_default=True)
+@click.option("--panic-threshold", type=Finite(1.01, 100), default=HorizontalConfig.panic_threshold, show_default=True,
               help="panic when the panic estimate reaches this multiple of the ready instances")
-@click.option("--keep-alive-s", type=Finite(0, 86_400), default=600.0, show_default=True,
+@click.option("--keep-alive-s", type=Finite(0, 86_400), default=HorizontalConfig.keep_alive_s, show_default=True,
               help="fixed keep-alive while the idle-time histogram is not representative (lazy, eager)")
-@click.option("--scale-to-zero-grace-s", type=Finite(0, 86_400), default=30.0, show_default=True,
+@click.option("--scale-to-zero-grace-s", type=Finite(0, 86_400), default=HorizontalConfig.scale_to_zero_grace_s, show_default=True,
               help="kpa: the last instance goes this long after a stable window with no request "
                    "(Knative's scale-to-zero-grace-period)")
-@click.option("--idle-bin-s", type=Finite(0.1, 3600), default=60.0, show_default=True,
+@click.option("--idle-bin-s", type=Finite(0.1, 3600), default=HorizontalConfig.idle_bin_s, show_default=True,
               help="idle-time histogram bin width (its range is 240 bins)")
 @click.option("--target", type=Finite(0, 10_000), default=0.0, show_default=True,
               help="in-flight requests per instance for every function (0: each profile's batch size)")
-@click.option("--headroom-min", type=Finite(0, 8), default=0.05, show_default=True,
+@click.option("--headroom-min", type=Finite(0, 8), default=HorizontalConfig.headroom_min, show_default=True,
               help="lazy: vertical headroom (quota) below which it counts as used up")
-@click.option("--lazy-max-hold-s", type=Finite(0, 3600), default=0.0, show_default=True,
+@click.option("--lazy-max-hold-s", type=Finite(0, 3600), default=HorizontalConfig.lazy_max_hold_s, show_default=True,
               help="lazy: scale out anyway after headroom stayed unused this long (0: one panic window)")
-@click.option("--max-scale-up-rate", type=Finite(1.01, 10_000), default=1000.0, show_default=True,
+@click.option("--max-scale-up-rate", type=Finite(1.01, 10_000), default=HorizontalConfig.max_scale_up_rate, show_default=True,
               help="at most this many times the ready instances per decision (Knative's max-scale-up-rate)")
-@click.option("--scale-down-delay-s", type=Finite(0, 3600), default=0.0, show_default=True,
+@click.option("--scale-down-delay-s", type=Finite(0, 3600), default=HorizontalConfig.scale_down_delay_s, show_default=True,
               help="no scale-in to a non-zero count this long after a scale-out (Knative's scale-down-delay)")
 @metrics_port_option("horizontal_scaler")
 @log_level_option
