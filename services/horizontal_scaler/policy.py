@@ -511,13 +511,18 @@ class HorizontalPolicy:
         f.panic.trim(now_s - self.config.panic_window)
         while f.arrivals and f.arrivals[0][0] <= horizon:
             f.arrivals.popleft()
-        self._track_idle(f, now_s, backlog)
+        self._track_idle(f, now_s, backlog, arrivals)
         f.backlog = backlog
 
-    def _track_idle(self, f: _Function, now_s: float, backlog: float) -> None:
-        if backlog == 0 and f.idle_since is None:
+    def _track_idle(self, f: _Function, now_s: float, backlog: float, arrivals: int | None) -> None:
+        """An idle period is ticks with no backlog *and* no arrival: a short request that came
+        and went between two ticks is traffic too (sampled backlog alone missed it, and a
+        function under steady light load counted as idle, scaled to zero, and its histogram
+        filled with idle times that were not)."""
+        active = backlog > 0 or bool(arrivals)
+        if not active and f.idle_since is None:
             f.idle_since = now_s
-        elif backlog > 0:
+        elif active:
             if f.idle_since is not None and f.active_before and not (f.fresh or f.restored):
                 f.histogram.add(now_s - f.idle_since)  # the wait for a first request is no idle time
             f.idle_since, f.active_before, f.fresh, f.restored = None, True, False, False
@@ -553,6 +558,10 @@ class HorizontalPolicy:
         stable_avg = f.stable.mean_since(now_s - cfg.stable_window_s)
         panic_avg = f.panic.mean_since(now_s - cfg.panic_window)
         desired, reason = self._kpa(f, d, now_s, stable_avg, panic_avg, target)
+        if desired == 0 and any(n for _, n in f.arrivals):
+            # Knative averages concurrency over time: any request in the stable window makes
+            # it > 0 and so desired >= 1; a backlog sampled at ticks can miss short requests
+            desired, reason = 1, "requests arrived within the stable window"
         desired, reason = self._idle(f, now_s, desired, reason)
         if f.backlog > 0 and desired == 0:
             desired, reason = 1, "backlog with no instance: scale from zero"

@@ -30,7 +30,8 @@ def feed(p, t0, t1, backlog, tick=0.5, headroom=0.0):
     out, t = [], t0
     while t < t1 - 1e-9:
         t = round(t + tick, 6)
-        p.record(FN, t, backlog(t) if callable(backlog) else backlog, 1)
+        b = backlog(t) if callable(backlog) else backlog
+        p.record(FN, t, b, 1 if b > 0 else 0)  # a request arrives each tick while there is load
         out.append(p.decide(FN, t, headroom))
     return out
 

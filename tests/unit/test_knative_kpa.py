@@ -20,7 +20,8 @@ def run(p: HorizontalPolicy, busy_until: float, end: float, headroom: float = 0.
     out, t = [], 0.0
     while t < end:
         t = round(t + 0.5, 6)
-        p.record(FN, t, 1 if t <= busy_until else 0, 1)
+        busy = t <= busy_until
+        p.record(FN, t, 1 if busy else 0, 1 if busy else 0)
         d = p.decide(FN, t, headroom)
         for k in range(d.place):
             p.instance_ready(FN, f"i{t}-{k}", t)
@@ -92,3 +93,21 @@ def test_a_negative_grace_is_refused():
         assert "scale_to_zero_grace_s" in str(exc)
     else:
         raise AssertionError("accepted")
+
+
+def test_short_requests_between_ticks_are_traffic_not_idle_time():
+    """Field case: requests of ~16 ms, one every 2 s, were never in flight at a 500 ms tick, so
+    the sampled backlog read 0 throughout; the KPA scaled the function to zero under steady
+    load and dilu's histogram filled with idle times that were not."""
+    for mode in ("kpa", "lazy"):
+        p = make(mode)
+        p.instance_ready(FN, "w0", 0.0)
+        t, zero = 0.0, []
+        for k in range(240):  # 2 minutes
+            t = round(t + 0.5, 6)
+            p.record(FN, t, 0, 1 if k % 4 == 0 else 0)
+            d = p.decide(FN, t)
+            zero += [t] if d.desired == 0 else []
+        assert zero == [], (mode, zero[:3])
+        hist = p._fns[FN].histogram
+        assert hist.samples > 0 and hist.counts[0] == hist.samples  # idle times of 1.5 s, none longer
