@@ -124,6 +124,10 @@ def sim(trace_dir, functions, hours, start_minute, speedup, nodes, gpus_per_node
     if isinstance(functions, int) and first["run"]["functions"] < functions:
         console.print(f"[yellow]--functions {functions}: the span has only {first['run']['functions']} functions "
                       f"with invocations; simulated those[/yellow]")
+    span_h = first["run"]["duration_s"] * speedup / 3600.0  # the plan's span, in trace hours
+    if span_h < hours * (1 - 1e-6):
+        console.print(f"[yellow]--hours {hours:g}: the trace has only {span_h:g} hours from its start minute; "
+                      f"simulated those[/yellow]", highlight=False)
     report.render_compare({k: report.Report.from_dict(v) for k, v in out["policies"].items()}, console)
     for name, s in out["sim"]["policies"].items():
         console.print(f"{name}: {s['events']:,} events in {s['wall_s']:.1f} s; peak {s['peak_active_gpus']} active GPUs, "

@@ -22,7 +22,7 @@ from click.core import ParameterSource
 from nats.errors import Error as NatsError
 from hdrh.histogram import HdrHistogram
 
-from dilu.services.common.cliopts import nats_options, writable_output
+from dilu.services.common.cliopts import Finite, nats_options, writable_output
 from dilu.services.common.natsconn import NatsOptions, connect
 
 from .arrivals import NS_PER_S, Invocation
@@ -135,9 +135,9 @@ def one_line_nats_errors(nats: NatsOptions | str | None):
 
 
 @click.command("loadgen")
-@click.option("--rate", type=click.FloatRange(1, 1_000_000), default=5000.0, show_default=True,
+@click.option("--rate", type=Finite(1, 1_000_000), default=5000.0, show_default=True,
               help="scheduled sends per second")
-@click.option("--seconds", type=click.FloatRange(0.1, 3600), default=5.0, show_default=True)
+@click.option("--seconds", type=Finite(0.1, 3600), default=5.0, show_default=True)
 @nats_options
 @click.option("--json", "json_path", type=click.Path(dir_okay=False, path_type=Path), default=None,
               callback=writable_output, help="write the figures here")

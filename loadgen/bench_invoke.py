@@ -36,7 +36,7 @@ from nats.js.api import AckPolicy, ConsumerConfig, RetentionPolicy, StorageType,
 
 from dilu.services.common import logging as dlog
 from dilu.services.common.bus import settle
-from dilu.services.common.cliopts import nats_options, writable_output
+from dilu.services.common.cliopts import Finite, nats_options, writable_output
 from dilu.services.common.invoke import InvokeClient
 from dilu.services.common.natsconn import NatsOptions, connect
 from dilu.services.common.natsserver import EmbeddedNats
@@ -287,10 +287,10 @@ async def run_bench(rate_rps: float, seconds: float, search_s: float,
 
 @click.command("invoke")
 @nats_options
-@click.option("--rate", type=click.FloatRange(1, 1_000_000), default=1000.0, show_default=True,
+@click.option("--rate", type=Finite(1, 1_000_000), default=1000.0, show_default=True,
               help="requests per second of the overhead and baseline runs")
-@click.option("--seconds", type=click.FloatRange(0.1, 3600), default=10.0, show_default=True)
-@click.option("--search-s", type=click.FloatRange(0, 3600), default=60.0, show_default=True,
+@click.option("--seconds", type=Finite(0.1, 3600), default=10.0, show_default=True)
+@click.option("--search-s", type=Finite(0, 3600), default=60.0, show_default=True,
               help="time for the highest-rate search (no new step after it; 0: no search)")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False, path_type=Path), default=None,
               callback=writable_output, help="write the figures here")

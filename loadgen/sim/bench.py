@@ -14,7 +14,7 @@ from pathlib import Path
 
 import click
 
-from dilu.services.common.cliopts import writable_output
+from dilu.services.common.cliopts import Finite, writable_output
 from dilu.services.common.policies import POLICIES
 
 
@@ -51,11 +51,11 @@ def run_bench(nodes: int = 1000, gpus_per_node: int = 4, hours: float = 8.0, fun
 @click.command("sim")
 @click.option("--nodes", type=click.IntRange(1, 100_000), default=1000, show_default=True)
 @click.option("--gpus-per-node", type=click.IntRange(1, 64), default=4, show_default=True)
-@click.option("--hours", type=click.FloatRange(min=0, min_open=True, max=24 * 14), default=8.0, show_default=True)
+@click.option("--hours", type=Finite(min=0, min_open=True, max=24 * 14), default=8.0, show_default=True)
 @click.option("--functions", default="all", show_default=True, help="K busiest functions of the span, or 'all'")
 @click.option("--policy", type=click.Choice(list(POLICIES)), default="dilu", show_default=True)
 @click.option("--seed", type=click.IntRange(min=0), default=1, show_default=True)
-@click.option("--training-jobs", type=click.FloatRange(0, 1), default=0.1, show_default=True,
+@click.option("--training-jobs", type=Finite(0, 1), default=0.1, show_default=True,
               help="fraction of the GPUs running a training job")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False, path_type=Path), default=None,
               callback=writable_output, help="write the figures here")

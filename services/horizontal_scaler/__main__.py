@@ -7,7 +7,7 @@ from dilu.services.common.cliopts import Finite, log_level_option, metrics_port_
 
 from dilu.services.common.runner import run
 
-from .policy import MODES, HorizontalConfig
+from .policy import IDLE_BINS, MODES, HorizontalConfig
 from .service import HorizontalScaler
 
 
@@ -30,7 +30,7 @@ from .service import HorizontalScaler
               help="kpa: the last instance goes this long after a stable window with no request "
                    "(Knative's scale-to-zero-grace-period)")
 @click.option("--idle-bin-s", type=Finite(0.1, 3600), default=HorizontalConfig.idle_bin_s, show_default=True,
-              help="idle-time histogram bin width (its range is 240 bins)")
+              help=f"idle-time histogram bin width (its range is {IDLE_BINS} bins)")
 @click.option("--target", type=Finite(0, 10_000), default=0.0, show_default=True,
               help="in-flight requests per instance for every function (0: each profile's batch size)")
 @click.option("--headroom-min", type=Finite(0, 8), default=HorizontalConfig.headroom_min, show_default=True,
@@ -50,7 +50,7 @@ def main(nats, mode, initial_scale, tick_ms, stable_window_s, panic_window_pct, 
     config = HorizontalConfig(mode=mode, initial_scale=initial_scale, stable_window_s=stable_window_s, panic_window_pct=panic_window_pct,
                               panic_threshold=panic_threshold, keep_alive_s=keep_alive_s,
                               scale_to_zero_grace_s=scale_to_zero_grace_s, idle_bin_s=idle_bin_s,
-                              idle_range_s=idle_bin_s * 240, headroom_min=headroom_min,
+                              idle_range_s=idle_bin_s * IDLE_BINS, headroom_min=headroom_min,
                               lazy_max_hold_s=lazy_max_hold_s, max_scale_up_rate=max_scale_up_rate,
                               scale_down_delay_s=scale_down_delay_s)
     scaler = HorizontalScaler(config, tick_s=tick_ms / 1000.0, target=target)

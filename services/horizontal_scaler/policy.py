@@ -72,6 +72,7 @@ from dilu.services.common.functions import PRIORITY_RANK, reclaimable_share
 Mode = Literal["lazy", "eager", "kpa"]
 MODES: tuple[str, ...] = ("lazy", "eager", "kpa")
 InstanceState = Literal["starting", "ready", "draining"]
+IDLE_BINS = 240  # the idle-time histogram's range in bins (4 hours of 1-minute bins, Shahrad et al.)
 _EPS = 1e-9
 
 
@@ -104,7 +105,7 @@ class HorizontalConfig:
     scale_to_zero_grace_s: float = 30.0  # Knative's scale-to-zero-grace-period (kpa mode)
     idle_grace_s: float = 1.0
     idle_bin_s: float = 60.0
-    idle_range_s: float = 4 * 3600.0
+    idle_range_s: float = IDLE_BINS * 60.0
     prewarm_percentile: float = 5.0
     keepalive_percentile: float = 99.0
     histogram_margin: float = 0.10

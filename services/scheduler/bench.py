@@ -29,7 +29,7 @@ from pathlib import Path
 import click
 from hdrh.histogram import HdrHistogram
 
-from dilu.services.common.cliopts import writable_output
+from dilu.services.common.cliopts import Finite, writable_output
 
 from .policy import Cluster, Demand, NoCapacity
 
@@ -214,11 +214,11 @@ def synthetic(nodes: int = 1000, gpus_per_node: int = 4, instances: int = 10_000
 @click.command("scheduler")
 @click.option("--nodes", type=click.IntRange(min=1), default=1000, show_default=True)
 @click.option("--gpus-per-node", type=click.IntRange(min=1), default=4, show_default=True)
-@click.option("--gpu-memory-gib", type=click.FloatRange(min=0, min_open=True), default=40, show_default=True,
+@click.option("--gpu-memory-gib", type=Finite(min=0, min_open=True), default=40, show_default=True,
               help="Memory of each GPU in GiB (2**30 bytes).")
 @click.option("--max-gpu-instances", type=click.IntRange(min=0), default=0, show_default=True,
               help="Instances one GPU takes at most (MPS client limit, 48; 0: no cap).")
-@click.option("--gamma", type=click.FloatRange(min=1), default=1.5, show_default=True, help="Cap on Σ limit quotas per GPU.")
+@click.option("--gamma", type=Finite(min=1), default=1.5, show_default=True, help="Cap on Σ limit quotas per GPU.")
 @click.option("--instances", type=click.IntRange(min=0), default=10_000, show_default=True, help="Synthetic mode: instances to fill.")
 @click.option("--churn", type=click.IntRange(min=0), default=2_000, show_default=True, help="Synthetic mode: retire+place pairs after filling.")
 @click.option("--seed", type=int, default=0, show_default=True)

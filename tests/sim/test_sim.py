@@ -197,6 +197,9 @@ def test_speedup_replays_the_live_plan_and_shrinks_the_windows():
         [(i.function, i.scheduled_ns) for i in live.invocations]
     assert horizontal_config("lazy", 10.0).stable_window_s == pytest.approx(6.0)
     assert horizontal_config("lazy", 1.0).stable_window_s == pytest.approx(60.0)
+    # the idle histogram spans 240 bins, as the service's main sets it (6 s bins at speed-up 10)
+    assert horizontal_config("lazy", 10.0).idle_range_s == pytest.approx(6.0 * 240)
+    assert horizontal_config("lazy", 0.001).idle_bin_s * 240 == horizontal_config("lazy", 0.001).idle_range_s
     rep = Simulation(cfg, "dilu", work).run()[0]
     assert rep.totals.offered == len(live.invocations) and rep.run.speedup == 10.0
     with pytest.raises(ValueError, match="speedup"):
@@ -267,3 +270,9 @@ def test_the_replay_starts_when_the_initial_instances_are_ready():
         first.setdefault(inv.function, k)
     early = [k for k in first.values() if sim.sched[k] - sim.t0 < 5000.0]  # well within the 9 s keep-alive
     assert early and not any(sim.cold[k] for k in early)
+
+
+def test_a_span_longer_than_the_trace_says_what_was_simulated():
+    r = CliRunner().invoke(main, ["sim", "--functions", "1", "--hours", "20", "--policies", "horizontal-only"])
+    assert r.exit_code == 0, r.output
+    assert "--hours 20: the trace has only 8 hours" in " ".join(r.output.split())

@@ -65,6 +65,8 @@ HEADER = "HashOwner,HashApp,HashFunction,Trigger,1,2,3\n"
         (HEADER + "o,a,f,http,1,-2,3\n", 2, "minute 2"),
         (HEADER + "o,a,f,http,1,2,1.5\n", 2, "non-negative integer"),
         (HEADER + "o,a,f,http,x,2,3\n", 2, "is not a number"),
+        (HEADER + "o,a,f,http,1,99999999999,3\n", 2, "above the 10,000,000"),
+        (HEADER + "o,a,f,http,1,99999999999999999999999,3\n", 2, "above the 10,000,000"),
         (HEADER + "o,a,f,http,1,2,3\n\no,a,f,http,1,2,3\n", 4, "duplicate function f (first on line 2)"),
         (HEADER + "o,a,,http,1,2,3\n", 2, "empty HashOwner"),
     ],
