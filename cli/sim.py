@@ -132,6 +132,8 @@ def sim(trace_dir, functions, hours, start_minute, speedup, nodes, gpus_per_node
     for name, s in out["sim"]["policies"].items():
         console.print(f"{name}: {s['events']:,} events in {s['wall_s']:.1f} s; peak {s['peak_active_gpus']} active GPUs, "
                       f"largest Σ limits on a GPU {s['max_limit_sum']:.2f}")
+        if s["unplaced"]:
+            console.print(f"{name}: {s['unplaced']:,} placements refused (no GPU had room for the instance)")
     if json_path:
         write_output(json_path, dumps(out))
         console.print(f"comparison written to {json_path}")

@@ -276,3 +276,10 @@ def test_a_span_longer_than_the_trace_says_what_was_simulated():
     r = CliRunner().invoke(main, ["sim", "--functions", "1", "--hours", "20", "--policies", "horizontal-only"])
     assert r.exit_code == 0, r.output
     assert "--hours 20: the trace has only 8 hours" in " ".join(r.output.split())
+
+
+def test_refused_placements_are_said():
+    r = CliRunner().invoke(main, ["sim", "--functions", "20", "--hours", "0.05", "--gpus-per-node", "1",
+                                  "--policies", "exclusive"])
+    assert r.exit_code == 0, r.output
+    assert "placements refused (no GPU had room" in " ".join(r.output.split())
