@@ -31,8 +31,9 @@ What drives what, as in the live cluster (services/*/service.py):
 The replay starts when every function's initial instance is ready, as the demo starts it once
 :class:`cli.deploy.WarmWatch` has seen them all (the longest cold start of the deployed models,
 at most the demo's ``WARM_UP_TIMEOUT_S``; ``warm_up_s`` fixes it instead). Starting later would
-let a short keep-alive (Knative's) unload them before the first request, as no live run does. Requests unanswered after max(30 s, 10 x SLO) time out, those left
-``drain_s`` after the span are timed out. GPU figures (active GPU·s, fragmentations, quota·s)
+let a short keep-alive (Knative's) unload them before the first request, as no live run does.
+Requests unanswered after max(30 s, 10 x SLO) time out, those left ``drain_s`` after the span
+are timed out. GPU figures (active GPU·s, fragmentations, quota·s)
 and training iterations are integrated from the replay's start to its end: the end of the span,
 or the moment the last request ended if that is later (at most ``drain_s`` after the span), as
 a live replay ends when its last answer is in.
@@ -271,7 +272,6 @@ class Simulation:
         self.by_fn = [self.fns[i.function] for i in invs]
 
     # ------------------------------------------------------------------ setup
-
 
     def _deploy(self, spec) -> None:
         profile, trials = self.work.profiles[spec.name]
