@@ -18,6 +18,7 @@ from dilu.services.common.policies import POLICIES
 from dilu.services.horizontal_scaler.policy import HorizontalConfig
 
 ENV = "DILU"
+_WORKLOAD_OPTIONS = ("workload", "nodes", "gpus_per_node", "json_path")  # what a --workload run reads
 
 
 def _policies(_ctx, param, value: str) -> list[str]:
@@ -97,6 +98,11 @@ def sim(trace_dir, functions, hours, start_minute, speedup, nodes, gpus_per_node
         from dilu.loadgen.sim.workload import WorkloadError, simulate_workload
 
         ctx = click.get_current_context()
+        unused = [p.opts[0] for p in ctx.command.params
+                  if p.name not in _WORKLOAD_OPTIONS and ctx.get_parameter_source(p.name).name == "COMMANDLINE"]
+        if unused:
+            raise click.UsageError(f"--workload replays the placement policy alone; {', '.join(unused)} "
+                                   f"{'does' if len(unused) == 1 else 'do'} not apply to it")
         if ctx.get_parameter_source("nodes").name == "DEFAULT":
             nodes = 1000
         try:

@@ -194,7 +194,9 @@ def finite(_ctx, param, value):
 def writable_dir(ctx, param, value):
     """Click callback for an output directory option (``--plots``): created (with its parents)
     and written to once before the run, so a bad path fails in one line before minutes of work.
-    Raises click.BadParameter naming the path and the reason."""
+    Raises click.BadParameter naming the path and the reason (an empty one too)."""
+    if value == "":
+        raise click.BadParameter("an empty path")
     if value is not None:
         path = Path(value)
         try:

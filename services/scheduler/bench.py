@@ -63,6 +63,9 @@ def parse_workload(path: str | Path) -> list[tuple[float, str, str, Demand]]:
     return events
 
 
+MAX_GPU_NUM = 64  # GPUs one workload instance may span (the bundled workloads use 1 and 4)
+
+
 def _event(line: str) -> tuple[float, str, str, Demand]:
     """One workload line as an event; ValueError / TypeError say what is wrong with it."""
     try:
@@ -80,15 +83,17 @@ def _event(line: str) -> tuple[float, str, str, Demand]:
     action = e["Action"]
     if action not in ("start", "delete"):
         raise ValueError(f"unknown action {action!r} (start or delete)")
-    gpus = int(inst["gpu_num"])
+    gpus = inst["gpu_num"]
     request, limit = float(inst["sm_requests"]), float(inst["sm_limits"])
     memory = inst["memory"] if isinstance(inst["memory"], list) else [inst["memory"]]
-    if gpus < 1:
-        raise ValueError(f"gpu_num must be at least 1, got {gpus}")
+    if isinstance(gpus, bool) or not isinstance(gpus, int) or not 1 <= gpus <= MAX_GPU_NUM:
+        raise ValueError(f"gpu_num must be a whole number of GPUs from 1 to {MAX_GPU_NUM}, got {gpus!r}")
     if not (0 < request <= limit <= 1):
         raise ValueError(f"need 0 < sm_requests <= sm_limits <= 1, got {request} and {limit}")
     if not memory or not all(isinstance(m, (int, float)) and 0 <= m < 1e6 for m in memory):
         raise ValueError(f"memory must be a list of GB per GPU, got {inst['memory']!r}")
+    if isinstance(inst["memory"], list) and len(memory) != gpus:
+        raise ValueError(f"memory lists {len(memory)} GPUs for gpu_num {gpus}")
     kind = "training" if inst["type"] == "training" else "inference"
     d = Demand(function=str(inst["service_name"]), request_quota=request, limit_quota=limit,
                memory_bytes=int(max(memory) * GiB), kind=kind, gpus=gpus if kind == "training" else 1)

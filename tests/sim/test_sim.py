@@ -134,7 +134,11 @@ GOOD = ("{'Time': '2024-01-01 00:00:00', 'Action': 'start', 'Instance': {'servic
 @pytest.mark.parametrize("text, words", [
     ("", "no events"),
     ("\n\n", "no events"),
-    (GOOD.replace("'gpu_num': 1", "'gpu_num': 0"), "gpu_num must be at least 1"),
+    (GOOD.replace("'gpu_num': 1", "'gpu_num': 0"), "gpu_num must be a whole number"),
+    (GOOD.replace("'gpu_num': 1", "'gpu_num': 1.5"), "gpu_num must be a whole number"),
+    (GOOD.replace("'gpu_num': 1", "'gpu_num': 1e23"), "gpu_num must be a whole number"),
+    (GOOD.replace("'gpu_num': 1", "'gpu_num': 1000"), "gpu_num must be a whole number"),
+    (GOOD.replace("'gpu_num': 1", "'gpu_num': 2"), "memory lists 1 GPUs for gpu_num 2"),
     (GOOD.replace("0.5", "0.2"), "sm_requests <= sm_limits"),
     (GOOD.replace("'memory': [4]", "'memory': []"), "memory must be"),
     (GOOD.replace("'type': 'inference', ", ""), "missing 'type'"),
@@ -283,3 +287,15 @@ def test_refused_placements_are_said():
                                   "--policies", "exclusive"])
     assert r.exit_code == 0, r.output
     assert "placements refused (no GPU had room" in " ".join(r.output.split())
+
+
+def test_options_a_workload_run_does_not_read_are_refused(tmp_path):
+    r = CliRunner().invoke(main, ["sim", "--workload", str(WORKLOADS / "instances-100.txt"), "--policies", "dilu",
+                                  "--seed", "3"])
+    assert r.exit_code == 2
+    assert "--policies, --seed do not apply" in " ".join(r.output.split())
+
+
+def test_an_empty_plots_path_is_refused():
+    r = CliRunner().invoke(main, ["sim", "--plots", ""])
+    assert r.exit_code == 2 and "an empty path" in r.output
