@@ -161,12 +161,11 @@ def scaler_windows(speedup: float, keep_alive_s: float | None = None) -> list[st
     time (seconds) and panic mode would otherwise launch the maximum while the first starts; and a
     scale-down delay of two stable windows, so a function hovering near one instance's capacity
     does not flap 1 -> 2 -> 1 and pay a cold start each time."""
-    from dilu.services.horizontal_scaler.policy import HorizontalConfig
+    from dilu.services.horizontal_scaler.policy import HorizontalConfig as H
 
-    d = HorizontalConfig()
-    keep = d.keep_alive_s if keep_alive_s is None else keep_alive_s
+    keep = H.keep_alive_s if keep_alive_s is None else keep_alive_s
     return ["--stable-window-s", f"{max(1.0, 60.0 / speedup):g}", "--keep-alive-s", f"{keep / speedup:g}",
-            "--scale-to-zero-grace-s", f"{d.scale_to_zero_grace_s / speedup:g}",
+            "--scale-to-zero-grace-s", f"{H.scale_to_zero_grace_s / speedup:g}",
             "--idle-bin-s", f"{max(0.1, 60.0 / speedup):g}", "--max-scale-up-rate", "2",
             "--scale-down-delay-s", f"{max(1.0, 120.0 / speedup):g}"]
 

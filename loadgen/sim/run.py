@@ -53,7 +53,7 @@ from dilu.loadgen.generator import Record, RunResult
 from dilu.services.common import models
 from dilu.services.common.functions import GIB, STRETCH_RATIO, default_priority, yields_share
 from dilu.services.common.policies import modes
-from dilu.services.horizontal_scaler.policy import (IDLE_BINS, HorizontalConfig, InstanceShare, PlacementBackoff, function_params,
+from dilu.services.horizontal_scaler.policy import (HorizontalConfig, InstanceShare, PlacementBackoff, function_params,
                                                     horizontal_policy, vertical_headroom)
 from dilu.services.horizontal_scaler.service import MAX_PLACE_COUNT
 from dilu.services.node_agent.grants import fit_quota
@@ -176,7 +176,7 @@ def horizontal_config(mode: str, speedup: float = 1.0, keep_alive_s: float | Non
 
     args = scaler_windows(speedup, keep_alive_s)
     kw = {args[i].lstrip("-").replace("-", "_"): float(args[i + 1]) for i in range(0, len(args), 2)}
-    return HorizontalConfig(mode=mode, idle_range_s=kw["idle_bin_s"] * IDLE_BINS, **kw)  # as the service's main
+    return HorizontalConfig(mode=mode, **kw)
 
 
 def warm_up_ms(cfg: SimConfig, work: Workload) -> float:

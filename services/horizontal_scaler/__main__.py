@@ -50,7 +50,7 @@ def main(nats, mode, initial_scale, tick_ms, stable_window_s, panic_window_pct, 
     config = HorizontalConfig(mode=mode, initial_scale=initial_scale, stable_window_s=stable_window_s, panic_window_pct=panic_window_pct,
                               panic_threshold=panic_threshold, keep_alive_s=keep_alive_s,
                               scale_to_zero_grace_s=scale_to_zero_grace_s, idle_bin_s=idle_bin_s,
-                              idle_range_s=idle_bin_s * IDLE_BINS, headroom_min=headroom_min,
+                              headroom_min=headroom_min,
                               lazy_max_hold_s=lazy_max_hold_s, max_scale_up_rate=max_scale_up_rate,
                               scale_down_delay_s=scale_down_delay_s)
     scaler = HorizontalScaler(config, tick_s=tick_ms / 1000.0, target=target)

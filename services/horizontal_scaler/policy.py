@@ -105,7 +105,7 @@ class HorizontalConfig:
     scale_to_zero_grace_s: float = 30.0  # Knative's scale-to-zero-grace-period (kpa mode)
     idle_grace_s: float = 1.0
     idle_bin_s: float = 60.0
-    idle_range_s: float = IDLE_BINS * 60.0
+    idle_range_s: float = 0.0  # 0: IDLE_BINS bins of idle_bin_s (see idle_range)
     prewarm_percentile: float = 5.0
     keepalive_percentile: float = 99.0
     histogram_margin: float = 0.10
@@ -129,6 +129,11 @@ class HorizontalConfig:
     def panic_window(self) -> float:
         """Panic window in seconds."""
         return self.panic_window_s or self.stable_window_s * self.panic_window_pct / 100.0
+
+    @property
+    def idle_range(self) -> float:
+        """Range of the idle-time histogram in seconds: ``idle_range_s``, or IDLE_BINS bins."""
+        return self.idle_range_s or self.idle_bin_s * IDLE_BINS
 
     @property
     def lazy_hold(self) -> float:
@@ -392,7 +397,7 @@ class HorizontalPolicy:
         cfg = self.config
         fn = self._fns.get(name)
         if fn is None:
-            hist = IdleTimeHistogram(cfg.idle_bin_s, cfg.idle_range_s, head_pct=cfg.prewarm_percentile,
+            hist = IdleTimeHistogram(cfg.idle_bin_s, cfg.idle_range, head_pct=cfg.prewarm_percentile,
                                      tail_pct=cfg.keepalive_percentile, margin=cfg.histogram_margin,
                                      min_samples=cfg.histogram_min_samples, cv_min=cfg.histogram_cv_min)
             self._fns[name] = _Function(name, params or FunctionParams(), hist)

@@ -3,7 +3,8 @@
 Subscribes ``dilu.v1.telemetry.gpu.<node>.*`` (GpuTelemetry),
 ``dilu.v1.event.kernel_cycle_stretch.<node>.*`` (KernelCycleStretch) and
 ``dilu.v1.instance.retired.<node>`` (InstanceRetired: the retired instance's share goes back at
-once), feeds the policy with the monotonic clock in ms, and publishes each resulting :class:`TokenGrant` on
+once), feeds the policy with the monotonic clock in ms, and publishes each resulting
+:class:`TokenGrant` on
 ``dilu.v1.grant.issued.<node>.<gpu>`` with:
 
 - ``epoch``: increasing per grant from this process, seeded from the wall clock in ms at start so

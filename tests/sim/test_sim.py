@@ -202,8 +202,8 @@ def test_speedup_replays_the_live_plan_and_shrinks_the_windows():
     assert horizontal_config("lazy", 10.0).stable_window_s == pytest.approx(6.0)
     assert horizontal_config("lazy", 1.0).stable_window_s == pytest.approx(60.0)
     # the idle histogram spans 240 bins, as the service's main sets it (6 s bins at speed-up 10)
-    assert horizontal_config("lazy", 10.0).idle_range_s == pytest.approx(6.0 * 240)
-    assert horizontal_config("lazy", 0.001).idle_bin_s * 240 == horizontal_config("lazy", 0.001).idle_range_s
+    assert horizontal_config("lazy", 10.0).idle_range == pytest.approx(6.0 * 240)
+    assert horizontal_config("lazy", 0.001).idle_bin_s * 240 == horizontal_config("lazy", 0.001).idle_range
     rep = Simulation(cfg, "dilu", work).run()[0]
     assert rep.totals.offered == len(live.invocations) and rep.run.speedup == 10.0
     with pytest.raises(ValueError, match="speedup"):
