@@ -19,7 +19,7 @@ What drives what, as in the live cluster (services/*/service.py):
   Every ``vertical_tick_ms`` (the agent's 250 ms telemetry) each GPU with instances sends its
   instances' :class:`InstanceTelemetry` to the vertical policy; a batch that starts stretched by
   ``STRETCH_RATIO`` or more reports a kernel-cycle stretch at once.
-- **Vertical scaler.** :class:`VerticalPolicy` in the policy's mode; its grants are fitted on the
+- **Vertical scaler.** :func:`vertical_policy` of the policy's mode; its grants are fitted on the
   GPU as the node agent fits them; a retired instance is reported to it at once
   (:meth:`VerticalPolicy.on_retired`), as the node agent's InstanceRetired reports it live.
 - **Horizontal scaler.** :func:`horizontal_policy` (windows of :func:`cli.demo.scaler_windows` at
@@ -60,7 +60,7 @@ from dilu.services.node_agent.grants import fit_quota
 from dilu.services.profiler.policy import NoFeasibleSetting, search_for
 from dilu.services.profiler.surface import SurfaceBackend, model_surface, run_search
 from dilu.services.scheduler.policy import Cluster, Demand, NoCapacity, allocation_batch, allocation_quotas
-from dilu.services.vertical_scaler.policy import VerticalConfig, VerticalPolicy
+from dilu.services.vertical_scaler.policy import VerticalConfig, vertical_policy
 
 from .engine import EventLoop
 from .node import Function, Gpu, Instance, batch_ms, iteration_ms, pace
@@ -71,7 +71,8 @@ TIMEOUT_SLO_FACTOR = 10.0
 # Telemetry windows (3 s) with nothing busy, queued or starting on a GPU after which its telemetry
 # pauses until something happens there: by then the vertical policy has released every idle
 # instance to its floor (release_per_s 0.5 takes a limit of 1 to 0.1 in 1.8 s) and recovered
-# training (recovery_per_s 0.5), so further windows would change nothing. Keeps an 8-hour run of
+# training (recovery_per_s 0.5), so further windows would change nothing; a policy counting its
+# windows in samples stays awake until they run out (VerticalPolicy.windows_to_settle). Keeps an 8-hour run of
 # thousands of GPUs from spending its time on GPUs nobody uses.
 QUIET_WINDOWS = 12
 RUN_ID = "sim"
@@ -236,7 +237,7 @@ class Simulation:
         self.modes = m
         self.loop = EventLoop(0.0)
         self.cluster = Cluster([f"node{i}" for i in range(cfg.nodes)], cfg.gpus_per_node, GPU_MEMORY_BYTES)
-        self.vertical = VerticalPolicy(VerticalConfig(mode=m.vertical))
+        self.vertical = vertical_policy(VerticalConfig(mode=m.vertical))
         self.hconf = horizontal_config(m.horizontal, cfg.speedup, cfg.keep_alive_s)
         self.horizontal = horizontal_policy(self.hconf)
         self.backoff = PlacementBackoff(cfg.horizontal_tick_ms / 1000.0, 30.0)
@@ -564,7 +565,7 @@ class Simulation:
                 elif inst.win_busy_ms or inst.win_lat_ms or inst.fn.pending or inst.state == "starting":
                     active = True
             gpu.quiet = 0 if active else gpu.quiet + 1
-            if gpu.quiet > QUIET_WINDOWS:
+            if gpu.quiet > QUIET_WINDOWS and not self.vertical.windows_to_settle(gpu.gid):
                 del self.awake[gpu.gid]  # nothing busy, queued or starting: grants have settled
                 continue
             rows = []

@@ -11,6 +11,9 @@ cannot drift.
 - ``static-mps``: fixed MPS-like slices at the request quota (no bursting), horizontal on load
   with dilu's keep-alive and pre-warm (INFless keeps instances by an idle-time histogram too).
 - ``exclusive``: a whole GPU per instance, no token pacing, horizontal on load, dilu's keep-alive.
+- ``dilu-published``: dilu with the vertical scaling its paper describes (``PublishedVertical``:
+  fixed 20/40-sample windows, stretch the only signal, AIMD on training only); placement and
+  horizontal scaling as ``dilu``'s.
 """
 from __future__ import annotations
 
@@ -45,6 +48,7 @@ POLICIES: dict[str, PolicyModes] = {
     "static-mps": PolicyModes(vertical="static-limit", horizontal="eager", allocation="static-mps",
                               initial_grant="request"),
     "exclusive": PolicyModes(vertical="off", horizontal="eager", allocation="exclusive", initial_grant="limit"),
+    "dilu-published": PolicyModes(vertical="published", horizontal="lazy", allocation="dilu", initial_grant="request"),
 }
 
 

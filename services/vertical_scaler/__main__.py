@@ -17,7 +17,8 @@ from .service import VerticalScaler
 @click.option("--node", default=default_node, show_default="host name", callback=check_node,
               help="this node's name in subjects and the inventory")
 @click.option("--mode", type=click.Choice(MODES), default="dilu", show_default=True,
-              help="dilu: adaptive; static: pinned at request; static-limit: pinned at limit; off: no grants")
+              help="dilu: adaptive; static: pinned at request; static-limit: pinned at limit; off: no grants; "
+                   "published: Dilu as its paper describes it (20/40-sample windows, AIMD on training)")
 @click.option("--hysteresis", type=Finite(0, 0.5), default=0.02, show_default=True, help="smallest quota change sent")
 @click.option("--pressure-hold-ms", type=Finite(0, 60_000), default=500.0, show_default=True)
 @click.option("--recovery-per-s", type=Finite(0.001, 100), default=0.5, show_default=True,

@@ -56,6 +56,9 @@ Modes (``VerticalConfig.mode``), the knob a demo baseline selects:
 - ``static-limit``: every instance held at its limit quota, i.e. its fixed MPS width without token
   pacing (static-MPS baseline). Σ may exceed 1 here: spatial MPS sharing is what that baseline is.
 - ``off``: no grants at all; instances run at the quota they were launched with (exclusive baseline).
+- ``published``: :class:`PublishedVertical`, Dilu's vertical scaling as the paper describes it
+  (fixed sample windows, AIMD on training only), the ``dilu-published`` baseline;
+  :func:`vertical_policy` builds the class a mode names.
 """
 from __future__ import annotations
 
@@ -67,8 +70,8 @@ from typing import Literal
 from dilu.contracts.events import InstanceTelemetry
 from dilu.services.common.functions import BEST_EFFORT, LATENCY_SENSITIVE, STRETCH_RATIO, TRAINING, yields_share
 
-Mode = Literal["dilu", "static", "static-limit", "off"]
-MODES: tuple[str, ...] = ("dilu", "static", "static-limit", "off")
+Mode = Literal["dilu", "static", "static-limit", "off", "published"]
+MODES: tuple[str, ...] = ("dilu", "static", "static-limit", "off", "published")
 # Allocation above the floors, in order: a pressured latency-sensitive instance up to its limit;
 # best-effort up to its request (guaranteed unless someone is under pressure); then the extras of
 # latency-sensitive, training and best-effort instances up to what they want.
@@ -143,6 +146,7 @@ class _Instance:
     pressure_cause: str = ""
     ceiling: float = 1.0  # AIMD ceiling (training and best-effort only)
     absent_since_ms: float | None = None  # omitted from telemetry since then (still holds `granted`)
+    stretched_at: int | None = None  # the GPU's window count at its last stretch (PublishedVertical)
 
     def tier(self, now_ms: float) -> str:
         if self.absent_since_ms is not None:
@@ -163,6 +167,9 @@ class _Gpu:
     last_ms: float | None = None
     dt_ms: float = 0.0  # time since the previous update of this GPU
     last_decrease_ms: float = -math.inf
+    samples: int = 0  # telemetry windows received for this GPU
+    quiet_since: int = 0  # PublishedVertical: the window of the last stretch here,
+    increased_at: int = 0  # and of the last additive increase
 
 
 def _check_share(name: str, value: float, instance_id: str) -> float:
@@ -208,6 +215,7 @@ class VerticalPolicy:
                 parsed[t.instance_id] = t
         self.duplicate_rows += duplicates
         g = self._gpus.setdefault(gpu, _Gpu())
+        g.samples += 1
         self._recover(g, now_ms)
         for t in parsed.values():
             inst = g.instances.get(t.instance_id)
@@ -256,6 +264,13 @@ class VerticalPolicy:
             return []
         self._recover(g, now_ms)
         return self._rebalance(g, now_ms)
+
+    def windows_to_settle(self, gpu: int) -> int:
+        """Telemetry windows after which further quiet windows (nothing busy, queued or
+        starting) change no grant on ``gpu``. 0 here: a quiet window releases idle share within
+        about ``1 / release_per_s`` seconds whatever came before (see QUIET_WINDOWS in
+        ``loadgen/sim/run.py``, which pauses a quiet GPU's telemetry)."""
+        return 0
 
     def quotas(self, gpu: int) -> dict[str, float]:
         """The quota in effect per instance on ``gpu``, as the policy believes it."""
@@ -420,7 +435,7 @@ class VerticalPolicy:
 
     def _reason(self, g: _Gpu, inst: _Instance, new: float, now_ms: float) -> str:
         mode = self.config.mode
-        if mode != "dilu":
+        if mode not in ("dilu", "published"):
             return mode
         up = new > inst.granted
         if inst.tier(now_ms) == "pressured" and up:
@@ -430,6 +445,86 @@ class VerticalPolicy:
         if any(i.tier(now_ms) == "pressured" for i in g.instances.values()):
             return "yield to pressure"
         return "release idle share"
+
+
+class PublishedVertical(VerticalPolicy):
+    """Dilu's vertical scaling as its paper describes it (Lv et al., "Dilu: Enabling GPU
+    Resourcing-on-Demand for Serverless DL Serving via Introspective Elasticity", ASPLOS 2025):
+    the ``dilu-published`` baseline beside :class:`VerticalPolicy`, whose rules 3 and 5 it
+    replaces; floors, Σ ≤ 1, limits, an incomplete window, retirement and hysteresis (rules 1, 2,
+    6 and 7) are the same. Windows are counted in telemetry samples (the node agent's 250 ms
+    windows), not in time:
+
+    - **Inference** runs at its request quota. A kernel-cycle stretch raises it to its limit at
+      once; it returns to its request when a fixed window of ``inference_samples`` (20) samples
+      has passed without another stretch. Stretch is the only signal (no SLO-latency pressure),
+      and share nobody uses is not lent (no work conservation): an instance with a queue but no
+      stretch stays at its request.
+    - **Training** (and best-effort) follow AIMD: a stretch of a latency-sensitive neighbour
+      halves their ceiling (``decrease_factor``, at most once per ``decrease_interval_ms``, never
+      below their floor); every ``training_samples`` (40) samples without a stretch on the GPU
+      add ``increase_step`` (0.1 quota) up to their limit. They run at their ceiling.
+
+    Raises ValueError for windows < 1 or a step outside (0, 1].
+    """
+
+    def __init__(self, config: VerticalConfig | None = None, *, inference_samples: int = 20,
+                 training_samples: int = 40, increase_step: float = 0.1) -> None:
+        if inference_samples < 1 or training_samples < 1 or not 0.0 < increase_step <= 1.0:
+            raise ValueError("need windows of at least 1 sample and an increase step in (0, 1]")
+        super().__init__(config or VerticalConfig(mode="published"))
+        self.inference_samples, self.training_samples = inference_samples, training_samples
+        self.increase_step = increase_step
+
+    def _pressure_of(self, inst: _Instance, now_ms: float, cause: str) -> None:
+        """SLO latency is no signal here: only a kernel-cycle stretch (:meth:`_pressure`)."""
+
+    def _pressure(self, g: _Gpu, inst: _Instance, now_ms: float, cause: str) -> None:
+        inst.pressure_until_ms, inst.pressure_cause = math.inf, cause  # until its window ends
+        inst.stretched_at = g.quiet_since = g.samples
+        self._cut_victims(g, now_ms)
+
+    def _recover(self, g: _Gpu, now_ms: float) -> None:
+        """End the windows that have run out: inference back to its request, one additive step
+        for training per full window of quiet samples."""
+        for inst in g.instances.values():
+            if inst.stretched_at is not None and g.samples - inst.stretched_at >= self.inference_samples:
+                inst.stretched_at, inst.pressure_until_ms = None, -math.inf
+        if g.samples - max(g.quiet_since, g.increased_at) >= self.training_samples:
+            g.increased_at = g.samples
+            for v in g.instances.values():
+                if yields_share(v.priority):
+                    v.ceiling = min(v.limit, v.ceiling + self.increase_step)
+
+    def windows_to_settle(self, gpu: int) -> int:
+        """Windows until the last raised inference instance returns to its request or, while a
+        training instance's ceiling is under its limit, until its next additive step."""
+        g = self._gpus.get(gpu)
+        if g is None:
+            return 0
+        left = [self.inference_samples - (g.samples - i.stretched_at)
+                for i in g.instances.values() if i.stretched_at is not None]
+        if any(yields_share(i.priority) and i.ceiling < i.limit - _EPS for i in g.instances.values()):
+            left.append(self.training_samples - (g.samples - max(g.quiet_since, g.increased_at)))
+        return max(0, max(left, default=0))
+
+    def _want(self, inst: _Instance, now_ms: float, dt_ms: float) -> float:
+        floor = inst.floor(self.config)
+        tier = inst.tier(now_ms)
+        if tier == "absent":
+            return min(max(inst.granted, floor), inst.limit)
+        if tier == "pressured":
+            return inst.limit
+        if inst.priority == LATENCY_SENSITIVE:
+            return floor
+        return min(max(inst.ceiling, floor), max(inst.limit, floor))
+
+
+def vertical_policy(config: VerticalConfig | None = None) -> VerticalPolicy:
+    """The policy object ``config.mode`` names: :class:`PublishedVertical` for ``published``,
+    else :class:`VerticalPolicy` in that mode (the service and ``dilu sim`` build it here)."""
+    config = config or VerticalConfig()
+    return PublishedVertical(config) if config.mode == "published" else VerticalPolicy(config)
 
 
 def _fit_floors(floors: dict[str, float], best_effort: set[str], min_quota: float) -> dict[str, float]:

@@ -19,7 +19,8 @@ carries on. ``dilu_vertical_grants{node,reason}`` counts the grants sent.
 ``--mode`` (what ``dilu demo --policy`` selects): ``dilu`` for the dilu policy; ``static``
 (grants pinned at the request quota) for horizontal-only; ``static-limit`` (pinned at the limit:
 MPS width without pacing) or ``static`` for static-mps; ``off`` (no grants: instances keep their
-launch quota) or ``static`` for exclusive.
+launch quota) or ``static`` for exclusive; ``published`` (:class:`PublishedVertical`, Dilu as its
+paper describes it) for dilu-published.
 """
 from __future__ import annotations
 
@@ -32,7 +33,7 @@ from dilu.contracts import subjects
 from dilu.contracts.events import GpuTelemetry, InstanceRetired, KernelCycleStretch, TokenGrant
 from dilu.services.common.bus import Bus
 
-from .policy import Grant, VerticalConfig, VerticalPolicy
+from .policy import Grant, VerticalConfig, vertical_policy
 
 GRANTS = Counter("dilu_vertical_grants", "TokenGrants sent by the vertical scaler", ["node", "reason"])
 
@@ -51,7 +52,7 @@ class VerticalScaler:
         if not node:
             raise ValueError("the vertical scaler needs a node name")
         self.node = node
-        self.policy = VerticalPolicy(config)
+        self.policy = vertical_policy(config)
         self.bus: Bus | None = None
         self.epoch = time.time_ns() // 1_000_000
         self.grants_sent = 0

@@ -7,7 +7,7 @@ from dilu.services.vertical_scaler.policy import MODES as V_MODES
 
 
 def test_cluster_arguments_come_from_the_shared_table():
-    assert list(POLICIES) == ["dilu", "horizontal-only", "static-mps", "exclusive"]
+    assert list(POLICIES) == ["dilu", "horizontal-only", "static-mps", "exclusive", "dilu-published"]
     assert POLICIES["dilu"] == {"vertical_scaler": ["--mode", "dilu"], "horizontal_scaler": ["--mode", "lazy"],
                                 "scheduler": ["--policy", "dilu"], "node_agent": ["--initial-grant", "request"]}
     assert POLICIES["exclusive"]["node_agent"] == ["--initial-grant", "limit"]

@@ -44,9 +44,9 @@ def test_same_seed_same_json_other_seed_differs(tmp_path):
 
 
 def test_report_passes_check_report(tmp_path, check_report):
-    data, _ = _run(["--functions", "8", "--hours", "0.05", "--policies", "dilu,horizontal-only,static-mps,exclusive",
-                    "--training-jobs", "0.25"], tmp_path)
-    assert set(data["policies"]) == {"dilu", "horizontal-only", "static-mps", "exclusive"}
+    data, _ = _run(["--functions", "8", "--hours", "0.05", "--policies",
+                    "dilu,horizontal-only,static-mps,exclusive,dilu-published", "--training-jobs", "0.25"], tmp_path)
+    assert set(data["policies"]) == {"dilu", "horizontal-only", "static-mps", "exclusive", "dilu-published"}
     r = subprocess.run([sys.executable, str(check_report), str(tmp_path / "out.json")], capture_output=True, text=True)
     assert r.returncode == 0, r.stdout + r.stderr
     assert "PROBLEM" not in r.stdout
