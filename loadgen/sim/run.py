@@ -36,7 +36,8 @@ Requests unanswered after max(30 s, 10 x SLO) time out, those left ``drain_s`` a
 are timed out. GPU figures (active GPU·s, fragmentations, quota·s)
 and training iterations are integrated from the replay's start to its end: the end of the span,
 or the moment the last request ended if that is later (at most ``drain_s`` after the span), as
-a live replay ends when its last answer is in.
+a live replay ends when its last answer is in. Counters (launches, scale-outs, retirements,
+scale to zero, grants) count from the deploy, as a live run's, and stop at that end too.
 Deterministic: same configuration and seed, same report, byte for byte.
 """
 from __future__ import annotations
@@ -45,6 +46,8 @@ import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+
+import msgspec
 
 from dilu.cli.deploy import function_spec, training_spec
 from dilu.contracts.events import InstanceTelemetry
@@ -211,7 +214,9 @@ class SimFacts:
 @dataclass
 class _Cut:
     """The run's integrals at the replay's end (ms on the simulated clock; area, frag and
-    consumed in GPU·ms; quota_ms per function; training iterations per function)."""
+    consumed in GPU·ms; quota_ms per function; training iterations per function) and its
+    counters then: the mechanism's and each function's instance launches (a live run stops
+    counting when its last answer is in, so retirements in the drain after it are not its)."""
 
     at_ms: float
     area: float
@@ -219,6 +224,8 @@ class _Cut:
     consumed: float
     quota_ms: dict
     train_iters: dict
+    mechanism: report.Mechanism
+    launches: dict
 
 
 class Simulation:
@@ -511,8 +518,8 @@ class Simulation:
             self._take_cut()
 
     def _take_cut(self) -> None:
-        """The replay ends now: keep the GPU integrals, quota·s and training iterations so far
-        (the loop runs on to ``end`` for the timeline alone)."""
+        """The replay ends now: keep the GPU integrals, quota·s, training iterations and counters
+        so far (the loop runs on to ``end`` for the timeline alone)."""
         self._account()
         now = self.loop.now
         for inst in self.instances.values():
@@ -522,7 +529,8 @@ class Simulation:
         for inst in self.instances.values():
             quota[inst.fn.name] += self._held_ms(inst, now)
         self.cut = _Cut(at_ms=now, area=self.area, frag=self.frag, consumed=self.consumed, quota_ms=quota,
-                        train_iters=dict(self.train_iters))
+                        train_iters=dict(self.train_iters), mechanism=msgspec.structs.replace(self.mech),
+                        launches={name: f.launches for name, f in self.fns.items()})
 
     def _wake(self, gpu: Gpu) -> None:
         """Something happens on ``gpu``: its telemetry resumes; training progress is accounted up
@@ -736,19 +744,20 @@ class Simulation:
         if self.cut is None:  # the replay never ended before the drain did: it ends now
             self._take_cut()
         cut = self.cut
-        per_fn = {name: report.FunctionFacts(instance_launches=f.launches,
+        per_fn = {name: report.FunctionFacts(instance_launches=cut.launches[name],
                                              quota_seconds=round(cut.quota_ms[name] / 1000.0, 6))
                   for name, f in self.fns.items()}
         training = {name: report.TrainingFacts(iterations=int(cut.train_iters.get(name, 0.0)),
                                                seconds=round((cut.at_ms - t0) / 1000.0, 6))
                     for name, f in self.fns.items() if f.training}
         area = cut.area
+        mech = cut.mechanism
+        mech.token_wait_ms = round(mech.token_wait_ms, 3)
         facts = report.RunFacts(
-            functions=per_fn, training=training, mechanism=self.mech,
+            functions=per_fn, training=training, mechanism=mech,
             active_gpu_seconds=round(area / 1000.0, 6),
             allocation_fragmentation=round(min(1.0, max(0.0, cut.frag / area)), 6) if area else 0.0,
             idle_fragmentation=round(min(1.0, max(0.0, 1.0 - cut.consumed / area)), 6) if area else 0.0)
-        self.mech.token_wait_ms = round(self.mech.token_wait_ms, 3)
         info = report.run_info(plan, result, policy=self.policy, gpus=self.cfg.gpus)
         return report.build_report(records, meta, facts, info)
 
