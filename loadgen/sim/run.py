@@ -74,9 +74,9 @@ TIMEOUT_SLO_FACTOR = 10.0
 # Telemetry windows (3 s) with nothing busy, queued or starting on a GPU after which its telemetry
 # pauses until something happens there: by then the vertical policy has released every idle
 # instance to its floor (release_per_s 0.5 takes a limit of 1 to 0.1 in 1.8 s) and recovered
-# training (recovery_per_s 0.5), so further windows would change nothing; a policy counting its
-# windows in samples stays awake until they run out (VerticalPolicy.windows_to_settle). Keeps an 8-hour run of
-# thousands of GPUs from spending its time on GPUs nobody uses.
+# training (recovery_per_s 0.5), so further windows would change nothing; under a policy that
+# counts its windows in samples a GPU stays awake until they run out (windows_to_settle). Keeps an
+# 8-hour run of thousands of GPUs from spending its time on GPUs nobody uses.
 QUIET_WINDOWS = 12
 RUN_ID = "sim"
 CDF_POINTS = 200  # quantiles of latency / SLO kept per policy (the plots' CDF)
