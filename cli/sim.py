@@ -69,9 +69,9 @@ def _opt(*decls, **kw):
 @_opt("--training-jobs", type=Finite(min=0, max=1), default=0.0, show_default=True,
       help="fraction of the GPUs running a training job (0.1: one GPU in ten)")
 @_opt("--keep-alive-s", type=Finite(min=0, max=86_400), default=HorizontalConfig.keep_alive_s, show_default=True,
-      help="fallback keep-alive of an idle function, trace seconds (the horizontal scaler's; dilu, static-mps and "
-           "exclusive keep by the idle-time histogram once it is representative; horizontal-only scales to "
-           "zero as Knative does and ignores it)")
+      help="fallback keep-alive of an idle function, trace seconds (the horizontal scaler's; dilu, dilu-published, "
+           "static-mps and exclusive keep by the idle-time histogram once it is representative; horizontal-only "
+           "scales to zero as Knative does and ignores it)")
 @_opt("--process-start-ms", type=Finite(min=0, max=600_000), default=models.PROCESS_START_MS, show_default=True,
       help="an instance's process start before its weights load (a cold start is this plus the weights at "
            "4 GB/s); set it to what your node measures (the node agent logs cold_start_ms per instance)")
