@@ -95,12 +95,12 @@ def run_options(f):
     """The options of a run, shared by ``demo`` and ``compare``."""
     opts = [
         click.option("--duration", type=click.FloatRange(min=1), default=120.0, show_default=True, callback=finite, help="wall-clock seconds of replay"),
-        click.option("--speedup", type=click.FloatRange(min=0.01, max=1000), default=10.0, show_default=True, callback=finite, help="trace seconds per wall second (arrivals only)"),
+        click.option("--speedup", type=click.FloatRange(min=arrivals.SPEEDUP_MIN, max=arrivals.SPEEDUP_MAX), default=10.0, show_default=True, callback=finite, help="trace seconds per wall second (arrivals only)"),
         click.option("--seed", type=click.IntRange(min=0), default=1, show_default=True),
         click.option("--trace", "trace_dir", type=click.Path(exists=True, file_okay=False), default=None, help="trace directory in the Azure Functions 2019 format (default: the bundled 100-function sample)"),
         click.option("--start-minute", type=int, default=None, help="trace minute to begin at (default: the first)"),
         click.option("--functions", type=str, default="16", show_default=True, callback=lambda c, p, v: _functions(v), help="K busiest functions of the span, or 'all'"),
-        click.option("--gpus", default="4", show_default=True, callback=lambda c, p, v: _gpus(v), help="emulated A100 40 GB GPUs on the node (1..64), or 'cpu'"),
+        click.option("--gpus", default="4", show_default=True, callback=lambda c, p, v: _gpus(v), help="emulated A100 40 GB GPUs on the node (1..64; 'all': 4), or 'cpu'"),
         click.option("--nats-url", default=None, help="use a running NATS server instead of starting one"),
         click.option("--log-dir", default=None, type=click.Path(file_okay=False), help="where the services' JSON logs go (default: a temp dir)"),
         click.option("--training-jobs", type=click.IntRange(min=0, max=64), default=None, help="training jobs collocated with the inference functions (default: one per GPU in dilu demo, none in dilu compare; 0: none)"),

@@ -8,10 +8,13 @@ command.
 from __future__ import annotations
 
 import json
+import signal
+import sys
 from pathlib import Path
 
 import click
 
+from dilu.loadgen.arrivals import SPEEDUP_MAX, SPEEDUP_MIN
 from dilu.services.common import models
 from dilu.services.common.cliopts import Finite, writable_dir, writable_output, write_output
 from dilu.services.common.policies import POLICIES
@@ -58,7 +61,7 @@ def _opt(*decls, **kw):
 @_opt("--hours", type=Finite(min=0, min_open=True, max=24 * 14), default=1.0, show_default=True,
       help="hours of trace replayed (simulated time)")
 @_opt("--start-minute", type=int, default=None, help="trace minute to begin at (default: the first)")
-@_opt("--speedup", type=Finite(min=0, min_open=True, max=1000), default=1.0, show_default=True,
+@_opt("--speedup", type=Finite(min=SPEEDUP_MIN, max=SPEEDUP_MAX), default=1.0, show_default=True,
       help="compress trace time as dilu demo --speedup does: the replay lasts hours / speedup and the "
            "horizontal windows shrink with it; cold starts do not (dilu demo's default is 10)")
 @_opt("--nodes", type=click.IntRange(min=1, max=100_000), default=1, show_default=True)
@@ -90,7 +93,6 @@ def sim(trace_dir, functions, hours, start_minute, speedup, nodes, gpus_per_node
     not modelled (a grant takes effect at the vertical scaler's next tick, every 250 ms)."""
     from dilu.cli.demo import make_console
 
-    from dilu.loadgen import report
     from dilu.loadgen.trace import TraceError
 
     console = make_console()  # the demo's width rule: 100 columns in a file or pipe unless COLUMNS says
@@ -115,8 +117,15 @@ def sim(trace_dir, functions, hours, start_minute, speedup, nodes, gpus_per_node
             console.print(f"written to {json_path}")
         return
 
-    from dilu.loadgen.sim.run import SimConfig, simulate
+    from dilu.loadgen.sim.run import Interrupted, SimConfig, simulate
 
+    stopped = {"code": 130}
+
+    def on_term(_sig, _frame):  # SIGTERM ends the run as Ctrl-C does, with its own exit status
+        stopped["code"] = 143
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGTERM, on_term)
     try:
         cfg = SimConfig(trace_dir=trace_dir, functions=functions, hours=hours, nodes=nodes, gpus_per_node=gpus_per_node,
                         seed=seed, training_jobs=training_jobs, start_minute=start_minute,
@@ -126,6 +135,22 @@ def sim(trace_dir, functions, hours, start_minute, speedup, nodes, gpus_per_node
                            f"[dim]{p}: {done:,.0f} of {total:,.0f} simulated s[/dim]", highlight=False))
     except (TraceError, ValueError, OSError) as exc:
         raise click.ClickException(str(exc)) from None
+    except Interrupted as exc:
+        done = list(exc.partial["policies"])
+        console.print(f"[yellow]{exc}: {', '.join(done) + ' finished' if done else 'no policy finished'}[/yellow]")
+        if done:
+            _show(exc.partial, console, functions, hours, speedup, json_path, plots_dir)
+        sys.exit(stopped["code"])
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    _show(out, console, functions, hours, speedup, json_path, plots_dir)
+
+
+def _show(out: dict, console, functions, hours: float, speedup: float, json_path: str | None,
+          plots_dir: str | None) -> None:
+    """Print the comparison of ``out`` (:func:`simulate`'s output) and write its JSON and plots."""
+    from dilu.loadgen import report
+
     first = next(iter(out["policies"].values()))
     if isinstance(functions, int) and first["run"]["functions"] < functions:
         console.print(f"[yellow]--functions {functions}: the span has only {first['run']['functions']} functions "

@@ -41,6 +41,9 @@ NS_PER_S = 1_000_000_000
 MINUTE_S = 60
 DEFAULT_DURATION_S = 120.0
 DEFAULT_SPEEDUP = 10.0
+# Trace seconds per wall second a replay may run at: below 0.01 a minute of trace lasts over
+# 100 minutes (and the simulator would tick through all of them), above 1000 a minute lasts 60 ms.
+SPEEDUP_MIN, SPEEDUP_MAX = 0.01, 1000.0
 DEFAULT_FUNCTIONS = 16
 
 
@@ -111,7 +114,7 @@ def plan_replay(
     """Build the replay plan (see the module docstring for the rules).
 
     ``seed`` (int >= 0) fixes every draw; ``duration_s`` (> 0) is wall-clock seconds of replay;
-    ``speedup`` (> 0) is trace seconds per wall second; ``start_minute`` a trace minute label
+    ``speedup`` (``SPEEDUP_MIN``..``SPEEDUP_MAX``) is trace seconds per wall second; ``start_minute`` a trace minute label
     (default: the trace's first); ``functions`` K >= 1 or ``"all"``; ``id_prefix`` is put in
     front of every invocation id (e.g. a run id, so ids stay unique across runs).
 
@@ -155,8 +158,8 @@ def _check_args(seed: int, duration_s: float, speedup: float, functions: int | s
         raise ValueError(f"seed must be an integer >= 0, got {seed!r}")
     if not (duration_s > 0 and math.isfinite(duration_s)):
         raise ValueError(f"duration must be a positive number of seconds, got {duration_s!r}")
-    if not (speedup > 0 and math.isfinite(speedup)):
-        raise ValueError(f"speedup must be positive, got {speedup!r}")
+    if not (SPEEDUP_MIN <= speedup <= SPEEDUP_MAX):
+        raise ValueError(f"speedup must be in [{SPEEDUP_MIN:g}, {SPEEDUP_MAX:g}], got {speedup!r}")
     if functions != "all" and not (isinstance(functions, int) and functions >= 1):
         raise ValueError(f"functions must be an integer >= 1 or 'all', got {functions!r}")
 

@@ -117,7 +117,8 @@ def read_trace(directory: str | Path | None = None) -> Trace:
         raise TraceError(root, 0, "trace directory not found")
     inv_path = root / INVOCATIONS
     if not inv_path.is_file():
-        raise TraceError(inv_path, 0, f"missing; a trace directory needs {INVOCATIONS}")
+        why = "not a file" if inv_path.exists() else "missing"
+        raise TraceError(inv_path, 0, f"{why}; a trace directory needs {INVOCATIONS}")
     first_minute, n_minutes, rows = _read_invocations(inv_path)
     durations = _read_optional(root / DURATIONS, FUNCTION_KEY, "Average")
     memory = _read_optional(root / MEMORY, FUNCTION_KEY, "AverageAllocatedMb", per_app=True)

@@ -52,6 +52,7 @@ import msgspec
 from dilu.cli.deploy import function_spec, training_spec
 from dilu.contracts.events import InstanceTelemetry
 from dilu.loadgen import report
+from dilu.loadgen.arrivals import SPEEDUP_MAX, SPEEDUP_MIN
 from dilu.loadgen.generator import Record, RunResult
 from dilu.services.common import models
 from dilu.services.common.functions import GIB, STRETCH_RATIO, default_priority, yields_share
@@ -116,8 +117,8 @@ class SimConfig:
     def __post_init__(self) -> None:
         if not (self.hours > 0 and math.isfinite(self.hours)):
             raise ValueError(f"hours must be a positive number, got {self.hours}")
-        if not (0 < self.speedup <= 1000 and math.isfinite(self.speedup)):
-            raise ValueError(f"speedup must be in (0, 1000], got {self.speedup}")
+        if not (SPEEDUP_MIN <= self.speedup <= SPEEDUP_MAX):
+            raise ValueError(f"speedup must be in [{SPEEDUP_MIN:g}, {SPEEDUP_MAX:g}], got {self.speedup}")
         if self.nodes < 1 or self.gpus_per_node < 1:
             raise ValueError(f"need at least 1 node and 1 GPU per node, got {self.nodes} x {self.gpus_per_node}")
         if self.keep_alive_s is not None and not (0 <= self.keep_alive_s <= 86_400):
@@ -144,13 +145,17 @@ class Workload:
 def prepare(cfg: SimConfig) -> Workload:
     """The replay plan (:func:`cli.demo.build_plan` at ``cfg.speedup``), the functions' specs with their
     seeded models, the training jobs, and each inference function's profile from the profiler's
-    search on its surface. Raises ValueError / TraceError for a bad trace or span."""
+    search on its surface. Raises ValueError / TraceError for a bad trace or a span without
+    invocations."""
     from dilu.cli.demo import RunOptions, build_plan  # the demo's plan rule, not a copy of it
 
     opts = RunOptions(duration=cfg.hours * 3600.0 / cfg.speedup, speedup=cfg.speedup, seed=cfg.seed, trace_dir=cfg.trace_dir,
                       start_minute=cfg.start_minute, functions=cfg.functions, gpus=str(cfg.gpus_per_node),
                       nats_url=None, log_dir=None, training_jobs=0, progress=False)
     plan, chosen, _ = build_plan(opts, RUN_ID)
+    if not plan.invocations:
+        raise ValueError(f"the span ({cfg.hours:g} hours from the start minute) holds no invocation: "
+                         f"give more --hours or another --start-minute")
     specs = [function_spec(f.name, chosen[f.name], peak_rps=f.peak_rps) for f in plan.functions]
     specs += [training_spec(f"train-{i}") for i in range(round(cfg.training_jobs * cfg.gpus))]
     profiles: dict = {}
@@ -762,6 +767,16 @@ class Simulation:
         return report.build_report(records, meta, facts, info)
 
 
+class Interrupted(Exception):
+    """A run stopped by KeyboardInterrupt: ``partial`` is :func:`simulate`'s output for the
+    policies that had finished (``{}`` in ``policies`` when none had), ``policy`` the one under
+    way (None: still profiling)."""
+
+    def __init__(self, partial: dict, policy: str | None) -> None:
+        super().__init__(f"interrupted {'while profiling' if policy is None else 'during ' + policy}")
+        self.partial, self.policy = partial, policy
+
+
 def simulate(cfg: SimConfig, policies: list[str], progress=None, tick=None) -> dict:
     """Every policy over the same workload: ``{"policies": {name: report dict}, "sim": {...}}``
     (the format of ``dilu compare --json`` plus the simulator's own figures, in ``sim``:
@@ -770,21 +785,32 @@ def simulate(cfg: SimConfig, policies: list[str], progress=None, tick=None) -> d
     requests so far, allocation fragmentation, idle fragmentation]`` every ``sample_s`` and the
     ``latency_slo_cdf``: [fraction, latency / SLO] at 200 quantiles of the completed requests). ``progress(name)`` is called
     before each policy, ``tick(name, simulated s done, s in all)`` every 10 wall seconds within
-    one (printing only: the run is the same without). Raises ValueError for an unknown policy or a bad span."""
+    one (printing only: the run is the same without). Raises ValueError for an unknown policy or a
+    bad span; :class:`Interrupted`, with the policies finished so far, on KeyboardInterrupt."""
     for p in policies:
         modes(p)
-    work = prepare(cfg)
     reports: dict = {}
     facts: dict = {}
-    for p in policies:
-        if progress is not None:
-            progress(p)
-        on = None if tick is None else (lambda done, total, p=p: tick(p, done, total))
-        rep, f = Simulation(cfg, p, work, on_progress=on).run()
-        reports[p] = rep.to_dict()
-        facts[p] = {"events": f.events, "wall_s": f.wall_s, "peak_active_gpus": f.peak_active_gpus,
-                    "max_limit_sum": f.max_limit_sum, "unplaced": f.unplaced,
-                    "timeline": [list(r) for r in f.timeline], "latency_slo_cdf": f.latency_slo_cdf}
+    work, current = None, None
+    try:
+        work = prepare(cfg)
+        for p in policies:
+            current = p
+            if progress is not None:
+                progress(p)
+            on = None if tick is None else (lambda done, total, p=p: tick(p, done, total))
+            rep, f = Simulation(cfg, p, work, on_progress=on).run()
+            reports[p] = rep.to_dict()
+            facts[p] = {"events": f.events, "wall_s": f.wall_s, "peak_active_gpus": f.peak_active_gpus,
+                        "max_limit_sum": f.max_limit_sum, "unplaced": f.unplaced,
+                        "timeline": [list(r) for r in f.timeline], "latency_slo_cdf": f.latency_slo_cdf}
+    except KeyboardInterrupt:
+        partial = _output(cfg, work, reports, facts) if work is not None else {"policies": {}}
+        raise Interrupted(partial, current) from None
+    return _output(cfg, work, reports, facts)
+
+
+def _output(cfg: SimConfig, work: Workload, reports: dict, facts: dict) -> dict:
     conf = {"nodes": cfg.nodes, "gpus_per_node": cfg.gpus_per_node, "hours": cfg.hours, "speedup": cfg.speedup,
             "functions": cfg.functions, "keep_alive_s": cfg.keep_alive_s, "process_start_ms": cfg.process_start_ms,
             "seed": cfg.seed, "training_jobs": cfg.training_jobs, "vertical_tick_ms": cfg.vertical_tick_ms,

@@ -169,7 +169,9 @@ def writable_output(ctx, param, value):
     """Click callback for an output file option (``--json``): the file must be writable, checked
     before a run rather than after minutes of it, by opening it for appending (a file this
     creates is removed again; permission bits alone would pass for root on /sys or /proc).
-    Raises click.BadParameter naming the path and the reason."""
+    Raises click.BadParameter naming the path and the reason (an empty one too)."""
+    if value == "":
+        raise click.BadParameter("an empty path")
     if value is not None:
         path = Path(value)
         existed = path.exists()

@@ -20,23 +20,27 @@ from .service import VerticalScaler
               help="dilu: adaptive; static: pinned at request; static-limit: pinned at limit; off: no grants; "
                    "published: Dilu as its paper describes it (20/40-sample windows, AIMD on training)")
 @click.option("--hysteresis", type=Finite(0, 0.5), default=0.02, show_default=True, help="smallest quota change sent")
-@click.option("--pressure-hold-ms", type=Finite(0, 60_000), default=500.0, show_default=True)
+@click.option("--pressure-hold-ms", type=Finite(0, 60_000), default=500.0, show_default=True,
+              help="dilu mode: how long a pressured instance stays at its limit after the last signal")
 @click.option("--recovery-per-s", type=Finite(0.001, 100), default=0.5, show_default=True,
-              help="additive recovery of yielding instances (quota per second)")
+              help="dilu mode: additive recovery of yielding instances (quota per second)")
 @click.option("--release-per-s", type=Finite(0.001, 10_000), default=0.5, show_default=True,
-              help="how fast an instance whose demand fell gives share back (quota per second)")
+              help="dilu mode: how fast an instance whose demand fell gives share back (quota per second)")
 @click.option("--decrease-factor", type=Finite(0.01, 0.99), default=0.5, show_default=True)
 @click.option("--be-floor", type=Finite(0.01, 1), default=0.05, show_default=True)
 @click.option("--park-idle/--no-park-idle", default=False, show_default=True,
-              help="give share nobody asked for to latency-sensitive instances, up to their limits")
+              help="dilu mode only: give share nobody asked for to latency-sensitive instances, up to their limits")
 @metrics_port_option("vertical_scaler")
 @log_level_option
 def main(nats, node, mode, hysteresis, pressure_hold_ms, recovery_per_s, release_per_s, decrease_factor, be_floor,
          park_idle, metrics_port, log_level):
     """Run the vertical scaler of NODE: telemetry and kernel-cycle stretch in, TokenGrants out."""
-    config = VerticalConfig(mode=mode, hysteresis=hysteresis, pressure_hold_ms=pressure_hold_ms,
-                            recovery_per_s=recovery_per_s, release_per_s=release_per_s,
-                            decrease_factor=decrease_factor, be_floor=be_floor, park_idle=park_idle)
+    try:
+        config = VerticalConfig(mode=mode, hysteresis=hysteresis, pressure_hold_ms=pressure_hold_ms,
+                                recovery_per_s=recovery_per_s, release_per_s=release_per_s,
+                                decrease_factor=decrease_factor, be_floor=be_floor, park_idle=park_idle)
+    except ValueError as exc:
+        raise click.UsageError(str(exc)) from None
     run(VerticalScaler(node, config), nats, metrics_port=metrics_port, log_level=log_level)
 
 

@@ -119,6 +119,8 @@ class VerticalConfig:
             raise ValueError(f"decrease_factor must be in (0, 1), got {self.decrease_factor}")
         if not 0.0 < self.min_quota <= self.be_floor <= 1.0:
             raise ValueError("need 0 < min_quota <= be_floor <= 1")
+        if self.park_idle and self.mode != "dilu":
+            raise ValueError(f"park_idle lends idle share, which only the dilu mode does (mode {self.mode!r})")
 
 
 @dataclass(frozen=True)

@@ -64,6 +64,7 @@ class VerticalScaler:
         await bus.subscribe(f"{subjects.PREFIX}.event.kernel_cycle_stretch.{node}.*", KernelCycleStretch, self._on_stretch)
         await bus.subscribe(f"{subjects.PREFIX}.telemetry.gpu.{node}.*", GpuTelemetry, self._on_telemetry)
         await bus.subscribe(subjects.instance_state("retired", self.node), InstanceRetired, self._on_retired)
+        bus.log.info("vertical policy", mode=self.policy.config.mode, policy=type(self.policy).__name__)
         # Start-up objects (modules, config) never become garbage: keep the cyclic collector from
         # rescanning them on every collection, which shortens the pauses a grant can wait behind.
         gc.freeze()

@@ -116,6 +116,9 @@ def test_workload_limits_within_capacity(tmp_path, name):
     (["--start-minute", "5"], "outside the trace"),
     (["--hours", "nan"], "--hours"),  # refused while parsing (exit 2), not later by the simulator
     (["--speedup", "inf"], "--speedup"),
+    (["--speedup", "1e-6"], "--speedup"),  # dilu demo's lower bound: below it a replay never ends
+    (["--hours", "1e-9"], "holds no invocation"),
+    (["--json", ""], "an empty path"),
 ])
 def test_bad_input_is_one_line(args, words):
     r = CliRunner().invoke(main, ["sim", *args])
@@ -267,6 +270,29 @@ def test_counters_stop_when_the_replay_ends_as_a_live_runs_do():
     assert any(t > end for t in gone_at)  # some did retire in the drain: the case is exercised
     assert rep.mechanism.retirements == sum(1 for t in gone_at if t <= end)
     assert rep.totals.instance_launches == sum(1 for t in placed_at if t <= end)
+
+
+def test_an_interrupted_run_keeps_and_reports_the_policies_that_finished(tmp_path, monkeypatch):
+    """Ctrl-C (or SIGTERM) during the second policy: the first one's report is still printed and
+    written, nothing of the second is, and the exit status says how the run ended (130)."""
+    from dilu.loadgen.sim import run as sim_run
+
+    real = sim_run.Simulation.run
+
+    def second_interrupted(self):
+        if self.policy == "horizontal-only":
+            raise KeyboardInterrupt
+        return real(self)
+
+    monkeypatch.setattr(sim_run.Simulation, "run", second_interrupted)
+    with pytest.raises(sim_run.Interrupted) as caught:
+        simulate(SimConfig(**SMALL, seed=1), ["dilu", "horizontal-only"])
+    assert list(caught.value.partial["policies"]) == ["dilu"] and caught.value.policy == "horizontal-only"
+    out = tmp_path / "out.json"
+    r = CliRunner().invoke(main, ["sim", "--functions", "8", "--hours", "0.05", "--json", str(out)])
+    assert r.exit_code == 130, r.output
+    assert "interrupted during horizontal-only: dilu finished" in r.output
+    assert list(json.loads(out.read_text())["policies"]) == ["dilu"]
 
 
 def test_keep_alive_and_process_start_move_what_they_should():

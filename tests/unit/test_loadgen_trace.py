@@ -117,6 +117,9 @@ def test_missing_directory_and_file(tmp_path):
         read_trace(tmp_path / "nope")
     with pytest.raises(TraceError, match="missing; a trace directory needs invocations.csv"):
         read_trace(tmp_path)
+    (tmp_path / "invocations.csv").mkdir()
+    with pytest.raises(TraceError, match="not a file; a trace directory needs invocations.csv"):
+        read_trace(tmp_path)
 
 
 def test_binary_garbage_is_a_clear_error(tmp_path):

@@ -36,6 +36,8 @@ def test_the_mode_names_the_class_and_the_platform_policy_selects_it():
     assert modes("dilu-published").vertical == "published"
     with pytest.raises(ValueError):
         PublishedVertical(inference_samples=0)
+    with pytest.raises(ValueError, match="park_idle"):  # lending idle share is what it does not do
+        VerticalConfig(mode="published", park_idle=True)
 
 
 def test_a_queue_without_stretch_leaves_inference_at_its_request_where_ours_lends_it_idle_share():
