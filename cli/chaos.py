@@ -335,10 +335,13 @@ def render(out: dict, console: Console) -> None:
         console.print(f"largest sum of quotas in force on one GPU: {out['grant_sum_max']:.3f}")
     if "soak" in out:
         st = Table(title="soak: slope per minute (shm-segments: count in fds, allocated bytes in own)")
-        for col in ("process", "samples", "own bytes/min", "fds/min", "threads/min", "own first -> last MiB"):
+        for col in ("process", "samples", "own bytes/min", "after warm-up", "fds/min", "threads/min",
+                    "own first -> last MiB"):
             st.add_column(col, justify="right")
         for name, s in sorted(out["soak"].items()):
-            st.add_row(name, str(s["samples"]), f"{s['private_bytes_per_min']:,.0f}", f"{s['fds_per_min']:.2f}",
+            settled = s["private_bytes_per_min_settled"]
+            st.add_row(name, str(s["samples"]), f"{s['private_bytes_per_min']:,.0f}",
+                       "–" if settled is None else f"{settled:,.0f}", f"{s['fds_per_min']:.2f}",
                        f"{s['threads_per_min']:.2f}",
                        f"{s['private_first_bytes'] / 2**20:.0f} -> {s['private_last_bytes'] / 2**20:.0f}")
         console.print(st)

@@ -154,9 +154,17 @@ def own_bytes(maps: Iterable[MappedRegion], shm_dir: str = "/dev/shm") -> int:
     return sum(m.private_dirty + m.swap for m in maps if not m.path.startswith(prefix))
 
 
+# Share of a soak's span read as warm-up: a process's heap, caches and pools fill while load is
+# new (nats-server's Go heap took about 10 minutes to reach its sawtooth between about 24 and 38
+# MiB under the 8-function soak), so a leak shows in the slope after it, not in one across it.
+WARM_UP_FRACTION = 0.25
+
+
 class Slope(msgspec.Struct, kw_only=True):
     """Least-squares slopes of one process's series, per minute, over ``samples`` readings spanning
-    ``minutes``; ``first``/``last`` private bytes for scale."""
+    ``minutes``; ``first``/``last`` private bytes for scale; ``private_bytes_per_min_settled``:
+    the private-memory slope over the readings after the first ``WARM_UP_FRACTION`` of the span
+    (None: fewer than 3 of them)."""
 
     samples: int
     minutes: float
@@ -165,11 +173,12 @@ class Slope(msgspec.Struct, kw_only=True):
     threads_per_min: float
     private_first_bytes: int
     private_last_bytes: int
+    private_bytes_per_min_settled: float | None = None
 
 
 def slopes(samples: Iterable[Sample]) -> dict[str, Slope]:
-    """Per process, the slope of private memory, descriptors and threads (ordinary least squares,
-    :func:`statistics.linear_regression`). A process with fewer than 3 readings, or all at one
+    """Per process, the slope of private memory (over the whole span and after its warm-up),
+    descriptors and threads (ordinary least squares, :func:`statistics.linear_regression`). A process with fewer than 3 readings, or all at one
     time, is left out (no slope can be told from it)."""
     series: dict[str, list[Sample]] = {}
     for s in samples:
@@ -181,10 +190,14 @@ def slopes(samples: Iterable[Sample]) -> dict[str, Slope]:
         if len(points) < 3 or minutes[0] == minutes[-1]:
             continue
 
-        def per_min(values: list[float]) -> float:
-            return round(statistics.linear_regression(minutes, values).slope, 3)
+        def per_min(values: list[float], at: list[float] = minutes) -> float:
+            return round(statistics.linear_regression(at, values).slope, 3)
 
+        settled_from = minutes[0] + WARM_UP_FRACTION * (minutes[-1] - minutes[0])
+        late = [(m, s.private_bytes) for m, s in zip(minutes, points) if m >= settled_from]
+        settled = per_min([b for _, b in late], [m for m, _ in late]) if len(late) >= 3 else None
         out[name] = Slope(samples=len(points), minutes=round(minutes[-1] - minutes[0], 3),
+                          private_bytes_per_min_settled=settled,
                           private_bytes_per_min=per_min([s.private_bytes for s in points]),
                           fds_per_min=per_min([s.fds for s in points]),
                           threads_per_min=per_min([s.threads for s in points]),

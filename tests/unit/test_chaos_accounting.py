@@ -72,6 +72,16 @@ def test_slopes_per_minute_and_flat_series():
     assert s["agent"].private_bytes_per_min == pytest.approx(7.0)
     assert s["agent"].fds_per_min == 0.0 and s["agent"].threads_per_min == pytest.approx(1.0)
     assert s["agent"].minutes == pytest.approx(4.0) and s["agent"].samples == 5
+    assert s["agent"].private_bytes_per_min_settled == pytest.approx(7.0)  # a steady leak stays one
+
+
+def test_a_heap_that_fills_then_holds_is_no_slope_after_its_warm_up():
+    """Growth in the first quarter of the span, then a sawtooth around a level (a Go heap)."""
+    level = [0, 6, 12, 18, 20, 22, 18, 22, 18, 22, 18, 22, 18, 22, 18, 22, 20]  # MiB, one a minute
+    samples = [chaos.Sample(process="nats-server", t_s=60.0 * m, private_bytes=v * 2**20) for m, v in enumerate(level)]
+    s = chaos.slopes(samples)["nats-server"]
+    assert s.private_bytes_per_min > 0.3 * 2**20  # across the warm-up it looks like a leak
+    assert abs(s.private_bytes_per_min_settled) < 0.05 * 2**20
 
 
 def test_own_bytes_leave_out_shared_memory_segments_and_clean_file_pages():
