@@ -8,8 +8,9 @@ What drives what, as in the live cluster (services/*/service.py):
   time. Functions are deployed with :func:`cli.deploy.function_spec`, training jobs with
   :func:`cli.deploy.training_spec`.
 - **Profiler.** :func:`profiler.policy.search_for` ask/tell, each trial answered from the model's
-  surface as ``dilu profile`` answers it (:class:`profiler.surface.SurfaceBackend`); the trials
-  are counted in ``profiler_trials``.
+  surface as ``dilu profile`` answers it (:class:`profiler.surface.SurfaceBackend`), once per
+  :func:`profiler.policy.cache_key`, as the service caches profiles; the trials are counted in
+  ``profiler_trials``.
 - **Scheduler.** :class:`scheduler.policy.Cluster` places an instance's :class:`Demand` (quotas by
   :func:`allocation_quotas` of the policy's allocation) and removes it at retirement; batches by
   :func:`allocation_batch`.
@@ -61,7 +62,7 @@ from dilu.services.horizontal_scaler.policy import (HorizontalConfig, InstanceSh
                                                     horizontal_policy, vertical_headroom)
 from dilu.services.horizontal_scaler.service import MAX_PLACE_COUNT
 from dilu.services.node_agent.grants import fit_quota
-from dilu.services.profiler.policy import NoFeasibleSetting, search_for
+from dilu.services.profiler.policy import NoFeasibleSetting, cache_key, search_for
 from dilu.services.profiler.surface import SurfaceBackend, model_surface, run_search
 from dilu.services.scheduler.policy import Cluster, Demand, NoCapacity, allocation_batch, allocation_quotas
 from dilu.services.vertical_scaler.policy import VerticalConfig, vertical_policy
@@ -164,15 +165,16 @@ def prepare(cfg: SimConfig) -> Workload:
         if s.profile is not None:
             profiles[s.name] = (s.profile, 0)
             continue
-        key = (s.model, s.slo_ms, s.max_batch)
+        key = cache_key(s)
+        trials = 0  # a profile reused from the cache costs no trial, as in the profiler service
         if key not in cache:
             backend = SurfaceBackend(model_surface(s.model))
             try:
-                res = run_search(search_for(s), backend)
+                cache[key] = run_search(search_for(s), backend)
             except NoFeasibleSetting:
-                res = None
-            cache[key] = (res, backend.trials)
-        res, trials = cache[key]
+                cache[key] = None
+            trials = backend.trials
+        res = cache[key]
         profiles[s.name] = (res.to_profile(s.name, "surface") if res is not None else None, trials)
     return Workload(plan, specs, profiles)
 

@@ -716,6 +716,12 @@ class ProfileSearch:
         )
 
 
+def cache_key(spec: FunctionSpec) -> tuple:
+    """What a profile depends on: (model, kind, SLO ms to 3 decimals, max batch). Two functions
+    with one key share a profile, searched once (the profiler service and ``dilu sim`` alike)."""
+    return (spec.model, spec.kind, round(spec.slo_ms, 3), spec.max_batch)
+
+
 def search_for(spec: FunctionSpec, stop_threshold: float = 0.15, deployed: bool = True) -> ProfileSearch:
     """The profile search for ``spec`` on the A100 grid (:data:`QUOTA_GRID`, batches of
     :data:`BATCH_GRID` up to ``spec.max_batch``); the request SLO is ``spec.slo_ms`` or, when 0,

@@ -39,7 +39,7 @@ from ..common.bus import Bus
 from ..common.jsresources import PROFILES_KV_CONFIG, ensure_kv
 from ..common.nodes import read_inventories, trial_node
 from dilu.services.common import models
-from .policy import (Measurement, NoFeasibleSetting, Trial,
+from .policy import (Measurement, NoFeasibleSetting, Trial, cache_key,
                      cpu_profile, given_profile, search_for)
 from .surface import SurfaceBackend, model_surface
 
@@ -97,10 +97,6 @@ class _SurfaceAsync:
         m = self.inner.run(trial)
         TRIALS.labels("surface").inc(self.inner.trials - before)
         return m
-
-
-def cache_key(spec: FunctionSpec) -> tuple:
-    return (spec.model, spec.kind, round(spec.slo_ms, 3), spec.max_batch)
 
 
 class ProfilerService:

@@ -353,3 +353,20 @@ def test_options_a_workload_run_does_not_read_are_refused(tmp_path):
 def test_an_empty_plots_path_is_refused():
     r = CliRunner().invoke(main, ["sim", "--plots", ""])
     assert r.exit_code == 2 and "an empty path" in r.output
+
+
+def test_a_profile_is_searched_once_per_cache_key_as_the_profiler_service_does():
+    """Functions of one model, kind, SLO and max batch share one search: its trials count once."""
+    from dilu.services.profiler.policy import cache_key
+
+    work = prepare(SimConfig(functions=16, hours=1 / 6, speedup=10, seed=1))
+    seen: dict = {}
+    for s in work.specs:
+        profile, trials = work.profiles[s.name]
+        key = cache_key(s)
+        if key in seen:
+            assert trials == 0 and profile.request_quota == seen[key].request_quota
+        else:
+            assert trials > 0
+            seen[key] = profile
+    assert len(seen) < len(work.specs)  # some functions do share a key here
