@@ -90,7 +90,9 @@ def sim(trace_dir, functions, hours, start_minute, speedup, nodes, gpus_per_node
     """Simulate the platform's policies over a real trace (deterministic per seed) and print the
     comparison table, as dilu compare does for live runs. In a simulated report, seconds are
     simulated seconds ("wall s" and goodput's denominator included), and the vertical reaction is
-    not modelled (a grant takes effect at the vertical scaler's next tick, every 250 ms)."""
+    not modelled (a grant takes effect at the vertical scaler's next tick, every 250 ms). Ctrl-C
+    or SIGTERM stops it: the policies already finished are still reported (and written), and it
+    exits with 130 (143)."""
     from dilu.cli.demo import make_console
 
     from dilu.loadgen.trace import TraceError

@@ -178,8 +178,9 @@ class Slope(msgspec.Struct, kw_only=True):
 
 def slopes(samples: Iterable[Sample]) -> dict[str, Slope]:
     """Per process, the slope of private memory (over the whole span and after its warm-up),
-    descriptors and threads (ordinary least squares, :func:`statistics.linear_regression`). A process with fewer than 3 readings, or all at one
-    time, is left out (no slope can be told from it)."""
+    descriptors and threads (ordinary least squares, :func:`statistics.linear_regression`). A
+    process with fewer than 3 readings, or all at one time, is left out (no slope can be told
+    from it)."""
     series: dict[str, list[Sample]] = {}
     for s in samples:
         series.setdefault(s.process, []).append(s)
