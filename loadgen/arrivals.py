@@ -115,8 +115,9 @@ def plan_replay(
 
     ``seed`` (int >= 0) fixes every draw; ``duration_s`` (> 0) is wall-clock seconds of replay;
     ``speedup`` (``SPEEDUP_MIN``..``SPEEDUP_MAX``) is trace seconds per wall second;
-    ``start_minute`` a trace minute label (default: the trace's first); ``functions`` K >= 1 or ``"all"``; ``id_prefix`` is put in
-    front of every invocation id (e.g. a run id, so ids stay unique across runs).
+    ``start_minute`` a trace minute label (default: the trace's first); ``functions`` K >= 1 or
+    ``"all"``; ``id_prefix`` is put in front of every invocation id (e.g. a run id, so ids stay
+    unique across runs).
 
     Raises ValueError for arguments out of range or a start minute outside the trace. A span
     running past the end of the trace is clipped to it (``clipped`` in the plan).
