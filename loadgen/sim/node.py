@@ -58,11 +58,13 @@ class Gpu:
 class Instance:
     """One instance: ``state`` starting | ready | draining | gone; ``width`` its limit quota as
     placed; ``grant`` the quota in force; ``batch`` the largest batch it pulls; ``ready_ms`` when
-    its cold start ends. Window counters (``win_*``) feed the next telemetry."""
+    its cold start ends. Window counters (``win_*``) feed the next telemetry. ``tokens``: its
+    token bucket's balance (ms of busy time) at ``tokens_at`` (ms), as the interceptor keeps it
+    (:func:`models.bucket_paced_ms`); full when it starts."""
 
     __slots__ = ("iid", "fn", "gpu", "request", "width", "grant", "batch", "ready_ms", "state", "busy",
                  "inflight", "quota_since", "win_busy_ms", "win_wait_ms", "win_lat_ms", "training",
-                 "iterations", "train_since", "priority")
+                 "iterations", "train_since", "priority", "tokens", "tokens_at")
 
     def __init__(self, iid: str, fn, gpu: Gpu, request: float, width: float, grant: float, batch: int,
                  ready_ms: float, now_ms: float, training: bool, priority: str) -> None:
@@ -85,6 +87,8 @@ class Instance:
         self.iterations = 0.0
         self.train_since = ready_ms
         self.priority = priority
+        self.tokens = models.BURST_MS
+        self.tokens_at = ready_ms
 
 
 class Function:
@@ -92,12 +96,14 @@ class Function:
     for an instance (the work queue, oldest first), its live instances and counters."""
 
     __slots__ = ("name", "spec", "model", "slo_ms", "timeout_ms", "batch", "demand", "pending", "ready",
-                 "instances", "arrivals", "launches", "quota_ms", "training", "asleep", "last_tick", "last_busy")
+                 "instances", "arrivals", "launches", "quota_ms", "training", "asleep", "last_tick", "last_busy",
+                 "kernels")
 
     def __init__(self, name: str, spec, slo_ms: float, timeout_ms: float, batch: int, demand, training: bool) -> None:
         self.name = name
         self.spec = spec
         self.model = spec.model
+        self.kernels = models.kernels_per_batch(spec.model)  # a batch's kernels under the interceptor
         self.slo_ms = slo_ms
         self.timeout_ms = timeout_ms
         self.batch = batch

@@ -471,13 +471,20 @@ class Simulation:
         slow = pace(inst.width, inst.grant)
         gpu.busy_width += inst.width
         stretch = gpu.busy_width if gpu.busy_width > 1.0 else 1.0
-        dur = base * slow * stretch
+        dur = base * stretch
+        if slow > 1.0:  # paced: the token bucket lets the first kernels ride its burst
+            rate = 1.0 / slow
+            balance = min(models.BURST_MS, inst.tokens + (now - inst.tokens_at) * rate)
+            dur, inst.tokens = models.bucket_paced_ms(base, f.kernels, rate, balance, stretch)
+            wait = dur - base * stretch
+            self.mech.token_wait_ms += wait
+            inst.win_wait_ms += wait
+        else:
+            inst.tokens = models.BURST_MS
+        inst.tokens_at = now + dur
         inst.busy = True
         if gpu.quiet:
             self._wake(gpu)
-        if slow > 1.0:
-            self.mech.token_wait_ms += base * stretch * (slow - 1.0)
-            inst.win_wait_ms += base * stretch * (slow - 1.0)
         inst.win_busy_ms += dur
         if now >= self.t0:
             self.consumed += inst.width * base

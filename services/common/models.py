@@ -120,11 +120,46 @@ def pacing_stretch(width: float, grant: float) -> float:
     time (interceptor.c, set_rate), so the instance may keep its width's SMs busy only
     ``grant / width`` of the time, and a batch of busy time L(b, w) lasts L(b, w) · w / grant
     (DESIGN.md section 7, first-order timing model). The token bucket's burst (DILU_BURST_US,
-    2 ms) is left out: a first-order model, exact for batches much longer than the burst.
+    2 ms) is left out: a first-order model, exact for batches much longer than the burst and for
+    batches back to back (the profiler's repeated trials); ``dilu sim`` times each batch with
+    :func:`bucket_paced_ms` instead.
     Raises ValueError for a width or grant outside (0, 1]."""
     if not (0 < width <= 1.0 + 1e-9 and 0 < grant <= 1.0 + 1e-9):
         raise ValueError(f"width and grant must be in (0, 1], got width={width} grant={grant}")
     return max(1.0, width / grant)
+
+
+BURST_MS = 2.0  # the interceptor's token bucket depth (DILU_BURST_US's default, 2000 µs)
+
+
+def kernels_per_batch(model: str) -> int:
+    """Kernels the emulated runtime launches for one batch: kernels per step x steps."""
+    s = spec(model)
+    return s.kernels_per_step * s.steps_per_request
+
+
+def bucket_paced_ms(busy_ms: float, kernels: int, rate: float, balance_ms: float,
+                    stretch: float = 1.0) -> tuple[float, float]:
+    """Wall time (ms) of one batch of ``busy_ms`` of busy time in ``kernels`` equal kernels under
+    the interceptor's token bucket, and the bucket's balance (ms of tokens) when it ends.
+
+    The bucket holds ``balance_ms`` (at most ``BURST_MS``) at the batch's start and refills at
+    ``rate`` = grant / width (0 < rate <= 1) per ms; a kernel launches when the balance is >= 0
+    and is charged its busy time at once; kernels run one after another, each ``stretch`` times
+    its busy time (SMs shared with neighbours; the charge meters busy time, not the stretch).
+    Kernel i launches at max(0, (i·c − balance) / rate), c = busy_ms / kernels. Source:
+    interceptor.c (its throttling comment). For a batch much longer than the burst this tends
+    to :func:`pacing_stretch`'s ``busy_ms / rate``; shorter ones, and an instance idle long
+    enough to fill its bucket, finish sooner: the first kernels ride the burst and the last
+    one's run is not waited for. Raises ValueError for a rate outside (0, 1] or no kernel."""
+    if not (0 < rate <= 1.0 + 1e-9) or kernels < 1:
+        raise ValueError(f"need 0 < rate <= 1 and kernels >= 1, got rate={rate} kernels={kernels}")
+    c = busy_ms / kernels
+    run = c * stretch
+    end = 0.0
+    for i in range(kernels):
+        end = max((i * c - balance_ms) / rate, end) + run
+    return end, min(BURST_MS, balance_ms + rate * end - busy_ms)
 
 
 def paced_latency_ms(model: str, batch: int, width: float, grant: float) -> float:

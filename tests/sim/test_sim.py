@@ -370,3 +370,26 @@ def test_a_profile_is_searched_once_per_cache_key_as_the_profiler_service_does()
             assert trials > 0
             seen[key] = profile
     assert len(seen) < len(work.specs)  # some functions do share a key here
+
+
+def test_a_lone_request_at_a_paced_instance_takes_the_token_buckets_time():
+    """One request after an idle minute at an instance held at its request below its width: it
+    takes what the interceptor's bucket allows (the burst, then the refill), shorter than the
+    first-order L · w / q, and no shorter than the unpaced batch."""
+    from dilu.loadgen.arrivals import Invocation
+    from dilu.services.common import models
+
+    cfg = SimConfig(**SMALL, seed=1)
+    base = prepare(cfg)
+    spec = next(s for s in base.specs if s.model == "resnet152")
+    profile = base.profiles[spec.name][0]
+    assert profile.request_quota < profile.limit_quota  # paced at its request
+    plan = base.plan.__class__(**{**{f: getattr(base.plan, f) for f in base.plan.__struct_fields__},
+                                  "invocations": (Invocation(id="one", function=spec.name, scheduled_ns=60 * 10**9,
+                                                             trace_minute=0),), "duration_s": 90.0})
+    rep, _ = Simulation(cfg, "dilu", Workload(plan, [spec], {spec.name: base.profiles[spec.name]})).run()
+    busy = models.latency_ms("resnet152", 1, profile.limit_quota)
+    rate = profile.request_quota / profile.limit_quota
+    want, _ = models.bucket_paced_ms(busy, models.kernels_per_batch("resnet152"), rate, models.BURST_MS)
+    assert rep.totals.latency_ms.p50 == pytest.approx(want, abs=0.1)  # the HDR histogram's resolution
+    assert busy < want < busy / rate

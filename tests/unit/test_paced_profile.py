@@ -123,3 +123,23 @@ def test_the_table_names_every_surface_whole_within_100_columns():
     rows = [line.split() for line in lines]
     for path in surface_files():
         assert any(row and row[0] == path.stem for row in rows), path.stem  # not cut to "mobilenet_v…"
+
+
+def test_a_batch_under_the_token_bucket_tends_to_the_first_order_model_when_long():
+    """Long batches (many bursts' worth) take busy / rate; short ones after an idle gap ride the
+    burst and finish sooner, never sooner than their busy time; an unpaced one takes its busy time
+    times the stretch."""
+    long_ms, _ = models.bucket_paced_ms(400.0, 100, 0.5, models.BURST_MS)
+    assert long_ms == pytest.approx(400.0 / 0.5, rel=0.02)
+    short_ms, left = models.bucket_paced_ms(21.25, 10, 0.5, models.BURST_MS)
+    assert 21.25 < short_ms < 21.25 / 0.5 - 4.0  # the burst and the last kernel's run are saved
+    assert short_ms == pytest.approx((21.25 - 2.125 - models.BURST_MS) / 0.5 + 2.125)
+    assert left < 0  # the bucket ends in debt: the next batch right after waits for it
+    empty_ms, _ = models.bucket_paced_ms(21.25, 10, 0.5, left)
+    assert empty_ms > short_ms
+    assert models.bucket_paced_ms(10.0, 5, 1.0, 0.0, stretch=1.5)[0] == pytest.approx(15.0)
+    with pytest.raises(ValueError):
+        models.bucket_paced_ms(10.0, 0, 0.5, 0.0)
+    with pytest.raises(ValueError):
+        models.bucket_paced_ms(10.0, 5, 1.5, 0.0)
+
