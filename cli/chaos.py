@@ -334,9 +334,10 @@ def render(out: dict, console: Console) -> None:
     if out.get("grant_sum_max") is not None:
         console.print(f"largest sum of quotas in force on one GPU: {out['grant_sum_max']:.3f}")
     if "soak" in out:
-        st = Table(title="soak: slope per minute (shm-segments: count in fds, allocated bytes in own)")
-        for col in ("process", "samples", "own bytes/min", "after warm-up", "fds/min", "threads/min",
-                    "own first -> last MiB"):
+        st = Table(title="soak: slope per minute (after warm-up: over the last three quarters of the run; "
+                         "shm-segments: count in fds, allocated bytes in own)")
+        st.add_column("process", no_wrap=True, min_width=17)
+        for col in ("samples", "own bytes/min", "after warm-up", "fds/min", "threads/min", "own first -> last MiB"):
             st.add_column(col, justify="right")
         for name, s in sorted(out["soak"].items()):
             settled = s["private_bytes_per_min_settled"]

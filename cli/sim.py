@@ -139,8 +139,9 @@ def sim(trace_dir, functions, hours, start_minute, speedup, nodes, gpus_per_node
         raise click.ClickException(str(exc)) from None
     except Interrupted as exc:
         done = list(exc.partial["policies"])
-        console.print(f"[yellow]{exc}: {', '.join(done) + ' finished' if done else 'no policy finished'}[/yellow]")
+        click.echo(f"{exc}: {', '.join(done) + ' finished' if done else 'no policy finished'}", err=True)
         if done:
+            exc.partial["sim"]["interrupted"] = {"during": exc.policy, "policies_asked": policies}
             _show(exc.partial, console, functions, hours, speedup, json_path, plots_dir)
         sys.exit(stopped["code"])
     finally:

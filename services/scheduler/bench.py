@@ -29,7 +29,7 @@ from pathlib import Path
 import click
 from hdrh.histogram import HdrHistogram
 
-from dilu.services.common.cliopts import Finite, writable_output
+from dilu.services.common.cliopts import Finite, writable_output, write_output
 
 from .policy import Cluster, Demand, NoCapacity
 
@@ -217,8 +217,8 @@ def synthetic(nodes: int = 1000, gpus_per_node: int = 4, instances: int = 10_000
 
 
 @click.command("scheduler")
-@click.option("--nodes", type=click.IntRange(min=1), default=1000, show_default=True)
-@click.option("--gpus-per-node", type=click.IntRange(min=1), default=4, show_default=True)
+@click.option("--nodes", type=click.IntRange(min=1, max=100_000), default=1000, show_default=True)
+@click.option("--gpus-per-node", type=click.IntRange(min=1, max=64), default=4, show_default=True)
 @click.option("--gpu-memory-gib", type=Finite(min=0, min_open=True), default=40, show_default=True,
               help="Memory of each GPU in GiB (2**30 bytes).")
 @click.option("--max-gpu-instances", type=click.IntRange(min=0), default=0, show_default=True,
@@ -239,9 +239,9 @@ def bench_scheduler(nodes, gpus_per_node, gpu_memory_gib, max_gpu_instances, gam
             out = replay(workload, nodes, gpus_per_node, gpu_memory_gib, gamma, max_gpu_instances)
         else:
             out = synthetic(nodes, gpus_per_node, instances, churn, gpu_memory_gib, gamma, seed, max_gpu_instances)
-    except WorkloadError as exc:
+    except ValueError as exc:  # a bad workload line, or a cluster no GPU could exist in
         raise click.ClickException(str(exc)) from None
     text = json.dumps(out, indent=2)
     click.echo(text)
     if json_path:
-        json_path.write_text(text + "\n")
+        write_output(json_path, text + "\n")

@@ -120,7 +120,8 @@ class VerticalConfig:
         if not 0.0 < self.min_quota <= self.be_floor <= 1.0:
             raise ValueError("need 0 < min_quota <= be_floor <= 1")
         if self.park_idle and self.mode != "dilu":
-            raise ValueError(f"park_idle lends idle share, which only the dilu mode does (mode {self.mode!r})")
+            raise ValueError(f"park_idle (--park-idle) lends idle share, which only the dilu mode does, "
+                             f"not {self.mode!r}")
 
 
 @dataclass(frozen=True)

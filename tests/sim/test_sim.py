@@ -292,7 +292,9 @@ def test_an_interrupted_run_keeps_and_reports_the_policies_that_finished(tmp_pat
     r = CliRunner().invoke(main, ["sim", "--functions", "8", "--hours", "0.05", "--json", str(out)])
     assert r.exit_code == 130, r.output
     assert "interrupted during horizontal-only: dilu finished" in r.output
-    assert list(json.loads(out.read_text())["policies"]) == ["dilu"]
+    written = json.loads(out.read_text())
+    assert list(written["policies"]) == ["dilu"]
+    assert written["sim"]["interrupted"] == {"during": "horizontal-only", "policies_asked": ["dilu", "horizontal-only"]}
 
 
 def test_keep_alive_and_process_start_move_what_they_should():

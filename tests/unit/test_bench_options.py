@@ -1,6 +1,8 @@
 """Every bench refuses NaN and infinities while parsing: exit 2 and one line, before any work."""
 from __future__ import annotations
 
+import json
+
 import pytest
 from click.testing import CliRunner
 
@@ -17,3 +19,25 @@ def test_a_non_finite_number_is_refused_while_parsing(args):
     assert r.exit_code == 2, r.output
     lines = [line for line in r.output.splitlines() if line.startswith("Error")]
     assert len(lines) == 1 and ("finite" in lines[0] or "range" in lines[0]), r.output
+
+
+@pytest.mark.parametrize("args, words", [
+    (["bench", "scheduler", "--gpu-memory-gib", "1e-300", "--nodes", "2", "--instances", "10", "--churn", "0"],
+     "positive memory"),  # was a traceback
+    (["bench", "scheduler", "--nodes", "100000000"], "--nodes"),  # was a MemoryError
+    (["bench", "scheduler", "--instances", "1", "--churn", "0", "--nodes", "1", "--json", "/dev/full"], "cannot write"),
+])
+def test_a_bench_that_cannot_run_or_write_says_so_in_one_line(args, words):
+    r = CliRunner().invoke(main, args)
+    assert r.exit_code in (1, 2), r.output
+    lines = [line for line in r.output.splitlines() if line.startswith("Error")]
+    assert len(lines) == 1 and words in lines[0], r.output
+
+
+def test_bench_sim_says_when_the_trace_holds_fewer_hours_than_asked(tmp_path):
+    out = tmp_path / "b.json"
+    r = CliRunner().invoke(main, ["bench", "sim", "--hours", "100", "--nodes", "1", "--functions", "1",
+                                  "--training-jobs", "0", "--json", str(out)])
+    assert r.exit_code == 0, r.output
+    assert "the trace has only 8 hours" in r.output
+    assert json.loads(out.read_text())["hours"] == pytest.approx(8.0)
