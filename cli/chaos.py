@@ -366,6 +366,12 @@ def render(out: dict, console: Console) -> None:
 def chaos_cmd(minutes, kinds, soak, sample_s, functions, gpus, speedup, seed, trace_dir, log_dir, json_path) -> None:
     """Replay a trace while the platform's processes fail; report how every request ended. Ctrl-C
     (or SIGTERM) stops the load, still reports what ran and exits with 130 (143)."""
+    ctx = click.get_current_context()
+    given = {n for n in ("kinds", "sample_s") if ctx.get_parameter_source(n).name != "DEFAULT"}
+    if soak and "kinds" in given:
+        raise click.UsageError("--soak runs without faults; --faults does not apply to it")
+    if not soak and "sample_s" in given:
+        raise click.UsageError("--sample-s is the soak's sampling period; it needs --soak")
     if soak:
         kinds = []
     opts = RunOptions(duration=minutes * 60.0, speedup=speedup, seed=seed, trace_dir=trace_dir, start_minute=None,

@@ -65,6 +65,13 @@ class RunOptions:
     llm_share: float = 0.0
     progress: bool = True
 
+    def __post_init__(self) -> None:
+        if self.gpus != "cpu" and self.training_jobs is not None and self.training_jobs > int(self.gpus):
+            # a job's limit (TRAINING_LIMIT) leaves a GPU no room for another's under γ: the
+            # ones past one per GPU would never be placed, yet be reported at 0 iterations/s
+            raise click.BadParameter(f"at most one training job per GPU: {self.training_jobs} on {self.gpus} GPUs",
+                                     param_hint="--training-jobs")
+
     def training_count(self) -> int:
         """Training jobs to run beside the inference functions: ``--training-jobs``, else one per
         emulated GPU (none on a CPU node)."""
@@ -103,7 +110,7 @@ def run_options(f):
         click.option("--gpus", default="4", show_default=True, callback=lambda c, p, v: _gpus(v), help="emulated A100 40 GB GPUs on the node (1..64; 'all': 4), or 'cpu'"),
         click.option("--nats-url", default=None, help="use a running NATS server instead of starting one"),
         click.option("--log-dir", default=None, type=click.Path(file_okay=False), help="where the services' JSON logs go (default: a temp dir)"),
-        click.option("--training-jobs", type=click.IntRange(min=0, max=64), default=None, help="training jobs collocated with the inference functions (default: one per GPU in dilu demo, none in dilu compare; 0: none)"),
+        click.option("--training-jobs", type=click.IntRange(min=0, max=64), default=None, help="training jobs collocated with the inference functions, at most one per GPU (default: one per GPU in dilu demo, none in dilu compare; 0: none)"),
         click.option("--llm-share", type=click.FloatRange(min=0.0, max=1.0), default=0.0, show_default=True, callback=finite, help="also replay this fraction of the Azure LLM 2023 code trace's requests (real arrival times, prompt and output lengths) against an llm function on LLaMA2-7B; 0: none"),
     ]
     for opt in reversed(opts):

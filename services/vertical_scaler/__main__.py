@@ -26,8 +26,10 @@ from .service import VerticalScaler
               help="dilu mode: additive recovery of yielding instances (quota per second)")
 @click.option("--release-per-s", type=Finite(0.001, 10_000), default=0.5, show_default=True,
               help="dilu mode: how fast an instance whose demand fell gives share back (quota per second)")
-@click.option("--decrease-factor", type=Finite(0.01, 0.99), default=0.5, show_default=True)
-@click.option("--be-floor", type=Finite(0.01, 1), default=0.05, show_default=True)
+@click.option("--decrease-factor", type=Finite(0.01, 0.99), default=0.5, show_default=True,
+              help="dilu and published modes: multiplicative decrease of yielding instances on pressure")
+@click.option("--be-floor", type=Finite(0.01, 1), default=0.05, show_default=True,
+              help="the least quota a best-effort instance is granted")
 @click.option("--park-idle/--no-park-idle", default=False, show_default=True,
               help="dilu mode only: give share nobody asked for to latency-sensitive instances, up to their limits")
 @metrics_port_option("vertical_scaler")
@@ -35,6 +37,13 @@ from .service import VerticalScaler
 def main(nats, node, mode, hysteresis, pressure_hold_ms, recovery_per_s, release_per_s, decrease_factor, be_floor,
          park_idle, metrics_port, log_level):
     """Run the vertical scaler of NODE: telemetry and kernel-cycle stretch in, TokenGrants out."""
+    ctx = click.get_current_context()
+    readers = {"pressure_hold_ms": ("dilu",), "recovery_per_s": ("dilu",), "release_per_s": ("dilu",),
+               "decrease_factor": ("dilu", "published")}  # the modes that read each knob
+    unread = [f"--{name.replace('_', '-')}" for name, modes in readers.items()
+              if mode not in modes and ctx.get_parameter_source(name).name != "DEFAULT"]
+    if unread:
+        raise click.UsageError(f"--mode {mode} does not read {', '.join(unread)}")
     try:
         config = VerticalConfig(mode=mode, hysteresis=hysteresis, pressure_hold_ms=pressure_hold_ms,
                                 recovery_per_s=recovery_per_s, release_per_s=release_per_s,

@@ -124,3 +124,20 @@ def test_grants_never_sum_over_one_nor_leave_floors_and_limits(events):
         for iid, s in specs.items():
             floor = s["req"] if s["prio"] != "best-effort" else min(s["lim"], 0.05)
             assert floor - 1e-6 <= node.quota[iid] <= s["lim"] + 1e-6
+
+
+@pytest.mark.parametrize("args, words", [
+    (["--mode", "static", "--release-per-s", "2"], "--mode static does not read --release-per-s"),
+    (["--mode", "published", "--pressure-hold-ms", "100"], "does not read --pressure-hold-ms"),
+    (["--mode", "off", "--decrease-factor", "0.3"], "does not read --decrease-factor"),
+    (["--mode", "published", "--park-idle"], "--park-idle"),
+])
+def test_the_service_refuses_knobs_its_mode_does_not_read(args, words):
+    from click.testing import CliRunner
+
+    from dilu.services.vertical_scaler.__main__ import main
+
+    r = CliRunner().invoke(main, args)
+    assert r.exit_code == 2, r.output
+    lines = [line for line in r.output.splitlines() if line.startswith("Error")]
+    assert len(lines) == 1 and words in lines[0], r.output
