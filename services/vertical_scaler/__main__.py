@@ -8,7 +8,7 @@ from dilu.services.common.cliopts import (Finite, check_node, default_node, log_
 
 from dilu.services.common.runner import run
 
-from .policy import MODES, VerticalConfig
+from .policy import KNOB_MODES, MODES, VerticalConfig
 from .service import VerticalScaler
 
 
@@ -38,10 +38,9 @@ def main(nats, node, mode, hysteresis, pressure_hold_ms, recovery_per_s, release
          park_idle, metrics_port, log_level):
     """Run the vertical scaler of NODE: telemetry and kernel-cycle stretch in, TokenGrants out."""
     ctx = click.get_current_context()
-    readers = {"pressure_hold_ms": ("dilu",), "recovery_per_s": ("dilu",), "release_per_s": ("dilu",),
-               "decrease_factor": ("dilu", "published")}  # the modes that read each knob
-    unread = [f"--{name.replace('_', '-')}" for name, modes in readers.items()
-              if mode not in modes and ctx.get_parameter_source(name).name != "DEFAULT"]
+    unread = [f"--{name.replace('_', '-')}" for name, modes in KNOB_MODES.items()
+              if mode not in modes and ctx.get_parameter_source(name).name != "DEFAULT"
+              and ctx.params[name] is not False]  # --no-park-idle asks for nothing
     if unread:
         raise click.UsageError(f"--mode {mode} does not read {', '.join(unread)}")
     try:

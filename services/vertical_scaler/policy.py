@@ -79,6 +79,12 @@ MODES: tuple[str, ...] = ("dilu", "static", "static-limit", "off", "published")
 _ORDER = (("absent", "want"), ("pressured", "want"), (BEST_EFFORT, "request"),
           (LATENCY_SENSITIVE, "want"), (TRAINING, "want"), (BEST_EFFORT, "want"))
 _EPS = 1e-9
+# The modes that read each tuning knob of VerticalConfig (the others ignore it): a knob set for a
+# mode that does not read it is a mistake the service refuses.
+KNOB_MODES: dict[str, tuple[str, ...]] = {
+    "pressure_hold_ms": ("dilu",), "recovery_per_s": ("dilu",), "release_per_s": ("dilu",),
+    "park_idle": ("dilu",), "decrease_factor": ("dilu", "published"),
+}
 
 
 @dataclass(frozen=True)
@@ -119,7 +125,7 @@ class VerticalConfig:
             raise ValueError(f"decrease_factor must be in (0, 1), got {self.decrease_factor}")
         if not 0.0 < self.min_quota <= self.be_floor <= 1.0:
             raise ValueError("need 0 < min_quota <= be_floor <= 1")
-        if self.park_idle and self.mode != "dilu":
+        if self.park_idle and self.mode not in KNOB_MODES["park_idle"]:
             raise ValueError(f"park_idle (--park-idle) lends idle share, which only the dilu mode does, "
                              f"not {self.mode!r}")
 

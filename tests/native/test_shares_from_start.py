@@ -12,11 +12,12 @@ import pytest
 
 from native_helpers import finish, launch_env, spawn
 from dilu.interceptor import timeline
+from dilu.services.common import models
 
 pytestmark = pytest.mark.native
 
 SEC = 1_000_000_000
-BURST_S = 0.002  # DILU_BURST_US's default, in s
+BURST_S = models.BURST_MS / 1000.0  # DILU_BURST_US's default, in s
 
 
 def max_window_share(recs: np.ndarray, pid: int, *, step_ns: int = SEC // 50) -> float:

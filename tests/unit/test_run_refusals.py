@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 from click.testing import CliRunner
 
+from cli_errors import one_line_error
 from dilu.cli.main import main
 
 
@@ -15,10 +16,7 @@ from dilu.cli.main import main
     (["chaos", "--sample-s", "30"], "it needs --soak"),
 ])
 def test_a_combination_that_means_nothing_is_refused_in_one_line(args, words):
-    r = CliRunner().invoke(main, args)
-    assert r.exit_code == 2, r.output
-    lines = [line for line in r.output.splitlines() if line.startswith("Error")]
-    assert len(lines) == 1 and words in lines[0], r.output
+    assert words in one_line_error(CliRunner().invoke(main, args), 2)
 
 
 def test_one_training_job_per_gpu_and_a_cpu_node_are_accepted():

@@ -135,9 +135,7 @@ def test_grants_never_sum_over_one_nor_leave_floors_and_limits(events):
 def test_the_service_refuses_knobs_its_mode_does_not_read(args, words):
     from click.testing import CliRunner
 
+    from cli_errors import one_line_error
     from dilu.services.vertical_scaler.__main__ import main
 
-    r = CliRunner().invoke(main, args)
-    assert r.exit_code == 2, r.output
-    lines = [line for line in r.output.splitlines() if line.startswith("Error")]
-    assert len(lines) == 1 and words in lines[0], r.output
+    assert words in one_line_error(CliRunner().invoke(main, args), 2)
