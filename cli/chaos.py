@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import random
 import signal
 import tempfile
@@ -29,12 +30,13 @@ from rich.table import Table
 
 from dilu.loadgen import chaos, report
 from dilu.services.common import logging as dlog
-from dilu.services.common.cliopts import finite, writable_output, write_output
+from dilu.services.common.cliopts import finite, nonempty_path, writable_output, write_output
 from dilu.services.common.workqueue import DEFAULT_ACK_WAIT_S
 from dilu.services.node_agent import segments
 
 from .cluster import NATS, Cluster
-from .demo import RunOptions, _end, _gpus, _install_stop, _replay, _run_or_explain, build_plan, make_console, scaler_windows
+from .demo import (RunOptions, _end, _gpus, _install_stop, _replay, _run_or_explain, _start, build_plan, make_console,
+                   scaler_windows)
 
 WHOLE_TIMEOUT_S = 90.0  # longest wait for every process to be running and ready after a fault
 ORPHAN_WAIT_S = 10.0  # how long instances may outlive a node agent killed for good
@@ -44,6 +46,7 @@ NATS_DOWN_S = 1.0  # how long nats-server stays down before it is started again
 TIMEOUT_FLOOR_S = DEFAULT_ACK_WAIT_S + 30.0
 INSTANCE_MODULE = "dilu.services.node_agent.instance"
 QUOTA_SUM_MAX = "dilu_gpu_quota_sum_max"
+MIN_MINUTES = 0.5  # the shortest load of any run; faults need longer (min_minutes)
 
 
 def instances(cluster: Cluster) -> list[psutil.Process]:
@@ -236,6 +239,14 @@ class Sampler:
         return out
 
 
+def min_minutes(kinds: list[str]) -> float:
+    """The shortest ``--minutes`` for the faults ``kinds``: MIN_MINUTES, or the run that leaves
+    room to schedule them (:func:`chaos.min_duration_s`; lose-node-agent comes after the load),
+    rounded up to hundredths of a minute so that the figure named is one that runs."""
+    scheduled = chaos.min_duration_s(len([k for k in kinds if k != chaos.LOSE_AGENT]))
+    return max(MIN_MINUTES, math.ceil(scheduled / 60.0 * 100 - 1e-9) / 100)
+
+
 def _faults(value: str) -> list[str]:
     if value == "all":
         return [*chaos.KINDS, chaos.LOSE_AGENT]
@@ -257,9 +268,10 @@ async def run_chaos(opts: RunOptions, kinds: list[str], soak: bool, sample_s: fl
     run_id = uuid.uuid4().hex[:6]
     plan, chosen, llm_plan = build_plan(opts, run_id)
     lose = chaos.LOSE_AGENT in kinds
-    faults = chaos.schedule([k for k in kinds if k != chaos.LOSE_AGENT], plan.duration_s,
-                            lead_s=min(15.0, plan.duration_s / 6), tail_s=min(20.0, plan.duration_s / 5))
-    log_dir = Path(opts.log_dir or tempfile.mkdtemp(prefix="dilu-chaos-"))
+    lead_s, tail_s = chaos.margins_s(plan.duration_s)
+    faults = chaos.schedule([k for k in kinds if k != chaos.LOSE_AGENT], plan.duration_s, lead_s=lead_s, tail_s=tail_s)
+    created = None if opts.log_dir else Path(tempfile.mkdtemp(prefix="dilu-chaos-"))
+    log_dir = Path(opts.log_dir or created)
     log_dir.mkdir(parents=True, exist_ok=True)
     dlog.configure("loadgen", stream=(log_dir / "loadgen.log").open("a", buffering=1))
     console.print(f"[bold]{'soak' if soak else 'chaos'}[/bold]: {len(plan.functions)} functions, "
@@ -269,7 +281,7 @@ async def run_chaos(opts: RunOptions, kinds: list[str], soak: bool, sample_s: fl
                       extra_args={"horizontal_scaler": scaler_windows(opts.speedup)})
     injector = Injector(cluster, faults, opts.seed, console, stop)
     sampler = Sampler(cluster, sample_s, plan.duration_s, stop)
-    await asyncio.to_thread(cluster.start)
+    await _start(cluster, created)
     lost_agent = None
     try:
         during = sampler.run if soak else injector.run
@@ -349,8 +361,9 @@ def render(out: dict, console: Console) -> None:
 
 
 @click.command()
-@click.option("--minutes", type=click.FloatRange(min=0.5), default=3.0, show_default=True, callback=finite,
-              help="length of the load (all faults need at least 1.7)")
+@click.option("--minutes", type=float, default=3.0, show_default=True, callback=finite,
+              help=f"length of the load: at least {MIN_MINUTES:g}, and long enough for the faults "
+                   f"(all of them: {min_minutes(list(chaos.KINDS)):g})")
 @click.option("--faults", "kinds", default="all", show_default=True, callback=lambda c, p, v: _faults(v),
               help=f"comma-separated fault kinds, in order, or 'all': {', '.join([*chaos.KINDS, chaos.LOSE_AGENT])}")
 @click.option("--soak", is_flag=True, help="no faults: sample every process's own memory, descriptors and threads, and the shared-memory segments")
@@ -361,7 +374,7 @@ def render(out: dict, console: Console) -> None:
 @click.option("--speedup", type=click.FloatRange(min=0.01, max=1000), default=10.0, show_default=True, callback=finite)
 @click.option("--seed", type=click.IntRange(min=0), default=1, show_default=True)
 @click.option("--trace", "trace_dir", type=click.Path(exists=True, file_okay=False), default=None)
-@click.option("--log-dir", default=None, type=click.Path(file_okay=False))
+@click.option("--log-dir", default=None, type=click.Path(file_okay=False), callback=nonempty_path)
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None, callback=writable_output)
 def chaos_cmd(minutes, kinds, soak, sample_s, functions, gpus, speedup, seed, trace_dir, log_dir, json_path) -> None:
     """Replay a trace while the platform's processes fail; report how every request ended. Ctrl-C
@@ -374,6 +387,10 @@ def chaos_cmd(minutes, kinds, soak, sample_s, functions, gpus, speedup, seed, tr
         raise click.UsageError("--sample-s is the soak's sampling period; it needs --soak")
     if soak:
         kinds = []
+    if minutes < (shortest := min_minutes(kinds)):  # the one lower bound, known once --faults is
+        what = f"{len(kinds)} fault{'s' * (len(kinds) != 1)}" if kinds else "a run without faults"
+        raise click.BadParameter(f"{minutes:g} is too short for {what}: at least {shortest:g} minutes",
+                                 param_hint=["--minutes"])
     opts = RunOptions(duration=minutes * 60.0, speedup=speedup, seed=seed, trace_dir=trace_dir, start_minute=None,
                       functions=functions, gpus=gpus, nats_url=None, log_dir=log_dir, training_jobs=0)
     console = make_console()

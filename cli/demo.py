@@ -12,6 +12,7 @@ import asyncio
 import json
 import math
 import os
+import shutil
 import signal
 import tempfile
 import time
@@ -27,7 +28,7 @@ from rich.console import Console
 from dilu.loadgen import arrivals, assign, generator, report, trace
 from dilu.loadgen import llm as llmtrace
 from dilu.services.common import logging as dlog
-from dilu.services.common.cliopts import finite, writable_output
+from dilu.services.common.cliopts import finite, nonempty_path, nonempty_url, writable_output
 from dilu.services.common import models
 from dilu.services.common.bus import quiet_error_cb
 from dilu.services.common.invoke import InvokeClient
@@ -108,8 +109,8 @@ def run_options(f):
         click.option("--start-minute", type=int, default=None, help="trace minute to begin at (default: the first)"),
         click.option("--functions", type=str, default="16", show_default=True, callback=lambda c, p, v: _functions(v), help="K busiest functions of the span, or 'all'"),
         click.option("--gpus", default="4", show_default=True, callback=lambda c, p, v: _gpus(v), help="emulated A100 40 GB GPUs on the node (1..64; 'all': 4), or 'cpu'"),
-        click.option("--nats-url", default=None, help="use a running NATS server instead of starting one"),
-        click.option("--log-dir", default=None, type=click.Path(file_okay=False), help="where the services' JSON logs go (default: a temp dir)"),
+        click.option("--nats-url", default=None, callback=nonempty_url, help="use a running NATS server instead of starting one"),
+        click.option("--log-dir", default=None, type=click.Path(file_okay=False), callback=nonempty_path, help="where the services' JSON logs go (default: a temp dir)"),
         click.option("--training-jobs", type=click.IntRange(min=0, max=64), default=None, help="training jobs collocated with the inference functions, at most one per GPU (default: one per GPU in dilu demo, none in dilu compare; 0: none)"),
         click.option("--llm-share", type=click.FloatRange(min=0.0, max=1.0), default=0.0, show_default=True, callback=finite, help="also replay this fraction of the Azure LLM 2023 code trace's requests (real arrival times, prompt and output lengths) against an llm function on LLaMA2-7B; 0: none"),
     ]
@@ -427,7 +428,8 @@ async def run_once(opts: RunOptions, policy: str, console: Console, stop: asynci
     """One full run under ``policy``; returns the report as a JSON-ready dict."""
     run_id = uuid.uuid4().hex[:6]
     plan, chosen, llm_plan = build_plan(opts, run_id)
-    log_dir = Path(opts.log_dir or tempfile.mkdtemp(prefix="dilu-logs-")) / policy
+    created = None if opts.log_dir else Path(tempfile.mkdtemp(prefix="dilu-logs-"))
+    log_dir = Path(opts.log_dir or created) / policy
     n = len(plan.functions)
     console.print(f"[bold]policy {policy}[/bold]: {n} function{'s' if n != 1 else ''} carrying "
                   f"{plan.share:.1%} of the span's {plan.span_invocations} invocations; logs in {log_dir}")
@@ -439,7 +441,7 @@ async def run_once(opts: RunOptions, policy: str, console: Console, stop: asynci
     dlog.configure("loadgen", stream=(log_dir / "loadgen.log").open("a", buffering=1))
     cluster = Cluster(log_dir=log_dir, policy=policy, gpus=opts.gpus, nats_url=opts.nats_url, auth=True,
                       extra_args={"horizontal_scaler": scaler_windows(opts.speedup)})
-    await asyncio.to_thread(cluster.start)
+    await _start(cluster, created)
     try:
         replay = await _replay(opts, cluster, plan, chosen, llm_plan, console, stop)
         result, specs, trained = replay.result, replay.specs, replay.trained
@@ -451,6 +453,18 @@ async def run_once(opts: RunOptions, policy: str, console: Console, stop: asynci
     gpus = 0 if opts.gpus == "cpu" else int(opts.gpus)
     info = report.run_info(plan, result, policy=policy, gpus=gpus, llm_plan=llm_plan)
     return report.build_report(result.records, meta, run_facts(facts, trained), info).to_dict()
+
+
+async def _start(cluster: Cluster, created: Path | None) -> None:
+    """Start ``cluster``; when it fails, remove ``created`` (a log directory the run made itself;
+    None for the user's --log-dir, always kept) if nothing was logged into it: every file empty.
+    Logs of services that said why they failed are kept."""
+    try:
+        await asyncio.to_thread(cluster.start)
+    except BaseException:
+        if created is not None and all(p.is_dir() or p.stat().st_size == 0 for p in created.rglob("*")):
+            shutil.rmtree(created, ignore_errors=True)
+        raise
 
 
 def _run_or_explain(main):

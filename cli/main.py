@@ -7,7 +7,7 @@ import importlib
 
 import click
 
-from dilu.services.common.cliopts import flag_envvars
+from dilu.services.common.cliopts import flag_envvars, name_envvar
 
 # name -> "module:attribute" of a click command
 COMMANDS: dict[str, str] = {
@@ -36,7 +36,8 @@ BENCHES: dict[str, str] = {
 
 
 class LazyGroup(click.Group):
-    """A click group whose subcommands are imported only when used."""
+    """A click group whose subcommands are imported only when used, and whose bad values say
+    which variable they came from (:func:`name_envvar`)."""
 
     def __init__(self, *args, lazy: dict[str, str], **kwargs):
         super().__init__(*args, **kwargs)
@@ -50,6 +51,13 @@ class LazyGroup(click.Group):
             module, attr = self._lazy[name].split(":")
             return flag_envvars(getattr(importlib.import_module(module), attr))
         return super().get_command(ctx, name)
+
+    def invoke(self, ctx):
+        try:
+            return super().invoke(ctx)
+        except click.BadParameter as exc:  # a subcommand's: both its parsing and its body run in here
+            name_envvar(exc)
+            raise
 
 
 @click.group(cls=LazyGroup, lazy=COMMANDS)

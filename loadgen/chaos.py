@@ -35,6 +35,8 @@ LOSE_AGENT = "lose-node-agent"  # kill -9 the node agent for good, once the load
 KINDS: tuple[str, ...] = (*SERVICE_KILLS, RESTART_NATS, KILL_INSTANCE, PAUSE_AGENT)
 PAUSE_S = 5.0
 MIN_SPACING_S = 8.0  # faults closer than this would overlap their recoveries
+LEAD_S, LEAD_SHARE = 15.0, 1 / 6  # the load settles this long before the first fault, at most this share of a run
+TAIL_S, TAIL_SHARE = 20.0, 1 / 5  # and goes on this long after the last, to see it recover
 
 
 class Fault(msgspec.Struct, kw_only=True):
@@ -81,12 +83,38 @@ def schedule(kinds: Sequence[str], duration_s: float, *, lead_s: float, tail_s: 
     if not kinds:
         return []
     span = duration_s - lead_s - tail_s
-    step = span / len(kinds)
-    if step < MIN_SPACING_S:
+    if not _spaced(span, len(kinds)):
         need = lead_s + tail_s + MIN_SPACING_S * len(kinds)
         raise ValueError(f"{len(kinds)} faults need a run of at least {need:.0f} s ({need / 60:.1f} min) "
                          f"to come {MIN_SPACING_S:.0f} s apart; got {duration_s:.0f} s")
+    step = span / len(kinds)
     return [Fault(kind=k, at_s=round(lead_s + i * step, 3)) for i, k in enumerate(kinds)]
+
+
+def _spaced(span_s: float, count: int) -> bool:
+    """Whether ``span_s`` seconds hold ``count`` faults MIN_SPACING_S apart (with a nanosecond's
+    slack, so that a run of exactly :func:`min_duration_s` fits despite rounding)."""
+    return span_s >= MIN_SPACING_S * count - 1e-9
+
+
+def margins_s(duration_s: float) -> tuple[float, float]:
+    """The lead and tail (s) of a run of ``duration_s`` seconds for :func:`schedule`: LEAD_S and
+    TAIL_S, each cut to its share of a shorter run."""
+    return min(LEAD_S, duration_s * LEAD_SHARE), min(TAIL_S, duration_s * TAIL_SHARE)
+
+
+def min_duration_s(count: int) -> float:
+    """The shortest run (s) whose :func:`margins_s` leave room for ``count`` faults; 0 for none.
+    Each margin is fixed or a share of the run, so the shortest run solves one of four linear
+    equations: it is the least of their solutions that fits (one assuming the wrong margins
+    either does not fit or is longer)."""
+    if count <= 0:
+        return 0.0
+    need = MIN_SPACING_S * count
+    solutions = [(need + lead + tail) / (1 - lead_share - tail_share)
+                 for lead, lead_share in ((LEAD_S, 0.0), (0.0, LEAD_SHARE))
+                 for tail, tail_share in ((TAIL_S, 0.0), (0.0, TAIL_SHARE))]
+    return min(d for d in solutions if _spaced(d - sum(margins_s(d)), count))
 
 
 def tally(records: Iterable[Record], *, offered: int, duplicate_replies: int) -> Tally:

@@ -7,8 +7,10 @@ named ``DILU_`` + the option's name in capitals with underscores (``--nats-url``
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
+import os
 import socket
 import ssl
 import tempfile
@@ -83,6 +85,7 @@ def nats_url_option(f):
 
 def check_nats_urls(ctx, param, value: str) -> str:
     """Click callback: a comma-separated list of NATS URLs, each checked by :func:`check_nats_url`."""
+    refuse_empty(value, "URL")
     urls = [u.strip() for u in value.split(",")]
     if not all(urls):
         raise click.BadParameter(f"{value!r}: an empty URL in the list")
@@ -165,14 +168,31 @@ def service_main(command: click.Command, **kwargs) -> None:
     command.main(auto_envvar_prefix=ENV_PREFIX, **kwargs)
 
 
+def refuse_empty(value, what: str = "path"):
+    """Raise click.BadParameter ("an empty path", "an empty URL") when ``value`` is ``""``: an
+    empty option value would otherwise read as not given and silently mean the default. Returns
+    ``value`` (None passes)."""
+    if value == "":
+        raise click.BadParameter(f"an empty {what}")
+    return value
+
+
+def nonempty_path(_ctx, _param, value):
+    """Click callback for a path option whose default is None (``--log-dir``): see :func:`refuse_empty`."""
+    return refuse_empty(value, "path")
+
+
+def nonempty_url(_ctx, _param, value):
+    """Click callback for a URL option whose default is None (``--nats-url``): see :func:`refuse_empty`."""
+    return refuse_empty(value, "URL")
+
+
 def writable_output(ctx, param, value):
     """Click callback for an output file option (``--json``): the file must be writable, checked
     before a run rather than after minutes of it, by opening it for appending (a file this
     creates is removed again; permission bits alone would pass for root on /sys or /proc).
     Raises click.BadParameter naming the path and the reason (an empty one too)."""
-    if value == "":
-        raise click.BadParameter("an empty path")
-    if value is not None:
+    if refuse_empty(value) is not None:
         path = Path(value)
         existed = path.exists()
         try:
@@ -195,18 +215,23 @@ def finite(_ctx, param, value):
 
 def writable_dir(ctx, param, value):
     """Click callback for an output directory option (``--plots``): created (with its parents)
-    and written to once before the run, so a bad path fails in one line before minutes of work.
-    Raises click.BadParameter naming the path and the reason (an empty one too)."""
-    if value == "":
-        raise click.BadParameter("an empty path")
-    if value is not None:
-        path = Path(value)
+    and written to once before the run, so a bad path fails in one line before minutes of work;
+    the directories this created are removed again (the command may still refuse its input, and
+    then nothing may be left behind; whoever writes the output creates them). Raises
+    click.BadParameter naming the path and the reason (an empty one too)."""
+    if refuse_empty(value) is not None:
+        path = Path(value).resolve()  # so that no "missing/.." below can alias a directory that exists
+        created = [p for p in (path, *path.parents) if not p.exists()]  # deepest first
         try:
             path.mkdir(parents=True, exist_ok=True)
             with tempfile.NamedTemporaryFile(dir=path):
                 pass
         except OSError as exc:
             raise click.BadParameter(f"cannot write into {value}: {exc.strerror or exc}") from None
+        finally:
+            for p in created:
+                with contextlib.suppress(OSError):  # one the failed mkdir never made
+                    p.rmdir()
     return value
 
 
@@ -229,3 +254,35 @@ def flag_envvars(command: click.Command) -> click.Command:
         if isinstance(param, click.Option) and param.envvar is None and longs:
             param.envvar = f"{ENV_PREFIX}_{longs[0][2:].replace('-', '_').upper()}"
     return command
+
+
+def name_envvar(exc: click.BadParameter) -> None:
+    """Make ``exc``'s hint name a variable exactly when the bad value came from it: "Invalid value
+    for '--minutes' (from DILU_MINUTES)", where click names only the option (whoever set
+    DILU_MINUTES would look for a --minutes nobody typed), and, for an option that shows its
+    variable in --help, just "'--nodes'" for a value typed (click's "(env var: 'DILU_NODES')"
+    reads as if it came from there). An error about no one option is left as it is; naming twice
+    changes nothing (the hint is rebuilt from the option)."""
+    ctx, param = exc.ctx, _param_of(exc)
+    if ctx is None or param is None:
+        return
+    hint = click.Parameter.get_error_hint(param, ctx)  # the option alone, without click's "(env var: ...)"
+    if ctx.get_parameter_source(param.name) is click.core.ParameterSource.ENVIRONMENT:
+        names = [param.envvar] if isinstance(param.envvar, str) else list(param.envvar or ())
+        if ctx.auto_envvar_prefix:
+            names.append(f"{ctx.auto_envvar_prefix}_{param.name.upper()}")
+        var = next((n for n in names if os.environ.get(n)), None)  # the one click read: the first one set
+        hint += f" (from {var})" if var else ""
+    elif not param.show_envvar:
+        return
+    exc.param, exc.param_hint = param, hint
+
+
+def _param_of(exc: click.BadParameter) -> click.Option | None:
+    """The option ``exc`` is about: its ``param``, or the one its ``param_hint`` names
+    (``BadParameter(..., param_hint="--tls-key")`` raised in a command's body)."""
+    if isinstance(exc.param, click.Option):
+        return exc.param
+    hints = {exc.param_hint} if isinstance(exc.param_hint, str) else set(exc.param_hint or ())
+    params = exc.ctx.command.params if exc.ctx is not None else []
+    return next((p for p in params if isinstance(p, click.Option) and hints & set(p.opts)), None)

@@ -226,7 +226,7 @@ def synthetic(nodes: int = 1000, gpus_per_node: int = 4, instances: int = 10_000
 @click.option("--gamma", type=Finite(min=1), default=1.5, show_default=True, help="Cap on Σ limit quotas per GPU.")
 @click.option("--instances", type=click.IntRange(min=0), default=10_000, show_default=True, help="Synthetic mode: instances to fill.")
 @click.option("--churn", type=click.IntRange(min=0), default=2_000, show_default=True, help="Synthetic mode: retire+place pairs after filling.")
-@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--seed", type=int, default=0, show_default=True, help="Synthetic mode: seed of the random instances.")
 @click.option("--workload", type=click.Path(exists=True, dir_okay=False, path_type=Path),
               help="Replay a dilu-sim event list instead (e.g. services/scheduler/workloads/instances-1600.txt).")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False, path_type=Path), callback=writable_output,
@@ -234,6 +234,12 @@ def synthetic(nodes: int = 1000, gpus_per_node: int = 4, instances: int = 10_000
 def bench_scheduler(nodes, gpus_per_node, gpu_memory_gib, max_gpu_instances, gamma, instances, churn, seed, workload,
                     json_path) -> None:
     """Placement speed (synthetic) or packing quality against the lower bound (--workload)."""
+    ctx = click.get_current_context()
+    synthetic_only = [f"--{n}" for n in ("instances", "churn", "seed")
+                      if ctx.get_parameter_source(n) is click.core.ParameterSource.COMMANDLINE]
+    if workload and synthetic_only:  # the workload's events say what is placed; these would be ignored
+        raise click.UsageError(f"--workload replays its own events; {', '.join(synthetic_only)} "
+                               f"{'is' if len(synthetic_only) == 1 else 'are'} for the synthetic mode only")
     try:
         if workload:
             out = replay(workload, nodes, gpus_per_node, gpu_memory_gib, gamma, max_gpu_instances)

@@ -395,3 +395,14 @@ def test_a_lone_request_at_a_paced_instance_takes_the_token_buckets_time():
     want, _ = models.bucket_paced_ms(busy, models.kernels_per_batch("resnet152"), rate, models.BURST_MS)
     assert rep.totals.latency_ms.p50 == pytest.approx(want, abs=0.1)  # the HDR histogram's resolution
     assert busy < want < busy / rate
+
+
+@pytest.mark.parametrize("args", [
+    ["--workload", str(WORKLOADS / "instances-100.txt")],  # refused: --plots does not apply to a workload
+    ["--functions", "2", "--hours", "0.01", "--start-minute", "100000000"],  # fails: past the trace's end
+])
+def test_a_refused_or_failed_run_creates_no_plots_directory(tmp_path, args):
+    plots = tmp_path / "new" / "plots"
+    r = CliRunner().invoke(main, ["sim", *args, "--plots", str(plots)])
+    assert r.exit_code in (1, 2) and "Error" in r.output, r.output
+    assert list(tmp_path.iterdir()) == []

@@ -2,12 +2,15 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
 
 from cli_errors import one_line_error
 from dilu.cli.main import main
+
+WORKLOAD = Path(__file__).resolve().parents[2] / "services" / "scheduler" / "workloads" / "instances-100.txt"
 
 
 @pytest.mark.parametrize("args", [
@@ -37,3 +40,19 @@ def test_bench_sim_says_when_the_trace_holds_fewer_hours_than_asked(tmp_path):
     assert r.exit_code == 0, r.output
     assert "the trace has only 8 hours" in r.output
     assert json.loads(out.read_text())["hours"] == pytest.approx(8.0)
+
+
+@pytest.mark.parametrize("extra, words", [
+    (["--instances", "10"], "--instances is for the synthetic mode only"),
+    (["--churn", "0", "--seed", "3"], "--churn, --seed are for the synthetic mode only"),
+])
+def test_bench_scheduler_refuses_synthetic_options_with_a_workload(extra, words):
+    line = one_line_error(CliRunner().invoke(main, ["bench", "scheduler", "--workload", str(WORKLOAD), *extra]), 2)
+    assert words in line  # they were ignored: the workload's own events were replayed
+
+
+def test_bench_scheduler_replays_a_workload_with_the_options_it_reads():
+    # a variable set for the synthetic runs is no refusal: only what is typed beside --workload is
+    r = CliRunner().invoke(main, ["bench", "scheduler", "--workload", str(WORKLOAD), "--nodes", "50"],
+                           env={"DILU_SEED": "3"})
+    assert r.exit_code == 0, r.output

@@ -95,3 +95,21 @@ def test_own_bytes_leave_out_shared_memory_segments_and_clean_file_pages():
     assert chaos.own_bytes(maps) == 4096 + 8192 + 1000 + 200 + 7
     assert chaos.own_bytes(maps, shm_dir="/dev/shm/") == 4096 + 8192 + 1000 + 200 + 7
     assert chaos.own_bytes([]) == 0
+
+
+@pytest.mark.parametrize("count", range(len(chaos.KINDS) + 1))
+def test_the_shortest_run_for_n_faults_schedules_them_and_a_shorter_one_does_not(count):
+    kinds = list(chaos.KINDS[:count])
+    shortest = chaos.min_duration_s(count)
+    lead, tail = chaos.margins_s(shortest)
+    assert len(chaos.schedule(kinds, shortest, lead_s=lead, tail_s=tail)) == count
+    if count:
+        lead, tail = chaos.margins_s(shortest - 0.01)
+        with pytest.raises(ValueError, match="need a run of at least"):
+            chaos.schedule(kinds, shortest - 0.01, lead_s=lead, tail_s=tail)
+
+
+def test_the_margins_are_fixed_or_a_share_of_a_short_run():
+    assert chaos.margins_s(600) == (chaos.LEAD_S, chaos.TAIL_S)
+    assert chaos.margins_s(60) == pytest.approx((10, 12))
+    assert chaos.min_duration_s(len(chaos.KINDS)) == pytest.approx(98.75)  # 15 + 8 x 8 + 98.75 / 5

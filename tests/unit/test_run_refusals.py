@@ -2,6 +2,8 @@
 and before anything starts (no NATS, no service is started for them)."""
 from __future__ import annotations
 
+import tempfile
+
 import pytest
 from click.testing import CliRunner
 
@@ -26,3 +28,105 @@ def test_one_training_job_per_gpu_and_a_cpu_node_are_accepted():
                 nats_url=None, log_dir=None)
     assert RunOptions(**base, gpus="4", training_jobs=4).training_count() == 4
     assert RunOptions(**base, gpus="cpu", training_jobs=3).training_count() == 0
+
+
+@pytest.mark.parametrize("args, words", [
+    (["demo", "--log-dir", ""], "--log-dir': an empty path"),  # was a temp dir, as if not given
+    (["compare", "--log-dir", ""], "--log-dir': an empty path"),
+    (["chaos", "--log-dir", ""], "--log-dir': an empty path"),
+    (["demo", "--nats-url", ""], "--nats-url': an empty URL"),  # was a nats-server of its own
+    (["compare", "--nats-url", ""], "--nats-url': an empty URL"),
+    (["status", "--nats-url", ""], "--nats-url': an empty URL"),
+])
+def test_an_empty_path_or_url_is_refused_not_read_as_the_default(args, words):
+    assert words in one_line_error(CliRunner().invoke(main, args), 2)
+
+
+def _stub_run(monkeypatch):
+    """Replace dilu chaos's run by one that only schedules the faults as the run would (from the
+    run's own length and margins) and stops there, so a command that passes its checks starts nothing."""
+    from dilu.cli import chaos as chaos_cli
+    from dilu.loadgen import chaos
+
+    async def run_chaos(opts, kinds, *args):
+        lead_s, tail_s = chaos.margins_s(opts.duration)
+        faults = chaos.schedule([k for k in kinds if k != chaos.LOSE_AGENT], opts.duration, lead_s=lead_s, tail_s=tail_s)
+        raise RuntimeError(f"stub: {len(faults)} faults scheduled")
+
+    monkeypatch.setattr(chaos_cli, "run_chaos", run_chaos)
+
+
+@pytest.mark.parametrize("faults", [["--faults", "all"], ["--faults", "kill-scheduler,restart-nats"],
+                                    ["--faults", "lose-node-agent"], ["--soak"]])
+def test_chaos_names_the_one_minimum_of_minutes_for_the_faults_asked_and_that_minimum_runs(monkeypatch, faults):
+    _stub_run(monkeypatch)
+    line = one_line_error(CliRunner().invoke(main, ["chaos", "--minutes", "0.05", *faults]), 2)
+    assert "--minutes" in line and "too short" in line
+    shortest = line.split("at least ")[1].split(" minutes")[0]
+    r = CliRunner().invoke(main, ["chaos", "--minutes", shortest, *faults])
+    assert "stub:" in one_line_error(r, 1)  # past every check, and the schedule fits: no second minimum
+    below = f"{float(shortest) - 0.01:g}"
+    assert f"at least {shortest} minutes" in one_line_error(CliRunner().invoke(main, ["chaos", "--minutes", below, *faults]), 2)
+
+
+def test_chaos_with_all_faults_needs_the_minutes_its_help_names():
+    from dilu.cli.chaos import min_minutes
+    from dilu.loadgen import chaos
+
+    assert min_minutes([*chaos.KINDS, chaos.LOSE_AGENT]) == 1.65  # 98.75 s: 15 s lead, 8 x 8 s, 19.75 s tail
+    assert "all of them: 1.65" in " ".join(CliRunner().invoke(main, ["chaos", "--help"]).output.split())
+
+
+@pytest.mark.parametrize("args, env, hint", [
+    (["chaos"], {"DILU_MINUTES": "0.2"}, "'--minutes' (from DILU_MINUTES)"),
+    (["sim"], {"DILU_NODES": "0"}, "'--nodes' (from DILU_NODES)"),  # shows its variable in --help
+    (["bench", "scheduler"], {"DILU_GAMMA": "nan"}, "'--gamma' (from DILU_GAMMA)"),
+    (["demo", "--gpus", "1"], {"DILU_TRAINING_JOBS": "2"}, "'--training-jobs' (from DILU_TRAINING_JOBS)"),  # raised in the body
+    (["status"], {"DILU_NATS_URL": "nats://host:0"}, "'--nats-url' (from DILU_NATS_URL)"),
+])
+def test_a_bad_value_from_the_environment_names_its_variable(args, env, hint):
+    assert f"Invalid value for {hint}:" in one_line_error(CliRunner(env=env).invoke(main, args), 2)
+
+
+@pytest.mark.parametrize("args, env, hint", [
+    (["chaos", "--minutes", "0.2"], {"DILU_MINUTES": "3"}, "'--minutes':"),
+    (["sim", "--nodes", "0"], {"DILU_NODES": "1"}, "'--nodes':"),  # not click's "(env var: 'DILU_NODES')"
+])
+def test_a_bad_value_typed_names_no_variable(args, env, hint):
+    line = one_line_error(CliRunner(env=env).invoke(main, args), 2)
+    assert f"Invalid value for {hint}" in line and "DILU_" not in line
+
+
+def _failing_start(monkeypatch, logged: str = ""):
+    """Make the cluster fail to start, as with an unreachable --nats-url, after its services wrote
+    ``logged`` (nothing by default); the load generator's log configuration is left alone."""
+    from dilu.cli import demo as demo_cli
+
+    def start(self, abort=None):
+        if logged:
+            (self.log_dir / "scheduler.log").write_text(logged)
+        raise RuntimeError("cannot reach NATS at nats://127.0.0.1:1")
+
+    monkeypatch.setattr(demo_cli.Cluster, "start", start)
+    monkeypatch.setattr(demo_cli.dlog, "configure", lambda *a, **k: None)
+    monkeypatch.setattr(tempfile, "tempdir", None)
+
+
+@pytest.mark.parametrize("command, prefix", [("demo", "dilu-logs-"), ("compare", "dilu-logs-"), ("chaos", "dilu-chaos-")])
+def test_a_run_that_fails_before_logging_leaves_no_temporary_log_directory(tmp_path, monkeypatch, command, prefix):
+    _failing_start(monkeypatch)
+    length = ["--minutes", "3"] if command == "chaos" else ["--duration", "5"]
+    r = CliRunner(env={"TMPDIR": str(tmp_path)}).invoke(main, [command, *length, "--functions", "1"])
+    assert "cannot reach NATS" in one_line_error(r, 1)
+    assert list(tmp_path.glob(f"{prefix}*")) == []
+
+
+def test_a_failed_run_keeps_the_users_log_directory_and_what_was_logged(tmp_path, monkeypatch):
+    _failing_start(monkeypatch)
+    mine = tmp_path / "mine"
+    one_line_error(CliRunner().invoke(main, ["demo", "--duration", "5", "--functions", "1", "--log-dir", str(mine)]), 1)
+    assert (mine / "dilu").is_dir()  # the user's, even empty
+    _failing_start(monkeypatch, logged='{"event": "why it failed"}\n')
+    r = CliRunner(env={"TMPDIR": str(tmp_path)}).invoke(main, ["demo", "--duration", "5", "--functions", "1"])
+    one_line_error(r, 1)
+    assert [p.read_text() for p in tmp_path.glob("dilu-logs-*/dilu/scheduler.log")] == ['{"event": "why it failed"}\n']
