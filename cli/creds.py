@@ -20,7 +20,7 @@ import click
 import nkeys
 
 from dilu.contracts import subjects
-from dilu.services.common.cliopts import check_node, default_node
+from dilu.services.common.cliopts import NonEmptyPath, check_node, default_node
 from dilu.services.common.natsconn import inbox_line
 from dilu.services.common.permissions import NODE_SCOPED, ROLES, permissions, render_authorization
 
@@ -172,7 +172,7 @@ def _nodes(ctx, param, value: str | None) -> list[str]:
 
 
 @click.command("creds")
-@click.option("--out", "out", type=click.Path(path_type=Path, file_okay=False), required=True,
+@click.option("--out", "out", type=NonEmptyPath(path_type=Path, file_okay=False), required=True,
               help="directory for creds/<role>.creds and nats-auth.conf")
 @click.option("--nodes", callback=_nodes, default=None, show_default="host name",
               help="node names, comma-separated (node agents and vertical scalers get one user per node)")

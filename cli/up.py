@@ -23,7 +23,7 @@ from pathlib import Path
 import click
 import platformdirs
 
-from dilu.services.common.cliopts import ENV_PREFIX, check_node, default_node
+from dilu.services.common.cliopts import ENV_PREFIX, NonEmptyPath, check_node, default_node
 from dilu.services.common.natsserver import port_in_use
 from dilu.services.node_agent.__main__ import parse_gpus
 from dilu.services.node_agent.devices import MODES
@@ -263,7 +263,7 @@ def _gpus(_ctx, _param, value: str) -> str:
               help=f"NATS client port on {HOST}")
 @click.option("--gateway-port", type=click.IntRange(1, 65535), default=8080, show_default=True,
               help=f"the gateway's HTTP port on {HOST}")
-@click.option("--data-dir", type=click.Path(path_type=Path), default=default_data_dir, show_default="user state dir",
+@click.option("--data-dir", type=NonEmptyPath(path_type=Path), default=default_data_dir, show_default="user state dir",
               help="JetStream store (nats/), logs (logs/) and the lock file; kept across runs")
 @click.option("--device", type=click.Choice(MODES), default="auto", show_default=True,
               help="the node agent's GPUs: auto (this host's GPU when there is one, else emulated), nvml, emulated")
@@ -272,7 +272,7 @@ def _gpus(_ctx, _param, value: str) -> str:
 @click.option("--node", default=default_node, show_default="host name", callback=check_node,
               help="node name; keep it stable so a restart finds its placements")
 @click.option("--policy", type=click.Choice(list(POLICIES)), default="dilu", show_default=True)
-@click.option("--log-dir", type=click.Path(path_type=Path), default=None,
+@click.option("--log-dir", type=NonEmptyPath(path_type=Path), default=None,
               help="each service's log (default: <data-dir>/logs)")
 @click.option("--no-auth", is_flag=True, default=False,
               help="run NATS without credentials (default: every role has its own, in <data-dir>/creds)")

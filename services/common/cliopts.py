@@ -177,6 +177,16 @@ def refuse_empty(value, what: str = "path"):
     return value
 
 
+class NonEmptyPath(click.Path):
+    """click.Path that refuses ``""`` (:func:`refuse_empty`) before converting it: with
+    ``path_type=Path`` an empty value would become ``Path('.')``, the current directory."""
+
+    def convert(self, value, param, ctx):
+        if value == "":
+            self.fail("an empty path", param, ctx)
+        return super().convert(value, param, ctx)
+
+
 def nonempty_path(_ctx, _param, value):
     """Click callback for a path option whose default is None (``--log-dir``): see :func:`refuse_empty`."""
     return refuse_empty(value, "path")

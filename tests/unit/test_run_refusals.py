@@ -37,6 +37,9 @@ def test_one_training_job_per_gpu_and_a_cpu_node_are_accepted():
     (["demo", "--nats-url", ""], "--nats-url': an empty URL"),  # was a nats-server of its own
     (["compare", "--nats-url", ""], "--nats-url': an empty URL"),
     (["status", "--nats-url", ""], "--nats-url': an empty URL"),
+    (["up", "--data-dir", ""], "--data-dir': an empty path"),  # was the current directory
+    (["up", "--log-dir", ""], "--log-dir': an empty path"),
+    (["creds", "--out", ""], "--out': an empty path"),
 ])
 def test_an_empty_path_or_url_is_refused_not_read_as_the_default(args, words):
     assert words in one_line_error(CliRunner().invoke(main, args), 2)
