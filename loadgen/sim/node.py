@@ -7,8 +7,9 @@ section 7, handlers/emulated.py):
 - when the widths of the instances busy at once on one GPU sum to W > 1, each progresses W times
   slower (the contention that kernel-cycle stretch detects). First order: the stretch of a batch
   is fixed when it starts, from the instances busy at that instant;
-- a training job is always busy at its width; its iterations last ``TRAIN_PASSES`` x L(b, w),
-  paced and stretched alike;
+- a training job always has work; paced to q it holds its width w a fraction q/w of the time, so
+  it adds min(q, w) to the busy widths (:func:`train_load`; first order: the mean, not each
+  kernel); its iterations last ``TRAIN_PASSES`` x L(b, w), paced and stretched alike;
 - the SM-time a batch consumes is w x L(b, w) (the work; pacing and contention spread it out).
 """
 from __future__ import annotations
@@ -36,6 +37,13 @@ def pace(width: float, grant: float) -> float:
     :func:`models.pacing_stretch` (one truth with the profiler); a zero grant (none written yet)
     counts as unpaced."""
     return models.pacing_stretch(width, grant) if grant > 0 else 1.0
+
+
+def train_load(inst: "Instance") -> float:
+    """What an always-busy training instance adds to its GPU's busy widths (0..1). The fake driver
+    counts a process's width only while its kernels run, and a job paced to grant q < w runs them
+    a fraction q/w of the time, so on average it holds min(q, w); with no grant written yet, w."""
+    return min(inst.grant, inst.width) if inst.grant > 0 else inst.width
 
 
 class Gpu:

@@ -68,7 +68,7 @@ from dilu.services.scheduler.policy import Cluster, Demand, NoCapacity, allocati
 from dilu.services.vertical_scaler.policy import VerticalConfig, vertical_policy
 
 from .engine import EventLoop
-from .node import Function, Gpu, Instance, batch_ms, iteration_ms, pace
+from .node import Function, Gpu, Instance, batch_ms, iteration_ms, pace, train_load
 
 GPU_MEMORY_BYTES = 40 * GIB  # the emulated A100 40 GB (node_agent.devices "a100-40gb" rounds to 40 GiB)
 REQUEST_TIMEOUT_MIN_MS = 30_000.0  # cli.demo.REQUEST_TIMEOUT_MIN_S
@@ -332,9 +332,14 @@ class Simulation:
             return
         inst.fn.quota_ms += self._held_ms(inst, now)
         inst.quota_since = now
+        loaded = inst.training and inst.state == "ready"
         if inst.training:
             self._train_progress(inst)
+        if loaded:
+            inst.gpu.busy_width -= train_load(inst)
         inst.grant = q
+        if loaded:
+            inst.gpu.busy_width += train_load(inst)
         self.mech.grant_changes += count
 
     def _fit(self, gpu: Gpu, inst: Instance, wanted: float, granted: bool = True) -> None:
@@ -388,7 +393,7 @@ class Simulation:
             return
         inst.state = "ready"
         if inst.training:
-            inst.gpu.busy_width += inst.width
+            inst.gpu.busy_width += train_load(inst)
             inst.train_since = self.loop.now
             return
         self.horizontal.instance_ready(inst.fn.name, inst.iid, self.loop.now / 1000.0)
@@ -412,6 +417,8 @@ class Simulation:
         f, gpu = inst.fn, inst.gpu
         if inst.training:
             self._train_progress(inst)
+            if inst.state == "ready":
+                gpu.busy_width -= train_load(inst)
         f.quota_ms += self._held_ms(inst, now)
         inst.state = "gone"
         self.cluster.remove(inst.iid)
