@@ -12,10 +12,16 @@ quotas in the data carry float artefacts such as 0.5900000000000001):
 
 - the GPU is healthy (an unhealthy GPU keeps its residents but takes nothing new),
 - Σ request quotas ≤ 1 (requests are guaranteed),
-- Σ limit quotas ≤ γ (default 1.5, the oversubscription cap on bursts),
+- Σ limit quotas ≤ γ (default 1.5, the oversubscription cap on bursts), a training instance
+  counting its request there (:attr:`Demand.burst_quota`),
 - Σ memory ≤ that GPU's memory,
 - its number of instances < its ``max_instances`` (the MPS client limit, 48 on Volta and later;
-  0: no limit).
+  0: no limit),
+- for a training instance, no other training instance on it: a training job is always busy, so
+  two on one GPU contend all the time, which no grant resolves (a kernel-cycle stretch cannot
+  tell which of them to squeeze); "training on 10 % of the GPUs" (``dilu sim --training-jobs``,
+  ``dilu demo --training-jobs``: at most one per GPU) means one job on each of them, whatever
+  the allocation policy.
 
 Placement: among feasible GPUs that already host instances, best fit (least request quota and
 memory left over, memory relative to that GPU's size), with small preferences for complementary
@@ -81,6 +87,14 @@ class Demand:
                 f"{self.function}: need 0 < request ≤ limit ≤ 1, got {self.request_quota}, {self.limit_quota}")
         if self.memory_bytes < 0 or self.gpus < 1:
             raise ValueError(f"{self.function}: bad memory {self.memory_bytes} or gpus {self.gpus}")
+
+    @property
+    def burst_quota(self) -> float:
+        """The share (0..1) it counts against γ: what it may claim back in a burst. Inference bursts
+        to its limit; training gives up all above its request whenever a neighbour is pressed (the
+        vertical policy takes from it first, ``functions.reclaimable_share``), so it claims only
+        its request: the rest of its limit is idle share lent to it, not room kept for it."""
+        return self.request_quota if self.kind == "training" else self.limit_quota
 
 
 ALLOCATIONS = ("dilu", "static-mps", "exclusive")
@@ -413,11 +427,11 @@ class Cluster:
 
     def fits(self, g: int, d: Demand) -> bool:
         """Whether GPU ``g`` can take one more slot of ``d``: alive and healthy, under its instance
-        limit, Σ request ≤ 1, Σ limit ≤ γ, memory."""
+        limit, Σ request ≤ 1, Σ limit ≤ γ, memory, and no training beside training."""
         s = self.gpus[g]
         return (s.ok and len(s.residents) < s.limit
-                and s.req + d.request_quota <= 1 + EPS and s.lim + d.limit_quota <= self.gamma + EPS
-                and s.mem + d.memory_bytes <= s.cap)
+                and s.req + d.request_quota <= 1 + EPS and s.lim + d.burst_quota <= self.gamma + EPS
+                and s.mem + d.memory_bytes <= s.cap and not (s.training and d.kind == "training"))
 
     def score(self, g: int, d: Demand) -> float:
         """Lower is better: request and memory left over (best fit), adjusted by collocation preferences."""
@@ -445,8 +459,9 @@ class Cluster:
         checked here: :meth:`fits` for those GPUs, inlined (this is the hot loop)."""
         found = 0
         start = max(0, int((d.request_quota - EPS) * BUCKETS))
-        req, lim, mem = d.request_quota, d.limit_quota, d.memory_bytes
+        req, lim, mem = d.request_quota, d.burst_quota, d.memory_bytes
         one, cap_lim = 1 + EPS, self.gamma + EPS
+        training = d.kind == "training"
         gpus = self.gpus
         tables = self._tables[bisect.bisect_left(self.classes, mem):]  # memory classes large enough
         for k in range(start, BUCKETS + 1):
@@ -454,7 +469,7 @@ class Cluster:
                 for g in buckets[k]:
                     s = gpus[g]
                     if (s.req + req <= one and s.lim + lim <= cap_lim and s.mem + mem <= s.cap
-                            and (exclude is None or g not in exclude)):
+                            and not (training and s.training) and (exclude is None or g not in exclude)):
                         yield g
                         found += 1
                         if found >= self.max_candidates:
@@ -525,6 +540,19 @@ class Cluster:
                 return tuple(fit[:n])
         return None
 
+    def resume_target(self, d: Demand, left: Slot) -> Slot | None:
+        """Where a parked instance of ``d`` resumes, its weights being in its node's host memory:
+        the GPU it ``left`` when that can still take it, else the best of its node's other GPUs
+        that can (active ones before empty ones, then by :meth:`score`); None when none can (it
+        is launched anew wherever :meth:`place` finds room). Raises KeyError for a dead node."""
+        g = self.gpu_id(left)
+        if self.fits(g, d):
+            return left
+        ok = [h for h in (self.gpu_id(s) for s in self.node_slots(left.node)) if h != g and self.fits(h, d)]
+        if not ok:
+            return None
+        return self.slot(min(ok, key=lambda h: (not self.gpus[h].residents, self.score(h, d))))
+
     def place(self, instance_id: str, d: Demand, allow_new: bool = True) -> list[Slot]:
         """Choose GPUs for a new instance and apply it; returns its slots.
 
@@ -558,7 +586,7 @@ class Cluster:
             if not s.residents:
                 self.active += 1
             s.req += d.request_quota
-            s.lim += d.limit_quota
+            s.lim += d.burst_quota
             s.mem += d.memory_bytes
             s.residents[instance_id] = d
             s.training += d.kind == "training"
@@ -589,7 +617,7 @@ class Cluster:
                     del s.peaks[d.peak_hour]
             if s.residents:
                 s.req -= d.request_quota
-                s.lim -= d.limit_quota
+                s.lim -= d.burst_quota
                 s.mem -= d.memory_bytes
             else:  # reset exactly: no float residue on an empty GPU
                 s.req = s.lim = 0.0
@@ -733,11 +761,13 @@ class Cluster:
                     out.append(f"GPU {g}: dead but occupied or indexed")
                 continue
             req = sum(d.request_quota for d in s.residents.values())
-            lim = sum(d.limit_quota for d in s.residents.values())
+            lim = sum(d.burst_quota for d in s.residents.values())
             mem = sum(d.memory_bytes for d in s.residents.values())
             if req > 1 + EPS or lim > self.gamma + EPS or mem > s.cap or (s.max and len(s.residents) > s.max):
                 out.append(f"GPU {g}: Σreq {req:.4f} Σlim {lim:.4f} mem {mem}/{s.cap} "
                            f"instances {len(s.residents)}/{s.max or '∞'}")
+            if sum(d.kind == "training" for d in s.residents.values()) > 1:
+                out.append(f"GPU {g}: two training instances")
             if abs(req - s.req) > 1e-6 or abs(lim - s.lim) > 1e-6 or mem != s.mem:
                 out.append(f"GPU {g}: running sums drifted")
             in_bucket = s.bucket >= 0 and g in self.buckets[s.cap][s.bucket] and s.bucket == self._bucket_of(s)
@@ -769,6 +799,8 @@ class Cluster:
         return self.gpus[self.gpu_id(slot)].req
 
     def limit_sum(self, slot: Slot) -> float:
+        """Σ of what the GPU's residents count against γ (:attr:`Demand.burst_quota`: limits,
+        training at its request)."""
         return self.gpus[self.gpu_id(slot)].lim
 
     def residents(self, slot: Slot) -> list[str]:

@@ -367,7 +367,7 @@ class MembershipMachine(RuleBasedStateMachine):
                 assert not s.residents
                 continue
             assert sum(d.request_quota for d in s.residents.values()) <= 1 + EPS
-            assert sum(d.limit_quota for d in s.residents.values()) <= self.c.gamma + EPS
+            assert sum(d.burst_quota for d in s.residents.values()) <= self.c.gamma + EPS  # training at its request
             assert sum(d.memory_bytes for d in s.residents.values()) <= s.cap
             assert not s.max or len(s.residents) <= s.max
 

@@ -247,3 +247,44 @@ def test_synthetic_bench_and_cli_write_figures(tmp_path):
                                              "--max-gpu-instances", "3", "--instances", "40", "--churn", "0"])
     capped = json.loads(r.output)
     assert r.exit_code == 0 and capped["violations"] == 0 and capped["placements"] <= 5 * 2 * 3
+
+
+def test_a_parked_instance_resumes_where_it_left_else_on_its_node_else_nowhere():
+    c = cluster(2, 2)
+    d = inf("p", r=0.4)
+    (left,) = c.place("p1", d)
+    c.remove("p1")  # parked: its placement freed
+    assert c.resume_target(d, left) == left  # its GPU still has room
+    c.assign("x", inf("x", r=0.7), [left])  # its room taken while it was parked
+    other = c.resume_target(d, left)
+    assert other is not None and other.node == left.node and other != left  # another GPU of its node
+    c.assign("y", inf("y", r=0.7), [other])
+    assert c.resume_target(d, left) is None  # its node is full: launched anew elsewhere
+    assert c.choose(d)  # though the other node has room
+
+
+def test_training_jobs_go_one_per_gpu_whatever_their_quota():
+    """Four small training jobs (request = limit = 0.1, as horizontal-only places them) fit on
+    one GPU by every sum, yet each gets its own: always busy, they would only contend."""
+    c = cluster(1, 4)
+    slots = [c.place(f"t{k}", inf(f"train{k}", r=0.1, kind="training"))[0] for k in range(4)]
+    assert len(set(slots)) == 4
+    with pytest.raises(NoCapacity):
+        c.place("t4", inf("train4", r=0.1, kind="training"))
+    with pytest.raises(ValueError):
+        c.assign("t5", inf("train5", r=0.1, kind="training"), [slots[0]])
+    assert c.place("i", inf("serve", r=0.1))  # inference still joins them
+    assert not c.violations()
+
+
+def test_a_training_job_counts_its_request_not_its_limit_against_gamma():
+    """Training gives back all above its request when a neighbour is pressed, so beside a job at
+    request 0.1 / limit 0.8 inference may hold limits up to γ − 0.1, not γ − 0.8."""
+    c = cluster(1, 1)
+    c.place("t", inf("train", r=0.1, lim=0.8, kind="training"))
+    c.place("a", inf("a", r=0.3, lim=0.7))
+    c.place("b", inf("b", r=0.3, lim=0.7))  # Σ limits of inference 1.4: fits beside the job's 0.1
+    assert c.limit_sum(Slot("n0", 0)) == pytest.approx(1.5)
+    with pytest.raises(NoCapacity):
+        c.place("c", inf("c", r=0.1, lim=0.1))  # γ is full
+    assert not c.violations()
