@@ -75,6 +75,10 @@ def _opt(*decls, **kw):
       help="fallback keep-alive of an idle function, trace seconds (the horizontal scaler's; dilu, dilu-published, "
            "static-mps and exclusive keep by the idle-time histogram once it is representative; horizontal-only "
            "scales to zero as Knative does and ignores it)")
+@_opt("--park-after-s", type=Finite(min=0, max=86_400), default=0.0, show_default=True,
+      help="what-if: park an idle function's instances after this many trace seconds (their GPU share and "
+           "placement freed, weights kept in host memory and copied back at 12 GB/s when a request comes); "
+           "0: never. The live node agent does not park instances yet, so this is the simulator's alone")
 @_opt("--process-start-ms", type=Finite(min=0, max=600_000), default=models.PROCESS_START_MS, show_default=True,
       help="an instance's process start before its weights load (a cold start is this plus the weights at "
            "4 GB/s); set it to what your node measures (the node agent logs cold_start_ms per instance)")
@@ -86,7 +90,7 @@ def _opt(*decls, **kw):
       help="replay a dilu-sim scheduling workload (e.g. services/scheduler/workloads/instances-3200.txt) "
            "through the placement policy instead of a trace (default size: 1000 nodes)")
 def sim(trace_dir, functions, hours, start_minute, speedup, nodes, gpus_per_node, policies, seed, training_jobs,
-        keep_alive_s, process_start_ms, json_path, plots_dir, workload) -> None:
+        keep_alive_s, park_after_s, process_start_ms, json_path, plots_dir, workload) -> None:
     """Simulate the platform's policies over a real trace (deterministic per seed) and print the
     comparison table, as dilu compare does for live runs. In a simulated report, seconds are
     simulated seconds ("wall s" and goodput's denominator included), and the vertical reaction is
@@ -131,7 +135,8 @@ def sim(trace_dir, functions, hours, start_minute, speedup, nodes, gpus_per_node
     try:
         cfg = SimConfig(trace_dir=trace_dir, functions=functions, hours=hours, nodes=nodes, gpus_per_node=gpus_per_node,
                         seed=seed, training_jobs=training_jobs, start_minute=start_minute,
-                        speedup=speedup, keep_alive_s=keep_alive_s, process_start_ms=process_start_ms)
+                        speedup=speedup, keep_alive_s=keep_alive_s, park_after_s=park_after_s,
+                        process_start_ms=process_start_ms)
         out = simulate(cfg, policies, progress=lambda p: console.print(f"[dim]simulating policy {p}[/dim]"),
                        tick=lambda p, done, total: console.print(
                            f"[dim]{p}: {done:,.0f} of {total:,.0f} simulated s[/dim]", highlight=False))
@@ -166,6 +171,9 @@ def _show(out: dict, console, functions, hours: float, speedup: float, json_path
     for name, s in out["sim"]["policies"].items():
         console.print(f"{name}: {s['events']:,} events in {s['wall_s']:.1f} s; peak {s['peak_active_gpus']} active GPUs, "
                       f"largest Σ limits on a GPU {s['max_limit_sum']:.2f}")
+        if s["parks"]:
+            console.print(f"{name}: {s['parks']:,} instances parked, {s['resumes']:,} resumed; {s['resume_waits']:,} "
+                          f"requests waited for a resume (no launch: not cold-start requests)")
         if s["unplaced"]:
             console.print(f"{name}: {s['unplaced']:,} placements refused (no GPU had room for the instance)")
     if json_path:

@@ -64,7 +64,7 @@ class Gpu:
 
 
 class Instance:
-    """One instance: ``state`` starting | ready | draining | gone; ``width`` its limit quota as
+    """One instance: ``state`` starting | ready | draining | parked | gone; ``width`` its limit quota as
     placed; ``grant`` the quota in force; ``batch`` the largest batch it pulls; ``ready_ms`` when
     its cold start ends. Window counters (``win_*``) feed the next telemetry. ``tokens``: its
     token bucket's balance (ms of busy time) at ``tokens_at`` (ms), as the interceptor keeps it
@@ -72,7 +72,7 @@ class Instance:
 
     __slots__ = ("iid", "fn", "gpu", "request", "width", "grant", "batch", "ready_ms", "state", "busy",
                  "inflight", "quota_since", "win_busy_ms", "win_wait_ms", "win_lat_ms", "training",
-                 "iterations", "train_since", "priority", "tokens", "tokens_at")
+                 "iterations", "train_since", "priority", "tokens", "tokens_at", "resumed_ms")
 
     def __init__(self, iid: str, fn, gpu: Gpu, request: float, width: float, grant: float, batch: int,
                  ready_ms: float, now_ms: float, training: bool, priority: str) -> None:
@@ -97,6 +97,7 @@ class Instance:
         self.priority = priority
         self.tokens = models.BURST_MS
         self.tokens_at = ready_ms
+        self.resumed_ms = 0.0  # when its last resume from parking ended (0: never parked)
 
 
 class Function:

@@ -94,8 +94,10 @@ class SimConfig:
     not; 1: trace time); ``nodes`` x ``gpus_per_node`` GPUs of 40 GB; ``training_jobs``: fraction
     (0..1) of the GPUs running a training job; ``keep_alive_s``: the horizontal scaler's fallback
     keep-alive in trace seconds (None: its default, 10 min; Knative's KPA has none);
-    ``process_start_ms``: an instance's process start before its weights load (a cold start is
-    that plus the weights at 4 GB/s); ticks in ms; ``sample_s``: timeline resolution."""
+    ``park_after_s``: park an idle function's instances after this many trace seconds
+    (:class:`HorizontalConfig`'s Parking; 0: never, as the live platform); ``process_start_ms``:
+    an instance's process start before its weights load (a cold start is that plus the weights
+    at 4 GB/s); ticks in ms; ``sample_s``: timeline resolution."""
 
     trace_dir: str | None = None
     functions: int | str = 16
@@ -107,6 +109,7 @@ class SimConfig:
     start_minute: int | None = None
     speedup: float = 1.0
     keep_alive_s: float | None = None
+    park_after_s: float = 0.0
     process_start_ms: float = models.PROCESS_START_MS
     vertical_tick_ms: float = 250.0
     horizontal_tick_ms: float = 500.0
@@ -124,6 +127,8 @@ class SimConfig:
             raise ValueError(f"need at least 1 node and 1 GPU per node, got {self.nodes} x {self.gpus_per_node}")
         if self.keep_alive_s is not None and not (0 <= self.keep_alive_s <= 86_400):
             raise ValueError(f"keep_alive_s must be in [0, 86400] s, got {self.keep_alive_s}")
+        if not (0 <= self.park_after_s <= 86_400):
+            raise ValueError(f"park_after_s must be in [0, 86400] s, got {self.park_after_s}")
         if not (0 <= self.process_start_ms <= 600_000):
             raise ValueError(f"process_start_ms must be in [0, 600000] ms, got {self.process_start_ms}")
         if not 0.0 <= self.training_jobs <= 1.0:
@@ -179,15 +184,17 @@ def prepare(cfg: SimConfig) -> Workload:
     return Workload(plan, specs, profiles)
 
 
-def horizontal_config(mode: str, speedup: float = 1.0, keep_alive_s: float | None = None) -> HorizontalConfig:
+def horizontal_config(mode: str, speedup: float = 1.0, keep_alive_s: float | None = None,
+                      park_after_s: float = 0.0) -> HorizontalConfig:
     """The horizontal scaler's settings of a replay at ``speedup`` (:func:`cli.demo.scaler_windows`,
     the live replay's rule); ``keep_alive_s``: the fallback keep-alive in trace seconds (None: the
-    scaler's default)."""
+    scaler's default); ``park_after_s``: trace seconds before an idle function's instances are
+    parked (0: never), compressed by ``speedup`` as the keep-alive is."""
     from dilu.cli.demo import scaler_windows
 
     args = scaler_windows(speedup, keep_alive_s)
     kw = {args[i].lstrip("-").replace("-", "_"): float(args[i + 1]) for i in range(0, len(args), 2)}
-    return HorizontalConfig(mode=mode, **kw)
+    return HorizontalConfig(mode=mode, park_after_s=park_after_s / speedup, **kw)
 
 
 def warm_up_ms(cfg: SimConfig, work: Workload) -> float:
@@ -205,7 +212,10 @@ def warm_up_ms(cfg: SimConfig, work: Workload) -> float:
 @dataclass
 class SimFacts:
     """Simulator-only figures of one run (not in the Report): ``events`` processed, ``wall_s``
-    real seconds it took, ``peak_active_gpus``, ``max_limit_sum`` (largest Σ limits on one GPU)
+    real seconds it took, ``peak_active_gpus``, ``max_limit_sum`` (the largest Σ against γ on one
+    GPU, :meth:`Cluster.limit_sum`), instances ``parks`` and ``resumes`` (parking, :class:`SimConfig`), ``resumes_refused`` (the
+    GPU it left had no room: a new instance was launched instead) and ``resume_waits``
+    (requests that waited for a resume: no launch, so not cold-start requests)
     and the ``timeline`` (t_s, active GPUs, cold-start requests so far, allocation and idle
     fragmentation over the sample) used by the plots."""
 
@@ -214,6 +224,10 @@ class SimFacts:
     peak_active_gpus: int = 0
     max_limit_sum: float = 0.0
     unplaced: int = 0
+    parks: int = 0
+    resumes: int = 0
+    resumes_refused: int = 0
+    resume_waits: int = 0
     timeline: list = field(default_factory=list)
     latency_slo_cdf: list = field(default_factory=list)
 
@@ -252,7 +266,7 @@ class Simulation:
         self.loop = EventLoop(0.0)
         self.cluster = Cluster([f"node{i}" for i in range(cfg.nodes)], cfg.gpus_per_node, GPU_MEMORY_BYTES)
         self.vertical = vertical_policy(VerticalConfig(mode=m.vertical))
-        self.hconf = horizontal_config(m.horizontal, cfg.speedup, cfg.keep_alive_s)
+        self.hconf = horizontal_config(m.horizontal, cfg.speedup, cfg.keep_alive_s, cfg.park_after_s)
         self.horizontal = horizontal_policy(self.hconf)
         self.backoff = PlacementBackoff(cfg.horizontal_tick_ms / 1000.0, 30.0)
         self.gpus: dict[int, Gpu] = {}
@@ -400,9 +414,92 @@ class Simulation:
         inst.fn.ready.append(inst)
         self._start_batch(inst)
 
+    def _park(self, inst: Instance) -> bool:
+        """Park a ready, idle instance: its placement and share are freed, it keeps its weights
+        in host memory (off every GPU). False when it is serving (then it stays)."""
+        if inst.state != "ready" or inst.busy:
+            return False
+        now = self.loop.now
+        self._account()
+        f, gpu = inst.fn, inst.gpu
+        f.quota_ms += self._held_ms(inst, now)
+        inst.quota_since, inst.grant = now, 0.0
+        self.cluster.remove(inst.iid)
+        self.live_req -= inst.request
+        f.ready.remove(inst)
+        self._leave_gpu(inst)
+        inst.state = "parked"
+        self.facts.parks += 1
+        return True
+
+    def _resume(self, inst: Instance) -> None:
+        """Bring a parked instance back (its weights copied back from host memory,
+        :func:`models.resume_ms`) where :meth:`Cluster.resume_target` says: the GPU it left or
+        another of its node; when none has room, it is retired and a new instance is placed and
+        launched instead (a cold start)."""
+        now = self.loop.now
+        f = inst.fn
+        slot = self.cluster.resume_target(f.demand, self.cluster.slot(inst.gpu.gid))
+        if slot is None:
+            self.facts.resumes_refused += 1
+            new = self._place(f)  # before the parked one goes: the function is not at zero
+            if new is None:
+                self.backoff.failed(f.name, now / 1000.0)
+            else:
+                self.horizontal.instance_starting(f.name, new.iid, now / 1000.0)
+                self.mech.scale_outs += 1
+            self._gone_parked(inst)
+            return
+        self._account()
+        self.cluster.assign(inst.iid, f.demand, [slot], check=False)
+        self.live_req += inst.request
+        gid = self.cluster.gpu_id(slot)
+        gpu = self.gpus.get(gid)
+        if gpu is None:
+            gpu = self.gpus[gid] = Gpu(gid)
+        inst.gpu = gpu
+        gpu.instances[inst.iid] = inst
+        self._wake(gpu)
+        inst.state = "starting"
+        inst.resumed_ms = now + models.resume_ms(f.spec.cold_start_ms or models.cold_start_ms(f.model))
+        self._fit(gpu, inst, inst.request if self.modes.initial_grant == "request" else inst.width, granted=False)
+        inst.quota_since = now
+        self.facts.resumes += 1
+        self.loop.at(inst.resumed_ms, self._ready, inst)
+
+    def _leave_gpu(self, inst: Instance) -> None:
+        """Take ``inst`` off its GPU (retired or parked): the vertical policy is told, as the
+        node agent's InstanceRetired tells it live, and its neighbours get the grants it gives."""
+        now, gpu = self.loop.now, inst.gpu
+        del gpu.instances[inst.iid]
+        grants = self.vertical.on_retired(gpu.gid, now, inst.iid)
+        if not gpu.instances:
+            del self.gpus[gpu.gid]
+            self.awake.pop(gpu.gid, None)
+        else:
+            self._wake(gpu)
+            for g in grants:
+                target = gpu.instances.get(g.instance_id)
+                if target is not None:
+                    self._fit(gpu, target, g.quota)
+
+    def _gone_parked(self, inst: Instance) -> None:
+        """A parked instance is retired: it holds nothing on any GPU, only its process ends."""
+        f = inst.fn
+        inst.state = "gone"
+        del self.instances[inst.iid]
+        del f.instances[inst.iid]
+        self.mech.retirements += 1
+        self.horizontal.instance_retired(f.name, inst.iid)
+        if not f.instances:
+            self.mech.scale_to_zero += 1
+
     def _retire(self, inst: Instance) -> None:
         """Drain: a starting instance is cancelled, a busy one finishes its batch first."""
         if inst.state in ("draining", "gone"):
+            return
+        if inst.state == "parked":
+            self._gone_parked(inst)
             return
         was = inst.state
         inst.state = "draining"
@@ -423,19 +520,9 @@ class Simulation:
         inst.state = "gone"
         self.cluster.remove(inst.iid)
         self.live_req -= inst.request
-        del gpu.instances[inst.iid]
         del self.instances[inst.iid]
         del f.instances[inst.iid]
-        grants = self.vertical.on_retired(gpu.gid, now, inst.iid)  # the node agent's InstanceRetired
-        if not gpu.instances:
-            del self.gpus[gpu.gid]
-            self.awake.pop(gpu.gid, None)
-        else:
-            self._wake(gpu)
-            for g in grants:
-                target = gpu.instances.get(g.instance_id)
-                if target is not None:
-                    self._fit(gpu, target, g.quota)
+        self._leave_gpu(inst)
         self.mech.retirements += 1
         if not f.training:
             self.horizontal.instance_retired(f.name, inst.iid)
@@ -456,6 +543,10 @@ class Simulation:
             if not inst.busy:
                 self._start_batch(inst)
                 break
+        else:
+            if self.hconf.park_after_s and not f.ready:
+                for iid in self.horizontal.on_arrival(f.name, self.loop.now / 1000.0):
+                    self._resume(f.instances[iid])
 
     def _start_batch(self, inst: Instance) -> None:
         f = inst.fn
@@ -510,6 +601,8 @@ class Simulation:
         worst = 0.0
         for i in inst.inflight:
             self._finish(i, now, "ok", ready_ms > sched[i])
+            if inst.resumed_ms > sched[i]:
+                self.facts.resume_waits += 1
             lat = now - sched[i]
             if lat > worst:
                 worst = lat
@@ -636,7 +729,7 @@ class Simulation:
         due = [f for f in self.fns.values() if not f.asleep and not f.training and f.demand is not None]
         headroom: dict[str, float] = {}
         if self.hconf.mode == "lazy":
-            gpus = {i.gpu.gid: i.gpu for f in due for i in f.instances.values()}
+            gpus = {i.gpu.gid: i.gpu for f in due for i in f.instances.values() if i.state != "parked"}
             headroom = vertical_headroom({
                 gid: [InstanceShare(i.iid, i.fn.name, i.priority, i.grant, i.request, i.width)
                       for i in gpu.instances.values()]
@@ -672,6 +765,14 @@ class Simulation:
                 inst = f.instances.get(iid)
                 if inst is not None:
                     self._retire(inst)
+            for iid in d.park:
+                inst = f.instances.get(iid)
+                if inst is None or not self._park(inst):
+                    hp.park_failed(f.name, iid)
+            for iid in d.resume:
+                inst = f.instances.get(iid)
+                if inst is not None:
+                    self._resume(inst)
             if (self.sleep_idle and not f.instances and not backlog and not arrived and d.desired == 0 and not d.panic
                     and not d.place and hp.idle_windows(f.name).prewarm_s == 0
                     and k - f.last_busy >= window_ticks):  # every sample in the stable window is 0
@@ -818,7 +919,9 @@ def simulate(cfg: SimConfig, policies: list[str], progress=None, tick=None) -> d
             rep, f = Simulation(cfg, p, work, on_progress=on).run()
             reports[p] = rep.to_dict()
             facts[p] = {"events": f.events, "wall_s": f.wall_s, "peak_active_gpus": f.peak_active_gpus,
-                        "max_limit_sum": f.max_limit_sum, "unplaced": f.unplaced,
+                        "max_limit_sum": f.max_limit_sum, "unplaced": f.unplaced, "parks": f.parks,
+                        "resumes": f.resumes, "resumes_refused": f.resumes_refused,
+                        "resume_waits": f.resume_waits,
                         "timeline": [list(r) for r in f.timeline], "latency_slo_cdf": f.latency_slo_cdf}
     except KeyboardInterrupt:
         partial = _output(cfg, work, reports, facts) if work is not None else {"policies": {}}
@@ -828,7 +931,8 @@ def simulate(cfg: SimConfig, policies: list[str], progress=None, tick=None) -> d
 
 def _output(cfg: SimConfig, work: Workload, reports: dict, facts: dict) -> dict:
     conf = {"nodes": cfg.nodes, "gpus_per_node": cfg.gpus_per_node, "hours": cfg.hours, "speedup": cfg.speedup,
-            "functions": cfg.functions, "keep_alive_s": cfg.keep_alive_s, "process_start_ms": cfg.process_start_ms,
+            "functions": cfg.functions, "keep_alive_s": cfg.keep_alive_s, "park_after_s": cfg.park_after_s,
+            "process_start_ms": cfg.process_start_ms,
             "seed": cfg.seed, "training_jobs": cfg.training_jobs, "vertical_tick_ms": cfg.vertical_tick_ms,
             "horizontal_tick_ms": cfg.horizontal_tick_ms,
             "warm_up_s": round(warm_up_ms(cfg, work) / 1000.0, 6), "drain_s": cfg.drain_s}

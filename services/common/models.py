@@ -26,6 +26,10 @@ SURFACES = Path(__file__).parent / "surfaces"
 MEMORY_FIXED_BYTES = int(1.5 * 2**30)
 MEMORY_ACTIVATION_FRACTION = 0.2
 LOAD_BANDWIDTH_BYTES_PER_S = 4e9
+# Bringing a parked instance's weights back from pinned host memory: a plain copy, no
+# deserialisation, at about half of PCIe 4.0 x16's 25 GB/s peak (an assumption until a node
+# measures it; dilu sim's parking, horizontal_scaler.policy).
+RESUME_BANDWIDTH_BYTES_PER_S = 12e9
 # An instance's process start and imports before it loads weights (Python on an A100 node); the
 # emulated node pays it for real, so only the simulator uses this figure (dilu sim --process-start-ms).
 PROCESS_START_MS = 1000.0
@@ -200,3 +204,10 @@ def memory_bytes(model: str) -> int:
 def cold_start_ms(model: str) -> float:
     """Weight-load time (ms) of a fresh instance at the documented load bandwidth."""
     return weight_bytes(model) / LOAD_BANDWIDTH_BYTES_PER_S * 1000.0
+
+
+def resume_ms(cold_start_ms: float) -> float:
+    """Time (ms) to bring a parked instance's weights back to its GPU from host memory: the weight
+    load of its cold start (``cold_start_ms``, at ``LOAD_BANDWIDTH_BYTES_PER_S``; no process start,
+    the process kept running) at ``RESUME_BANDWIDTH_BYTES_PER_S`` instead."""
+    return max(0.0, cold_start_ms) * LOAD_BANDWIDTH_BYTES_PER_S / RESUME_BANDWIDTH_BYTES_PER_S

@@ -42,6 +42,14 @@ pending plus in flight: the concurrency Knative measures at its queue proxy) and
   the function scales to zero (if ``min_instances`` is 0) regardless of the stable window. When
   the histogram gives a pre-warm window, the function is unloaded once idle and one instance is
   launched again at the pre-warm time. A backlog with no instance scales from zero at once.
+- **Parking** (``park_after_s`` > 0; 0, the default, never parks): a function idle that long
+  while its keep-alive still holds it has its ready instances *parked*: they give up their GPU
+  share (the scheduler frees their placement) and keep their weights in host memory, so bringing
+  one back costs a copy to the device, not a cold start (PipeSwitch, OSDI 2020, and Torpor swap
+  models between host and GPU memory in milliseconds). A scale-out resumes parked instances
+  before it places new ones; when the keep-alive runs out they are retired with the rest. A
+  function with ``min_instances`` keeps them on the GPU. Only ``dilu sim`` parks so far: the node
+  agent cannot move an instance's memory off its GPU yet.
 - **Initial scale.** A newly deployed function (:meth:`HorizontalPolicy.deployed`) gets
   ``initial_scale`` instances at once (Knative's ``initial-scale``, default 1), so its first
   requests do not all wait for a launch. Deployment counts as the start of an idle period: the
@@ -67,11 +75,13 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from dilu.contracts.events import FunctionSpec, Profile
+from dilu.services.common import models
 from dilu.services.common.functions import PRIORITY_RANK, reclaimable_share
 
 Mode = Literal["lazy", "eager", "kpa"]
 MODES: tuple[str, ...] = ("lazy", "eager", "kpa")
-InstanceState = Literal["starting", "ready", "draining"]
+InstanceState = Literal["starting", "ready", "draining", "parked"]
+PARK_SLO_SHARE = 0.5  # the largest share of its SLO a parked instance's resume may take (FunctionParams.parkable)
 IDLE_BINS = 240  # the idle-time histogram's range in bins (4 hours of 1-minute bins, Shahrad et al.)
 _EPS = 1e-9
 
@@ -112,6 +122,7 @@ class HorizontalConfig:
     histogram_min_samples: int = 10
     histogram_cv_min: float = 2.0
     breach_interval_s: float = 0.0  # 0: one panic window
+    park_after_s: float = 0.0  # > 0: park an idle function's instances after this long (see Parking); 0: never
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -124,6 +135,8 @@ class HorizontalConfig:
             raise ValueError("panic threshold and max scale rates must be > 1")
         if not self.scale_to_zero_grace_s >= 0:
             raise ValueError(f"scale_to_zero_grace_s must be >= 0, got {self.scale_to_zero_grace_s}")
+        if not (math.isfinite(self.park_after_s) and self.park_after_s >= 0):
+            raise ValueError(f"park_after_s must be finite and >= 0, got {self.park_after_s}")
 
     @property
     def panic_window(self) -> float:
@@ -151,7 +164,9 @@ class FunctionParams:
     ``burst_target``/``burst_rps``: the same for an instance scaled up to its limit quota, which
     ``lazy`` mode sizes by (0: as at the request); ``initial_scale``: instances at deploy (-1:
     the config's); ``keep_alive_s``: a fixed keep-alive window chosen by the function's owner
-    (0: the idle-time histogram and the config's fallback decide)."""
+    (0: the idle-time histogram and the config's fallback decide); ``resume_ms``: time to bring a
+    parked instance back (:func:`models.resume_ms`) and ``slo_ms`` its SLO, both ms (0: unknown,
+    then it is never parked)."""
 
     target: float = 1.0
     min_instances: int = 0
@@ -161,6 +176,15 @@ class FunctionParams:
     burst_rps: float = 0.0
     initial_scale: int = -1
     keep_alive_s: float = 0.0
+    resume_ms: float = 0.0
+    slo_ms: float = 0.0
+
+    @property
+    def parkable(self) -> bool:
+        """Whether a resume fits this function's SLO: at most ``PARK_SLO_SHARE`` of it, so the
+        request that waits for one still has the rest (a batch-1 request takes a fifth of the
+        SLO on a whole GPU, ``models.DEFAULT_SLO_FACTOR``)."""
+        return 0 < self.resume_ms <= PARK_SLO_SHARE * self.slo_ms
 
     def __post_init__(self) -> None:
         if not self.target > 0 or self.min_instances < 0 or self.max_instances < max(1, self.min_instances):
@@ -281,10 +305,13 @@ class Breach:
 class Decision:
     """One function's decision at one tick.
 
-    ``current``: instances not draining (starting + ready); ``desired``: the count aimed at;
-    ``place``: new instances to ask the scheduler for; ``retire``: instance ids to cancel or
-    drain (already marked draining in the policy); ``direction``: out, in, zero, prewarm or ""
-    (no change); estimates are instance counts from the stable and panic windows.
+    ``current``: instances not draining (starting + ready; parked ones are not counted);
+    ``desired``: the count aimed at; ``place``: new instances to ask the scheduler for;
+    ``retire``: instance ids to cancel or drain (already marked draining in the policy), parked
+    ones included; ``park``: ready instances to park, ``resume``: parked instances to bring back
+    before any new one is placed (both already marked in the policy: parked, starting);
+    ``direction``: out, in, zero, prewarm, park, resume or "" (no change); estimates are instance
+    counts from the stable and panic windows.
     """
 
     function: str
@@ -297,6 +324,8 @@ class Decision:
     panic: bool = False
     place: int = 0
     retire: list[str] = field(default_factory=list)
+    park: list[str] = field(default_factory=list)
+    resume: list[str] = field(default_factory=list)
     direction: str = ""
     reason: str = ""
     breach: Breach | None = None
@@ -309,6 +338,7 @@ class _Instance:
     since_s: float
     busy_share: float = 0.0
     before_drain: InstanceState = "ready"
+    resuming: bool = False  # starting again from parked: ready within a copy of its weights
 
 
 @dataclass
@@ -463,7 +493,7 @@ class HorizontalPolicy:
         if inst is None:
             f.instances[instance_id] = _Instance(instance_id, "ready", now_s)
         elif inst.state == "starting":
-            inst.state, inst.since_s = "ready", now_s
+            inst.state, inst.since_s, inst.resuming = "ready", now_s, False
         else:
             inst.before_drain = "ready"
 
@@ -483,8 +513,27 @@ class HorizontalPolicy:
         if inst is not None:
             inst.busy_share = busy_share
 
+    def on_arrival(self, fn: str, now_s: float) -> list[str]:
+        """A request for ``fn`` arrived at ``now_s``: when nothing of it is starting or ready and
+        an instance is parked, resume one at once (returned, marked starting), as Knative's
+        activator wakes a function at zero without waiting for the autoscaler's tick. Else []."""
+        f = self._fn(fn)
+        if f.count("starting", "ready"):
+            return []
+        for inst in f.instances.values():
+            if inst.state == "parked":
+                inst.state, inst.since_s, inst.resuming = "starting", now_s, True
+                return [inst.instance_id]
+        return []
+
+    def park_failed(self, fn: str, instance_id: str) -> None:
+        """``instance_id`` could not be parked (it was serving): count it as ready again."""
+        inst = self._fn(fn).instances.get(instance_id)
+        if inst is not None and inst.state == "parked":
+            inst.state = "ready"
+
     def instances(self, fn: str) -> dict[str, str]:
-        """instance id -> state (starting, ready, draining)."""
+        """instance id -> state (starting, ready, draining, parked)."""
         return {i: inst.state for i, inst in self._fn(fn).instances.items()}
 
     # ------------------------------------------------------------------ observations
@@ -556,7 +605,10 @@ class HorizontalPolicy:
         draining at once; the caller reports new instances with :meth:`instance_starting`.
         """
         cfg, f = self.config, self._fn(fn)
-        cur, ready = f.count("starting", "ready"), f.count("ready")
+        cur = f.count("starting", "ready")
+        # a resuming instance serves within milliseconds (a copy, not a launch): sized as ready,
+        # so a burst that meets it is held for the vertical scaler as at a ready one
+        ready = sum(1 for i in f.instances.values() if i.state == "ready" or (i.state == "starting" and i.resuming))
         d = Decision(fn, now_s, cur, ready, cur)
         if f.backlog is None:
             return self._hold(f, d)
@@ -577,8 +629,36 @@ class HorizontalPolicy:
         desired, reason = self._after_restore(f, now_s, cur, desired, reason)
         d.desired, d.reason = desired, reason
         d.breach = self._breach(f, now_s, ready, stable_avg, panic_avg)
-        self._act(f, d)
+        if self._park_due(f, now_s, desired):
+            self._park(f, d)
+        else:
+            self._act(f, d)
         return d
+
+    def _park_due(self, f: _Function, now_s: float, desired: int) -> bool:
+        """Whether ``f``'s instances are to be parked now (see Parking): it has been idle (no
+        backlog, no arrival) for ``park_after_s`` and is still kept by its keep-alive (``desired``
+        at most one instance, never below a ``min_instances`` it was given), with the instance
+        the keep-alive keeps there already (a pre-warm still launches it, to park it once ready)."""
+        after = self.config.park_after_s
+        if (after <= 0 or f.idle_since is None or f.backlog or f.params.min_instances > 0 or desired > 1
+                or not f.params.parkable or f.count("starting", "ready", "parked") < desired):
+            return False
+        w = self._windows(f)
+        idle_for = now_s - f.idle_since
+        return after <= idle_for < w.prewarm_s + w.keep_alive_s and idle_for >= w.prewarm_s
+
+    def _park(self, f: _Function, d: Decision) -> None:
+        """Park every ready instance of an idle ``f``: no GPU share, its weights in host memory,
+        brought back by the next scale-out before any new instance is placed."""
+        for inst in f.instances.values():
+            if inst.state == "ready":
+                inst.state = "parked"
+                d.park.append(inst.instance_id)
+        d.desired = d.current - len(d.park)
+        if d.park:
+            d.direction = "park"
+            d.reason = f"idle {d.now_s - f.idle_since:.1f} s >= {self.config.park_after_s:g} s: parked"
 
     def _after_restore(self, f: _Function, now_s: float, cur: int, desired: int, reason: str) -> tuple[int, str]:
         """No scale-in within one stable window of a restore: the windows hold too little to
@@ -698,21 +778,29 @@ class HorizontalPolicy:
         return desired, reason
 
     def _act(self, f: _Function, d: Decision) -> None:
+        parked = [i for i in f.instances.values() if i.state == "parked"]
         if d.desired > d.current:
             f.last_out_s = d.now_s
-            d.place = d.desired - d.current
-            d.direction = "prewarm" if d.current == 0 and not f.backlog else "out"
-        elif d.desired < d.current:
+            for inst in parked[: d.desired - d.current]:  # a parked instance comes back faster than a new one starts
+                inst.state, inst.since_s, inst.resuming = "starting", d.now_s, True
+                d.resume.append(inst.instance_id)
+            d.place = d.desired - d.current - len(d.resume)
+            d.direction = "resume" if not d.place else "prewarm" if d.current == 0 and not f.backlog else "out"
+            return
+        if d.desired < d.current:
             d.retire = self._victims(f, d.current - d.desired)
-            for iid in d.retire:
-                inst = f.instances[iid]
-                inst.before_drain, inst.state = inst.state, "draining"
+        if d.desired == 0 and parked:  # the keep-alive ran out (or a pre-warm unloads): parked ones go too
+            d.retire += [i.instance_id for i in parked]
+        for iid in d.retire:
+            inst = f.instances[iid]
+            inst.before_drain, inst.state = inst.state, "draining"
+        if d.retire:
             d.direction = "zero" if d.desired == 0 else "in"
 
     @staticmethod
     def _victims(f: _Function, n: int) -> list[str]:
         """Starting instances first (newest first), then ready ones by busy share, newest first."""
-        live = [i for i in f.instances.values() if i.state != "draining"]
+        live = [i for i in f.instances.values() if i.state in ("starting", "ready")]
         live.sort(key=lambda i: (i.state != "starting", i.busy_share if i.state == "ready" else 0.0, -i.since_s))
         return [i.instance_id for i in live[:n]]
 
@@ -792,16 +880,19 @@ def function_params(spec: FunctionSpec | None, profile: Profile | None, old: Fun
     within ``slo_ms``, the function's SLO in ms, 0 when unknown) and ``instance_rps``, and, when
     it was measured at the limit quota (``limit_latency_ms`` > 0; older profiles lack it),
     ``burst_target``/``burst_rps`` at its burst batch. What neither gives keeps ``old``'s value
-    (defaults without one: target 1, bounds 0..8, initial scale -1). ``fixed_target`` > 0 (an
+    (defaults without one: target 1, bounds 0..8, initial scale -1). ``spec``'s cold start gives
+    ``resume_ms`` and ``slo_ms`` is kept for :attr:`FunctionParams.parkable`. ``fixed_target`` > 0 (an
     operator's) replaces every target and drops the burst target. Raises ValueError (from
     :class:`FunctionParams`) for inconsistent bounds."""
     target = old.target if old else 1.0
     rps = old.instance_rps if old else 0.0
     lo, hi = (old.min_instances, old.max_instances) if old else (0, 8)
     initial, keep_alive = (old.initial_scale, old.keep_alive_s) if old else (-1, 0.0)
+    resume = old.resume_ms if old else 0.0
     if spec is not None:
         lo, hi = spec.min_instances, max(1, spec.max_instances, spec.min_instances)
         initial, keep_alive = spec.initial_scale, max(0.0, spec.keep_alive_s)
+        resume = models.resume_ms(spec.cold_start_ms)
     burst_target = old.burst_target if old else 0.0
     burst_rps = old.burst_rps if old else 0.0
     if profile is not None:
@@ -816,7 +907,8 @@ def function_params(spec: FunctionSpec | None, profile: Profile | None, old: Fun
         target, burst_target = fixed_target, 0.0
     return FunctionParams(target=target, min_instances=lo, max_instances=hi, instance_rps=rps,
                           burst_target=burst_target, burst_rps=burst_rps, initial_scale=initial,
-                          keep_alive_s=keep_alive)
+                          keep_alive_s=keep_alive, resume_ms=resume,
+                          slo_ms=slo_ms if slo_ms > 0 else (old.slo_ms if old else 0.0))
 
 
 # ---------------------------------------------------------------------- initial-scale gating

@@ -1,0 +1,166 @@
+"""Parking (HorizontalConfig.park_after_s): an idle function's instances give up their GPU while
+its keep-alive holds them, come back before any new instance is placed, and go when the
+keep-alive ends; fake clock (s)."""
+from __future__ import annotations
+
+import pytest
+
+from dilu.cli.deploy import function_spec
+from dilu.services.common import models
+from dilu.services.horizontal_scaler.policy import (PARK_SLO_SHARE, FunctionParams, HorizontalConfig,
+                                                    HorizontalPolicy, function_params)
+
+FN = "f"
+PARKABLE = dict(target=1.0, max_instances=4, resume_ms=10.0, slo_ms=100.0)
+
+
+def policy(params: FunctionParams | None = None, **kw) -> HorizontalPolicy:
+    cfg = {"stable_window_s": 6.0, "panic_window_s": 1.0, "keep_alive_s": 60.0, "park_after_s": 10.0, **kw}
+    p = HorizontalPolicy(HorizontalConfig(**cfg))
+    p.add_function(FN, params or FunctionParams(**PARKABLE))
+    return p
+
+
+def idle_until(p, t0, t1, tick=0.5):
+    """Record an idle function every tick in (t0, t1]; the decisions."""
+    out, t = [], t0
+    while t < t1 - 1e-9:
+        t = round(t + tick, 6)
+        p.record(FN, t, 0, 0)
+        out.append(p.decide(FN, t))
+    return out
+
+
+def served_then_idle(p):
+    """One instance serves a request at 0.5 s; then nothing comes."""
+    p.instance_ready(FN, "w0", 0.0)
+    p.record(FN, 0.5, 1, 1)
+    p.decide(FN, 0.5)
+
+
+def test_an_idle_function_is_parked_after_park_after_s_not_before():
+    p = policy()
+    served_then_idle(p)
+    decisions = idle_until(p, 0.5, 12.0)
+    parked = [d for d in decisions if d.park]
+    assert len(parked) == 1 and parked[0].park == ["w0"] and parked[0].direction == "park"
+    assert parked[0].now_s >= 1.0 + 10.0  # idle from the first empty tick (1.0 s), parked 10 s later
+    assert all(not d.retire and not d.place for d in decisions)
+    assert p.instances(FN) == {"w0": "parked"}
+
+
+def test_a_request_resumes_the_parked_instance_before_placing_a_new_one():
+    p = policy()
+    served_then_idle(p)
+    idle_until(p, 0.5, 12.0)
+    assert p.on_arrival(FN, 12.2) == ["w0"]  # woken by the arrival, not by the next tick
+    assert p.instances(FN) == {"w0": "starting"}
+    assert p.on_arrival(FN, 12.3) == []  # already coming back
+    p.record(FN, 12.5, 3, 3)
+    d = p.decide(FN, 12.5)
+    assert not d.resume and not d.park  # counted as starting: nothing more to do for one
+
+
+def test_a_scale_out_takes_the_parked_instance_first():
+    p = policy()
+    for k in range(2):
+        p.instance_ready(FN, f"w{k}", 0.0)
+    p.record(FN, 0.5, 2, 2)
+    p.decide(FN, 0.5)
+    idle_until(p, 0.5, 20.0)
+    states = p.instances(FN)
+    assert sorted(states.values()) == ["draining", "parked"]  # scaled in to the one the keep-alive holds, parked
+    p.instance_retired(FN, next(i for i, s in states.items() if s == "draining"))
+    kept = next(i for i, s in states.items() if s == "parked")
+    p.record(FN, 20.5, 4, 4)  # a burst for several
+    d = p.decide(FN, 20.5)
+    assert d.resume == [kept] and d.place == d.desired - 1 > 0 and d.direction == "out"
+
+
+def test_parked_instances_go_when_the_keep_alive_ends():
+    p = policy()
+    served_then_idle(p)
+    decisions = idle_until(p, 0.5, 70.0)
+    gone = [d for d in decisions if d.retire]
+    assert gone and gone[0].retire == ["w0"] and gone[0].direction == "zero"
+    assert gone[0].now_s >= 1.0 + 60.0
+    p.instance_retired(FN, "w0")
+    assert p.instances(FN) == {}
+
+
+@pytest.mark.parametrize("params, kw", [
+    (FunctionParams(**PARKABLE), {"park_after_s": 0.0}),  # the default: never
+    (FunctionParams(**{**PARKABLE, "resume_ms": 60.0}), {}),  # a resume would take over half the SLO
+    (FunctionParams(**{**PARKABLE, "resume_ms": 0.0}), {}),  # resume time unknown
+    (FunctionParams(**{**PARKABLE, "min_instances": 1}), {}),  # its owner asked for a warm instance
+])
+def test_what_is_never_parked(params, kw):
+    p = policy(params, **kw)
+    served_then_idle(p)
+    assert not any(d.park for d in idle_until(p, 0.5, 30.0))
+    assert p.instances(FN) == {"w0": "ready"}
+
+
+def test_a_park_the_shell_could_not_do_leaves_the_instance_ready():
+    p = policy()
+    served_then_idle(p)
+    idle_until(p, 0.5, 12.0)
+    p.park_failed(FN, "w0")
+    assert p.instances(FN) == {"w0": "ready"}
+
+
+def test_parkable_follows_the_catalogue_resume_times_against_the_slos():
+    """A ResNet152 resume (its weights at 12 GB/s) fits half its SLO; GPT2-large's does not."""
+    for model, ok in (("resnet152", True), ("bert_base", True), ("gpt2_large", False)):
+        spec = function_spec("x", model)
+        params = function_params(spec, None, None, slo_ms=spec.slo_ms)
+        assert params.resume_ms == pytest.approx(models.resume_ms(models.cold_start_ms(model)))
+        assert params.parkable is ok, (model, params.resume_ms, spec.slo_ms * PARK_SLO_SHARE)
+
+
+def test_park_after_s_must_be_finite_and_not_negative():
+    for bad in (-1.0, float("inf"), float("nan")):
+        with pytest.raises(ValueError, match="park_after_s"):
+            HorizontalConfig(park_after_s=bad)
+
+
+def drive(p, t0, t1, busy_at=(), tick=0.5):
+    """A shell acting at once on every decision in (t0, t1]: a placed instance is ready within
+    the tick, a retired one gone; ``busy_at``: tick times with one request. The decisions."""
+    out, t, n = [], t0, len(p.instances(FN))
+    while t < t1 - 1e-9:
+        t = round(t + tick, 6)
+        b = 1 if any(abs(t - x) < tick / 2 for x in busy_at) else 0
+        if b:
+            for iid in p.on_arrival(FN, t):
+                p.instance_ready(FN, iid, t)
+        p.record(FN, t, b, b)
+        d = p.decide(FN, t)
+        for iid in d.resume:
+            p.instance_ready(FN, iid, t)
+        for _ in range(d.place):
+            n += 1
+            p.instance_starting(FN, f"w{n}", t)
+            p.instance_ready(FN, f"w{n}", t)
+        for iid in d.retire:
+            p.instance_retired(FN, iid)
+        out.append(d)
+    return out
+
+
+def test_a_pre_warm_still_launches_the_instance_it_then_parks():
+    """A function whose idle times are regular is unloaded after use and launched again at its
+    pre-warm time; parking must not hold that launch back: it parks the instance once launched,
+    and the next request resumes it instead of waiting for a launch."""
+    p = policy(keep_alive_s=600.0, idle_bin_s=10.0, park_after_s=5.0)
+    requests = [100.0 * k for k in range(1, 16)]
+    decisions = drive(p, 0.0, 1500.0, busy_at=requests)
+    w = p.idle_windows(FN)
+    assert w.representative and w.prewarm_s > 5.0
+    last = [d for d in decisions if d.now_s > 1000.0]
+    prewarms = [d for d in last if d.direction == "prewarm"]
+    parks = [d for d in last if d.park]
+    assert len(prewarms) >= 3
+    for pw in prewarms:  # each pre-warmed instance is parked as soon as it is there
+        assert any(0 < d.now_s - pw.now_s <= 1.0 for d in parks), pw.now_s
+    assert not [d for d in last if d.place and d.direction != "prewarm"]  # no request waited for a launch
