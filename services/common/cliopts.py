@@ -11,6 +11,7 @@ import contextlib
 import functools
 import math
 import os
+import re
 import socket
 import ssl
 import tempfile
@@ -66,13 +67,18 @@ def check_nats_url(ctx, param, value: str) -> str:
     return value
 
 
+_NODE_NAME = re.compile(r"[A-Za-z0-9._-]+")  # a host name's characters, and '_'
+
+
 def check_node(ctx, param, value: str) -> str:
-    """Click callback: a node name is non-empty, at most MAX_NODE_NAME characters, without
-    whitespace. Raises BadParameter."""
+    """Click callback: a node name is 1..MAX_NODE_NAME characters of a host name (letters,
+    digits, '.', '-') or '_'. Subjects and permissions carry it as one token, so NATS's
+    wildcards ('*', '>') or other characters, which would all read as '_', are refused rather
+    than letting two names share a node's subjects. Raises BadParameter."""
     if value is None:
         return value
-    if not value or len(value) > MAX_NODE_NAME or any(c.isspace() for c in value):
-        raise click.BadParameter(f"a node name is 1..{MAX_NODE_NAME} characters without spaces, got {value!r}")
+    if len(value) > MAX_NODE_NAME or not _NODE_NAME.fullmatch(value):
+        raise click.BadParameter(f"a node name is 1..{MAX_NODE_NAME} letters, digits, '.', '-' or '_', got {value!r}")
     return value
 
 
