@@ -243,12 +243,16 @@ class RetireRequest(Event):
     """Request-reply on ``dilu.v1.scheduler.retire``: drain and remove one instance.
 
     With ``instance_id`` empty the scheduler picks the victim of ``function`` (the one whose
-    removal leaves the least fragmentation; never a starting instance over a warm one).
+    removal leaves the least fragmentation; never a starting instance over a warm one); with
+    ``room_for`` also set, only among those whose removal lets one instance of the function
+    ``room_for`` fit where it ran, and it refuses when none would (retiring one then frees
+    nothing that function can use).
     """
 
     function: str
     instance_id: str = ""
     reason: str = ""
+    room_for: str = ""
 
 
 class RetireReply(Event):

@@ -474,14 +474,16 @@ class HorizontalScaler:
 
     async def _make_room(self, fn: str) -> None:
         """``fn`` has no instance and no GPU can take one: retire one surplus instance of the
-        function holding the most, so its queue is not starved (the scheduler picks the victim)."""
+        function holding the most, so its queue is not starved (the scheduler picks the victim,
+        one whose removal lets ``fn`` in, and refuses when none would)."""
         donor = self.policy.surplus_donor(fn)
         if donor is None:
             return
         assert self.bus is not None
         try:
             reply = await self.bus.request(subjects.SCHEDULER_RETIRE, RetireRequest(
-                function=donor, reason=f"room for the first instance of {fn}"), RetireReply, timeout=self.timeout)
+                function=donor, reason=f"room for the first instance of {fn}", room_for=fn), RetireReply,
+                timeout=self.timeout)
         except (nats.errors.TimeoutError, nats.errors.NoRespondersError, MalformedEvent) as exc:
             self.bus.log.warning("could not make room", function=fn, donor=donor, error=repr(exc))
             return

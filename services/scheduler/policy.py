@@ -669,6 +669,23 @@ class Cluster:
 
     # ------------------------------------------------------------------ retirement and defragmentation
 
+    def frees_room(self, instance_id: str, d: Demand) -> bool:
+        """Whether removing ``instance_id`` would let one slot of ``d`` fit on one of its GPUs
+        (:meth:`fits` as if it were gone). Raises UnknownInstance for an id not placed."""
+        if instance_id not in self.instances:
+            raise UnknownInstance(instance_id)
+        gone, gpus = self.instances[instance_id]
+        for g in gpus:
+            s = self.gpus[g]
+            trained = s.training - (gone.kind == "training")
+            if (s.ok and len(s.residents) - 1 < s.limit
+                    and s.req - gone.request_quota + d.request_quota <= 1 + EPS
+                    and s.lim - gone.burst_quota + d.burst_quota <= self.gamma + EPS
+                    and s.mem - gone.memory_bytes + d.memory_bytes <= s.cap
+                    and not (trained and d.kind == "training")):
+                return True
+        return False
+
     def choose_victim(self, candidates: Sequence[str], warm: Iterable[str] = ()) -> str:
         """Which of ``candidates`` (instance ids of one function) to retire.
 

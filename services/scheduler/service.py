@@ -545,9 +545,7 @@ class SchedulerService:
             if profile is None:
                 return self._refuse(PlaceReply, "no-profile",
                                     f"function {req.function!r} has no profile yet; retry after its ProfileReady")
-            request, limit = allocation_quotas(self.allocation, profile.request_quota, profile.limit_quota)
-            demand = Demand(function=spec.name, request_quota=request, limit_quota=limit,
-                            memory_bytes=spec.memory_bytes, kind=spec.kind)
+            demand = self._demand(spec, profile)
             placed: list[Placement] = []
             for _ in range(req.count):
                 try:
@@ -591,6 +589,12 @@ class SchedulerService:
                                PlacementDecided(placement=p, action="place", revision=rev))
         return p
 
+    def _demand(self, spec, profile) -> Demand:
+        """What one instance of ``spec`` asks of a GPU under this scheduler's allocation."""
+        request, limit = allocation_quotas(self.allocation, profile.request_quota, profile.limit_quota)
+        return Demand(function=spec.name, request_quota=request, limit_quota=limit,
+                      memory_bytes=spec.memory_bytes, kind=spec.kind)
+
     async def _on_retire(self, req: RetireRequest, _msg) -> RetireReply:
         async with self.lock:
             if req.instance_id:
@@ -603,6 +607,16 @@ class SchedulerService:
                 live = [i for i, (p, _) in self.placements.items() if p.function == req.function and not p.draining]
                 if not live:
                     return self._refuse(RetireReply, "no-instance", f"function {req.function!r} has no live instance")
+                if req.room_for:  # only a victim whose removal lets that function in
+                    spec, profile = await self._spec_for(req.room_for), await self._profile_for(req.room_for)
+                    if spec is None or profile is None:
+                        return self._refuse(RetireReply, "unknown-function",
+                                            f"room for {req.room_for!r}: not deployed or not profiled")
+                    need = self._demand(spec, profile)
+                    live = [i for i in live if i in self.orphans or self.cluster.frees_room(i, need)]
+                    if not live:
+                        return self._refuse(RetireReply, "no-room", f"no instance of {req.function!r} "
+                                            f"frees room for one of {req.room_for!r}")
                 # an instance whose node has no inventory goes first; else the policy's choice
                 orphaned = [i for i in live if i in self.orphans]
                 victim = orphaned[-1] if orphaned else self.cluster.choose_victim(live, self.warm)

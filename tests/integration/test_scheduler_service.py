@@ -187,3 +187,24 @@ async def test_defragmentation_relaunches_then_drains_to_free_a_gpu(nats_url):
         assert svc.cluster.active == 1 and svc.cluster.violations() == []
         assert await svc.defragment() == 0, "nothing left to gain"
     await nc.close()
+
+
+async def test_a_retirement_to_make_room_picks_a_victim_that_does_or_none(nats_url):
+    """RetireRequest.room_for: the victim must free room for that function's first instance;
+    a retirement that would free nothing it can use is refused, not done."""
+    nc = await nats.connect(nats_url)
+    svc = scheduler()
+    async with running(svc, nats_url):
+        await join(nc, svc, "node0", gpus=1)
+        await deploy(nc, svc, "big", request=0.6, limit=0.6)
+        await deploy(nc, svc, "small", request=0.2, limit=0.2)
+        await deploy(nc, svc, "new", request=0.5, limit=0.5)
+        assert (await place(nc, "big")).ok and (await place(nc, "small")).ok
+        assert not (await place(nc, "new")).ok
+        msg = await nc.request(subjects.SCHEDULER_RETIRE, encode(RetireRequest(function="small", room_for="new")), timeout=10)
+        r = decode(msg.data, RetireReply)
+        assert not r.ok and "frees room" in r.error
+        assert all(not p.draining for p in (await table(nc.jetstream())).values())  # nothing was drained
+        msg = await nc.request(subjects.SCHEDULER_RETIRE, encode(RetireRequest(function="big", room_for="new")), timeout=10)
+        assert decode(msg.data, RetireReply).ok
+    await nc.close()

@@ -288,3 +288,21 @@ def test_a_training_job_counts_its_request_not_its_limit_against_gamma():
     with pytest.raises(NoCapacity):
         c.place("c", inf("c", r=0.1, lim=0.1))  # γ is full
     assert not c.violations()
+
+
+def test_frees_room_says_whose_removal_lets_a_demand_in():
+    c = cluster(1, 1)
+    c.place("big", inf("big", r=0.6))
+    c.place("small", inf("small", r=0.2))
+    want = inf("new", r=0.5)
+    with pytest.raises(NoCapacity):
+        c.place("new", want)
+    assert c.frees_room("big", want) and not c.frees_room("small", want)
+    t = cluster(1, 1)
+    t.place("job", inf("train", r=0.1, kind="training"))
+    assert t.frees_room("job", inf("x", r=0.95)) and not t.fits(0, inf("x", r=0.95))  # only with the job gone
+    t.place("i", inf("serve", r=0.8))
+    assert t.frees_room("job", inf("train2", r=0.1, kind="training"))  # one training job per GPU
+    assert not t.frees_room("i", inf("train2", r=0.1, kind="training"))
+    with pytest.raises(UnknownInstance):
+        t.frees_room("nope", want)
