@@ -28,15 +28,15 @@ import psutil
 from rich.console import Console
 from rich.table import Table
 
-from dilu.loadgen import chaos, report
+from dilu.loadgen import arrivals, chaos, report, trace
 from dilu.services.common import logging as dlog
 from dilu.services.common.cliopts import finite, nonempty_path, writable_output, write_output
 from dilu.services.common.workqueue import DEFAULT_ACK_WAIT_S
 from dilu.services.node_agent import segments
 
 from .cluster import NATS, Cluster
-from .demo import (RunOptions, _end, _gpus, _install_stop, _replay, _run_or_explain, _start, build_plan, make_console,
-                   scaler_windows)
+from .demo import (RunOptions, _end, _gpus, _install_stop, _replay, _run_or_explain, _start, build_plan, check_span,
+                   make_console, scaler_windows)
 
 WHOLE_TIMEOUT_S = 90.0  # longest wait for every process to be running and ready after a fault
 ORPHAN_WAIT_S = 10.0  # how long instances may outlive a node agent killed for good
@@ -267,6 +267,7 @@ async def run_chaos(opts: RunOptions, kinds: list[str], soak: bool, sample_s: fl
     """One chaos (or soak) run; returns the JSON-ready result (see the module docstring)."""
     run_id = uuid.uuid4().hex[:6]
     plan, chosen, llm_plan = build_plan(opts, run_id)
+    short = check_span(plan, llm_plan, "--minutes", opts.duration / 60.0, unit_s=60.0)
     lose = chaos.LOSE_AGENT in kinds
     lead_s, tail_s = chaos.margins_s(plan.duration_s)
     faults = chaos.schedule([k for k in kinds if k != chaos.LOSE_AGENT], plan.duration_s, lead_s=lead_s, tail_s=tail_s)
@@ -277,6 +278,8 @@ async def run_chaos(opts: RunOptions, kinds: list[str], soak: bool, sample_s: fl
     console.print(f"[bold]{'soak' if soak else 'chaos'}[/bold]: {len(plan.functions)} functions, "
                   f"{len(plan.invocations)} requests over {plan.duration_s:.0f} s, "
                   f"{len(faults) + lose} faults; logs in {log_dir}")
+    if short:  # chaos_cmd checked that the faults fit in what is replayed
+        console.print(f"[yellow]{short}[/yellow]", highlight=False)
     cluster = Cluster(log_dir=log_dir, gpus=opts.gpus, nats_url=None, auth=True,
                       extra_args={"horizontal_scaler": scaler_windows(opts.speedup)})
     injector = Injector(cluster, faults, opts.seed, console, stop)
@@ -293,8 +296,10 @@ async def run_chaos(opts: RunOptions, kinds: list[str], soak: bool, sample_s: fl
     finally:
         await asyncio.to_thread(cluster.stop)
     out = summarise(replay, plan, injector, lost_agent, sampler if soak else None)
-    out["run"] = {"minutes": opts.duration / 60.0, "seed": opts.seed, "functions": len(plan.functions),
-                  "gpus": opts.gpus, "speedup": opts.speedup, "soak": soak, "log_dir": str(log_dir)}
+    # minutes replayed: fewer than asked where the trace ended first
+    out["run"] = {"minutes": plan.duration_s / 60.0, "minutes_asked": opts.duration / 60.0, "seed": opts.seed,
+                  "functions": len(plan.functions), "gpus": opts.gpus, "speedup": opts.speedup, "soak": soak,
+                  "log_dir": str(log_dir)}
     return out
 
 
@@ -335,6 +340,9 @@ def render(out: dict, console: Console) -> None:
         t.add_column(k, justify="right")
     t.add_row(*(str(out[k]) for k in keys))
     console.print(t)
+    lat = out["latency_ms"]
+    console.print(f"SLO violations over the run {100 * out['slo_violation_rate']:.1f} %, latency p50/p99 "
+                  f"{_latency(lat['p50'])} / {_latency(lat['p99'])}", highlight=False)
     if out["faults"]:
         ft = Table(title="faults")
         for col in ("at s", "kind", "recovery s", "detail"):
@@ -360,22 +368,58 @@ def render(out: dict, console: Console) -> None:
         console.print(st)
 
 
+def _latency(ms: float | None) -> str:
+    """A latency for people: ms below a second, else s; '–' for none (no request completed)."""
+    if ms is None:
+        return "–"
+    return f"{ms:.0f} ms" if ms < 1000 else f"{ms / 1000:.1f} s"
+
+
+def _opt(*decls, **kw):
+    """A click option whose DILU_<FLAG> variable (set by the command group: cliopts.flag_envvars)
+    shows in --help."""
+    return click.option(*decls, show_envvar=True, **kw)
+
+
+def _check_length(tr: trace.Trace, minutes: float, speedup: float, kinds: list[str]) -> float:
+    """The wall-clock seconds the run replays (``--minutes``, or less where the trace ends
+    first: :func:`arrivals.replay_s`); click.UsageError, before anything starts, when that is
+    too short for the faults ``kinds`` (:func:`min_minutes`), naming the highest --speedup that
+    replays enough."""
+    length_s = arrivals.replay_s(tr, duration_s=minutes * 60.0, speedup=speedup)
+    shortest = min_minutes(kinds)
+    if length_s < shortest * 60.0 - 1e-9:
+        what = f"{len(kinds)} fault{'s' * (len(kinds) != 1)}" if kinds else "a run without faults"
+        fastest = math.floor(length_s * speedup / (shortest * 60.0) * 100) / 100  # the trace's span, replayed long enough
+        hint = f"; at most --speedup {fastest:g} replays that much" if fastest >= arrivals.SPEEDUP_MIN else ""
+        raise click.UsageError(f"--minutes {minutes:g} at --speedup {speedup:g} replays only {length_s:.3g} s "
+                               f"(the trace's {length_s * speedup / 60:,.0f} minutes): too short for {what} "
+                               f"(at least {shortest:g} minutes){hint}")
+    return length_s
+
+
 @click.command()
-@click.option("--minutes", type=float, default=3.0, show_default=True, callback=finite,
-              help=f"length of the load: at least {MIN_MINUTES:g}, and long enough for the faults "
-                   f"(all of them: {min_minutes(list(chaos.KINDS)):g})")
-@click.option("--faults", "kinds", default="all", show_default=True, callback=lambda c, p, v: _faults(v),
-              help=f"comma-separated fault kinds, in order, or 'all': {', '.join([*chaos.KINDS, chaos.LOSE_AGENT])}")
-@click.option("--soak", is_flag=True, help="no faults: sample every process's own memory, descriptors and threads, and the shared-memory segments")
-@click.option("--sample-s", type=click.FloatRange(min=0.5), default=10.0, show_default=True, callback=finite,
-              help="soak sampling period")
-@click.option("--functions", type=click.IntRange(min=1), default=8, show_default=True, help="K busiest functions of the span")
-@click.option("--gpus", default="4", show_default=True, callback=lambda c, p, v: _gpus(v), help="emulated GPUs on the node")
-@click.option("--speedup", type=click.FloatRange(min=0.01, max=1000), default=10.0, show_default=True, callback=finite)
-@click.option("--seed", type=click.IntRange(min=0), default=1, show_default=True)
-@click.option("--trace", "trace_dir", type=click.Path(exists=True, file_okay=False), default=None)
-@click.option("--log-dir", default=None, type=click.Path(file_okay=False), callback=nonempty_path)
-@click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None, callback=writable_output)
+@_opt("--minutes", type=float, default=3.0, show_default=True, callback=finite,
+      help=f"wall-clock minutes of load: at least {MIN_MINUTES:g}, and long enough for the faults "
+           f"(all of them: {min_minutes(list(chaos.KINDS)):g}); shorter where the trace ends first (it says so)")
+@_opt("--faults", "kinds", default="all", show_default=True, callback=lambda c, p, v: _faults(v),
+      help=f"comma-separated fault kinds, in order, or 'all': {', '.join([*chaos.KINDS, chaos.LOSE_AGENT])}")
+@_opt("--soak", is_flag=True, help="no faults: sample every process's own memory, descriptors and threads, and the shared-memory segments")
+@_opt("--sample-s", type=click.FloatRange(min=0.5), default=10.0, show_default=True, callback=finite,
+      help="soak sampling period, wall-clock seconds (at most a twelfth of the run)")
+@_opt("--functions", type=click.IntRange(min=1), default=8, show_default=True, help="K busiest functions of the span")
+@_opt("--gpus", default="4", show_default=True, callback=lambda c, p, v: _gpus(v),
+      help="emulated A100 40 GB GPUs on the node (1..64; 'all': 4), or 'cpu' (a CPU node serving a torch CNN)")
+@_opt("--speedup", type=click.FloatRange(min=arrivals.SPEEDUP_MIN, max=arrivals.SPEEDUP_MAX), default=10.0,
+      show_default=True, callback=finite, help="trace seconds per wall-clock second (arrivals only)")
+@_opt("--seed", type=click.IntRange(min=0), default=1, show_default=True,
+      help="seed of the arrivals within each trace minute, the functions' models and the instance killed")
+@_opt("--trace", "trace_dir", type=click.Path(exists=True, file_okay=False), default=None,
+      help="trace directory in the Azure Functions 2019 format (default: the bundled 100-function sample)")
+@_opt("--log-dir", default=None, type=click.Path(file_okay=False), callback=nonempty_path,
+      help="where the services' JSON logs go (default: a temp dir)")
+@_opt("--json", "json_path", type=click.Path(dir_okay=False), default=None, callback=writable_output,
+      help="also write the result as JSON (the tally, faults, SLO violations, latency; with --soak the slopes)")
 def chaos_cmd(minutes, kinds, soak, sample_s, functions, gpus, speedup, seed, trace_dir, log_dir, json_path) -> None:
     """Replay a trace while the platform's processes fail; report how every request ended. Ctrl-C
     (or SIGTERM) stops the load, still reports what ran and exits with 130 (143)."""
@@ -391,6 +435,10 @@ def chaos_cmd(minutes, kinds, soak, sample_s, functions, gpus, speedup, seed, tr
         what = f"{len(kinds)} fault{'s' * (len(kinds) != 1)}" if kinds else "a run without faults"
         raise click.BadParameter(f"{minutes:g} is too short for {what}: at least {shortest:g} minutes",
                                  param_hint=["--minutes"])
+    try:
+        length_s = _check_length(trace.read_trace(trace_dir), minutes, speedup, kinds)
+    except (trace.TraceError, ValueError) as exc:
+        raise click.ClickException(str(exc)) from None
     opts = RunOptions(duration=minutes * 60.0, speedup=speedup, seed=seed, trace_dir=trace_dir, start_minute=None,
                       functions=functions, gpus=gpus, nats_url=None, log_dir=log_dir, training_jobs=0)
     console = make_console()
@@ -399,7 +447,7 @@ def chaos_cmd(minutes, kinds, soak, sample_s, functions, gpus, speedup, seed, tr
     async def main() -> dict:
         stop = held["stop"] = asyncio.Event()
         _install_stop(stop, console)
-        return await run_chaos(opts, kinds, soak, min(sample_s, opts.duration / 12), console, stop)
+        return await run_chaos(opts, kinds, soak, min(sample_s, length_s / 12), console, stop)
 
     out = _run_or_explain(main)
     render(out, console)

@@ -104,7 +104,7 @@ def run_options(f):
     opts = [
         click.option("--duration", type=click.FloatRange(min=1), default=120.0, show_default=True, callback=finite, help="wall-clock seconds of replay"),
         click.option("--speedup", type=click.FloatRange(min=arrivals.SPEEDUP_MIN, max=arrivals.SPEEDUP_MAX), default=10.0, show_default=True, callback=finite, help="trace seconds per wall second (arrivals only)"),
-        click.option("--seed", type=click.IntRange(min=0), default=1, show_default=True),
+        click.option("--seed", type=click.IntRange(min=0), default=1, show_default=True, help="seed of the arrivals within each trace minute and of each function's model: the same seed, the same requests"),
         click.option("--trace", "trace_dir", type=click.Path(exists=True, file_okay=False), default=None, help="trace directory in the Azure Functions 2019 format (default: the bundled 100-function sample)"),
         click.option("--start-minute", type=int, default=None, help="trace minute to begin at (default: the first)"),
         click.option("--functions", type=str, default="16", show_default=True, callback=lambda c, p, v: _functions(v), help="K busiest functions of the span, or 'all'"),
@@ -138,6 +138,27 @@ def build_plan(opts: RunOptions, run_id: str):
                                             duration_s=opts.duration, speedup=1.0, sample=opts.llm_share,
                                             max_new_tokens_cap=LLM_MAX_NEW_TOKENS, id_prefix=f"{run_id}-")
     return plan, chosen, llm_plan
+
+
+def check_span(plan, llm_plan, flag: str, asked: float, unit_s: float = 1.0) -> str | None:
+    """Before anything starts: refuse a span that sends nothing (ValueError, as ``dilu sim``
+    does; e.g. 5 s at --speedup 0.01 spans 0.05 trace s, over before the first arrival),
+    and return the line to print when the trace ended before the length asked (None when it did
+    not). ``flag`` and ``asked`` are the option and value that set the length, ``unit_s`` its unit
+    in seconds (60: --minutes)."""
+    unit = "s" if unit_s == 1.0 else "minutes"
+    if not plan.invocations and not (llm_plan is not None and llm_plan.invocations):
+        raise ValueError(f"the span ({flag} {asked:g} at --speedup {plan.speedup:g}: "
+                         f"{plan.duration_s * plan.speedup:g} trace s from minute {plan.start_minute}) holds no "
+                         f"invocation: give more {flag}, a higher --speedup"
+                         + (" or another --start-minute" if flag == "--duration" else ""))
+    if not plan.clipped:
+        return None
+    minutes = round(plan.duration_s * plan.speedup / 60)  # whole: a clipped span runs to the trace's end
+    length = plan.duration_s / unit_s
+    held = f"{length:,.0f}" if length >= 100 else f"{length:.3g}"
+    return (f"{flag} {asked:g}: from minute {plan.start_minute} the trace holds only {held} {unit} at --speedup "
+            f"{plan.speedup:g} (its last {minutes:,} minute{'s' * (minutes != 1)}); replaying those")
 
 
 def _specs(opts: RunOptions, plan, chosen: dict[str, str], llm_plan) -> list:
@@ -428,11 +449,14 @@ async def run_once(opts: RunOptions, policy: str, console: Console, stop: asynci
     """One full run under ``policy``; returns the report as a JSON-ready dict."""
     run_id = uuid.uuid4().hex[:6]
     plan, chosen, llm_plan = build_plan(opts, run_id)
+    short = check_span(plan, llm_plan, "--duration", opts.duration)
     created = None if opts.log_dir else Path(tempfile.mkdtemp(prefix="dilu-logs-"))
     log_dir = Path(opts.log_dir or created) / policy
     n = len(plan.functions)
     console.print(f"[bold]policy {policy}[/bold]: {n} function{'s' if n != 1 else ''} carrying "
                   f"{plan.share:.1%} of the span's {plan.span_invocations} invocations; logs in {log_dir}")
+    if short:  # the report's duration_s is the span replayed, not the one asked
+        console.print(f"[yellow]{short}[/yellow]", highlight=False)
     if isinstance(opts.functions, int) and n < opts.functions:
         console.print(f"[yellow]--functions {opts.functions}: the span has only {n} functions "
                       f"with invocations; replaying those[/yellow]")
@@ -532,7 +556,10 @@ COMPARE_EPILOG = ("Rows of the comparison (also printed under it). A column 'P /
 
 @click.command(epilog=DEMO_EPILOG)
 @run_options
-@click.option("--policy", type=click.Choice(list(POLICIES)), default="dilu", show_default=True)
+@click.option("--policy", type=click.Choice(list(POLICIES)), default="dilu", show_default=True,
+              help="the platform's policy: dilu (tokens resized per instance, lazy horizontal scaling); baselines: "
+                   "horizontal-only (Knative's KPA over fixed quotas), static-mps (fixed slices), exclusive (a GPU "
+                   "per instance), dilu-published (the paper's vertical scaling)")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None, callback=writable_output,
               help="also write the report as JSON")
 def demo(json_path, policy, **kw) -> None:
@@ -558,7 +585,8 @@ def demo(json_path, policy, **kw) -> None:
 @click.command(epilog=COMPARE_EPILOG)
 @run_options
 @click.option("--policies", default="dilu,horizontal-only", show_default=True, help=f"comma-separated, from: {', '.join(POLICIES)}")
-@click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None, callback=writable_output)
+@click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None, callback=writable_output,
+              help='also write the reports as JSON: {"policies": {name: report}}')
 def compare(json_path, policies, **kw) -> None:
     """Run the same trace and seed under several policies back to back; print one table.
     Ctrl-C (or SIGTERM) stops the policy under way; the ones already finished, and the stopped

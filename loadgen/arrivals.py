@@ -123,14 +123,9 @@ def plan_replay(
     running past the end of the trace is clipped to it (``clipped`` in the plan).
     """
     _check_args(seed, duration_s, speedup, functions)
-    start = trace.first_minute if start_minute is None else int(start_minute)
-    if start not in trace.minutes:
-        raise ValueError(
-            f"start minute {start} is outside the trace (minutes {trace.minutes.start}..{trace.minutes.stop - 1})"
-        )
-    available_s = (trace.minutes.stop - start) * MINUTE_S
-    span_s = min(duration_s * speedup, available_s)
-    clipped = duration_s * speedup > available_s
+    start = _start_minute(trace, start_minute)
+    span_s = _span_s(trace, start, duration_s, speedup)
+    clipped = duration_s * speedup > span_s
     touched = min(math.ceil(span_s / MINUTE_S), trace.minutes.stop - start)
     first_idx = start - trace.first_minute
 
@@ -151,7 +146,29 @@ def plan_replay(
     )
 
 
+def replay_s(trace: Trace, *, duration_s: float, speedup: float, start_minute: int | None = None) -> float:
+    """Wall-clock seconds a replay of ``duration_s`` seconds at ``speedup`` from ``start_minute``
+    (default: the trace's first) actually covers: ``duration_s``, or less when the trace ends
+    first (the plan's ``duration_s``, known without planning: a command can check it before
+    anything starts). Raises ValueError for a start minute outside the trace."""
+    return _span_s(trace, _start_minute(trace, start_minute), duration_s, speedup) / speedup
+
+
 # ----------------------------------------------------------------------------------- internals
+
+
+def _start_minute(trace: Trace, start_minute: int | None) -> int:
+    start = trace.first_minute if start_minute is None else int(start_minute)
+    if start not in trace.minutes:
+        raise ValueError(
+            f"start minute {start} is outside the trace (minutes {trace.minutes.start}..{trace.minutes.stop - 1})"
+        )
+    return start
+
+
+def _span_s(trace: Trace, start: int, duration_s: float, speedup: float) -> float:
+    """Trace seconds the replay spans from minute ``start``: cut where the trace ends."""
+    return min(duration_s * speedup, (trace.minutes.stop - start) * MINUTE_S)
 
 
 def _check_args(seed: int, duration_s: float, speedup: float, functions: int | str) -> None:

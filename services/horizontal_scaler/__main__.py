@@ -10,6 +10,11 @@ from dilu.services.common.runner import run
 from .policy import IDLE_BINS, MODES, HorizontalConfig
 from .service import HorizontalScaler
 
+# The longest window (s) of any of the time options below. ``dilu demo`` and ``dilu chaos`` divide
+# the trace-time windows by their --speedup (cli.demo.scaler_windows), down to 0.01, so a minute's
+# stable window becomes 6,000 s and the keep-alive 60,000 s: one ceiling, a day, takes them all.
+WINDOW_MAX_S = 86_400
+
 
 @click.command()
 @nats_options
@@ -20,16 +25,16 @@ from .service import HorizontalScaler
 @click.option("--initial-scale", type=click.IntRange(0, 1000), default=HorizontalConfig.initial_scale, show_default=True,
               help="instances a newly deployed function gets before its first request (Knative's initial-scale)")
 @click.option("--tick-ms", type=Finite(10, 60_000), default=500.0, show_default=True)
-@click.option("--stable-window-s", type=Finite(0.1, 3600), default=HorizontalConfig.stable_window_s, show_default=True)
+@click.option("--stable-window-s", type=Finite(0.1, WINDOW_MAX_S), default=HorizontalConfig.stable_window_s, show_default=True)
 @click.option("--panic-window-pct", type=Finite(1, 100), default=HorizontalConfig.panic_window_pct, show_default=True)
 @click.option("--panic-threshold", type=Finite(1.01, 100), default=HorizontalConfig.panic_threshold, show_default=True,
               help="panic when the panic estimate reaches this multiple of the ready instances")
-@click.option("--keep-alive-s", type=Finite(0, 86_400), default=HorizontalConfig.keep_alive_s, show_default=True,
+@click.option("--keep-alive-s", type=Finite(0, WINDOW_MAX_S), default=HorizontalConfig.keep_alive_s, show_default=True,
               help="fixed keep-alive while the idle-time histogram is not representative (lazy, eager)")
-@click.option("--scale-to-zero-grace-s", type=Finite(0, 86_400), default=HorizontalConfig.scale_to_zero_grace_s, show_default=True,
+@click.option("--scale-to-zero-grace-s", type=Finite(0, WINDOW_MAX_S), default=HorizontalConfig.scale_to_zero_grace_s, show_default=True,
               help="kpa: the last instance goes this long after a stable window with no request "
                    "(Knative's scale-to-zero-grace-period)")
-@click.option("--idle-bin-s", type=Finite(0.1, 3600), default=HorizontalConfig.idle_bin_s, show_default=True,
+@click.option("--idle-bin-s", type=Finite(0.1, WINDOW_MAX_S), default=HorizontalConfig.idle_bin_s, show_default=True,
               help=f"idle-time histogram bin width (its range is {IDLE_BINS} bins)")
 @click.option("--target", type=Finite(0, 10_000), default=0.0, show_default=True,
               help="in-flight requests per instance for every function (0: each profile's batch size)")
@@ -39,7 +44,7 @@ from .service import HorizontalScaler
               help="lazy: scale out anyway after headroom stayed unused this long (0: one panic window)")
 @click.option("--max-scale-up-rate", type=Finite(1.01, 10_000), default=HorizontalConfig.max_scale_up_rate, show_default=True,
               help="at most this many times the ready instances per decision (Knative's max-scale-up-rate)")
-@click.option("--scale-down-delay-s", type=Finite(0, 3600), default=HorizontalConfig.scale_down_delay_s, show_default=True,
+@click.option("--scale-down-delay-s", type=Finite(0, WINDOW_MAX_S), default=HorizontalConfig.scale_down_delay_s, show_default=True,
               help="no scale-in to a non-zero count this long after a scale-out (Knative's scale-down-delay)")
 @metrics_port_option("horizontal_scaler")
 @log_level_option
