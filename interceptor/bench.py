@@ -33,6 +33,7 @@ import numpy as np
 from dilu.interceptor import native, timeline
 from dilu.interceptor.control_block import ControlBlock
 from dilu.services.common.cliopts import writable_output
+from dilu.services.common.interrupt import SignalExit
 
 SEC = 1_000_000_000
 QUOTAS = (0.1, 0.25, 0.5, 0.75, 1.0)
@@ -56,6 +57,15 @@ def _finish(proc: subprocess.Popen, timeout: float = 120) -> dict:
         return native.finish_launch(proc, timeout)
     except native.LaunchFailed as exc:
         raise click.ClickException(str(exc)) from None
+    finally:
+        _reap(proc)  # interrupted while waiting (Ctrl-C, SIGTERM): it would run on, orphaned
+
+
+def _reap(proc: subprocess.Popen) -> None:
+    """Kill ``proc`` if it still runs, and wait for it."""
+    if proc.poll() is None:
+        proc.kill()
+        proc.wait()
 
 
 def fast_path(rounds: int = 5, launches: int = 1_000_000) -> dict:
@@ -113,6 +123,7 @@ def resize(changes: int = 40, gap_s: float = 0.03) -> dict:
     gpu = f"bench-resize-{uuid.uuid4().hex[:8]}"
     cb = _block(0.2)
     lat_ms: list[float] = []
+    proc = None
     try:
         env = native.instance_env(cb.path, gpu_name=gpu, width=1.0, request_quota=0.2)
         proc = _spawn(env, "-k", "k_500", "-t", str(changes * gap_s + 1.0))
@@ -129,6 +140,8 @@ def resize(changes: int = 40, gap_s: float = 0.03) -> dict:
             time.sleep(gap_s)
         _finish(proc)
     finally:
+        if proc is not None:
+            _reap(proc)  # a failure or a signal before _finish
         cb.close()
         cb.unlink()
         timeline.unlink_gpu(gpu)
@@ -142,15 +155,19 @@ def fairness(quotas: tuple[float, ...], seconds: float, kernel: str = "k_200") -
     """len(quotas) width-1 processes on one emulated GPU at once."""
     gpu = f"bench-fair-{uuid.uuid4().hex[:8]}"
     blocks = [_block(q) for q in quotas]
+    procs: list[subprocess.Popen] = []
     try:
-        procs = [_spawn(native.instance_env(cb.path, gpu_name=gpu, width=1.0, request_quota=q),
-                        "-k", kernel, "-t", str(seconds)) for cb, q in zip(blocks, quotas)]
+        for cb, q in zip(blocks, quotas):
+            procs.append(_spawn(native.instance_env(cb.path, gpu_name=gpu, width=1.0, request_quota=q),
+                                "-k", kernel, "-t", str(seconds)))
         outs = [_finish(p) for p in procs]
         recs = timeline.read_array(gpu)
         t0 = max(timeline.span(recs, o["pid"])[0] for o in outs) + SEC // 5
         t1 = min(timeline.span(recs, o["pid"])[1] for o in outs)
         got = timeline.sm_time_shares(recs, t0, t1)
     finally:
+        for p in procs:  # those not finished yet when one failed or a signal came
+            _reap(p)
         for cb in blocks:
             cb.close()
             cb.unlink()
@@ -169,7 +186,14 @@ def fairness(quotas: tuple[float, ...], seconds: float, kernel: str = "k_200") -
               help="Run length of each share cell and fairness run, in s.")
 def bench_interceptor(json_path: Path, seconds: float) -> None:
     """Interceptor figures on the emulated GPU: fast-path overhead, share error over quotas x
-    kernel durations, grant-to-enforcement latency and fairness across 4 processes."""
+    kernel durations, grant-to-enforcement latency and fairness across 4 processes. Ctrl-C or
+    SIGTERM stops it (and the test processes it runs) with exit status 130 (143)."""
+    with SignalExit():
+        _bench_interceptor(json_path, seconds)
+
+
+def _bench_interceptor(json_path: Path, seconds: float) -> None:
+    """The body of :func:`bench_interceptor`."""
     native.build()
     started = time.monotonic()
     report: dict = {"emulated": True}

@@ -23,6 +23,7 @@ from nats.errors import Error as NatsError
 from hdrh.histogram import HdrHistogram
 
 from dilu.services.common.cliopts import Finite, nats_options, writable_output
+from dilu.services.common.interrupt import SignalExit
 from dilu.services.common.natsconn import NatsOptions, connect
 
 from .arrivals import NS_PER_S, Invocation
@@ -32,6 +33,7 @@ GOAL_RATE_RPS = 5000.0
 GOAL_SEND_ERROR_MS_P99 = 1.0
 CONNECT_TIMEOUT_S = 3.0  # a bench's connection: one attempt, no reconnect (a refusal fails the run at once)
 SUBJECT = "dilu.bench.loadgen"  # core NATS subject of --nats-url sends (no subscriber)
+OWN_SERVER = "a nats-server of its own"  # what a bench that starts one uses without --nats-url
 
 
 def steady_plan(rate_rps: float, seconds: float, function: str = "bench-noop") -> list[Invocation]:
@@ -108,6 +110,16 @@ def given_nats(nats: NatsOptions) -> NatsOptions | None:
     return None
 
 
+def nats_default_shown(text: str):
+    """Decorator of a bench's click command: its ``--nats-url`` help shows ``[default: text]``
+    instead of the shared option's nats://127.0.0.1:4222, which a bench never connects to when
+    the flag is not given (:func:`given_nats`)."""
+    def apply(command: click.Command) -> click.Command:
+        next(p for p in command.params if p.name == "nats_url").show_default = text
+        return command
+    return apply
+
+
 def reachable_or_exit(nats: NatsOptions | str | None) -> None:
     """Exit with one clear line (click error) when ``nats`` is given and none of its servers answers."""
     if nats:
@@ -134,21 +146,25 @@ def one_line_nats_errors(nats: NatsOptions | str | None):
         raise click.ClickException(f"{where}: {type(exc).__name__}: {exc}") from None
 
 
+@nats_default_shown("none: nothing is published")
 @click.command("loadgen")
 @click.option("--rate", type=Finite(1, 1_000_000), default=5000.0, show_default=True,
               help="scheduled sends per second")
-@click.option("--seconds", type=Finite(0.1, 3600), default=5.0, show_default=True)
+@click.option("--seconds", type=Finite(0.1, 3600), default=5.0, show_default=True,
+              help="length of the schedule, in s (--rate x --seconds sends)")
 @nats_options
 @click.option("--json", "json_path", type=click.Path(dir_okay=False, path_type=Path), default=None,
               callback=writable_output, help="write the figures here")
 def bench_loadgen(rate, seconds, nats, json_path):
     """Open-loop generator send rate and send-time error with a no-op invoke (goal >= 5,000 req/s, p99 < 1 ms).
-    With --nats-url each request is also published (core NATS, no reply) to that server."""
-    nats_url = given_nats(nats)
-    reachable_or_exit(nats_url)
-    with one_line_nats_errors(nats_url):
-        result = uvloop.run(run_bench(rate, seconds, nats_url))
-    text = json.dumps(result, indent=2)
-    if json_path:
-        json_path.write_text(text + "\n")
-    click.echo(text)
+    With --nats-url each request is also published (core NATS, no reply) to that server.
+    Ctrl-C or SIGTERM stops it with exit status 130 (143)."""
+    with SignalExit() as stop:
+        nats_url = given_nats(nats)
+        reachable_or_exit(nats_url)
+        with one_line_nats_errors(nats_url):
+            result = uvloop.run(stop.cancelling(run_bench(rate, seconds, nats_url)))
+        text = json.dumps(result, indent=2)
+        if json_path:
+            json_path.write_text(text + "\n")
+        click.echo(text)

@@ -24,6 +24,7 @@ p99 at 1,000 req/s.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import time
 import uuid
@@ -37,6 +38,7 @@ from nats.js.api import AckPolicy, ConsumerConfig, RetentionPolicy, StorageType,
 from dilu.services.common import logging as dlog
 from dilu.services.common.bus import settle
 from dilu.services.common.cliopts import Finite, nats_options, writable_output
+from dilu.services.common.interrupt import SignalExit
 from dilu.services.common.invoke import InvokeClient
 from dilu.services.common.natsconn import NatsOptions, connect
 from dilu.services.common.natsserver import EmbeddedNats
@@ -44,7 +46,8 @@ from dilu.services.common.workqueue import BatchPuller, backlog, consumer_name, 
 from dilu.contracts import subjects as subj
 
 from .arrivals import Invocation
-from .bench import CONNECT_TIMEOUT_S, given_nats, ms_histogram, one_line_nats_errors, reachable_or_exit, steady_plan
+from .bench import (CONNECT_TIMEOUT_S, OWN_SERVER, given_nats, ms_histogram, nats_default_shown,
+                    one_line_nats_errors, reachable_or_exit, steady_plan)
 from .generator import OpenLoopGenerator, Outcome
 
 HELD_P99_MS = 10.0
@@ -94,6 +97,7 @@ class DiluPath:
     def __init__(self, url: NatsOptions | str) -> None:
         self.url = url
         self.function = f"bench-noop-{uuid.uuid4().hex[:8]}"
+        self.nc_caller = self.nc_fn = self.js = self.serving = self.client = None  # set by start()
 
     async def start(self) -> None:
         self.nc_caller = await _connect(self.url, "dilu-bench-caller")
@@ -127,15 +131,23 @@ class DiluPath:
             await asyncio.sleep(0.05)
 
     async def close(self) -> None:
-        self.stop_fn.set()
-        await asyncio.wait({self.serving}, timeout=5)
-        await self.client.close()
-        try:
-            await self.js.delete_consumer(subj.INVOKE_STREAM, consumer_name(self.function))
-        except Exception:  # noqa: BLE001 - best effort on a shared server
-            pass
-        await self.nc_fn.close()
-        await self.nc_caller.close()
+        """Stop the instance, remove its consumer, close the connections. Does only what is left
+        to do: safe twice, and on a path whose start() was cut short (a failure, Ctrl-C)."""
+        if self.serving is not None:
+            self.stop_fn.set()
+            await _stopped(self.serving, timeout_s=5)
+            self.serving = None
+        if self.client is not None:
+            await self.client.close()
+            self.client = None
+        if self.js is not None:
+            try:
+                await self.js.delete_consumer(subj.INVOKE_STREAM, consumer_name(self.function))
+            except Exception:  # noqa: BLE001 - best effort on a shared server
+                pass
+            self.js = None
+        await _close(self.nc_fn, self.nc_caller)
+        self.nc_fn = self.nc_caller = None
 
 
 class BarePath:
@@ -145,6 +157,7 @@ class BarePath:
         self.url = url
         tag = uuid.uuid4().hex[:8]
         self.stream, self.subject = f"DILU_BENCH_BASE_{tag}", f"dilu.bench.base.{tag}"
+        self.nc_caller = self.nc_fn = self.js = self.serving = None  # set by start()
 
     async def start(self) -> None:
         self.nc_caller = await _connect(self.url, "dilu-bench-caller")
@@ -165,10 +178,13 @@ class BarePath:
 
         await self.nc_caller.subscribe(f"{self.inbox}.*", cb=on_reply)
         await settle(self.nc_caller)
+        self.stop_serving = asyncio.Event()
         self.serving = asyncio.create_task(self._serve())
 
     async def _serve(self) -> None:
-        while True:
+        # Stops on the event, not on cancel() alone: a cancellation that lands as fetch's timeout
+        # fires comes out as a TimeoutError (Python 3.11's wait_for), and this loop would go on.
+        while not self.stop_serving.is_set():
             try:
                 msgs = await self.psub.fetch(MAX_BATCH, timeout=0.5)
             except asyncio.TimeoutError:
@@ -196,14 +212,36 @@ class BarePath:
         return invoke
 
     async def close(self) -> None:
-        self.serving.cancel()
-        await asyncio.wait({self.serving})
-        try:
-            await self.js.delete_stream(self.stream)
-        except Exception:  # noqa: BLE001 - best effort on a shared server
-            pass
-        await self.nc_fn.close()
-        await self.nc_caller.close()
+        """Stop the consumer, remove the stream, close the connections; like DiluPath.close,
+        safe twice and after a start() cut short."""
+        if self.serving is not None:
+            self.stop_serving.set()
+            await _stopped(self.serving, timeout_s=0)
+            self.serving = None
+        if self.js is not None:
+            try:
+                await self.js.delete_stream(self.stream)
+            except Exception:  # noqa: BLE001 - best effort on a shared server
+                pass
+            self.js = None
+        await _close(self.nc_fn, self.nc_caller)
+        self.nc_fn = self.nc_caller = None
+
+
+async def _stopped(task: asyncio.Task, timeout_s: float) -> None:
+    """Give ``task`` ``timeout_s`` seconds to end by itself, then cancel it and wait: a task left
+    running would fail on the closed connection, and asyncio would print its traceback."""
+    await asyncio.wait({task}, timeout=timeout_s)
+    if not task.done():
+        task.cancel()
+        await asyncio.wait({task})
+
+
+async def _close(*conns) -> None:
+    """Close the NATS connections opened (None: never opened)."""
+    for nc in conns:
+        if nc is not None:
+            await nc.close()
 
 
 async def _search(dilu: DiluPath, first: dict, search_s: float) -> tuple[float, float | None, list[dict]]:
@@ -238,10 +276,16 @@ async def run_bench(rate_rps: float, seconds: float, search_s: float,
     """Run the three parts (module docstring) against ``nats_url`` (a URL list or full
     :class:`NatsOptions`: credentials, TLS) or an embedded server. Raises what
     :func:`natsconn.connect` raises when that server refuses us."""
-    server = None if nats_url else EmbeddedNats().start()
-    url = nats_url or server.url
-    dilu, bare = DiluPath(url), BarePath(url)
-    try:
+    async with contextlib.AsyncExitStack() as stack:
+        # Undone in reverse, each even if one before it fails, and on cancellation (Ctrl-C,
+        # SIGTERM: SignalExit.cancelling): connections first, the server (and its store) last.
+        server = None if nats_url else EmbeddedNats().start()
+        if server:
+            stack.callback(server.stop)
+        url = nats_url or server.url
+        dilu, bare = DiluPath(url), BarePath(url)
+        stack.push_async_callback(dilu.close)
+        stack.push_async_callback(bare.close)
         await bare.start()
         await _phase(bare.make_invoke, rate_rps, min(seconds, 0.5), "warm")
         base = await _phase(bare.make_invoke, rate_rps, seconds, "base")
@@ -253,9 +297,6 @@ async def run_bench(rate_rps: float, seconds: float, search_s: float,
         await dilu.settle()
         max_rate, failed, steps = await _search(dilu, main, search_s)
         await dilu.close()
-    finally:
-        if server:
-            server.stop()
     return {
         "rate_rps": rate_rps,
         "seconds": seconds,
@@ -285,24 +326,28 @@ async def run_bench(rate_rps: float, seconds: float, search_s: float,
     }
 
 
+@nats_default_shown(OWN_SERVER)
 @click.command("invoke")
 @nats_options
 @click.option("--rate", type=Finite(1, 1_000_000), default=1000.0, show_default=True,
               help="requests per second of the overhead and baseline runs")
-@click.option("--seconds", type=Finite(0.1, 3600), default=10.0, show_default=True)
+@click.option("--seconds", type=Finite(0.1, 3600), default=10.0, show_default=True,
+              help="length of the overhead run and of the baseline run, in s each (after a warm-up of up to 0.5 s)")
 @click.option("--search-s", type=Finite(0, 3600), default=60.0, show_default=True,
-              help="time for the highest-rate search (no new step after it; 0: no search)")
+              help="time for the highest-rate search, in s (no new step after it; 0: no search)")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False, path_type=Path), default=None,
               callback=writable_output, help="write the figures here")
 def bench_invoke(nats, rate, seconds, search_s, json_path):
     """Data-plane overhead of a no-op function vs a bare JetStream round trip, and the highest rate held.
-    Without --nats-url it starts its own nats-server; with it, that server (JetStream on)."""
-    nats_url = given_nats(nats)
-    reachable_or_exit(nats_url)
-    dlog.configure("bench-invoke", "error")
-    with one_line_nats_errors(nats_url):
-        result = uvloop.run(run_bench(rate, seconds, search_s, nats_url))
-    text = json.dumps(result, indent=2)
-    if json_path:
-        json_path.write_text(text + "\n")
-    click.echo(text)
+    Without --nats-url it starts its own nats-server; with it, that server (JetStream on).
+    Ctrl-C or SIGTERM stops it (and its own nats-server) with exit status 130 (143)."""
+    with SignalExit() as stop:
+        nats_url = given_nats(nats)
+        reachable_or_exit(nats_url)
+        dlog.configure("bench-invoke", "error")
+        with one_line_nats_errors(nats_url):
+            result = uvloop.run(stop.cancelling(run_bench(rate, seconds, search_s, nats_url)))
+        text = json.dumps(result, indent=2)
+        if json_path:
+            json_path.write_text(text + "\n")
+        click.echo(text)

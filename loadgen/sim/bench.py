@@ -16,6 +16,7 @@ from pathlib import Path
 import click
 
 from dilu.services.common.cliopts import Finite, writable_output, write_output
+from dilu.services.common.interrupt import SignalExit
 from dilu.services.common.policies import POLICIES
 
 
@@ -51,9 +52,12 @@ def run_bench(nodes: int = 1000, gpus_per_node: int = 4, hours: float = 8.0, fun
 
 
 @click.command("sim")
-@click.option("--nodes", type=click.IntRange(1, 100_000), default=1000, show_default=True)
-@click.option("--gpus-per-node", type=click.IntRange(1, 64), default=4, show_default=True)
-@click.option("--hours", type=Finite(min=0, min_open=True, max=24 * 14), default=8.0, show_default=True)
+@click.option("--nodes", type=click.IntRange(1, 100_000), default=1000, show_default=True,
+              help="simulated nodes, a count")
+@click.option("--gpus-per-node", type=click.IntRange(1, 64), default=4, show_default=True,
+              help="simulated GPUs (A100 40 GB) per node, a count")
+@click.option("--hours", type=Finite(min=0, min_open=True, max=24 * 14), default=8.0, show_default=True,
+              help="hours of trace replayed, in simulated (trace) time, not wall time")
 @click.option("--functions", default="all", show_default=True, help="K busiest functions of the span, or 'all'")
 @click.option("--policy", type=click.Choice(list(POLICIES)), default="dilu", show_default=True)
 @click.option("--seed", type=click.IntRange(min=0), default=1, show_default=True)
@@ -62,7 +66,8 @@ def run_bench(nodes: int = 1000, gpus_per_node: int = 4, hours: float = 8.0, fun
 @click.option("--json", "json_path", type=click.Path(dir_okay=False, path_type=Path), default=None,
               callback=writable_output, help="write the figures here")
 def bench_sim(nodes, gpus_per_node, hours, functions, policy, seed, training_jobs, json_path):
-    """Simulator speed: events/s, wall seconds and peak memory of a cluster-scale run (goal: 1000 x 4 GPUs x 8 h < 5 min)."""
+    """Simulator speed: events/s, wall seconds and peak memory of a cluster-scale run (goal: 1000 x 4 GPUs x 8 h < 5 min).
+    Ctrl-C or SIGTERM stops it with exit status 130 (143)."""
     from dilu.loadgen.trace import TraceError
 
     if functions != "all":
@@ -72,14 +77,15 @@ def bench_sim(nodes, gpus_per_node, hours, functions, policy, seed, training_job
             raise click.BadParameter(f"expected a count or 'all', got {functions!r}", param_hint="--functions") from None
         if functions < 1:
             raise click.BadParameter(f"need at least 1 function, got {functions}", param_hint="--functions")
-    try:
-        result = run_bench(nodes, gpus_per_node, hours, functions, policy, seed, training_jobs)
-    except (TraceError, ValueError) as exc:
-        raise click.ClickException(str(exc)) from None
-    if result["hours"] < hours * (1 - 1e-6):
-        click.echo(f"--hours {hours:g}: the trace has only {result['hours']:g} hours from its start; "
-                   f"simulated those", err=True)
-    text = json.dumps(result, indent=2)
-    if json_path:
-        write_output(json_path, text + "\n")
-    click.echo(text)
+    with SignalExit():
+        try:
+            result = run_bench(nodes, gpus_per_node, hours, functions, policy, seed, training_jobs)
+        except (TraceError, ValueError) as exc:
+            raise click.ClickException(str(exc)) from None
+        if result["hours"] < hours * (1 - 1e-6):
+            click.echo(f"--hours {hours:g}: the trace has only {result['hours']:g} hours from its start; "
+                       f"simulated those", err=True)
+        text = json.dumps(result, indent=2)
+        if json_path:
+            write_output(json_path, text + "\n")
+        click.echo(text)

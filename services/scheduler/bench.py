@@ -30,6 +30,7 @@ import click
 from hdrh.histogram import HdrHistogram
 
 from dilu.services.common.cliopts import Finite, writable_output, write_output
+from dilu.services.common.interrupt import SignalExit
 
 from .policy import Cluster, Demand, NoCapacity
 
@@ -217,8 +218,10 @@ def synthetic(nodes: int = 1000, gpus_per_node: int = 4, instances: int = 10_000
 
 
 @click.command("scheduler")
-@click.option("--nodes", type=click.IntRange(min=1, max=100_000), default=1000, show_default=True)
-@click.option("--gpus-per-node", type=click.IntRange(min=1, max=64), default=4, show_default=True)
+@click.option("--nodes", type=click.IntRange(min=1, max=100_000), default=1000, show_default=True,
+              help="Nodes of the cluster, a count.")
+@click.option("--gpus-per-node", type=click.IntRange(min=1, max=64), default=4, show_default=True,
+              help="GPUs of each node, a count.")
 @click.option("--gpu-memory-gib", type=Finite(min=0, min_open=True), default=40, show_default=True,
               help="Memory of each GPU in GiB (2**30 bytes).")
 @click.option("--max-gpu-instances", type=click.IntRange(min=0), default=0, show_default=True,
@@ -233,21 +236,23 @@ def synthetic(nodes: int = 1000, gpus_per_node: int = 4, instances: int = 10_000
               help="Write the figures here.")
 def bench_scheduler(nodes, gpus_per_node, gpu_memory_gib, max_gpu_instances, gamma, instances, churn, seed, workload,
                     json_path) -> None:
-    """Placement speed (synthetic) or packing quality against the lower bound (--workload)."""
+    """Placement speed (synthetic) or packing quality against the lower bound (--workload).
+    Ctrl-C or SIGTERM stops it with exit status 130 (143)."""
     ctx = click.get_current_context()
     synthetic_only = [f"--{n}" for n in ("instances", "churn", "seed")
                       if ctx.get_parameter_source(n) is click.core.ParameterSource.COMMANDLINE]
     if workload and synthetic_only:  # the workload's events say what is placed; these would be ignored
         raise click.UsageError(f"--workload replays its own events; {', '.join(synthetic_only)} "
                                f"{'is' if len(synthetic_only) == 1 else 'are'} for the synthetic mode only")
-    try:
-        if workload:
-            out = replay(workload, nodes, gpus_per_node, gpu_memory_gib, gamma, max_gpu_instances)
-        else:
-            out = synthetic(nodes, gpus_per_node, instances, churn, gpu_memory_gib, gamma, seed, max_gpu_instances)
-    except ValueError as exc:  # a bad workload line, or a cluster no GPU could exist in
-        raise click.ClickException(str(exc)) from None
-    text = json.dumps(out, indent=2)
-    click.echo(text)
-    if json_path:
-        write_output(json_path, text + "\n")
+    with SignalExit():
+        try:
+            if workload:
+                out = replay(workload, nodes, gpus_per_node, gpu_memory_gib, gamma, max_gpu_instances)
+            else:
+                out = synthetic(nodes, gpus_per_node, instances, churn, gpu_memory_gib, gamma, seed, max_gpu_instances)
+        except ValueError as exc:  # a bad workload line, or a cluster no GPU could exist in
+            raise click.ClickException(str(exc)) from None
+        text = json.dumps(out, indent=2)
+        click.echo(text)
+        if json_path:
+            write_output(json_path, text + "\n")

@@ -15,6 +15,7 @@ Writes ``{"reaction_ms_p50", "reaction_ms_p99", "reaction_ms_max", "reaction_ms_
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import time
 from pathlib import Path
@@ -26,9 +27,10 @@ from hdrh.histogram import HdrHistogram
 from dilu.contracts import decode, encode, subjects
 from dilu.contracts.events import GpuTelemetry, InstanceTelemetry, KernelCycleStretch, TokenGrant
 from dilu.services.common import logging as dlog
-from dilu.loadgen.bench import given_nats, one_line_nats_errors, reachable_or_exit
+from dilu.loadgen.bench import OWN_SERVER, given_nats, nats_default_shown, one_line_nats_errors, reachable_or_exit
 from dilu.services.common.bus import settle
 from dilu.services.common.cliopts import nats_options, writable_output
+from dilu.services.common.interrupt import SignalExit
 from dilu.services.common.natsconn import NatsOptions, connect
 from dilu.services.common.natsserver import EmbeddedNats
 from dilu.services.common.runner import serve
@@ -106,20 +108,37 @@ class SyntheticNode:
             ratio=3.0, detected_ns=detected, ts_ns=detected)))
 
 
+async def _stop_service(service: asyncio.Task, shutdown: asyncio.Event) -> None:
+    """Ask the service under test to stop (it drains its NATS connection) and wait for it."""
+    shutdown.set()
+    await service
+
+
+async def _cancelled(task: asyncio.Task) -> None:
+    """Cancel ``task`` and wait until it has ended."""
+    task.cancel()
+    await asyncio.wait({task})
+
+
 async def run_bench(events: int, interval_ms: float, telemetry_ms: float,
                     nats_url: NatsOptions | str | None = None) -> dict:
     """Run the measurement (against ``nats_url``: a URL list or full :class:`NatsOptions` with
     credentials and TLS; or an embedded server) and return the figures. Raises RuntimeError when
     the scaler is not ready within READY_TIMEOUT_S, TimeoutError when no grant comes."""
-    server = None if nats_url else EmbeddedNats().start()
-    url = nats_url or server.url
-    shutdown = asyncio.Event()
-    hold = max(1.0, min(interval_ms / 3.0, 500.0))  # the boost must lapse between two stretches
-    # Release at once between stretches so every stretch finds the instance back at its request.
-    scaler = VerticalScaler(NODE, VerticalConfig(pressure_hold_ms=hold, release_per_s=1000.0))
-    service = asyncio.create_task(serve(scaler, url, shutdown=shutdown, install_signals=False))
-    nc = None
-    try:
+    async with contextlib.AsyncExitStack() as stack:
+        # Undone in reverse, each even if one before it fails, and on cancellation (Ctrl-C,
+        # SIGTERM: SignalExit.cancelling): the telemetry task before the connection it publishes
+        # on, the service, then the server (and its store).
+        server = None if nats_url else EmbeddedNats().start()
+        if server:
+            stack.callback(server.stop)
+        url = nats_url or server.url
+        shutdown = asyncio.Event()
+        hold = max(1.0, min(interval_ms / 3.0, 500.0))  # the boost must lapse between two stretches
+        # Release at once between stretches so every stretch finds the instance back at its request.
+        scaler = VerticalScaler(NODE, VerticalConfig(pressure_hold_ms=hold, release_per_s=1000.0))
+        service = asyncio.create_task(serve(scaler, url, shutdown=shutdown, install_signals=False))
+        stack.push_async_callback(_stop_service, service, shutdown)
         ready_by = time.monotonic() + READY_TIMEOUT_S
         while not scaler.ready():
             if service.done():
@@ -130,24 +149,18 @@ async def run_bench(events: int, interval_ms: float, telemetry_ms: float,
                                    f"it accept these credentials and TLS settings?)")
             await asyncio.sleep(0.01)
         nc = await connect(url, name="dilu-bench-vertical")
+        stack.push_async_callback(nc.close)
         node = SyntheticNode(nc, telemetry_ms)
         await nc.subscribe(subjects.grant_issued(NODE, GPU), cb=node.on_grant)
         await settle(nc)
         tel = asyncio.create_task(node.telemetry_loop())
+        stack.push_async_callback(_cancelled, tel)  # left running, it fails on the closed connection
         await node.first_grant(timeout_s=10.0)  # the scaler has learnt the GPU
         for _ in range(events):
             await node.released(timeout_s=2.0)  # time only real raises: ls back at its request
             await node.stretch()
             await asyncio.sleep(interval_ms / 1000.0)
         await asyncio.sleep(0.2)
-        tel.cancel()
-    finally:
-        if nc is not None:
-            await nc.close()
-        shutdown.set()
-        await service
-        if server:
-            server.stop()
     h = node.hist
     n = len(node.samples)
     return {
@@ -165,26 +178,32 @@ async def run_bench(events: int, interval_ms: float, telemetry_ms: float,
     }
 
 
+@nats_default_shown(OWN_SERVER)
 @click.command("vertical")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False, path_type=Path), default=None,
               callback=writable_output,
               help="write the figures here")
-@click.option("--events", type=click.IntRange(10, 100_000), default=300, show_default=True)
-@click.option("--interval-ms", type=click.FloatRange(5, 10_000), default=30.0, show_default=True)
-@click.option("--telemetry-ms", type=click.FloatRange(1, 10_000), default=10.0, show_default=True)
+@click.option("--events", type=click.IntRange(10, 100_000), default=300, show_default=True,
+              help="stretch events timed, a count (the run lasts at least events x --interval-ms)")
+@click.option("--interval-ms", type=click.FloatRange(5, 10_000), default=30.0, show_default=True,
+              help="time between two stretch events, in ms")
+@click.option("--telemetry-ms", type=click.FloatRange(1, 10_000), default=10.0, show_default=True,
+              help="period of the synthetic node's GPU telemetry, in ms")
 @nats_options
 def bench_vertical(json_path, events, interval_ms, telemetry_ms, nats):
     """Vertical scaler reaction time: stretch event published -> TokenGrant received (goal p99 <= 10 ms).
-    Without --nats-url it starts its own nats-server."""
-    dlog.configure("bench-vertical", "warning")
-    nats_url = given_nats(nats)
-    reachable_or_exit(nats_url)  # the service under test would wait for an unreachable server forever
-    try:
-        with one_line_nats_errors(nats_url):
-            result = uvloop.run(run_bench(events, interval_ms, telemetry_ms, nats_url))
-    except (RuntimeError, TimeoutError) as exc:  # not ready in time, no grant: one line, no traceback
-        raise click.ClickException(str(exc)) from None
-    text = json.dumps(result, indent=2)
-    if json_path:
-        json_path.write_text(text + "\n")
-    click.echo(text)
+    Without --nats-url it starts its own nats-server. Ctrl-C or SIGTERM stops it (and its own
+    nats-server) with exit status 130 (143)."""
+    with SignalExit() as stop:
+        dlog.configure("bench-vertical", "warning")
+        nats_url = given_nats(nats)
+        reachable_or_exit(nats_url)  # the service under test would wait for an unreachable server forever
+        try:
+            with one_line_nats_errors(nats_url):
+                result = uvloop.run(stop.cancelling(run_bench(events, interval_ms, telemetry_ms, nats_url)))
+        except (RuntimeError, TimeoutError) as exc:  # not ready in time, no grant: one line, no traceback
+            raise click.ClickException(str(exc)) from None
+        text = json.dumps(result, indent=2)
+        if json_path:
+            json_path.write_text(text + "\n")
+        click.echo(text)

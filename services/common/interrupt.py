@@ -1,0 +1,92 @@
+"""Ctrl-C and SIGTERM for a command that must clean up before it exits (the ``dilu bench`` ones).
+
+Python's defaults do not do it: SIGTERM ends the process at once (``finally`` blocks and context
+managers never run, so a nats-server started in its own session is left running with its
+store), and click answers a KeyboardInterrupt with "Aborted!" and status 1, after whatever
+tracebacks the interrupted event loop printed. :class:`SignalExit` turns the first SIGINT or
+SIGTERM into a stop that runs every cleanup, then ends the process with one line
+("interrupted") and the status a shell gives a process killed by that signal: 128 + its number
+(130 for SIGINT, 143 for SIGTERM)::
+
+    with SignalExit() as stop:
+        ...                                  # plain code: the signal raises KeyboardInterrupt
+        uvloop.run(stop.cancelling(main()))  # async code: the signal cancels the main task
+"""
+from __future__ import annotations
+
+import asyncio
+import signal
+import sys
+import threading
+from collections.abc import Awaitable
+from typing import TypeVar
+
+import click
+
+SIGNALS = (signal.SIGINT, signal.SIGTERM)
+T = TypeVar("T")
+
+
+class SignalExit:
+    """Context manager: the first SIGINT or SIGTERM inside the block raises KeyboardInterrupt
+    (or, under :meth:`cancelling`, cancels the event loop's main task), and the block then ends
+    the process with "interrupted" on stderr and exit status 128 + the signal's number, whatever
+    the block raised while stopping (a lost connection, a click error). Later signals are
+    ignored: they would cut the cleanup short, and that cleanup is what stops the nats-server
+    (at most 10 s, then SIGKILL). ``signum`` is the signal that stopped it (None: none did)."""
+
+    def __init__(self) -> None:
+        self.signum: int | None = None
+        self._previous: dict[int, object] = {}
+
+    def __enter__(self) -> "SignalExit":
+        if _main_thread():  # only there can Python handle signals (a command run by a test's thread)
+            self._previous = {sig: signal.signal(sig, self._raise) for sig in SIGNALS}
+        return self
+
+    def _raise(self, signum: int, _frame) -> None:
+        if self.signum is None:
+            self.signum = signum
+            raise KeyboardInterrupt
+
+    def __exit__(self, exc_type, exc, tb) -> bool:
+        try:
+            if self.signum is None and exc_type is KeyboardInterrupt:  # raised by someone else's handler
+                self.signum = signal.SIGINT
+            if self.signum is None:
+                return False
+            # whatever the block raised while it stopped (CancelledError, KeyboardInterrupt, a
+            # connection closed under a request) is the signal's doing: one line, no traceback
+            click.echo("interrupted", err=True)
+        finally:  # after the line: a second Ctrl-C must not turn it into click's "Aborted!"
+            for sig, handler in self._previous.items():
+                signal.signal(sig, handler)
+        sys.exit(128 + self.signum)
+
+    async def cancelling(self, main: Awaitable[T]) -> T:
+        """Await ``main`` in the running loop's current (main) task, which SIGINT and SIGTERM
+        cancel: ``main``'s ``finally`` blocks and ``async with`` exits then run as for any
+        cancellation, instead of a KeyboardInterrupt raised in whatever callback the loop was
+        running (which leaves tasks failing on closed connections, with their tracebacks)."""
+        if not _main_thread():
+            return await main
+        loop = asyncio.get_running_loop()
+        task = asyncio.current_task()
+
+        def on_signal(signum: int) -> None:
+            if self.signum is None:
+                self.signum = signum
+                task.cancel()
+
+        for sig in SIGNALS:
+            loop.add_signal_handler(sig, on_signal, sig)
+        try:
+            return await main
+        finally:
+            for sig in SIGNALS:
+                loop.remove_signal_handler(sig)  # leaves the default handler ...
+                signal.signal(sig, self._raise)  # ... so put ours back until the block ends
+
+
+def _main_thread() -> bool:
+    return threading.current_thread() is threading.main_thread()
