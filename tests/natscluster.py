@@ -18,6 +18,7 @@ from pathlib import Path
 
 import nats
 import nats.errors
+import nats.js.api
 import nats.js.errors
 
 from dilu.services.common.natsserver import find_binary, free_ports
@@ -82,21 +83,38 @@ class NatsCluster:
 
     async def wait_ready(self, timeout_s: float = 20.0) -> None:
         """Until JetStream answers on every server (a meta leader is elected and every server
-        knows it). Raises TimeoutError."""
+        knows it) and the meta leader counts every server online: a stream with a replica on
+        each can be placed (before that, creating one fails with "no suitable peers for
+        placement, peer offline", as a loaded host showed). Raises TimeoutError."""
         deadline = time.monotonic() + timeout_s
         for url in self.urls:
             nc = await nats.connect(url)
             try:
-                while True:
-                    try:
-                        await nc.jetstream(timeout=1).account_info()
-                        break
-                    except (nats.errors.TimeoutError, nats.js.errors.APIError, nats.errors.NoRespondersError):
-                        if time.monotonic() > deadline:
-                            raise TimeoutError(f"JetStream not ready at {url} within {timeout_s} s") from None
-                        await asyncio.sleep(0.2)
+                await self._poll(deadline, f"JetStream not ready at {url}", lambda: nc.jetstream(timeout=1).account_info())
             finally:
                 await nc.close()
+        nc = await nats.connect(self.urls)
+        try:
+            js = nc.jetstream(timeout=2)
+            probe = nats.js.api.StreamConfig(name="READY_PROBE", subjects=["ready.probe"], num_replicas=len(self.urls),
+                                             storage=nats.js.api.StorageType.MEMORY)
+            await self._poll(deadline, "a stream on every server could not be placed", lambda: js.add_stream(probe))
+            await js.delete_stream("READY_PROBE")
+        finally:
+            await nc.close()
+
+    @staticmethod
+    async def _poll(deadline: float, what: str, attempt) -> None:
+        """Call ``attempt()`` (a coroutine function) every 0.2 s until it succeeds; TimeoutError
+        naming ``what`` once ``deadline`` (monotonic s) has passed."""
+        while True:
+            try:
+                await attempt()
+                return
+            except (nats.errors.TimeoutError, nats.js.errors.APIError, nats.errors.NoRespondersError):
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"{what} before the deadline") from None
+                await asyncio.sleep(0.2)
 
     def kill(self, name: str) -> None:
         """SIGKILL server ``name`` (its store is kept)."""
