@@ -19,6 +19,7 @@ import asyncio
 from dataclasses import dataclass
 
 import msgspec
+import tenacity
 from nats.errors import NoRespondersError
 from nats.errors import TimeoutError as NatsTimeout
 from prometheus_client import Counter
@@ -56,9 +57,16 @@ class TrialFailed(RuntimeError):
     """The node agent could not run a trial (no responder, timeout, or it answered ok=false)."""
 
 
+NO_RESPONDER_WAIT_S = 10.0  # how long a node without a trial responder is asked again (s)
+
+
 @dataclass
 class NodeTrialBackend:
-    """Runs each trial on ``node``'s emulated GPU through the node agent (request-reply)."""
+    """Runs each trial on ``node``'s emulated GPU through the node agent (request-reply).
+
+    No responder on the node's trial subject is asked again for up to ``no_responder_wait_s``
+    (an agent that is starting claims its name before it serves trials; one restarting or
+    reconnecting has none for a moment); a timeout is not (the node is busy or stuck)."""
 
     bus: Bus
     node: str
@@ -66,13 +74,21 @@ class NodeTrialBackend:
     repeats: int = 5
     timeout_s: float = 30.0
     trials: int = 0
+    no_responder_wait_s: float = NO_RESPONDER_WAIT_S
 
     async def run(self, trial: Trial) -> Measurement:
         """Raises TrialFailed with the reason."""
         req = TrialRequest(model=self.model, batch=trial.batch, quota=trial.quota, repeats=self.repeats,
                            grant=trial.grant or 0.0)  # 0: unpaced (grant = width)
+        retrying = tenacity.AsyncRetrying(
+            retry=tenacity.retry_if_exception_type(NoRespondersError), reraise=True,
+            stop=tenacity.stop_after_delay(self.no_responder_wait_s),
+            wait=tenacity.wait_exponential(multiplier=0.05, max=1.0))
         try:
-            reply = await self.bus.request(subjects.node_trial(self.node), req, TrialReply, timeout=self.timeout_s)
+            async for attempt in retrying:
+                with attempt:
+                    reply = await self.bus.request(subjects.node_trial(self.node), req, TrialReply,
+                                                   timeout=self.timeout_s)
         except (NatsTimeout, NoRespondersError, asyncio.TimeoutError) as exc:
             raise TrialFailed(f"trial on {self.node} got no answer: {type(exc).__name__}") from None
         self.trials += 1
