@@ -77,7 +77,8 @@ def _opt(*decls, **kw):
            "scales to zero as Knative does and ignores it)")
 @_opt("--park-after-s", type=Finite(min=0, max=86_400), default=0.0, show_default=True,
       help="what-if: park an idle function's instances after this many trace seconds (their GPU share and "
-           "placement freed, weights kept in host memory and copied back at 12 GB/s when a request comes); "
+           "placement freed, weights kept in host memory and copied back at "
+           f"{models.RESUME_BANDWIDTH_BYTES_PER_S / 1e9:g} GB/s when a request comes); "
            "0: never. The live node agent does not park instances yet, so this is the simulator's alone")
 @_opt("--process-start-ms", type=Finite(min=0, max=600_000), default=models.PROCESS_START_MS, show_default=True,
       help="an instance's process start before its weights load (a cold start is this plus the weights at "

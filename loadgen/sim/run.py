@@ -461,7 +461,7 @@ class Simulation:
         gpu.instances[inst.iid] = inst
         self._wake(gpu)
         inst.state = "starting"
-        inst.resumed_ms = now + models.resume_ms(f.spec.cold_start_ms or models.cold_start_ms(f.model))
+        inst.resumed_ms = now + self.horizontal.params(f.name).resume_ms  # the policy's own estimate
         self._fit(gpu, inst, inst.request if self.modes.initial_grant == "request" else inst.width, granted=False)
         inst.quota_since = now
         self.facts.resumes += 1
