@@ -36,7 +36,7 @@ from dilu.services.node_agent import segments
 
 from .cluster import NATS, Cluster
 from .demo import (RunOptions, _end, _gpus, _install_stop, _replay, _run_or_explain, _start, build_plan, check_span,
-                   make_console, scaler_windows)
+                   make_console, replay_args)
 
 WHOLE_TIMEOUT_S = 90.0  # longest wait for every process to be running and ready after a fault
 ORPHAN_WAIT_S = 10.0  # how long instances may outlive a node agent killed for good
@@ -281,7 +281,7 @@ async def run_chaos(opts: RunOptions, kinds: list[str], soak: bool, sample_s: fl
     if short:  # chaos_cmd checked that the faults fit in what is replayed
         console.print(f"[yellow]{short}[/yellow]", highlight=False)
     cluster = Cluster(log_dir=log_dir, gpus=opts.gpus, nats_url=None, auth=True,
-                      extra_args={"horizontal_scaler": scaler_windows(opts.speedup)})
+                      extra_args=replay_args(opts.speedup, Cluster.policy))
     injector = Injector(cluster, faults, opts.seed, console, stop)
     sampler = Sampler(cluster, sample_s, plan.duration_s, stop)
     await _start(cluster, created)

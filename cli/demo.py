@@ -182,6 +182,16 @@ def _timeout_s(spec, inv) -> float:
     return max(REQUEST_TIMEOUT_MIN_S, 10 * objective_ms / 1000.0)
 
 
+def replay_args(speedup: float, policy: str) -> dict[str, list[str]]:
+    """Per service, the settings a replay at ``speedup`` adds to ``policy``'s: the horizontal
+    scaler's windows (:func:`scaler_windows`) and the scheduler's defragmentation interval, trace
+    time compressed alike (:meth:`PolicyModes.defrag_interval_s`)."""
+    from dilu.services.common.policies import modes
+
+    return {"horizontal_scaler": scaler_windows(speedup),
+            "scheduler": ["--defrag-interval-s", f"{modes(policy).defrag_interval_s(speedup):g}"]}
+
+
 def scaler_windows(speedup: float, keep_alive_s: float | None = None) -> list[str]:
     """Horizontal-scaler settings for a replay: the trace-time windows (stable window 60 s, the
     fallback keep-alive ``keep_alive_s``, by default the scaler's 10 min, Knative's scale-to-zero
@@ -464,7 +474,7 @@ async def run_once(opts: RunOptions, policy: str, console: Console, stop: asynci
     # the load generator's own log lines (e.g. each request NATS refused) go beside the services'
     dlog.configure("loadgen", stream=(log_dir / "loadgen.log").open("a", buffering=1))
     cluster = Cluster(log_dir=log_dir, policy=policy, gpus=opts.gpus, nats_url=opts.nats_url, auth=True,
-                      extra_args={"horizontal_scaler": scaler_windows(opts.speedup)})
+                      extra_args=replay_args(opts.speedup, policy))
     await _start(cluster, created)
     try:
         replay = await _replay(opts, cluster, plan, chosen, llm_plan, console, stop)

@@ -17,7 +17,7 @@ import click
 from dilu.loadgen.arrivals import SPEEDUP_MAX, SPEEDUP_MIN
 from dilu.services.common import models
 from dilu.services.common.cliopts import Finite, writable_dir, writable_output, write_output
-from dilu.services.common.policies import POLICIES
+from dilu.services.common.policies import DEFRAG_INTERVAL_S, POLICIES
 from dilu.services.horizontal_scaler.policy import HorizontalConfig
 
 ENV = "DILU"
@@ -80,6 +80,10 @@ def _opt(*decls, **kw):
            "placement freed, weights kept in host memory and copied back at "
            f"{models.RESUME_BANDWIDTH_BYTES_PER_S / 1e9:g} GB/s when a request comes); "
            "0: never. The live node agent does not park instances yet, so this is the simulator's alone")
+@_opt("--defrag-interval-s", type=Finite(min=0, max=86_400), default=None,
+      help="how often the scheduler defragments (moves instances off lightly used GPUs, each drained once "
+           f"its replacement is ready), trace seconds; 0: never (default: as the policy does live, every "
+           f"{DEFRAG_INTERVAL_S:g} s for dilu and dilu-published, never for the baselines)")
 @_opt("--process-start-ms", type=Finite(min=0, max=600_000), default=models.PROCESS_START_MS, show_default=True,
       help="an instance's process start before its weights load (a cold start is this plus the weights at "
            "4 GB/s); set it to what your node measures (the node agent logs cold_start_ms per instance)")
@@ -91,7 +95,7 @@ def _opt(*decls, **kw):
       help="replay a dilu-sim scheduling workload (e.g. services/scheduler/workloads/instances-3200.txt) "
            "through the placement policy instead of a trace (default size: 1000 nodes)")
 def sim(trace_dir, functions, hours, start_minute, speedup, nodes, gpus_per_node, policies, seed, training_jobs,
-        keep_alive_s, park_after_s, process_start_ms, json_path, plots_dir, workload) -> None:
+        keep_alive_s, park_after_s, defrag_interval_s, process_start_ms, json_path, plots_dir, workload) -> None:
     """Simulate the platform's policies over a real trace (deterministic per seed) and print the
     comparison table, as dilu compare does for live runs. In a simulated report, seconds are
     simulated seconds ("wall s" and goodput's denominator included), and the vertical reaction is
@@ -137,7 +141,7 @@ def sim(trace_dir, functions, hours, start_minute, speedup, nodes, gpus_per_node
         cfg = SimConfig(trace_dir=trace_dir, functions=functions, hours=hours, nodes=nodes, gpus_per_node=gpus_per_node,
                         seed=seed, training_jobs=training_jobs, start_minute=start_minute,
                         speedup=speedup, keep_alive_s=keep_alive_s, park_after_s=park_after_s,
-                        process_start_ms=process_start_ms)
+                        defrag_interval_s=defrag_interval_s, process_start_ms=process_start_ms)
         out = simulate(cfg, policies, progress=lambda p: console.print(f"[dim]simulating policy {p}[/dim]"),
                        tick=lambda p, done, total: console.print(
                            f"[dim]{p}: {done:,.0f} of {total:,.0f} simulated s[/dim]", highlight=False))

@@ -177,7 +177,9 @@ class Placement(msgspec.Struct, kw_only=True):
 
     ``width`` is the SM fraction the instance's kernels may occupy (the MPS active-thread
     percentage on a real GPU), fixed at launch; by default its limit quota. ``batch_size``: the
-    largest batch the instance pulls (it takes what is queued, up to this).
+    largest batch the instance pulls (it takes what is queued, up to this). ``replaces``: set on
+    an instance the scheduler's defragmentation launched to take over from another (that one is
+    marked draining when this one is ready); "" otherwise.
     """
 
     instance_id: str
@@ -195,6 +197,7 @@ class Placement(msgspec.Struct, kw_only=True):
     slo_ms: float = 0.0
     cold_start_ms: float = 0.0
     draining: bool = False
+    replaces: str = ""  # a migration's replacement: the instance drained once this one is ready
 
 
 class PlacementDecided(Event):

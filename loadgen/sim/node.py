@@ -72,7 +72,7 @@ class Instance:
 
     __slots__ = ("iid", "fn", "gpu", "request", "width", "grant", "batch", "ready_ms", "state", "busy",
                  "inflight", "quota_since", "win_busy_ms", "win_wait_ms", "win_lat_ms", "training",
-                 "iterations", "train_since", "priority", "tokens", "tokens_at", "resumed_ms")
+                 "iterations", "train_since", "priority", "tokens", "tokens_at", "resumed_ms", "replaces")
 
     def __init__(self, iid: str, fn, gpu: Gpu, request: float, width: float, grant: float, batch: int,
                  ready_ms: float, now_ms: float, training: bool, priority: str) -> None:
@@ -98,6 +98,7 @@ class Instance:
         self.tokens = models.BURST_MS
         self.tokens_at = ready_ms
         self.resumed_ms = 0.0  # when its last resume from parking ended (0: never parked)
+        self.replaces = ""  # a migration's replacement: the instance it drains once ready
 
 
 class Function:

@@ -64,7 +64,8 @@ from dilu.services.horizontal_scaler.service import MAX_PLACE_COUNT
 from dilu.services.node_agent.grants import fit_quota
 from dilu.services.profiler.policy import NoFeasibleSetting, cache_key, search_for
 from dilu.services.profiler.surface import SurfaceBackend, model_surface, run_search
-from dilu.services.scheduler.policy import Cluster, Demand, NoCapacity, allocation_batch, allocation_quotas
+from dilu.services.scheduler.policy import (DEFRAG_GAIN_PER_GPU_S, Cluster, Demand, NoCapacity, Slot, allocation_batch,
+                                           allocation_quotas, migration_cost_gpu_s)
 from dilu.services.vertical_scaler.policy import VerticalConfig, vertical_policy
 
 from .engine import EventLoop
@@ -95,7 +96,9 @@ class SimConfig:
     (0..1) of the GPUs running a training job; ``keep_alive_s``: the horizontal scaler's fallback
     keep-alive in trace seconds (None: its default, 10 min; Knative's KPA has none);
     ``park_after_s``: park an idle function's instances after this many trace seconds
-    (:class:`HorizontalConfig`'s Parking; 0: never, as the live platform); ``process_start_ms``:
+    (:class:`HorizontalConfig`'s Parking; 0: never, as the live platform); ``defrag_interval_s``:
+    how often the scheduler defragments, in trace seconds (None: as the policy does live,
+    :meth:`PolicyModes.defrag_interval_s`; 0: never); ``process_start_ms``:
     an instance's process start before its weights load (a cold start is that plus the weights
     at 4 GB/s); ticks in ms; ``sample_s``: timeline resolution."""
 
@@ -110,6 +113,7 @@ class SimConfig:
     speedup: float = 1.0
     keep_alive_s: float | None = None
     park_after_s: float = 0.0
+    defrag_interval_s: float | None = None
     process_start_ms: float = models.PROCESS_START_MS
     vertical_tick_ms: float = 250.0
     horizontal_tick_ms: float = 500.0
@@ -129,6 +133,8 @@ class SimConfig:
             raise ValueError(f"keep_alive_s must be in [0, 86400] s, got {self.keep_alive_s}")
         if not (0 <= self.park_after_s <= 86_400):
             raise ValueError(f"park_after_s must be in [0, 86400] s, got {self.park_after_s}")
+        if self.defrag_interval_s is not None and not (0 <= self.defrag_interval_s <= 86_400):
+            raise ValueError(f"defrag_interval_s must be in [0, 86400] s, got {self.defrag_interval_s}")
         if not (0 <= self.process_start_ms <= 600_000):
             raise ValueError(f"process_start_ms must be in [0, 600000] ms, got {self.process_start_ms}")
         if not 0.0 <= self.training_jobs <= 1.0:
@@ -227,6 +233,7 @@ class SimFacts:
     parks: int = 0
     resumes: int = 0
     resumes_refused: int = 0
+    migrations: int = 0
     resume_waits: int = 0
     timeline: list = field(default_factory=list)
     latency_slo_cdf: list = field(default_factory=list)
@@ -268,6 +275,8 @@ class Simulation:
         self.vertical = vertical_policy(VerticalConfig(mode=m.vertical))
         self.hconf = horizontal_config(m.horizontal, cfg.speedup, cfg.keep_alive_s, cfg.park_after_s)
         self.horizontal = horizontal_policy(self.hconf)
+        every = m.defrag_interval_s() if cfg.defrag_interval_s is None else cfg.defrag_interval_s
+        self.defrag_every = every * 1000.0 / cfg.speedup  # ms; 0: never
         self.backoff = PlacementBackoff(cfg.horizontal_tick_ms / 1000.0, 30.0)
         self.gpus: dict[int, Gpu] = {}
         self.awake: dict[int, Gpu] = {}  # GPUs whose telemetry is not paused (see QUIET_WINDOWS)
@@ -365,15 +374,24 @@ class Simulation:
 
     # ------------------------------------------------------------------ instances
 
-    def _place(self, f: Function) -> Instance | None:
+    def _place(self, f: Function, slot: Slot | None = None) -> Instance | None:
+        """Launch one instance of ``f`` where the placement policy puts it (``slot``: there, a
+        migration's target); None when nothing can take it."""
         now = self.loop.now
         self.seq += 1
         iid = f"{f.name}-{self.seq}"
-        try:
-            slots = self.cluster.place(iid, f.demand)
-        except NoCapacity:
-            self.facts.unplaced += 1
-            return None
+        if slot is not None:
+            try:
+                self.cluster.assign(iid, f.demand, [slot])
+            except ValueError:
+                return None
+            slots = [slot]
+        else:
+            try:
+                slots = self.cluster.place(iid, f.demand)
+            except NoCapacity:
+                self.facts.unplaced += 1
+                return None
         self._account()
         gid = self.cluster.gpu_id(slots[0])
         gpu = self.gpus.get(gid)
@@ -412,6 +430,10 @@ class Simulation:
             return
         self.horizontal.instance_ready(inst.fn.name, inst.iid, self.loop.now / 1000.0)
         inst.fn.ready.append(inst)
+        old = inst.fn.instances.get(inst.replaces) if inst.replaces else None
+        inst.replaces = ""
+        if old is not None:  # a migration: the old instance drains now that its replacement serves
+            self._retire(old)
         self._start_batch(inst)
 
     def _park(self, inst: Instance) -> bool:
@@ -491,8 +513,15 @@ class Simulation:
         del f.instances[inst.iid]
         self.mech.retirements += 1
         self.horizontal.instance_retired(f.name, inst.iid)
+        self._unreplaced(inst)
         if not f.instances:
             self.mech.scale_to_zero += 1
+
+    def _unreplaced(self, inst: Instance) -> None:
+        """``inst`` is gone: a replacement moving in for it starts as an ordinary instance."""
+        for other in inst.fn.instances.values():
+            if other.replaces == inst.iid:
+                other.replaces = ""
 
     def _retire(self, inst: Instance) -> None:
         """Drain: a starting instance is cancelled, a busy one finishes its batch first."""
@@ -526,8 +555,34 @@ class Simulation:
         self.mech.retirements += 1
         if not f.training:
             self.horizontal.instance_retired(f.name, inst.iid)
+            self._unreplaced(inst)
             if not f.instances:
                 self.mech.scale_to_zero += 1
+
+    def _defrag_tick(self, _=None) -> None:
+        """The scheduler's defragmentation round (its ``defrag_interval_s``): the placement
+        policy's :meth:`Cluster.plan_defrag`, priced as the live scheduler prices it, applied as
+        relaunch-then-drain. Only ready inference instances move (not one already moving, nor
+        training: its progress would be lost); the old one drains once its replacement is ready."""
+        now = self.loop.now
+        moving = {i.replaces for i in self.instances.values() if i.replaces}
+        costs = {}
+        for iid in self.cluster.instances:
+            inst = self.instances.get(iid)
+            ok = inst is not None and inst.state == "ready" and not inst.training and iid not in moving
+            costs[iid] = (migration_cost_gpu_s(self.cfg.process_start_ms + models.cold_start_ms(inst.fn.model),
+                                               inst.request) if ok else math.inf)
+        for m in self.cluster.plan_defrag(costs, gain_per_gpu_s=DEFRAG_GAIN_PER_GPU_S).migrations:
+            old = self.instances[m.instance_id]
+            new = self._place(old.fn, m.target)
+            if new is None:
+                break
+            new.replaces = old.iid
+            self.horizontal.instance_migrating(old.fn.name, new.iid, old.iid, now / 1000.0)
+            self.facts.migrations += 1
+        nxt = now + self.defrag_every
+        if nxt <= self.end:
+            self.loop.at(nxt, self._defrag_tick)
 
     # ------------------------------------------------------------------ requests
 
@@ -808,6 +863,8 @@ class Simulation:
         loop = self.loop
         loop.at(0.0, self._vertical_tick)
         loop.at(0.0, self._horizontal_tick)
+        if self.defrag_every:
+            loop.at(self.defrag_every, self._defrag_tick)
         if self.sched:
             loop.at(self.sched[0], self._arrive, 0)
         loop.run(self.t0)
@@ -921,6 +978,7 @@ def simulate(cfg: SimConfig, policies: list[str], progress=None, tick=None) -> d
             facts[p] = {"events": f.events, "wall_s": f.wall_s, "peak_active_gpus": f.peak_active_gpus,
                         "max_limit_sum": f.max_limit_sum, "unplaced": f.unplaced, "parks": f.parks,
                         "resumes": f.resumes, "resumes_refused": f.resumes_refused,
+                        "migrations": f.migrations,
                         "resume_waits": f.resume_waits,
                         "timeline": [list(r) for r in f.timeline], "latency_slo_cdf": f.latency_slo_cdf}
     except KeyboardInterrupt:
@@ -932,6 +990,7 @@ def simulate(cfg: SimConfig, policies: list[str], progress=None, tick=None) -> d
 def _output(cfg: SimConfig, work: Workload, reports: dict, facts: dict) -> dict:
     conf = {"nodes": cfg.nodes, "gpus_per_node": cfg.gpus_per_node, "hours": cfg.hours, "speedup": cfg.speedup,
             "functions": cfg.functions, "keep_alive_s": cfg.keep_alive_s, "park_after_s": cfg.park_after_s,
+            "defrag_interval_s": cfg.defrag_interval_s,
             "process_start_ms": cfg.process_start_ms,
             "seed": cfg.seed, "training_jobs": cfg.training_jobs, "vertical_tick_ms": cfg.vertical_tick_ms,
             "horizontal_tick_ms": cfg.horizontal_tick_ms,

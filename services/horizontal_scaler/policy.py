@@ -50,6 +50,11 @@ pending plus in flight: the concurrency Knative measures at its queue proxy) and
   before it places new ones; when the keep-alive runs out they are retired with the rest. A
   function with ``min_instances`` keeps them on the GPU. Only ``dilu sim`` parks so far: the node
   agent cannot move an instance's memory off its GPU yet.
+- **Migration** (:meth:`HorizontalPolicy.instance_migrating`): the scheduler's defragmentation
+  moves an instance by launching its replacement on a fuller GPU and draining the old one once
+  the replacement is ready (make before break: the function never waits for the launch). The
+  replacement is *moving* until then: not counted and never a scale-in victim (the pair is one
+  instance), cancelled with the old one when that one is retired first.
 - **Initial scale.** A newly deployed function (:meth:`HorizontalPolicy.deployed`) gets
   ``initial_scale`` instances at once (Knative's ``initial-scale``, default 1), so its first
   requests do not all wait for a launch. Deployment counts as the start of an idle period: the
@@ -80,7 +85,7 @@ from dilu.services.common.functions import PRIORITY_RANK, reclaimable_share
 
 Mode = Literal["lazy", "eager", "kpa"]
 MODES: tuple[str, ...] = ("lazy", "eager", "kpa")
-InstanceState = Literal["starting", "ready", "draining", "parked"]
+InstanceState = Literal["starting", "ready", "draining", "parked", "moving"]
 PARK_SLO_SHARE = 0.5  # the largest share of its SLO a parked instance's resume may take (FunctionParams.parkable)
 IDLE_BINS = 240  # the idle-time histogram's range in bins (4 hours of 1-minute bins, Shahrad et al.)
 _EPS = 1e-9
@@ -339,6 +344,7 @@ class _Instance:
     busy_share: float = 0.0
     before_drain: InstanceState = "ready"
     resuming: bool = False  # starting again from parked: ready within a copy of its weights
+    replaces: str = ""  # moving: the instance it takes over from once ready (see Migration)
 
 
 @dataclass
@@ -486,20 +492,42 @@ class HorizontalPolicy:
         """A placed or launched instance (cold start under way). Known instances keep their state."""
         self._fn(fn).instances.setdefault(instance_id, _Instance(instance_id, "starting", now_s))
 
+    def instance_migrating(self, fn: str, instance_id: str, replaces: str, now_s: float) -> None:
+        """``instance_id`` was placed to take over from ``replaces`` (the scheduler's
+        defragmentation: relaunch on a fuller GPU, then drain the old one). Until it is ready it
+        is *moving*: not counted (the pair is one instance of capacity), never a scale-in victim
+        but retired with the rest at zero. When ``replaces`` is not a live instance it is an
+        ordinary starting instance. Known instances that are no longer starting keep their state."""
+        f = self._fn(fn)
+        inst = f.instances.setdefault(instance_id, _Instance(instance_id, "starting", now_s))
+        old = f.instances.get(replaces)
+        if inst.state == "starting" and old is not None and old.state in ("starting", "ready"):
+            inst.state, inst.replaces = "moving", replaces
+
     def instance_ready(self, fn: str, instance_id: str, now_s: float) -> None:
-        """The instance pulls requests. A draining one stays draining."""
+        """The instance pulls requests. A draining one stays draining. A moving one is ready and
+        the instance it replaces is counted as draining from now on (its drain is the scheduler's
+        business: it marks it so on this same InstanceReady)."""
         f = self._fn(fn)
         inst = f.instances.get(instance_id)
         if inst is None:
             f.instances[instance_id] = _Instance(instance_id, "ready", now_s)
-        elif inst.state == "starting":
-            inst.state, inst.since_s, inst.resuming = "ready", now_s, False
+        elif inst.state in ("starting", "moving"):
+            old = f.instances.get(inst.replaces) if inst.state == "moving" else None
+            if old is not None and old.state in ("starting", "ready"):
+                old.before_drain, old.state = old.state, "draining"
+            inst.state, inst.since_s, inst.resuming, inst.replaces = "ready", now_s, False, ""
         else:
             inst.before_drain = "ready"
 
     def instance_retired(self, fn: str, instance_id: str) -> None:
-        """The instance is gone (drained, cancelled or crashed). Unknown ids are ignored."""
-        self._fn(fn).instances.pop(instance_id, None)
+        """The instance is gone (drained, cancelled or crashed). Unknown ids are ignored. An
+        instance moving in to replace it starts as an ordinary one."""
+        f = self._fn(fn)
+        f.instances.pop(instance_id, None)
+        for inst in f.instances.values():
+            if inst.state == "moving" and inst.replaces == instance_id:
+                inst.state, inst.replaces = "starting", ""
 
     def retire_failed(self, fn: str, instance_id: str) -> None:
         """The scheduler refused to retire ``instance_id``: count it as it was before."""
@@ -533,7 +561,7 @@ class HorizontalPolicy:
             inst.state = "ready"
 
     def instances(self, fn: str) -> dict[str, str]:
-        """instance id -> state (starting, ready, draining, parked)."""
+        """instance id -> state (starting, ready, draining, parked, moving)."""
         return {i: inst.state for i, inst in self._fn(fn).instances.items()}
 
     # ------------------------------------------------------------------ observations
@@ -789,8 +817,11 @@ class HorizontalPolicy:
             return
         if d.desired < d.current:
             d.retire = self._victims(f, d.current - d.desired)
-        if d.desired == 0 and parked:  # the keep-alive ran out (or a pre-warm unloads): parked ones go too
-            d.retire += [i.instance_id for i in parked]
+            gone = set(d.retire)  # a victim's replacement would only take its place: it goes too
+            d.retire += [i.instance_id for i in f.instances.values() if i.state == "moving" and i.replaces in gone]
+        if d.desired == 0:  # the keep-alive ran out (or a pre-warm unloads): parked and moving ones go too
+            d.retire += [i.instance_id for i in f.instances.values()
+                         if i.state in ("parked", "moving") and i.instance_id not in d.retire]
         for iid in d.retire:
             inst = f.instances[iid]
             inst.before_drain, inst.state = inst.state, "draining"

@@ -7,7 +7,9 @@ Learns, from the bus:
   the profiled batch size, instance capacity = profiled throughput);
 - that a function can be placed once it is both deployed and profiled (in either order): it
   then gets its initial scale (``--initial-scale``, Knative's, default 1) before any request;
-- instances from ``dilu.v1.instance.{launched,ready,retired}.*`` and from its own placements;
+- instances from ``dilu.v1.instance.{launched,ready,retired}.*`` and from its own placements, and
+  a defragmenting migration's replacement from ``dilu.v1.placement.decided.*`` (PlacementDecided
+  ``migrate`` with ``replaces``: the pair counts as one instance until the replacement is ready);
 - vertical headroom from ``dilu.v1.telemetry.gpu.*.*`` (quota against limit per instance, what
   each GPU could give; telemetry older than ``telemetry_stale_s`` is ignored).
 
@@ -69,6 +71,7 @@ from dilu.contracts.events import (
     InstanceReady,
     InstanceRetired,
     Placement,
+    PlacementDecided,
     PlaceReply,
     PlaceRequest,
     Profile,
@@ -170,6 +173,7 @@ class HorizontalScaler:
         await bus.subscribe(f"{p}.instance.launched.*", InstanceLaunched, self._on_launched)
         await bus.subscribe(f"{p}.instance.ready.*", InstanceReady, self._on_ready)
         await bus.subscribe(f"{p}.instance.retired.*", InstanceRetired, self._on_retired)
+        await bus.subscribe(f"{p}.placement.decided.*", PlacementDecided, self._on_placement)
         await bus.subscribe(f"{p}.telemetry.gpu.*.*", GpuTelemetry, self._on_telemetry)
         await self.state.open(bus.js, replicas=bus.options.replicas, log=bus.log)
         await self._rebuild()
@@ -239,6 +243,14 @@ class HorizontalScaler:
         if ev.function not in self.policy.functions():  # undeployed: its instances are draining
             return
         self.policy.instance_starting(ev.function, ev.instance_id, self._now())
+
+    async def _on_placement(self, ev: PlacementDecided, _msg) -> None:
+        """A defragmenting migration's replacement (``replaces`` set): counted with the instance it
+        replaces as one until it is ready (the scheduler then drains the old one)."""
+        pl = ev.placement
+        if ev.action != "migrate" or not pl.replaces or pl.function not in self.policy.functions():
+            return
+        self.policy.instance_migrating(pl.function, pl.instance_id, pl.replaces, self._now())
 
     async def _on_ready(self, ev: InstanceReady, _msg) -> None:
         self._known(ev.function)

@@ -144,6 +144,17 @@ class Migration:
     target: Slot
 
 
+MIGRATION_DISRUPTION_S = 5.0  # allowance for the drain and warm-up of a moved instance, in s at its quota
+DEFRAG_GAIN_PER_GPU_S = 300.0  # a freed GPU is assumed to stay free this long (s)
+
+
+def migration_cost_gpu_s(cold_start_ms: float, request_quota: float) -> float:
+    """GPU-seconds one migration costs: while the replacement starts (``cold_start_ms``, ms) the
+    instance's ``request_quota`` (0..1) is held twice, plus ``MIGRATION_DISRUPTION_S`` at it for
+    the drain and warm-up. The live scheduler and the simulator price a move with it."""
+    return (cold_start_ms / 1000 + MIGRATION_DISRUPTION_S) * request_quota
+
+
 @dataclass
 class DefragPlan:
     """Migrations that empty ``freed`` GPUs; ``gain_gpu_s`` vs ``cost_gpu_s`` (GPU-seconds)."""
@@ -542,16 +553,15 @@ class Cluster:
 
     def resume_target(self, d: Demand, left: Slot) -> Slot | None:
         """Where a parked instance of ``d`` resumes, its weights being in its node's host memory:
-        the GPU it ``left`` when that can still take it, else the best of its node's other GPUs
-        that can (active ones before empty ones, then by :meth:`score`); None when none can (it
-        is launched anew wherever :meth:`place` finds room). Raises KeyError for a dead node."""
+        a GPU of that node that can take it, active ones before empty ones (reopening an emptied
+        GPU would undo what parking and defragmentation freed), the GPU it ``left`` first among
+        equals, then by :meth:`score`; None when none can (it is launched anew wherever
+        :meth:`place` finds room). Raises KeyError for a dead node."""
         g = self.gpu_id(left)
-        if self.fits(g, d):
-            return left
-        ok = [h for h in (self.gpu_id(s) for s in self.node_slots(left.node)) if h != g and self.fits(h, d)]
+        ok = [h for h in (self.gpu_id(s) for s in self.node_slots(left.node)) if self.fits(h, d)]
         if not ok:
             return None
-        return self.slot(min(ok, key=lambda h: (not self.gpus[h].residents, self.score(h, d))))
+        return self.slot(min(ok, key=lambda h: (not self.gpus[h].residents, h != g, self.score(h, d))))
 
     def place(self, instance_id: str, d: Demand, allow_new: bool = True) -> list[Slot]:
         """Choose GPUs for a new instance and apply it; returns its slots.

@@ -33,10 +33,12 @@ bucket and launch or drain instances; PlacementDecided events are for informatio
   while the instance drains. An InstanceRetired from the placement's node with reason
   ``load-failed`` or ``gave-up`` (the agent will not launch it again) deletes the placement too,
   draining or not.
-- Defragmentation (``defrag_interval_s`` > 0): every interval, the policy's planner proposes
-  migrations that empty whole GPUs; each is applied as relaunch-then-drain (a new placement on the
-  target, the old one marked draining), only when the GPU-seconds gained exceed the migrations'
-  cost (cold start × request quota + ``MIGRATION_DISRUPTION_S`` × request quota, per instance).
+- Defragmentation (``defrag_interval_s`` > 0; the dilu policies set it): every interval, the
+  policy's planner proposes migrations that empty whole GPUs, only when the GPU-seconds gained
+  exceed the migrations' cost (:func:`.policy.migration_cost_gpu_s`). Each is applied make before
+  break: a new placement on the target with ``replaces`` naming the old instance (PlacementDecided
+  ``migrate``), and the old one marked draining when the new one's InstanceReady arrives. If the
+  replacement never becomes ready (its node fails), the old instance simply stays.
 - Decisions are serialised by one lock, so concurrent requests never see a half-applied state.
   A failed compare-and-set means the table changed under us: state is rebuilt from the bucket and
   the request is answered with an error to retry. On start, state is rebuilt from the bucket.
@@ -90,7 +92,8 @@ from ..common.jsresources import PLACEMENT_KV_CONFIG, PROFILES_KV_CONFIG, ensure
 from ..common.nodes import nodes_bucket
 from ..common.functions import runs_on
 from .inventory import NodeChange, Roster, admission, inventory_age_s, orphans_due
-from .policy import Cluster, Demand, NoCapacity, Slot, allocation_batch, allocation_quotas
+from .policy import (DEFRAG_GAIN_PER_GPU_S, Cluster, Demand, NoCapacity, Slot, allocation_batch, allocation_quotas,
+                     migration_cost_gpu_s)
 
 PLACEMENTS = Counter("dilu_scheduler_placements", "Instances placed", ["function"])
 RETIREMENTS = Counter("dilu_scheduler_retirements", "Instances marked draining", ["function"])
@@ -102,13 +105,6 @@ NODE_CHANGES = Counter("dilu_scheduler_node_changes", "Nodes that joined, change
 DISPLACED = Counter("dilu_scheduler_displaced", "Placements of a gone node (or GPU) handled",
                     ["outcome"])  # placed | no-capacity | dropped-draining
 NO_NODES = "no nodes: no node agent has published an inventory to dilu-nodes"
-MIGRATION_DISRUPTION_S = 5.0  # allowance for the drain and warm-up of a moved instance, in s at its quota
-DEFRAG_GAIN_PER_GPU_S = 300.0  # a freed GPU is assumed to stay free this long (s)
-
-
-def migration_cost_gpu_s(p: Placement) -> float:
-    """GPU-seconds one migration costs: while the new instance starts, its quota is held twice."""
-    return (p.cold_start_ms / 1000 + MIGRATION_DISRUPTION_S) * p.request_quota
 
 
 def demand_of(p: Placement) -> Demand:
@@ -504,6 +500,13 @@ class SchedulerService:
 
     async def _on_ready(self, ev: InstanceReady, _msg) -> None:
         self.warm.add(ev.instance_id)
+        known = self.placements.get(ev.instance_id)
+        if known is None or not known[0].replaces or known[0].draining:
+            return
+        async with self.lock:  # a migration's replacement serves: the instance it replaces drains
+            old = self.placements.get(known[0].replaces)
+            if old is not None and not old[0].draining:
+                await self._drain(known[0].replaces)
 
     async def _on_retired(self, ev: InstanceRetired, _msg) -> None:
         async with self.lock:
@@ -656,33 +659,36 @@ class SchedulerService:
     async def defragment(self) -> int:
         """Plan and apply one round of migrations; returns how many instances were moved.
 
-        Draining instances are not moved (they are leaving anyway), nor are their GPUs emptied
-        by the plan: the planner only sees instances that are live.
+        Only ready inference instances move: not one draining (it is leaving anyway), starting,
+        already being replaced, or training (its progress would be lost). Each move places the
+        replacement (``replaces`` set) and leaves the old instance serving; :meth:`_on_ready`
+        drains it once the replacement is ready (make before break: no request waits for the
+        launch). The horizontal scaler counts the pair as one instance.
         """
         async with self.lock:
-            live = {i: p for i, (p, _) in self.placements.items() if not p.draining}
-            costs = {i: migration_cost_gpu_s(p) for i, p in live.items()}
-            costs.update({i: float("inf") for i, (p, _) in self.placements.items() if p.draining})
+            moving = {p.replaces for p, _ in self.placements.values() if p.replaces and not p.draining}
+            costs = {i: (migration_cost_gpu_s(p.cold_start_ms, p.request_quota)
+                         if not p.draining and i in self.warm and i not in moving and p.priority != "training"
+                         else float("inf"))
+                     for i, (p, _) in self.placements.items()}
             plan = self.cluster.plan_defrag(costs, gain_per_gpu_s=DEFRAG_GAIN_PER_GPU_S)
             moved = 0
             for m in plan.migrations:
                 old, rev = self.placements[m.instance_id]
                 new_id = f"{subjects.token(old.function)}-{uuid.uuid4().hex[:10]}"
-                new = msgspec.structs.replace(old, instance_id=new_id, node=m.target.node, gpu=m.target.gpu)
+                new = msgspec.structs.replace(old, instance_id=new_id, node=m.target.node, gpu=m.target.gpu,
+                                              replaces=m.instance_id)
                 try:
                     self.cluster.assign(new_id, demand_of(new), [m.target])
                 except ValueError:  # the table moved since planning: stop this round
                     break
                 try:
                     new_rev = await self.kv.create(new_id, msgspec.json.encode(new))
-                    drained = msgspec.structs.replace(old, draining=True)
-                    old_rev = await self.kv.update(m.instance_id, msgspec.json.encode(drained), last=rev)
                 except KeyWrongLastSequenceError:
                     CONFLICTS.inc()
                     await self.rebuild()
                     break
                 self.placements[new_id] = (new, new_rev)
-                self.placements[m.instance_id] = (drained, old_rev)
                 moved += 1
                 MIGRATIONS.inc()
                 await self.bus.publish(subjects.placement_decided(old.function),

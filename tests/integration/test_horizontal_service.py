@@ -18,6 +18,7 @@ from dilu.contracts.events import (
     InstanceReady,
     InstanceRetired,
     Placement,
+    PlacementDecided,
     PlaceReply,
     Profile,
     ProfileReady,
@@ -219,6 +220,33 @@ async def test_profiled_function_gets_its_initial_instance_and_burst_sizing(nats
         assert (params.target, params.burst_target, params.burst_rps) == (8.0, 40.0, 200.0)
         await asyncio.sleep(0.5)
         assert len(cluster.placed) == 1  # held at one while unused, not re-placed
+    finally:
+        shutdown.set()
+        await task
+        await nc.close()
+
+
+async def test_a_migration_is_one_instance_until_its_replacement_is_ready(nats_url):
+    """The scheduler's defragmentation (PlacementDecided ``migrate`` with ``replaces``): the
+    scaler neither retires the replacement nor the old instance while the replacement starts,
+    and counts the old one as draining once the replacement is ready."""
+    nc, js, cluster, scaler, shutdown, task = await setup(nats_url)
+    try:
+        await js.publish(subjects.invoke(FN), b"one")
+        await until(lambda: cluster.live)
+        (old,) = list(cluster.live)
+        await until(lambda: scaler.policy.instances(FN) == {old: "ready"})
+        new = Placement(instance_id="moved", function=FN, node="n0", gpu=1, request_quota=0.3, limit_quota=0.6,
+                        width=0.6, memory_bytes=1, replaces=old)
+        ev = dict(instance_id="moved", function=FN, node="n0", gpu=1)
+        await nc.publish(subjects.placement_decided(FN), encode(PlacementDecided(placement=new, action="migrate")))
+        await nc.publish(subjects.instance_state("launched", "n0"), encode(InstanceLaunched(**ev)))
+        await until(lambda: scaler.policy.instances(FN).get("moved") == "moving")
+        await asyncio.sleep(0.5)  # a few ticks with the request still queued
+        assert cluster.retired == [] and scaler.policy.instances(FN) == {old: "ready", "moved": "moving"}
+        await nc.publish(subjects.instance_state("ready", "n0"), encode(InstanceReady(**ev)))
+        await until(lambda: scaler.policy.instances(FN) == {old: "draining", "moved": "ready"})
+        assert cluster.retired == []  # the old one's drain is the scheduler's
     finally:
         shutdown.set()
         await task

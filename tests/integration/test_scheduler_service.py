@@ -13,6 +13,7 @@ import pytest
 
 from dilu.contracts import decode, encode, subjects
 from dilu.contracts.events import (
+    InstanceReady,
     InstanceRetired,
     Placement,
     Profile,
@@ -49,6 +50,11 @@ async def retire(nc, fn, instance_id="") -> RetireReply:
 async def retired(nc, p: Placement):
     ev = InstanceRetired(instance_id=p.instance_id, function=p.function, node=p.node, gpu=p.gpu)
     await nc.publish(subjects.instance_state("retired", p.node), encode(ev))
+
+
+async def ready(nc, p: Placement):
+    ev = InstanceReady(instance_id=p.instance_id, function=p.function, node=p.node, gpu=p.gpu)
+    await nc.publish(subjects.instance_state("ready", p.node), encode(ev))
 
 
 async def wait_empty(js, timeout_s: float = 30.0):
@@ -154,6 +160,9 @@ async def test_state_is_rebuilt_from_the_table_on_restart(nats_url):
 
 
 async def test_defragmentation_relaunches_then_drains_to_free_a_gpu(nats_url):
+    """Make before break: the replacement is placed with ``replaces`` while the old instance
+    still serves; only the replacement's InstanceReady drains the old one. Instances that are not
+    ready yet are not moved."""
     nc = await nats.connect(nats_url)
     svc = scheduler()
     async with running(svc, nats_url):
@@ -165,21 +174,37 @@ async def test_defragmentation_relaunches_then_drains_to_free_a_gpu(nats_url):
         for p in placed:
             by_gpu[p.gpu].append(p)
         assert sorted(len(v) for v in by_gpu.values()) == [2, 2]
+        kept = []
         for group in by_gpu.values():  # leave one instance on each of the two GPUs
             assert (await retire(nc, "f", group[0].instance_id)).ok
             await retired(nc, group[0])
+            kept.append(group[1])
         for _ in range(1500):  # up to 30 s on a loaded host; leaves as soon as it holds
             if len(await table(js)) == 2:
                 break
             await asyncio.sleep(0.02)
         assert svc.cluster.active == 2
+        assert await svc.defragment() == 0, "instances still starting are not moved"
+        for p in kept:
+            await ready(nc, p)
+        await wait_for(lambda: all(p.instance_id in svc.warm for p in kept), "scheduler saw both ready")
         assert await svc.defragment() == 1
         rows = await table(js)
+        assert len(rows) == 3 and not any(p.draining for p in rows.values()), "the old one serves on"
+        (new,) = [p for p in rows.values() if p.replaces]
+        assert new.replaces in {p.instance_id for p in kept}
+        assert len({(p.node, p.gpu) for p in rows.values()}) == 1 + 1
+        assert await svc.defragment() == 0, "an instance being replaced is not moved again"
+        await ready(nc, new)
+        for _ in range(1500):
+            rows = await table(js)
+            if rows[new.replaces].draining:
+                break
+            await asyncio.sleep(0.02)
+        assert rows[new.replaces].draining and not rows[new.instance_id].draining
         live = [p for p in rows.values() if not p.draining]
-        draining = [p for p in rows.values() if p.draining]
-        assert len(live) == 2 and len(draining) == 1
         assert len({(p.node, p.gpu) for p in live}) == 1, "both live instances now share one GPU"
-        await retired(nc, draining[0])
+        await retired(nc, rows[new.replaces])
         for _ in range(1500):  # up to 30 s on a loaded host; leaves as soon as it holds
             if svc.cluster.active == 1:
                 break

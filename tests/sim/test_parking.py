@@ -9,7 +9,7 @@ from click.testing import CliRunner
 from dilu.cli.main import main
 from dilu.loadgen.sim.run import SimConfig, Simulation, prepare
 
-CFG = dict(functions=40, hours=0.5, nodes=2, gpus_per_node=4, seed=3)
+CFG = dict(functions=40, hours=0.5, nodes=2, gpus_per_node=4, seed=3, defrag_interval_s=0.0)  # parking alone
 
 
 class _Checked(Simulation):

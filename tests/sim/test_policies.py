@@ -1,5 +1,6 @@
 """The named policies are defined once; the live cluster's service arguments come from them."""
 from dilu.cli.cluster import POLICIES
+from dilu.cli.demo import replay_args
 from dilu.services.common import policies
 from dilu.services.horizontal_scaler.policy import MODES as H_MODES
 from dilu.services.scheduler.policy import ALLOCATIONS
@@ -9,8 +10,13 @@ from dilu.services.vertical_scaler.policy import MODES as V_MODES
 def test_cluster_arguments_come_from_the_shared_table():
     assert list(POLICIES) == ["dilu", "horizontal-only", "static-mps", "exclusive", "dilu-published"]
     assert POLICIES["dilu"] == {"vertical_scaler": ["--mode", "dilu"], "horizontal_scaler": ["--mode", "lazy"],
-                                "scheduler": ["--policy", "dilu"], "node_agent": ["--initial-grant", "request"]}
+                                "scheduler": ["--policy", "dilu", "--defrag-interval-s", "30"],
+                                "node_agent": ["--initial-grant", "request"]}
     assert POLICIES["exclusive"]["node_agent"] == ["--initial-grant", "limit"]
+    # the baselines leave instances where they were placed; a replay compresses the interval
+    assert POLICIES["horizontal-only"]["scheduler"] == ["--policy", "static-mps", "--defrag-interval-s", "0"]
+    assert replay_args(10.0, "dilu")["scheduler"] == ["--defrag-interval-s", "3"]
+    assert replay_args(10.0, "static-mps")["scheduler"] == ["--defrag-interval-s", "0"]
     for name, m in policies.POLICIES.items():
         assert POLICIES[name] == m.service_args()
 

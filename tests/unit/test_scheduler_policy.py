@@ -263,6 +263,18 @@ def test_a_parked_instance_resumes_where_it_left_else_on_its_node_else_nowhere()
     assert c.choose(d)  # though the other node has room
 
 
+def test_a_parked_instance_resumes_on_an_active_gpu_before_reopening_the_one_it_left():
+    c = cluster(1, 2)
+    d = inf("p", r=0.2)
+    (left,) = c.place("p1", d)
+    (busy,) = [s for s in c.node_slots(left.node) if s != left]
+    c.assign("z", inf("z", r=0.3), [busy])
+    c.remove("p1")  # parked: its GPU is now empty
+    assert c.resume_target(d, left) == busy  # not the emptied GPU
+    c.assign("w", inf("w", r=0.6), [busy])
+    assert c.resume_target(d, left) == left  # the active one is full: back where it was
+
+
 def test_training_jobs_go_one_per_gpu_whatever_their_quota():
     """Four small training jobs (request = limit = 0.1, as horizontal-only places them) fit on
     one GPU by every sum, yet each gets its own: always busy, they would only contend."""
