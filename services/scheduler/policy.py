@@ -733,12 +733,20 @@ class Cluster:
         itself is not changed; apply the plan by retiring and placing.
         """
         costs = cost_gpu_s or {}
-        shadow = copy.deepcopy(self)
         plan = DefragPlan()
+
+        def cost_of(g: int) -> float:
+            return sum(costs.get(i, default_cost_gpu_s) for i in self.gpus[g].residents)
+
+        order = [g for k in range(BUCKETS, -1, -1) for m in self.classes for g in self.buckets[m][k]]
+        order = [g for g in order[:max_sources]
+                 if self.gpus[g].residents and not self.gpus[g].multi and cost_of(g) < gain_per_gpu_s]
+        if not order:  # e.g. every active GPU holds a training job: nothing to copy the cluster for
+            return plan
+        shadow = copy.deepcopy(self)
         sources: set[int] = set()
         targets: set[int] = set()
-        order = [g for k in range(BUCKETS, -1, -1) for m in self.classes for g in self.buckets[m][k]]
-        for g in order[:max_sources]:
+        for g in order:
             s = shadow.gpus[g]
             if not s.residents or s.multi or g in targets:  # never empty a GPU we just filled
                 continue
