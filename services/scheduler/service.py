@@ -38,7 +38,9 @@ bucket and launch or drain instances; PlacementDecided events are for informatio
   exceed the migrations' cost (:func:`.policy.migration_cost_gpu_s`). Each is applied make before
   break: a new placement on the target with ``replaces`` naming the old instance (PlacementDecided
   ``migrate``), and the old one marked draining when the new one's InstanceReady arrives. If the
-  replacement never becomes ready (its node fails), the old instance simply stays.
+  replacement never becomes ready (its node fails), the old instance simply stays. A scheduler
+  that starts with a migration under way drains the old instance at once: the replacement's
+  InstanceReady may have come while it was down.
 - Decisions are serialised by one lock, so concurrent requests never see a half-applied state.
   A failed compare-and-set means the table changed under us: state is rebuilt from the bucket and
   the request is answered with an error to retry. On start, state is rebuilt from the bucket.
@@ -169,6 +171,8 @@ class SchedulerService:
         self.started_s = self.clock()
         await self.load_inventories()
         await self.rebuild()
+        async with self.lock:  # a migration under way when the scheduler stopped: its end was missed
+            await self._settle_migrations(assume_ready=True)
         p = subjects.PREFIX  # wildcard patterns written out (the subject helpers sanitise "*")
         await bus.subscribe(f"{p}.function.deployed.*", FunctionDeployed, self._on_deployed)
         await bus.subscribe(f"{p}.function.undeployed.*", FunctionUndeployed, self._on_undeployed)
@@ -648,6 +652,22 @@ class SchedulerService:
 
     # ------------------------------------------------------------------ defragmentation
 
+    async def _settle_migrations(self, *, assume_ready: bool) -> None:
+        """Drain every instance a live replacement replaces once that replacement is ready
+        (:meth:`_on_ready` does it at once; this catches one it missed, after a table conflict).
+        ``assume_ready``: on start, when whether a replacement became ready while the scheduler
+        was down cannot be known: the old instance is drained anyway (at worst its function
+        waits for the replacement's launch), since otherwise the horizontal scaler, which counts
+        it as draining once the replacement is ready, would never retire it. Hold the lock."""
+        for iid, (p, _) in list(self.placements.items()):
+            if not p.replaces or p.draining:
+                continue
+            old = self.placements.get(p.replaces)
+            if old is None or old[0].draining or not (assume_ready or iid in self.warm):
+                continue
+            if not await self._drain(p.replaces):
+                return  # the table changed: rebuilt; the next round looks again
+
     async def _defrag_loop(self) -> None:
         while True:
             await asyncio.sleep(self.defrag_interval_s)
@@ -666,6 +686,7 @@ class SchedulerService:
         launch). The horizontal scaler counts the pair as one instance.
         """
         async with self.lock:
+            await self._settle_migrations(assume_ready=False)
             moving = {p.replaces for p, _ in self.placements.values() if p.replaces and not p.draining}
             costs = {i: (migration_cost_gpu_s(p.cold_start_ms, p.request_quota)
                          if not p.draining and i in self.warm and i not in moving and p.priority != "training"

@@ -214,6 +214,37 @@ async def test_defragmentation_relaunches_then_drains_to_free_a_gpu(nats_url):
     await nc.close()
 
 
+async def test_a_migration_interrupted_by_a_restart_still_drains_the_old_instance(nats_url):
+    """The replacement's InstanceReady may come while the scheduler is down: the restarted
+    scheduler drains the old instance anyway, so it is not left placed for good (the horizontal
+    scaler counts it as draining once the replacement is ready and would never retire it)."""
+    nc = await nats.connect(nats_url)
+    svc = scheduler()
+    async with running(svc, nats_url):
+        js = nc.jetstream()
+        await join(nc, svc, "node0")
+        await deploy(nc, svc, "f", request=0.5, limit=0.5)
+        by_gpu = collections.defaultdict(list)
+        for p in (await place(nc, "f", count=4)).placements:  # two GPUs of two
+            by_gpu[p.gpu].append(p)
+        kept = []
+        for group in by_gpu.values():  # one instance left on each GPU
+            assert (await retire(nc, "f", group[0].instance_id)).ok
+            await retired(nc, group[0])
+            kept.append(group[1])
+        await wait_for(lambda: len(svc.placements) == 2, "the two retired placements deleted")
+        for p in kept:
+            await ready(nc, p)
+        await wait_for(lambda: {p.instance_id for p in kept} <= svc.warm, "scheduler saw both ready")
+        assert await svc.defragment() == 1
+    (new,) = [p for p in (await table(js)).values() if p.replaces]
+    svc2 = scheduler()
+    async with running(svc2, nats_url):
+        rows = await table(js)
+        assert rows[new.replaces].draining and not rows[new.instance_id].draining
+    await nc.close()
+
+
 async def test_a_retirement_to_make_room_picks_a_victim_that_does_or_none(nats_url):
     """RetireRequest.room_for: the victim must free room for that function's first instance;
     a retirement that would free nothing it can use is refused, not done."""
