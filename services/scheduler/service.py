@@ -693,6 +693,8 @@ class SchedulerService:
                          else float("inf"))
                      for i, (p, _) in self.placements.items()}
             plan = self.cluster.plan_defrag(costs, gain_per_gpu_s=DEFRAG_GAIN_PER_GPU_S)
+            self.bus.log.debug("defragmentation planned", movable=sum(c != float("inf") for c in costs.values()),
+                               placements=len(costs), active_gpus=self.cluster.active, moves=len(plan.migrations))
             moved = 0
             for m in plan.migrations:
                 old, rev = self.placements[m.instance_id]
