@@ -179,6 +179,9 @@ def _show(out: dict, console, functions, hours: float, speedup: float, json_path
         if s["parks"]:
             console.print(f"{name}: {s['parks']:,} instances parked, {s['resumes']:,} resumed; {s['resume_waits']:,} "
                           f"requests waited for a resume (no launch: not cold-start requests)")
+        if s["migrations"]:
+            console.print(f"{name}: {s['migrations']:,} instances moved by defragmentation, every "
+                          f"{s['defrag_interval_s']:g} trace s (each relaunched on a fuller GPU, then drained)")
         if s["unplaced"]:
             console.print(f"{name}: {s['unplaced']:,} placements refused (no GPU had room for the instance)")
     if json_path:

@@ -219,9 +219,10 @@ def warm_up_ms(cfg: SimConfig, work: Workload) -> float:
 class SimFacts:
     """Simulator-only figures of one run (not in the Report): ``events`` processed, ``wall_s``
     real seconds it took, ``peak_active_gpus``, ``max_limit_sum`` (the largest Σ against γ on one
-    GPU, :meth:`Cluster.limit_sum`), instances ``parks`` and ``resumes`` (parking, :class:`SimConfig`), ``resumes_refused`` (the
-    GPU it left had no room: a new instance was launched instead) and ``resume_waits``
-    (requests that waited for a resume: no launch, so not cold-start requests)
+    GPU, :meth:`Cluster.limit_sum`), instances ``parks`` and ``resumes`` (parking, :class:`SimConfig`), ``resumes_refused`` (no
+    GPU of its node had room: a new instance was launched instead) and ``resume_waits``
+    (requests that waited for a resume: no launch, so not cold-start requests), ``migrations``
+    (instances moved by defragmentation, every ``defrag_interval_s`` trace s; 0: none)
     and the ``timeline`` (t_s, active GPUs, cold-start requests so far, allocation and idle
     fragmentation over the sample) used by the plots."""
 
@@ -234,6 +235,7 @@ class SimFacts:
     resumes: int = 0
     resumes_refused: int = 0
     migrations: int = 0
+    defrag_interval_s: float = 0.0  # the interval in force, trace s (0: none)
     resume_waits: int = 0
     timeline: list = field(default_factory=list)
     latency_slo_cdf: list = field(default_factory=list)
@@ -284,7 +286,7 @@ class Simulation:
         self.instances: dict[str, Instance] = {}
         self.fns: dict[str, Function] = {}
         self.mech = report.Mechanism(vertical_reaction_ms_p50=None, vertical_reaction_ms_p99=None)  # not modelled
-        self.facts = SimFacts()
+        self.facts = SimFacts(defrag_interval_s=every)
         self.t0 = warm_up_ms(cfg, work)  # the replay's start on the simulated clock
         self.span_end = self.t0 + work.plan.duration_s * 1000.0
         self.end = self.span_end + cfg.drain_s * 1000.0
@@ -978,7 +980,7 @@ def simulate(cfg: SimConfig, policies: list[str], progress=None, tick=None) -> d
             facts[p] = {"events": f.events, "wall_s": f.wall_s, "peak_active_gpus": f.peak_active_gpus,
                         "max_limit_sum": f.max_limit_sum, "unplaced": f.unplaced, "parks": f.parks,
                         "resumes": f.resumes, "resumes_refused": f.resumes_refused,
-                        "migrations": f.migrations,
+                        "migrations": f.migrations, "defrag_interval_s": f.defrag_interval_s,
                         "resume_waits": f.resume_waits,
                         "timeline": [list(r) for r in f.timeline], "latency_slo_cdf": f.latency_slo_cdf}
     except KeyboardInterrupt:

@@ -51,6 +51,7 @@ def test_defragmentation_frees_gpu_seconds_without_cold_starts():
     kept, kept_facts = _run(0.0)
     moved, facts = _run(None)  # dilu's own interval
     assert kept_facts.migrations == 0 and facts.migrations > 0
+    assert (kept_facts.defrag_interval_s, facts.defrag_interval_s) == (0.0, DEFRAG_INTERVAL_S)
     assert moved.totals.active_gpu_seconds < 0.95 * kept.totals.active_gpu_seconds
     # make before break: no request waits for a moved instance's launch
     assert moved.totals.cold_start_requests <= kept.totals.cold_start_requests
@@ -61,7 +62,7 @@ def test_defragmentation_frees_gpu_seconds_without_cold_starts():
 def test_the_baselines_do_not_defragment():
     cfg = SimConfig(**CFG)
     _, facts = _Checked(cfg, "horizontal-only", prepare(cfg)).run()
-    assert facts.migrations == 0
+    assert facts.migrations == 0 and facts.defrag_interval_s == 0.0
 
 
 def test_defrag_interval_is_in_the_json_and_a_bad_one_is_one_line(tmp_path):
@@ -74,7 +75,10 @@ def test_defrag_interval_is_in_the_json_and_a_bad_one_is_one_line(tmp_path):
     data = json.loads(path.read_text())
     assert data["sim"]["config"]["defrag_interval_s"] == 0.0
     assert data["sim"]["policies"]["dilu"]["migrations"] == 0
-    assert DEFRAG_INTERVAL_S > 0
+    assert data["sim"]["policies"]["dilu"]["defrag_interval_s"] == 0.0
+    r = CliRunner().invoke(main, ["sim", "--functions", "200", "--hours", "0.5", "--nodes", "4", "--policies", "dilu",
+                                  "--training-jobs", "0.2"], catch_exceptions=False)
+    assert r.exit_code == 0 and f"instances moved by defragmentation, every {DEFRAG_INTERVAL_S:g} trace s" in r.output
     for bad in ("-1", "nan", "1e9"):
         r = CliRunner().invoke(main, ["sim", "--defrag-interval-s", bad])
         assert "--defrag-interval-s" in one_line_error(r, 2)
