@@ -159,6 +159,29 @@ async def test_state_is_rebuilt_from_the_table_on_restart(nats_url):
     await nc.close()
 
 
+async def one_instance_on_each_of_two_gpus(nc, svc) -> list[Placement]:
+    """Join node0, deploy ``f`` (request 0.5), place four (two GPUs of two), retire one on each
+    GPU: the two placements left, each alone on its GPU, still starting (no InstanceReady yet)."""
+    js = nc.jetstream()
+    await join(nc, svc, "node0")
+    await deploy(nc, svc, "f", request=0.5, limit=0.5)
+    by_gpu = collections.defaultdict(list)
+    for p in (await place(nc, "f", count=4)).placements:
+        by_gpu[p.gpu].append(p)
+    assert sorted(len(v) for v in by_gpu.values()) == [2, 2]
+    for group in by_gpu.values():
+        assert (await retire(nc, "f", group[0].instance_id)).ok
+        await retired(nc, group[0])
+    await wait_for(lambda: len(svc.placements) == 2, "the two retired placements deleted")
+
+    async def two_rows():
+        return len(await table(js)) == 2
+
+    await wait_for(two_rows, "the table down to two rows")
+    assert svc.cluster.active == 2
+    return [group[1] for group in by_gpu.values()]
+
+
 async def test_defragmentation_relaunches_then_drains_to_free_a_gpu(nats_url):
     """Make before break: the replacement is placed with ``replaces`` while the old instance
     still serves; only the replacement's InstanceReady drains the old one. Instances that are not
@@ -166,23 +189,8 @@ async def test_defragmentation_relaunches_then_drains_to_free_a_gpu(nats_url):
     nc = await nats.connect(nats_url)
     svc = scheduler()
     async with running(svc, nats_url):
+        kept = await one_instance_on_each_of_two_gpus(nc, svc)
         js = nc.jetstream()
-        await join(nc, svc, "node0")
-        await deploy(nc, svc, "f", request=0.5, limit=0.5)
-        placed = (await place(nc, "f", count=4)).placements
-        by_gpu = collections.defaultdict(list)
-        for p in placed:
-            by_gpu[p.gpu].append(p)
-        assert sorted(len(v) for v in by_gpu.values()) == [2, 2]
-        kept = []
-        for group in by_gpu.values():  # leave one instance on each of the two GPUs
-            assert (await retire(nc, "f", group[0].instance_id)).ok
-            await retired(nc, group[0])
-            kept.append(group[1])
-        for _ in range(1500):  # up to 30 s on a loaded host; leaves as soon as it holds
-            if len(await table(js)) == 2:
-                break
-            await asyncio.sleep(0.02)
         assert svc.cluster.active == 2
         assert await svc.defragment() == 0, "instances still starting are not moved"
         for p in kept:
@@ -221,18 +229,8 @@ async def test_a_migration_interrupted_by_a_restart_still_drains_the_old_instanc
     nc = await nats.connect(nats_url)
     svc = scheduler()
     async with running(svc, nats_url):
+        kept = await one_instance_on_each_of_two_gpus(nc, svc)
         js = nc.jetstream()
-        await join(nc, svc, "node0")
-        await deploy(nc, svc, "f", request=0.5, limit=0.5)
-        by_gpu = collections.defaultdict(list)
-        for p in (await place(nc, "f", count=4)).placements:  # two GPUs of two
-            by_gpu[p.gpu].append(p)
-        kept = []
-        for group in by_gpu.values():  # one instance left on each GPU
-            assert (await retire(nc, "f", group[0].instance_id)).ok
-            await retired(nc, group[0])
-            kept.append(group[1])
-        await wait_for(lambda: len(svc.placements) == 2, "the two retired placements deleted")
         for p in kept:
             await ready(nc, p)
         await wait_for(lambda: {p.instance_id for p in kept} <= svc.warm, "scheduler saw both ready")
