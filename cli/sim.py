@@ -16,8 +16,8 @@ import click
 
 from dilu.loadgen.arrivals import SPEEDUP_MAX, SPEEDUP_MIN
 from dilu.services.common import models
-from dilu.services.common.cliopts import Finite, writable_dir, writable_output, write_output
-from dilu.services.common.policies import DEFRAG_INTERVAL_S, POLICIES
+from dilu.services.common.cliopts import Finite, ZeroOrAtLeast, writable_dir, writable_output, write_output
+from dilu.services.common.policies import DEFRAG_INTERVAL_MIN_S, DEFRAG_INTERVAL_S, POLICIES
 from dilu.services.horizontal_scaler.policy import HorizontalConfig
 
 ENV = "DILU"
@@ -64,11 +64,13 @@ def _opt(*decls, **kw):
 @_opt("--speedup", type=Finite(min=SPEEDUP_MIN, max=SPEEDUP_MAX), default=1.0, show_default=True,
       help="compress trace time as dilu demo --speedup does: the replay lasts hours / speedup and the "
            "horizontal windows shrink with it; cold starts do not (dilu demo's default is 10)")
-@_opt("--nodes", type=click.IntRange(min=1, max=100_000), default=1, show_default=True)
+@_opt("--nodes", type=click.IntRange(min=1, max=100_000), default=1, show_default=True,
+      help="nodes simulated (a --workload run: 1000 unless given)")
 @_opt("--gpus-per-node", type=click.IntRange(min=1, max=64), default=4, show_default=True, help="A100 40 GB GPUs per node")
 @_opt("--policies", default="dilu,horizontal-only", show_default=True, callback=_policies,
       help=f"comma-separated, from: {', '.join(POLICIES)}")
-@_opt("--seed", type=click.IntRange(min=0), default=1, show_default=True)
+@_opt("--seed", type=click.IntRange(min=0), default=1, show_default=True,
+      help="seeds the arrivals within each trace minute and the models assigned to functions")
 @_opt("--training-jobs", type=Finite(min=0, max=1), default=0.0, show_default=True,
       help="fraction of the GPUs running a training job (0.1: one GPU in ten)")
 @_opt("--keep-alive-s", type=Finite(min=0, max=86_400), default=HorizontalConfig.keep_alive_s, show_default=True,
@@ -80,10 +82,10 @@ def _opt(*decls, **kw):
            "placement freed, weights kept in host memory and copied back at "
            f"{models.RESUME_BANDWIDTH_BYTES_PER_S / 1e9:g} GB/s when a request comes); "
            "0: never. The live node agent does not park instances yet, so this is the simulator's alone")
-@_opt("--defrag-interval-s", type=Finite(min=0, max=86_400), default=None,
-      help="how often the scheduler defragments (moves instances off lightly used GPUs, each drained once "
-           f"its replacement is ready), trace seconds; 0: never (default: as the policy does live, every "
-           f"{DEFRAG_INTERVAL_S:g} s for dilu and dilu-published, never for the baselines)")
+@_opt("--defrag-interval-s", type=ZeroOrAtLeast(DEFRAG_INTERVAL_MIN_S, 86_400), default=None,
+      help="how often the scheduler of dilu and dilu-published defragments (moves instances off lightly used "
+           "GPUs, each drained once its replacement is ready), trace seconds; 0: never (default: "
+           f"{DEFRAG_INTERVAL_S:g}, as they do live). The baselines never defragment, whatever this says")
 @_opt("--process-start-ms", type=Finite(min=0, max=600_000), default=models.PROCESS_START_MS, show_default=True,
       help="an instance's process start before its weights load (a cold start is this plus the weights at "
            "4 GB/s); set it to what your node measures (the node agent logs cold_start_ms per instance)")

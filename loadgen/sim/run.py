@@ -57,7 +57,7 @@ from dilu.loadgen.arrivals import SPEEDUP_MAX, SPEEDUP_MIN
 from dilu.loadgen.generator import Record, RunResult
 from dilu.services.common import models
 from dilu.services.common.functions import GIB, STRETCH_RATIO, default_priority, yields_share
-from dilu.services.common.policies import modes
+from dilu.services.common.policies import DEFRAG_INTERVAL_MIN_S, modes
 from dilu.services.horizontal_scaler.policy import (HorizontalConfig, InstanceShare, PlacementBackoff, function_params,
                                                     horizontal_policy, vertical_headroom)
 from dilu.services.horizontal_scaler.service import MAX_PLACE_COUNT
@@ -97,8 +97,9 @@ class SimConfig:
     keep-alive in trace seconds (None: its default, 10 min; Knative's KPA has none);
     ``park_after_s``: park an idle function's instances after this many trace seconds
     (:class:`HorizontalConfig`'s Parking; 0: never, as the live platform); ``defrag_interval_s``:
-    how often the scheduler defragments, in trace seconds (None: as the policy does live,
-    :meth:`PolicyModes.defrag_interval_s`; 0: never); ``process_start_ms``:
+    how often the scheduler of a defragmenting policy (:attr:`PolicyModes.defrag`) defragments,
+    in trace seconds (None: as it does live, :data:`DEFRAG_INTERVAL_S`; 0: never; the baselines
+    never do); ``process_start_ms``:
     an instance's process start before its weights load (a cold start is that plus the weights
     at 4 GB/s); ticks in ms; ``sample_s``: timeline resolution."""
 
@@ -133,8 +134,10 @@ class SimConfig:
             raise ValueError(f"keep_alive_s must be in [0, 86400] s, got {self.keep_alive_s}")
         if not (0 <= self.park_after_s <= 86_400):
             raise ValueError(f"park_after_s must be in [0, 86400] s, got {self.park_after_s}")
-        if self.defrag_interval_s is not None and not (0 <= self.defrag_interval_s <= 86_400):
-            raise ValueError(f"defrag_interval_s must be in [0, 86400] s, got {self.defrag_interval_s}")
+        if self.defrag_interval_s is not None and not (
+                self.defrag_interval_s == 0 or DEFRAG_INTERVAL_MIN_S <= self.defrag_interval_s <= 86_400):
+            raise ValueError(f"defrag_interval_s must be 0 or in [{DEFRAG_INTERVAL_MIN_S:g}, 86400] s, "
+                             f"got {self.defrag_interval_s}")
         if not (0 <= self.process_start_ms <= 600_000):
             raise ValueError(f"process_start_ms must be in [0, 600000] ms, got {self.process_start_ms}")
         if not 0.0 <= self.training_jobs <= 1.0:
@@ -277,13 +280,15 @@ class Simulation:
         self.vertical = vertical_policy(VerticalConfig(mode=m.vertical))
         self.hconf = horizontal_config(m.horizontal, cfg.speedup, cfg.keep_alive_s, cfg.park_after_s)
         self.horizontal = horizontal_policy(self.hconf)
-        every = m.defrag_interval_s() if cfg.defrag_interval_s is None else cfg.defrag_interval_s
+        # the baselines never defragment; for dilu's policies the configured interval, else theirs
+        every = 0.0 if not m.defrag else m.defrag_interval_s() if cfg.defrag_interval_s is None else cfg.defrag_interval_s
         self.defrag_every = every * 1000.0 / cfg.speedup  # ms; 0: never
         self.backoff = PlacementBackoff(cfg.horizontal_tick_ms / 1000.0, 30.0)
         self.gpus: dict[int, Gpu] = {}
         self.awake: dict[int, Gpu] = {}  # GPUs whose telemetry is not paused (see QUIET_WINDOWS)
         self.vtick = self.htick = 0  # tick counters: tick k runs at k x its period
         self.instances: dict[str, Instance] = {}
+        self.moved_out: set[str] = set()  # instances draining because their replacement is ready
         self.fns: dict[str, Function] = {}
         self.mech = report.Mechanism(vertical_reaction_ms_p50=None, vertical_reaction_ms_p99=None)  # not modelled
         self.facts = SimFacts(defrag_interval_s=every)
@@ -435,6 +440,7 @@ class Simulation:
         old = inst.fn.instances.get(inst.replaces) if inst.replaces else None
         inst.replaces = ""
         if old is not None:  # a migration: the old instance drains now that its replacement serves
+            self.moved_out.add(old.iid)  # the scheduler's drain, not a horizontal retirement
             self._retire(old)
         self._start_batch(inst)
 
@@ -513,11 +519,19 @@ class Simulation:
         inst.state = "gone"
         del self.instances[inst.iid]
         del f.instances[inst.iid]
-        self.mech.retirements += 1
+        self._count_retirement(inst)
         self.horizontal.instance_retired(f.name, inst.iid)
         self._unreplaced(inst)
         if not f.instances:
             self.mech.scale_to_zero += 1
+
+    def _count_retirement(self, inst: Instance) -> None:
+        """Count a retirement as the live horizontal scaler counts its own (``dilu_retirements``):
+        an instance drained because a migration's replacement took over is not one."""
+        if inst.iid in self.moved_out:
+            self.moved_out.discard(inst.iid)
+        else:
+            self.mech.retirements += 1
 
     def _unreplaced(self, inst: Instance) -> None:
         """``inst`` is gone: a replacement moving in for it starts as an ordinary instance."""
@@ -554,7 +568,7 @@ class Simulation:
         del self.instances[inst.iid]
         del f.instances[inst.iid]
         self._leave_gpu(inst)
-        self.mech.retirements += 1
+        self._count_retirement(inst)
         if not f.training:
             self.horizontal.instance_retired(f.name, inst.iid)
             self._unreplaced(inst)
@@ -933,7 +947,7 @@ class Simulation:
                     for name, f in self.fns.items() if f.training}
         area = cut.area
         mech = cut.mechanism
-        mech.token_wait_ms = round(mech.token_wait_ms, 3)
+        mech.token_wait_ms = max(0.0, round(mech.token_wait_ms, 3))  # never "-0.0" from float noise
         facts = report.RunFacts(
             functions=per_fn, training=training, mechanism=mech,
             active_gpu_seconds=round(area / 1000.0, 6),

@@ -53,6 +53,22 @@ class Finite(click.FloatRange):
         return v
 
 
+class ZeroOrAtLeast(Finite):
+    """A period in seconds: 0 (never) or at least ``minimum``, at most ``maximum``. A tiny
+    positive period would not be "rarely": a loop at it spins (and a simulated clock stepped by
+    it stops moving once the step is below its float resolution)."""
+
+    def __init__(self, minimum: float, maximum: float) -> None:
+        super().__init__(min=0, max=maximum)
+        self.minimum = minimum
+
+    def convert(self, value, param, ctx):
+        v = super().convert(value, param, ctx)
+        if 0 < v < self.minimum:
+            self.fail(f"{value!r} is neither 0 (never) nor at least {self.minimum:g}", param, ctx)
+        return v
+
+
 def check_nats_url(ctx, param, value: str) -> str:
     """Click callback: a NATS URL with a known scheme, a host and a port in 1..65535 (nats-py
     would otherwise raise a traceback, or retry a nonsense host for ever). Raises BadParameter."""
@@ -170,7 +186,18 @@ def default_node() -> str:
 
 
 def service_main(command: click.Command, **kwargs) -> None:
-    """Run a service's click ``command`` with the ``DILU_*`` environment rule (module docstring)."""
+    """Run a service's click ``command`` with the ``DILU_*`` environment rule (module docstring);
+    a bad value says which variable it came from, as ``dilu``'s commands do (:func:`name_envvar`)."""
+    parse = command.parse_args
+
+    def parse_naming_envvar(ctx, args):
+        try:
+            return parse(ctx, args)
+        except click.BadParameter as exc:
+            name_envvar(exc)
+            raise
+
+    command.parse_args = parse_naming_envvar
     command.main(auto_envvar_prefix=ENV_PREFIX, **kwargs)
 
 

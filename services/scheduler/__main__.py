@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import click
 
-from dilu.services.common.cliopts import Finite, log_level_option, metrics_port_option, nats_options, service_main
-from dilu.services.common.policies import DEFRAG_INTERVAL_S
+from dilu.services.common.cliopts import (Finite, ZeroOrAtLeast, log_level_option, metrics_port_option, nats_options,
+                                          service_main)
+from dilu.services.common.policies import DEFRAG_INTERVAL_MIN_S, DEFRAG_INTERVAL_S
 from dilu.services.common.runner import run
 
 from .policy import ALLOCATIONS
@@ -16,7 +17,8 @@ from .service import SchedulerService
 @nats_options
 @metrics_port_option("scheduler")
 @click.option("--gamma", type=Finite(1, 8), default=1.5, show_default=True, help="Cap on Σ limit quotas per GPU.")
-@click.option("--defrag-interval-s", type=Finite(0, 86_400), default=DEFRAG_INTERVAL_S, show_default=True,
+@click.option("--defrag-interval-s", type=ZeroOrAtLeast(DEFRAG_INTERVAL_MIN_S, 86_400), default=DEFRAG_INTERVAL_S,
+              show_default=True,
               help="Every this many seconds, move instances off lightly used GPUs onto fuller ones, each "
                    "drained once its replacement is ready, when the GPU time freed outweighs the launches "
                    "(0: never; the dilu policy's setting is the default)")

@@ -186,6 +186,8 @@ class SchedulerService:
         self._tasks.append(asyncio.create_task(self._sweep_loop()))
         if self.defrag_interval_s > 0:
             self._tasks.append(asyncio.create_task(self._defrag_loop()))
+        bus.log.info("placement policy", allocation=self.allocation, gamma=self.gamma,
+                     defrag_interval_s=self.defrag_interval_s or "off")
         self._ready = True
 
     async def stop(self) -> None:

@@ -57,6 +57,9 @@ def test_defragmentation_frees_gpu_seconds_without_cold_starts():
     assert moved.totals.cold_start_requests <= kept.totals.cold_start_requests
     assert moved.totals.offered == moved.totals.completed == kept.totals.completed
     assert moved.totals.instance_launches > kept.totals.instance_launches  # each move is a launch
+    # ... counted as a launch, not as a scale-out (the scheduler's, not the horizontal scaler's)
+    for rep, f in ((kept, kept_facts), (moved, facts)):
+        assert rep.totals.instance_launches == rep.mechanism.scale_outs + f.migrations + len(rep.training)
 
 
 def test_the_baselines_do_not_defragment():
