@@ -188,16 +188,18 @@ def default_node() -> str:
 def service_main(command: click.Command, **kwargs) -> None:
     """Run a service's click ``command`` with the ``DILU_*`` environment rule (module docstring);
     a bad value says which variable it came from, as ``dilu``'s commands do (:func:`name_envvar`)."""
-    parse = command.parse_args
+    if not getattr(command, "_names_envvar", False):  # wrapped once, however often it is run
+        parse = command.parse_args
 
-    def parse_naming_envvar(ctx, args):
-        try:
-            return parse(ctx, args)
-        except click.BadParameter as exc:
-            name_envvar(exc)
-            raise
+        def parse_naming_envvar(ctx, args):
+            try:
+                return parse(ctx, args)
+            except click.BadParameter as exc:
+                name_envvar(exc)
+                raise
 
-    command.parse_args = parse_naming_envvar
+        command.parse_args = parse_naming_envvar
+        command._names_envvar = True
     command.main(auto_envvar_prefix=ENV_PREFIX, **kwargs)
 
 

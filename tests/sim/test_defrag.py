@@ -82,6 +82,6 @@ def test_defrag_interval_is_in_the_json_and_a_bad_one_is_one_line(tmp_path):
     r = CliRunner().invoke(main, ["sim", "--functions", "200", "--hours", "0.5", "--nodes", "4", "--policies", "dilu",
                                   "--training-jobs", "0.2"], catch_exceptions=False)
     assert r.exit_code == 0 and f"instances moved by defragmentation, every {DEFRAG_INTERVAL_S:g} trace s" in r.output
-    for bad in ("-1", "nan", "1e9"):
+    for bad in ("-1", "nan", "1e9", "1e-20"):  # 1e-20: a clock stepped by it would stop moving
         r = CliRunner().invoke(main, ["sim", "--defrag-interval-s", bad])
         assert "--defrag-interval-s" in one_line_error(r, 2)

@@ -133,3 +133,25 @@ def test_a_failed_run_keeps_the_users_log_directory_and_what_was_logged(tmp_path
     r = CliRunner(env={"TMPDIR": str(tmp_path)}).invoke(main, ["demo", "--duration", "5", "--functions", "1"])
     one_line_error(r, 1)
     assert [p.read_text() for p in tmp_path.glob("dilu-logs-*/dilu/scheduler.log")] == ['{"event": "why it failed"}\n']
+
+
+@pytest.mark.parametrize("env, args, hint", [
+    ({"DILU_DEFRAG_INTERVAL_S": "0.001"}, [], "'--defrag-interval-s' (from DILU_DEFRAG_INTERVAL_S)"),
+    ({}, ["--defrag-interval-s", "1e-300"], "'--defrag-interval-s':"),  # would spin: neither 0 nor >= 10 ms
+    ({"DILU_GAMMA": "abc"}, [], "'--gamma' (from DILU_GAMMA)"),
+])
+def test_a_service_names_the_variable_a_bad_value_came_from(env, args, hint, monkeypatch):
+    """A service started as ``python -m dilu.services.scheduler`` (service_main) says, as dilu's
+    commands do, which DILU_* variable a bad value came from; and refuses a tiny period."""
+    import click
+
+    from dilu.services.common.cliopts import service_main
+    from dilu.services.scheduler.__main__ import main as scheduler_main
+
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    with pytest.raises(click.BadParameter) as err:
+        service_main(scheduler_main, args=args, standalone_mode=False)
+    line = err.value.format_message()
+    assert line.startswith(f"Invalid value for {hint}") and "\n" not in line, line
+    assert ("DILU_" in line) == bool(env)
