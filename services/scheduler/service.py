@@ -699,7 +699,7 @@ class SchedulerService:
                                placements=len(costs), active_gpus=self.cluster.active, moves=len(plan.migrations))
             moved = 0
             for m in plan.migrations:
-                old, rev = self.placements[m.instance_id]
+                old, _ = self.placements[m.instance_id]
                 new_id = f"{subjects.token(old.function)}-{uuid.uuid4().hex[:10]}"
                 new = msgspec.structs.replace(old, instance_id=new_id, node=m.target.node, gpu=m.target.gpu,
                                               replaces=m.instance_id)
