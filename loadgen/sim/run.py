@@ -222,8 +222,8 @@ def warm_up_ms(cfg: SimConfig, work: Workload) -> float:
 class SimFacts:
     """Simulator-only figures of one run (not in the Report): ``events`` processed, ``wall_s``
     real seconds it took, ``peak_active_gpus``, ``max_limit_sum`` (the largest Σ against γ on one
-    GPU, :meth:`Cluster.limit_sum`), instances ``parks`` and ``resumes`` (parking, :class:`SimConfig`), ``resumes_refused`` (no
-    GPU of its node had room: a new instance was launched instead) and ``resume_waits``
+    GPU, :meth:`Cluster.limit_sum`), instances ``parks`` and ``resumes`` (parking, :class:`SimConfig`), ``resumes_refused`` (the
+    GPU it left had no room: a new instance was launched instead) and ``resume_waits``
     (requests that waited for a resume: no launch, so not cold-start requests), ``migrations``
     (instances moved by defragmentation, every ``defrag_interval_s`` trace s; 0: none)
     and the ``timeline`` (t_s, active GPUs, cold-start requests so far, allocation and idle
@@ -464,9 +464,9 @@ class Simulation:
 
     def _resume(self, inst: Instance) -> None:
         """Bring a parked instance back (its weights copied back from host memory,
-        :func:`models.resume_ms`) where :meth:`Cluster.resume_target` says: the GPU it left or
-        another of its node; when none has room, it is retired and a new instance is placed and
-        launched instead (a cold start)."""
+        :func:`models.resume_ms`) where :meth:`Cluster.resume_target` says: the GPU it left; when
+        that has no room, it is retired and a new instance is placed and launched instead (a cold
+        start)."""
         now = self.loop.now
         f = inst.fn
         slot = self.cluster.resume_target(f.demand, self.cluster.slot(inst.gpu.gid))

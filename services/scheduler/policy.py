@@ -552,16 +552,12 @@ class Cluster:
         return None
 
     def resume_target(self, d: Demand, left: Slot) -> Slot | None:
-        """Where a parked instance of ``d`` resumes, its weights being in its node's host memory:
-        a GPU of that node that can take it, active ones before empty ones (reopening an emptied
-        GPU would undo what parking and defragmentation freed), the GPU it ``left`` first among
-        equals, then by :meth:`score`; None when none can (it is launched anew wherever
-        :meth:`place` finds room). Raises KeyError for a dead node."""
-        g = self.gpu_id(left)
-        ok = [h for h in (self.gpu_id(s) for s in self.node_slots(left.node)) if self.fits(h, d)]
-        if not ok:
-            return None
-        return self.slot(min(ok, key=lambda h: (not self.gpus[h].residents, h != g, self.score(h, d))))
+        """Where a parked instance of ``d`` resumes: the GPU it ``left``, when that can still take
+        it; None when it cannot (the instance is retired and a new one launched wherever
+        :meth:`place` finds room, a cold start). Only there: an instance's process is bound to its
+        GPU at launch (``CUDA_VISIBLE_DEVICES``, its MPS client, its control block), so resuming
+        on another would be a relaunch anyway. Raises KeyError for a dead node."""
+        return left if self.fits(self.gpu_id(left), d) else None
 
     def place(self, instance_id: str, d: Demand, allow_new: bool = True) -> list[Slot]:
         """Choose GPUs for a new instance and apply it; returns its slots.
