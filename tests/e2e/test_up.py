@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import os
 import queue
+import random
 import re
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -138,6 +140,31 @@ def ups():
             up.kill()
 
 
+def ports_outside_ephemeral_range(n: int) -> list[int]:
+    """``n`` free loopback ports below Linux's ephemeral range (``ip_local_port_range``, 32768 and
+    up by default). A port a test reuses after a stop must not come from that range: between the
+    stop and the restart, any outgoing connection (a service's NATS client) may be given it as
+    its local port, and the restarted gateway then finds it taken."""
+    low = 32768
+    try:
+        low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        pass
+    socks: list[socket.socket] = []
+    try:
+        while len(socks) < n:
+            s = socket.socket()
+            try:
+                s.bind(("127.0.0.1", random.randrange(10_000, low)))
+                socks.append(s)
+            except OSError:  # taken: try another
+                s.close()
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
 def start(ups: list[Up], data_dir: Path, *extra: str, ports: list[int] | None = None) -> Up:
     nats_port, gateway_port = ports or free_ports(2)
     up = Up(data_dir, nats_port, gateway_port, *extra)
@@ -223,7 +250,7 @@ def test_a_restart_on_the_same_data_dir_serves_the_deployed_functions(tmp_path, 
     data, fn = tmp_path / "data", tmp_path / "fn"
     fn.mkdir()
     (fn / "function.toml").write_text(SPEC)
-    up = start(ups, data)
+    up = start(ups, data, ports=ports_outside_ephemeral_range(2))  # reused below
     url = f"nats://127.0.0.1:{up.nats_port}"
     # NATS requires credentials: the operator's, generated in the data directory, deploy
     creds = data / "creds" / "operator.creds"
