@@ -179,7 +179,10 @@ class Placement(msgspec.Struct, kw_only=True):
     percentage on a real GPU), fixed at launch; by default its limit quota. ``batch_size``: the
     largest batch the instance pulls (it takes what is queued, up to this). ``replaces``: set on
     an instance the scheduler's defragmentation launched to take over from another (that one is
-    marked draining when this one is ready); "" otherwise.
+    marked draining when this one is ready); "" otherwise. ``parked``: the horizontal scaler
+    parked the idle instance (:class:`ParkRequest`): it pulls nothing and holds no SM share, its
+    weights wait in host memory, and the scheduler does not count its demand on the GPU; it
+    resumes on this GPU alone (its process is bound to it at launch).
     """
 
     instance_id: str
@@ -198,6 +201,7 @@ class Placement(msgspec.Struct, kw_only=True):
     cold_start_ms: float = 0.0
     draining: bool = False
     replaces: str = ""  # a migration's replacement: the instance drained once this one is ready
+    parked: bool = False  # idle, off the GPU, weights in host memory (ParkRequest)
 
 
 class PlacementDecided(Event):
@@ -264,6 +268,32 @@ class RetireReply(Event):
     error: str = ""
 
 
+class ParkRequest(Event):
+    """Request-reply on ``dilu.v1.scheduler.park``: park a ready, idle instance (``resume``
+    false) or bring a parked one back (``resume`` true).
+
+    Parking marks the placement ``parked``: the scheduler stops counting the instance's demand on
+    its GPU and the node agent has the process stop pulling and move its weights to host memory.
+    A resume re-seats the demand on the GPU the instance left when it still fits there (the
+    agent has the process copy its weights back; it is ready again within
+    :func:`~dilu.services.common.models.resume_ms`); when it does not fit, the scheduler places
+    a new instance of the function instead (a cold start) and drains the parked one.
+    """
+
+    function: str
+    instance_id: str
+    resume: bool = False
+
+
+class ParkReply(Event):
+    """``ok``: done. ``relaunched``: on a resume that did not fit the instance's GPU, the new
+    placement that replaces it (the parked instance is draining); None otherwise."""
+
+    ok: bool
+    relaunched: Placement | None = None
+    error: str = ""
+
+
 # --------------------------------------------------------------------------- instance lifecycle
 
 
@@ -283,9 +313,19 @@ class InstanceLaunched(InstanceEvent):
 
 
 class InstanceReady(InstanceEvent):
-    """The instance loaded its model and pulls requests. ``cold_start_ms``: launch to ready."""
+    """The instance loaded its model and pulls requests. ``cold_start_ms``: launch to ready, or
+    for a ``resumed`` instance, the resume signal to ready (its weights copied back from host
+    memory). ``parkable``: its code can move its weights off the GPU and back (the emulated and
+    built-in handlers can; a user's class when it has ``park`` and ``resume`` methods)."""
 
     cold_start_ms: float = 0.0
+    resumed: bool = False
+    parkable: bool = False
+
+
+class InstanceParked(InstanceEvent):
+    """The instance stopped pulling and moved its weights to host memory (its placement is
+    ``parked``): it holds no SM share and no device memory but its CUDA context."""
 
 
 class InstanceRetired(InstanceEvent):
@@ -558,9 +598,12 @@ EVENT_TYPES: tuple[type[Event], ...] = (
     AdmitReply,
     RetireRequest,
     RetireReply,
+    ParkRequest,
+    ParkReply,
     InstanceLaunched,
     InstanceReady,
     InstanceRetired,
+    InstanceParked,
     GpuTelemetry,
     KernelCycleStretch,
     TokenGrant,

@@ -48,7 +48,7 @@ def placement_decided(fn: str) -> str:
 
 
 def instance_state(state: str, node: str) -> str:
-    """``state`` is one of launched, ready, retired."""
+    """``state`` is one of launched, ready, retired, parked."""
     return f"{PREFIX}.instance.{token(state)}.{token(node)}"
 
 
@@ -90,6 +90,7 @@ def node_trial(node: str) -> str:
 SCHEDULER_PLACE = f"{PREFIX}.scheduler.place"
 SCHEDULER_RETIRE = f"{PREFIX}.scheduler.retire"
 SCHEDULER_ADMIT = f"{PREFIX}.scheduler.admit"
+SCHEDULER_PARK = f"{PREFIX}.scheduler.park"
 PROFILER_PROFILE = f"{PREFIX}.profiler.profile"
 
 # JetStream resources.
@@ -133,6 +134,7 @@ SUBJECT_EVENTS: dict[str, type[ev.Event]] = {
     f"{PREFIX}.instance.launched.*": ev.InstanceLaunched,
     f"{PREFIX}.instance.ready.*": ev.InstanceReady,
     f"{PREFIX}.instance.retired.*": ev.InstanceRetired,
+    f"{PREFIX}.instance.parked.*": ev.InstanceParked,
     f"{PREFIX}.telemetry.gpu.*.*": ev.GpuTelemetry,
     f"{PREFIX}.event.kernel_cycle_stretch.*.*": ev.KernelCycleStretch,
     f"{PREFIX}.grant.issued.*.*": ev.TokenGrant,
@@ -143,5 +145,6 @@ SUBJECT_EVENTS: dict[str, type[ev.Event]] = {
     SCHEDULER_PLACE: ev.PlaceRequest,
     SCHEDULER_RETIRE: ev.RetireRequest,
     SCHEDULER_ADMIT: ev.AdmitRequest,
+    SCHEDULER_PARK: ev.ParkRequest,
     PROFILER_PROFILE: ev.ProfileRequest,
 }

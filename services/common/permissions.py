@@ -76,8 +76,9 @@ def pattern(event: type[ev.Event], *ids: str) -> str:
 
 
 def instance_pattern(state: str, node: str = "*") -> str:
-    """Subjects of instance ``state`` events (launched, ready, retired) of ``node`` (``*``: all)."""
-    event = {"launched": ev.InstanceLaunched, "ready": ev.InstanceReady, "retired": ev.InstanceRetired}[state]
+    """Subjects of instance ``state`` events (launched, ready, retired, parked) of ``node`` (``*``: all)."""
+    event = {"launched": ev.InstanceLaunched, "ready": ev.InstanceReady, "retired": ev.InstanceRetired,
+             "parked": ev.InstanceParked}[state]
     return pattern(event) if node == "*" else pattern(event, node)
 
 
@@ -178,7 +179,7 @@ def permissions(role: str, node: str | None = None, *, caller: str | None = None
     reply_roles = ("caller", "gateway", "operator")  # whose invocations instances answer
     if role == "node-agent":
         pub += [pattern(ev.GpuTelemetry, node), pattern(ev.KernelCycleStretch, node),
-                *(instance_pattern(s, node) for s in ("launched", "ready", "retired")),
+                *(instance_pattern(s, node) for s in ("launched", "ready", "retired", "parked")),
                 sj.node_inventory(node)]
         pub += kv_write(sj.NODES_BUCKET, node) + kv_read(sj.PLACEMENT_BUCKET, create=True)
         pub += kv_read(sj.FUNCTIONS_BUCKET)
@@ -187,14 +188,14 @@ def permissions(role: str, node: str | None = None, *, caller: str | None = None
     elif role == "vertical-scaler":
         pub += [pattern(ev.TokenGrant, node)]
         sub += [pattern(ev.KernelCycleStretch, node), pattern(ev.GpuTelemetry, node),
-                instance_pattern("retired", node)]
+                instance_pattern("retired", node), instance_pattern("parked", node)]
     elif role == "scheduler":
         pub += [pattern(ev.PlacementDecided)]
         pub += kv_write(sj.PLACEMENT_BUCKET) + kv_read(sj.PROFILES_BUCKET, create=True)
         pub += kv_read(sj.NODES_BUCKET, create=True) + kv_read(sj.FUNCTIONS_BUCKET)
         sub += [pattern(ev.FunctionDeployed), pattern(ev.FunctionUndeployed), pattern(ev.ProfileReady),
                 instance_pattern("ready"), instance_pattern("retired"),
-                sj.SCHEDULER_PLACE, sj.SCHEDULER_RETIRE, sj.SCHEDULER_ADMIT]
+                sj.SCHEDULER_PLACE, sj.SCHEDULER_RETIRE, sj.SCHEDULER_ADMIT, sj.SCHEDULER_PARK]
         responds = True
     elif role == "profiler":
         pub += [pattern(ev.ProfileReady), pattern(ev.TrialRequest)]
@@ -202,7 +203,8 @@ def permissions(role: str, node: str | None = None, *, caller: str | None = None
         sub += [pattern(ev.FunctionDeployed), sj.PROFILER_PROFILE]
         responds = True
     elif role == "horizontal-scaler":
-        pub += [pattern(ev.ScaleDecision), pattern(ev.BurstWindowBreach), sj.SCHEDULER_PLACE, sj.SCHEDULER_RETIRE]
+        pub += [pattern(ev.ScaleDecision), pattern(ev.BurstWindowBreach), sj.SCHEDULER_PLACE, sj.SCHEDULER_RETIRE,
+                sj.SCHEDULER_PARK]
         pub += kv_write(sj.FUNCTION_STATE_BUCKET)
         pub += kv_read(sj.FUNCTIONS_BUCKET) + kv_read(sj.PROFILES_BUCKET) + kv_read(sj.PLACEMENT_BUCKET)
         pub += invoke_queue("watch")
