@@ -205,10 +205,13 @@ class Placement(msgspec.Struct, kw_only=True):
 
 
 class PlacementDecided(Event):
-    """Informational copy of a placement-table change (the KV table drives launches)."""
+    """Informational copy of a placement-table change (the KV table drives launches).
+    ``action``: ``place`` (a new instance), ``retire`` (marked draining), ``migrate`` (a
+    replacement, see ``Placement.replaces``, or an instance placed again off a gone node),
+    ``park`` / ``resume`` (:class:`ParkRequest`)."""
 
     placement: Placement
-    action: Literal["place", "retire", "migrate"] = "place"
+    action: Literal["place", "retire", "migrate", "park", "resume"] = "place"
     revision: int = 0
 
 
