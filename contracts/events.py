@@ -552,10 +552,11 @@ STATS_MAX_LATENCIES = 1024  # latencies carried per FunctionStats report (one in
 
 
 class ScaleDecision(Event):
-    """Informational: the horizontal scaler changed a function's instance count."""
+    """Informational: the horizontal scaler changed a function's instance count. ``direction``
+    ``park``: idle instances parked (weights to host memory); ``resume``: parked ones brought back."""
 
     function: str
-    direction: Literal["out", "in", "zero", "prewarm"]
+    direction: Literal["out", "in", "zero", "prewarm", "park", "resume"]
     count: int
     current: int = 0
     desired: int = 0

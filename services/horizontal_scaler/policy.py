@@ -48,8 +48,10 @@ pending plus in flight: the concurrency Knative measures at its queue proxy) and
   one back costs a copy to the device, not a cold start (PipeSwitch, OSDI 2020, and Torpor swap
   models between host and GPU memory in milliseconds). A scale-out resumes parked instances
   before it places new ones; when the keep-alive runs out they are retired with the rest. A
-  function with ``min_instances`` keeps them on the GPU. Only ``dilu sim`` parks so far: the node
-  agent cannot move an instance's memory off its GPU yet.
+  function with ``min_instances`` keeps them on the GPU, and so does one with a ready instance
+  whose code cannot move its weights (InstanceReady ``parkable``). Live, the scheduler marks the
+  placement parked and the node agent has the process offload its weights (docs/operations.md,
+  Parking); a resume that no longer fits the GPU the instance left is a new instance elsewhere.
 - **Migration** (:meth:`HorizontalPolicy.instance_migrating`): the scheduler's defragmentation
   moves an instance by launching its replacement on a fuller GPU and draining the old one once
   the replacement is ready (make before break: the function never waits for the launch). The
@@ -345,6 +347,7 @@ class _Instance:
     before_drain: InstanceState = "ready"
     resuming: bool = False  # starting again from parked: ready within a copy of its weights
     replaces: str = ""  # moving: the instance it takes over from once ready (see Migration)
+    parkable: bool = True  # its code can move its weights to host memory and back (InstanceReady)
 
 
 @dataclass
@@ -504,21 +507,29 @@ class HorizontalPolicy:
         if inst.state == "starting" and old is not None and old.state in ("starting", "ready"):
             inst.state, inst.replaces = "moving", replaces
 
-    def instance_ready(self, fn: str, instance_id: str, now_s: float) -> None:
+    def instance_ready(self, fn: str, instance_id: str, now_s: float, parkable: bool = True) -> None:
         """The instance pulls requests. A draining one stays draining. A moving one is ready and
         the instance it replaces is counted as draining from now on (its drain is the scheduler's
-        business: it marks it so on this same InstanceReady)."""
+        business: it marks it so on this same InstanceReady). ``parkable``: its code can move its
+        weights off the GPU and back (InstanceReady says; a function with a ready instance that
+        cannot is never parked)."""
         f = self._fn(fn)
         inst = f.instances.get(instance_id)
         if inst is None:
-            f.instances[instance_id] = _Instance(instance_id, "ready", now_s)
-        elif inst.state in ("starting", "moving"):
+            f.instances[instance_id] = inst = _Instance(instance_id, "ready", now_s)
+        inst.parkable = parkable
+        if inst.state in ("starting", "moving"):
             old = f.instances.get(inst.replaces) if inst.state == "moving" else None
             if old is not None and old.state in ("starting", "ready"):
                 old.before_drain, old.state = old.state, "draining"
             inst.state, inst.since_s, inst.resuming, inst.replaces = "ready", now_s, False, ""
-        else:
+        elif inst.state != "ready":
             inst.before_drain = "ready"
+
+    def instance_parked(self, fn: str, instance_id: str, now_s: float) -> None:
+        """``instance_id`` is parked (restored from the placement table's ``parked`` flag): not
+        counted, resumed by the next scale-out, retired at zero. Known instances keep their state."""
+        self._fn(fn).instances.setdefault(instance_id, _Instance(instance_id, "parked", now_s))
 
     def instance_retired(self, fn: str, instance_id: str) -> None:
         """The instance is gone (drained, cancelled or crashed). Unknown ids are ignored. An
@@ -555,10 +566,18 @@ class HorizontalPolicy:
         return []
 
     def park_failed(self, fn: str, instance_id: str) -> None:
-        """``instance_id`` could not be parked (it was serving): count it as ready again."""
+        """``instance_id`` could not be parked (it was serving, or the scheduler refused): count it
+        as ready again."""
         inst = self._fn(fn).instances.get(instance_id)
         if inst is not None and inst.state == "parked":
             inst.state = "ready"
+
+    def resume_failed(self, fn: str, instance_id: str) -> None:
+        """The scheduler could not bring ``instance_id`` back (no room anywhere): it stays parked,
+        and the next scale-out tries again."""
+        inst = self._fn(fn).instances.get(instance_id)
+        if inst is not None and inst.state == "starting" and inst.resuming:
+            inst.state, inst.resuming = "parked", False
 
     def instances(self, fn: str) -> dict[str, str]:
         """instance id -> state (starting, ready, draining, parked, moving)."""
@@ -670,7 +689,8 @@ class HorizontalPolicy:
         the keep-alive keeps there already (a pre-warm still launches it, to park it once ready)."""
         after = self.config.park_after_s
         if (after <= 0 or f.idle_since is None or f.backlog or f.params.min_instances > 0 or desired > 1
-                or not f.params.parkable or f.count("starting", "ready", "parked") < desired):
+                or not f.params.parkable or f.count("starting", "ready", "parked") < desired
+                or any(i.state == "ready" and not i.parkable for i in f.instances.values())):
             return False
         w = self._windows(f)
         idle_for = now_s - f.idle_since

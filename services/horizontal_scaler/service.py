@@ -70,6 +70,8 @@ from dilu.contracts.events import (
     InstanceLaunched,
     InstanceReady,
     InstanceRetired,
+    ParkReply,
+    ParkRequest,
     Placement,
     PlacementDecided,
     PlaceReply,
@@ -93,6 +95,8 @@ SCALE_TO_ZERO = Counter("dilu_scale_to_zero", "Times a function was scaled to ze
 DECISIONS = Counter("dilu_scale_decisions", "Scale decisions carried out", ["function", "direction"])
 BACKLOG_ERRORS = Counter("dilu_backlog_errors", "Ticks whose backlog could not be read (scale held)", ["function", "kind"])
 PREEMPTIONS = Counter("dilu_preemptions", "Surplus instances retired so a starved function gets its first", ["function"])
+PARKS = Counter("dilu_parks", "Instances parked (their weights moved to host memory)", ["function"])
+RESUMES = Counter("dilu_resumes", "Parked instances brought back", ["outcome"])  # resumed | relaunched | refused
 PLACE_FAILURES = Counter("dilu_place_failures", "Scale-outs the scheduler refused or did not answer", ["function"])
 BREACHES = Counter("dilu_burst_window_breaches", "Burst windows whose load exceeded capacity", ["function", "panic"])
 DESIRED = Gauge("dilu_desired_instances", "Instances the horizontal scaler aims at", ["function"])
@@ -256,7 +260,7 @@ class HorizontalScaler:
         self._known(ev.function)
         if ev.function not in self.policy.functions():
             return
-        self.policy.instance_ready(ev.function, ev.instance_id, self._now())
+        self.policy.instance_ready(ev.function, ev.instance_id, self._now(), parkable=ev.parkable)
         if self._load_failed.pop(ev.function, None) is not None:  # its function loads again
             self._backoff.clear(ev.function)
             self.state.placeable(ev.function, True)
@@ -321,7 +325,10 @@ class HorizontalScaler:
             pl = msgspec.json.decode(raw, type=Placement)
             if not pl.draining:
                 self._known(pl.function)
-                self.policy.instance_ready(pl.function, pl.instance_id, self._now())
+                if pl.parked:
+                    self.policy.instance_parked(pl.function, pl.instance_id, self._now())
+                else:  # whether its code can park is not stored: it is not parked until it says so again
+                    self.policy.instance_ready(pl.function, pl.instance_id, self._now(), parkable=False)
 
     async def _kv_values(self, bucket: str) -> list[bytes]:
         assert self.bus is not None
@@ -391,6 +398,10 @@ class HorizontalScaler:
         DESIRED.labels(fn).set(d.desired)
         if d.breach is not None:
             await self._publish_breach(d)
+        if d.park:
+            await self._park(fn, d)
+        if d.resume:
+            await self._resume(fn, d, now)
         if d.place:
             await self._place(fn, d, now)
         if d.retire:
@@ -483,6 +494,58 @@ class HorizontalScaler:
             self.bus.log.warning("scale-out not placed", function=fn, count=d.place, error=error or "no placements")
             if d.current == 0:
                 await self._make_room(fn)
+
+    async def _ask_park(self, fn: str, iid: str, resume: bool) -> tuple[ParkReply | None, str]:
+        """One ParkRequest; (the reply when ok, else None, and the error)."""
+        assert self.bus is not None
+        try:
+            reply = await self.bus.request(subjects.SCHEDULER_PARK, ParkRequest(function=fn, instance_id=iid, resume=resume),
+                                           ParkReply, timeout=self.timeout)
+        except (nats.errors.TimeoutError, nats.errors.NoRespondersError, MalformedEvent) as exc:
+            return None, repr(exc)
+        return (reply, "") if reply.ok else (None, reply.error or "refused")
+
+    async def _park(self, fn: str, d: Decision) -> None:
+        """Ask the scheduler to park each instance the policy marked parked; one refused (or
+        unanswered) counts as ready again."""
+        assert self.bus is not None
+        results = await asyncio.gather(*(self._ask_park(fn, iid, False) for iid in d.park))
+        done = 0
+        for iid, (reply, error) in zip(d.park, results):
+            if reply is None:
+                self.policy.park_failed(fn, iid)
+                self.bus.log.warning("park refused", function=fn, instance=iid, error=error)
+            else:
+                done += 1
+        if done:
+            PARKS.labels(fn).inc(done)
+            await self._decided(fn, d, "park", done)
+
+    async def _resume(self, fn: str, d: Decision, now: float) -> None:
+        """Bring back each parked instance the policy marked starting. The scheduler resumes it
+        on the GPU it left, or places a new instance (``relaunched``: counted starting, the
+        parked one retired); refused (no room anywhere) or unanswered, it stays parked and the
+        function backs off as after a refused placement."""
+        assert self.bus is not None
+        results = await asyncio.gather(*(self._ask_park(fn, iid, True) for iid in d.resume))
+        done = 0
+        for iid, (reply, error) in zip(d.resume, results):
+            if reply is None:
+                RESUMES.labels("refused").inc()
+                self.policy.resume_failed(fn, iid)
+                self._backoff.failed(fn, now)
+                self.bus.log.warning("resume refused", function=fn, instance=iid, error=error)
+                continue
+            done += 1
+            if reply.relaunched is not None:
+                RESUMES.labels("relaunched").inc()
+                self.policy.instance_retired(fn, iid)
+                self.policy.instance_starting(fn, reply.relaunched.instance_id, now)
+            else:
+                RESUMES.labels("resumed").inc()
+        if done:
+            SCALE_OUTS.labels(fn).inc(done)
+            await self._decided(fn, d, "resume", done)
 
     async def _make_room(self, fn: str) -> None:
         """``fn`` has no instance and no GPU can take one: retire one surplus instance of the

@@ -3,7 +3,8 @@
 Subscribes ``dilu.v1.telemetry.gpu.<node>.*`` (GpuTelemetry),
 ``dilu.v1.event.kernel_cycle_stretch.<node>.*`` (KernelCycleStretch) and
 ``dilu.v1.instance.retired.<node>`` (InstanceRetired: the retired instance's share goes back at
-once), feeds the policy with the monotonic clock in ms, and publishes each resulting
+once) and ``dilu.v1.instance.parked.<node>`` (InstanceParked: likewise; a resumed instance is
+learnt again from telemetry), feeds the policy with the monotonic clock in ms, and publishes each resulting
 :class:`TokenGrant` on
 ``dilu.v1.grant.issued.<node>.<gpu>`` with:
 
@@ -30,7 +31,7 @@ import time
 from prometheus_client import Counter
 
 from dilu.contracts import subjects
-from dilu.contracts.events import GpuTelemetry, InstanceRetired, KernelCycleStretch, TokenGrant
+from dilu.contracts.events import GpuTelemetry, InstanceParked, InstanceRetired, KernelCycleStretch, TokenGrant
 from dilu.services.common.bus import Bus
 
 from .policy import Grant, VerticalConfig, vertical_policy
@@ -64,6 +65,7 @@ class VerticalScaler:
         await bus.subscribe(f"{subjects.PREFIX}.event.kernel_cycle_stretch.{node}.*", KernelCycleStretch, self._on_stretch)
         await bus.subscribe(f"{subjects.PREFIX}.telemetry.gpu.{node}.*", GpuTelemetry, self._on_telemetry)
         await bus.subscribe(subjects.instance_state("retired", self.node), InstanceRetired, self._on_retired)
+        await bus.subscribe(subjects.instance_state("parked", self.node), InstanceParked, self._on_retired)
         bus.log.info("vertical policy", mode=self.policy.config.mode, policy=type(self.policy).__name__)
         # Start-up objects (modules, config) never become garbage: keep the cyclic collector from
         # rescanning them on every collection, which shortens the pauses a grant can wait behind.
@@ -94,7 +96,8 @@ class VerticalScaler:
         grants = self.policy.on_telemetry(event.gpu, self._now_ms(), event.instances)
         await self._publish(event.gpu, grants, event.ts_ns)
 
-    async def _on_retired(self, event: InstanceRetired, _msg) -> None:
+    async def _on_retired(self, event: InstanceRetired | InstanceParked, _msg) -> None:
+        """Retired or parked: either way the instance holds no share now; its neighbours get it."""
         self._check_node(event.node)
         grants = self.policy.on_retired(event.gpu, self._now_ms(), event.instance_id)
         await self._publish(event.gpu, grants, event.ts_ns)

@@ -164,3 +164,39 @@ def test_a_pre_warm_still_launches_the_instance_it_then_parks():
     for pw in prewarms:  # each pre-warmed instance is parked as soon as it is there
         assert any(0 < d.now_s - pw.now_s <= 1.0 for d in parks), pw.now_s
     assert not [d for d in last if d.place and d.direction != "prewarm"]  # no request waited for a launch
+
+
+def test_an_instance_whose_code_cannot_park_keeps_its_function_on_the_gpu():
+    p = policy()
+    p.instance_ready(FN, "w0", 0.0, parkable=False)  # InstanceReady said its code has no park/resume
+    p.record(FN, 0.5, 1, 1)
+    p.decide(FN, 0.5)
+    decisions = idle_until(p, 0.5, 70.0)
+    assert not any(d.park for d in decisions)
+    gone = [d for d in decisions if d.retire]
+    assert gone and gone[0].retire == ["w0"]  # the keep-alive still ends it
+
+
+def test_a_refused_resume_leaves_the_instance_parked_for_the_next_scale_out():
+    p = policy()
+    served_then_idle(p)
+    idle_until(p, 0.5, 12.0)
+    p.record(FN, 12.5, 2, 2)
+    d = p.decide(FN, 12.5)
+    assert d.resume == ["w0"] and p.instances(FN) == {"w0": "starting"}
+    p.resume_failed(FN, "w0")  # the scheduler found no room anywhere
+    assert p.instances(FN) == {"w0": "parked"}
+    p.record(FN, 13.0, 2, 0)
+    assert p.decide(FN, 13.0).resume == ["w0"]  # tried again
+
+
+def test_a_parked_instance_restored_from_the_table_is_resumed_not_counted():
+    p = policy()
+    p.instance_parked(FN, "w0", 0.0)
+    p.restored(FN, 0.0)
+    assert p.instances(FN) == {"w0": "parked"}
+    p.record(FN, 0.5, 1, 1)
+    d = p.decide(FN, 0.5)
+    assert d.current == 0 and d.resume == ["w0"] and d.place == 0 and d.direction == "resume"
+    p.instance_ready(FN, "w0", 0.6)
+    assert p.instances(FN) == {"w0": "ready"}
