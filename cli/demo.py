@@ -64,6 +64,7 @@ class RunOptions:
     log_dir: str | None
     training_jobs: int | None = None
     llm_share: float = 0.0
+    park_after_s: float = 0.0
     progress: bool = True
 
     def __post_init__(self) -> None:
@@ -112,6 +113,7 @@ def run_options(f):
         click.option("--nats-url", default=None, callback=nonempty_url, help="use a running NATS server instead of starting one"),
         click.option("--log-dir", default=None, type=click.Path(file_okay=False), callback=nonempty_path, help="where the services' JSON logs go (default: a temp dir)"),
         click.option("--training-jobs", type=click.IntRange(min=0, max=64), default=None, help="training jobs collocated with the inference functions, at most one per GPU (default: one per GPU in dilu demo, none in dilu compare; 0: none)"),
+        click.option("--park-after-s", type=click.FloatRange(min=0, max=86_400), default=0.0, show_default=True, callback=finite, help="park an idle function's instances after this many trace seconds within its keep-alive (their GPU share and device memory given back, weights kept in host memory, resumed in milliseconds); compressed by --speedup like the keep-alive; 0: never"),
         click.option("--llm-share", type=click.FloatRange(min=0.0, max=1.0), default=0.0, show_default=True, callback=finite, help="also replay this fraction of the Azure LLM 2023 code trace's requests (real arrival times, prompt and output lengths) against an llm function on LLaMA2-7B; 0: none"),
     ]
     for opt in reversed(opts):
@@ -182,13 +184,15 @@ def _timeout_s(spec, inv) -> float:
     return max(REQUEST_TIMEOUT_MIN_S, 10 * objective_ms / 1000.0)
 
 
-def replay_args(speedup: float, policy: str) -> dict[str, list[str]]:
+def replay_args(speedup: float, policy: str, park_after_s: float = 0.0) -> dict[str, list[str]]:
     """Per service, the settings a replay at ``speedup`` adds to ``policy``'s: the horizontal
-    scaler's windows (:func:`scaler_windows`) and the scheduler's defragmentation interval, trace
-    time compressed alike (:meth:`PolicyModes.defrag_interval_s`)."""
+    scaler's windows (:func:`scaler_windows`) and parking delay (``park_after_s`` trace seconds;
+    0: never), and the scheduler's defragmentation interval, trace time compressed alike
+    (:meth:`PolicyModes.defrag_interval_s`)."""
     from dilu.services.common.policies import modes
 
-    return {"horizontal_scaler": scaler_windows(speedup),
+    park = ["--park-after-s", f"{park_after_s / speedup:g}"] if park_after_s > 0 else []
+    return {"horizontal_scaler": scaler_windows(speedup) + park,
             "scheduler": ["--defrag-interval-s", f"{modes(policy).defrag_interval_s(speedup):g}"]}
 
 
@@ -474,7 +478,7 @@ async def run_once(opts: RunOptions, policy: str, console: Console, stop: asynci
     # the load generator's own log lines (e.g. each request NATS refused) go beside the services'
     dlog.configure("loadgen", stream=(log_dir / "loadgen.log").open("a", buffering=1))
     cluster = Cluster(log_dir=log_dir, policy=policy, gpus=opts.gpus, nats_url=opts.nats_url, auth=True,
-                      extra_args=replay_args(opts.speedup, policy))
+                      extra_args=replay_args(opts.speedup, policy, opts.park_after_s))
     await _start(cluster, created)
     try:
         replay = await _replay(opts, cluster, plan, chosen, llm_plan, console, stop)

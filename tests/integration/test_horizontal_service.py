@@ -17,6 +17,8 @@ from dilu.contracts.events import (
     InstanceLaunched,
     InstanceReady,
     InstanceRetired,
+    ParkReply,
+    ParkRequest,
     Placement,
     PlacementDecided,
     PlaceReply,
@@ -47,10 +49,14 @@ class FakeCluster:
         self.live: dict[str, str] = {}
         self.decisions: list[ScaleDecision] = []
         self.breaches: list[BurstWindowBreach] = []
+        self.parkable = False  # what its InstanceReady says of the instances' code
+        self.parks: list[ParkRequest] = []
+        self.relaunch = False  # a resume does not fit the instance's GPU: a new instance instead
 
     async def start(self):
         await self.nc.subscribe(subjects.SCHEDULER_PLACE, cb=self.on_place)
         await self.nc.subscribe(subjects.SCHEDULER_RETIRE, cb=self.on_retire)
+        await self.nc.subscribe(subjects.SCHEDULER_PARK, cb=self.on_park)
         await self.nc.subscribe(f"{subjects.PREFIX}.scale.decided.*", cb=self.on_decision)
         await self.nc.subscribe(f"{subjects.PREFIX}.event.burst_window_breach.*", cb=self.on_breach)
         await settle(self.nc)
@@ -68,7 +74,23 @@ class FakeCluster:
         for p in out:
             ev = dict(instance_id=p.instance_id, function=p.function, node="n0", gpu=0)
             await self.nc.publish(subjects.instance_state("launched", "n0"), encode(InstanceLaunched(**ev)))
-            await self.nc.publish(subjects.instance_state("ready", "n0"), encode(InstanceReady(**ev)))
+            await self.nc.publish(subjects.instance_state("ready", "n0"), encode(InstanceReady(**ev, parkable=self.parkable)))
+
+    async def on_park(self, msg):
+        req = decode(msg.data, ParkRequest)
+        self.parks.append(req)
+        relaunched = None
+        if req.resume and self.relaunch:
+            iid = f"i{next(self.ids)}"
+            relaunched = Placement(instance_id=iid, function=req.function, node="n0", gpu=1, request_quota=0.3,
+                                   limit_quota=0.6, width=0.6, memory_bytes=1)
+            self.live[iid] = req.function
+        await self.nc.publish(msg.reply, encode(ParkReply(ok=req.instance_id in self.live, relaunched=relaunched)))
+        if req.resume:
+            iid = relaunched.instance_id if relaunched else req.instance_id
+            ev = dict(instance_id=iid, function=req.function, node="n0", gpu=0)
+            await self.nc.publish(subjects.instance_state("ready", "n0"), encode(InstanceReady(
+                **ev, resumed=relaunched is None, parkable=self.parkable)))
 
     async def on_retire(self, msg):
         req = decode(msg.data, RetireRequest)
@@ -94,7 +116,7 @@ async def until(pred, timeout=10.0, step=0.05):
     raise AssertionError(f"condition not met within {timeout} s")
 
 
-async def setup(nats_url, with_consumer=True):
+async def setup(nats_url, with_consumer=True, **config):
     nc = await nats.connect(nats_url)
     js = nc.jetstream()
     await js.add_stream(StreamConfig(name=subjects.INVOKE_STREAM, subjects=[subjects.INVOKE_SUBJECTS],
@@ -104,7 +126,8 @@ async def setup(nats_url, with_consumer=True):
             durable_name=consumer_name(FN), filter_subject=subjects.invoke(FN), ack_policy=AckPolicy.EXPLICIT))
     cluster = FakeCluster(nc)
     await cluster.start()
-    cfg = HorizontalConfig(mode="lazy", stable_window_s=2.0, panic_window_pct=25.0, keep_alive_s=1.5)
+    cfg = HorizontalConfig(**{"mode": "lazy", "stable_window_s": 2.0, "panic_window_pct": 25.0, "keep_alive_s": 1.5,
+                              **config})
     scaler = HorizontalScaler(cfg, tick_s=0.1)
     shutdown = asyncio.Event()
     task = asyncio.create_task(serve(scaler, nats_url, shutdown=shutdown, install_signals=False))
@@ -247,6 +270,68 @@ async def test_a_migration_is_one_instance_until_its_replacement_is_ready(nats_u
         await nc.publish(subjects.instance_state("ready", "n0"), encode(InstanceReady(**ev)))
         await until(lambda: scaler.policy.instances(FN) == {old: "draining", "moved": "ready"})
         assert cluster.retired == []  # the old one's drain is the scheduler's
+    finally:
+        shutdown.set()
+        await task
+        await nc.close()
+
+
+async def parkable_spec(nc, scaler):
+    """Deploy FN again with a cold start whose resume (a third of it) fits half its 100 ms SLO."""
+    spec = FunctionSpec(name=FN, model="resnet50", slo_ms=100.0, max_instances=4, cold_start_ms=30.0)
+    await nc.publish(subjects.function_deployed(FN), encode(FunctionDeployed(spec=spec)))
+    await until(lambda: scaler.policy.params(FN).parkable)
+
+
+async def serve_all(js, n):
+    sub = await js.pull_subscribe(subjects.invoke(FN), durable=consumer_name(FN), stream=subjects.INVOKE_STREAM)
+    for m in await sub.fetch(n, timeout=5):
+        await m.ack()
+    await sub.unsubscribe()
+
+
+@pytest.mark.parametrize("relaunch", [False, True])
+async def test_an_idle_function_is_parked_and_a_request_resumes_it_without_a_new_placement(nats_url, relaunch):
+    """Parking live: the scaler asks the scheduler to park the idle function's instance, and the
+    next request resumes it (ParkRequest resume) rather than placing a new one; when the
+    scheduler relaunched it elsewhere instead, the new instance is counted and the parked one
+    forgotten."""
+    nc, js, cluster, scaler, shutdown, task = await setup(nats_url, keep_alive_s=30.0, park_after_s=0.5)
+    cluster.parkable, cluster.relaunch = True, relaunch
+    try:
+        await parkable_spec(nc, scaler)
+        await js.publish(subjects.invoke(FN), b"one")
+        await until(lambda: cluster.live)
+        (first,) = list(cluster.live)
+        await serve_all(js, 1)
+        await until(lambda: scaler.policy.instances(FN) == {first: "parked"})
+        assert [(p.instance_id, p.resume) for p in cluster.parks] == [(first, False)]
+        await until(lambda: any(d.direction == "park" for d in cluster.decisions))
+        await js.publish(subjects.invoke(FN), b"two")
+        await until(lambda: len(cluster.parks) == 2)
+        assert cluster.parks[1].instance_id == first and cluster.parks[1].resume
+        if relaunch:
+            (new,) = [i for i in cluster.live if i != first]
+            await until(lambda: scaler.policy.instances(FN) == {new: "ready"})
+        else:
+            await until(lambda: scaler.policy.instances(FN) == {first: "ready"})
+        assert [r.count for r in cluster.placed] == [1]  # no PlaceRequest: the resume brought it back
+        await until(lambda: any(d.direction == "resume" for d in cluster.decisions))
+    finally:
+        shutdown.set()
+        await task
+        await nc.close()
+
+
+async def test_an_instance_whose_code_cannot_park_is_never_parked(nats_url):
+    nc, js, cluster, scaler, shutdown, task = await setup(nats_url, keep_alive_s=30.0, park_after_s=0.3)
+    try:
+        await parkable_spec(nc, scaler)
+        await js.publish(subjects.invoke(FN), b"one")
+        await until(lambda: cluster.live)
+        await serve_all(js, 1)
+        await asyncio.sleep(1.5)
+        assert cluster.parks == [] and list(scaler.policy.instances(FN).values()) == ["ready"]
     finally:
         shutdown.set()
         await task
