@@ -10,7 +10,10 @@ Three sources of a function's code, one adapter each (:class:`FunctionRuntime`):
 - ``handler``: the older handler module (``load(ctx)``/``predict(model, batch)``, :mod:`.handlers`).
 
 :func:`choose` decides which (pure); :func:`open_runtime` fetches and loads it; every failure to
-load is a :class:`LoadError` whose message is one line naming the function and the reason.
+load is a :class:`LoadError` whose message is one line naming the function and the reason. Each
+adapter also says whether its code can be parked (weights to host memory and back, so an idle
+instance frees its GPU memory and returns in a copy, not a cold start): ``parkable``, ``park``,
+``resume``.
 Also here, free of NATS so they can be tested alone: :func:`run_generate` (one batch of an ``llm``
 function, step by step, each chunk handed on as it comes), :func:`train_loop` (a training job's
 iterations until told to stop) and :class:`StatsWindow` (an instance's FunctionStats period).
@@ -126,6 +129,11 @@ class WrongKind(TypeError):
     """A function was asked for work of another kind (e.g. ``train_step`` of an inference class)."""
 
 
+class NotParkable(RuntimeError):
+    """``park`` or ``resume`` of a runtime whose code cannot move its weights off the device and
+    back (a class or handler module without both ``park`` and ``resume``)."""
+
+
 class FunctionRuntime:
     """One loaded function, whatever its source. Every method blocks (call it in a worker thread)
     and raises what the function's code raises.
@@ -133,7 +141,10 @@ class FunctionRuntime:
     - ``predict(batch: list[bytes]) -> list[bytes]``: inference, one output per input;
     - ``generate(batch) -> Iterator[list[bytes | None]]``: llm, one chunk per request per step;
     - ``train_step() -> None``: training, one iteration;
-    - ``close()``: release what the code holds (errors are the caller's to log).
+    - ``close()``: release what the code holds (errors are the caller's to log);
+    - ``park()`` / ``resume()``: move the weights to host memory, freeing the device memory, and
+      back (parking an idle instance live: a resume costs a copy, not a cold start). Only when
+      :attr:`parkable`; otherwise they raise :class:`NotParkable`.
 
     Loading checks that the code has the method its kind needs (:class:`LoadError` otherwise);
     calling a method of another kind raises :class:`WrongKind` naming it.
@@ -141,6 +152,11 @@ class FunctionRuntime:
 
     kind: str = "inference"
     description: str = ""
+
+    @property
+    def parkable(self) -> bool:
+        """Whether the loaded code can move its weights off the device and back."""
+        return False
 
     def predict(self, batch: list[bytes]) -> list[bytes]:
         raise WrongKind(f"{self.description} has no predict")
@@ -153,6 +169,20 @@ class FunctionRuntime:
 
     def close(self) -> None:
         pass
+
+    def park(self) -> None:
+        """Move the weights to host memory and free their device memory (blocking). Raises
+        NotParkable when not :attr:`parkable`, else what the code raises."""
+        raise NotParkable(f"{self.description} cannot park: it has no park and resume")
+
+    def resume(self) -> None:
+        """Copy the parked weights back to the device (blocking). Raises NotParkable when not
+        :attr:`parkable`, else what the code raises (e.g. out of device memory)."""
+        raise NotParkable(f"{self.description} cannot resume: it has no park and resume")
+
+
+def _has_methods(obj: object, *names: str) -> bool:
+    return all(callable(getattr(obj, name, None)) for name in names)
 
 
 class ClassRuntime(FunctionRuntime):
@@ -180,10 +210,25 @@ class ClassRuntime(FunctionRuntime):
         if callable(getattr(self.obj, "close", None)):
             self.obj.close()
 
+    @property
+    def parkable(self) -> bool:
+        """The class has both ``park()`` and ``resume()`` (one alone could not come back)."""
+        return _has_methods(self.obj, "park", "resume")
+
+    def park(self) -> None:
+        if not self.parkable:
+            return super().park()
+        self.obj.park()
+
+    def resume(self) -> None:
+        if not self.parkable:
+            return super().resume()
+        self.obj.resume()
+
 
 class HandlerRuntime(FunctionRuntime):
-    """A handler module (``load``/``predict``, optional ``generate``/``train_step``/``close``
-    taking the loaded model first) and the model its ``load`` returned."""
+    """A handler module (``load``/``predict``, optional ``generate``/``train_step``/``close``/
+    ``park``/``resume`` taking the loaded model first) and the model its ``load`` returned."""
 
     def __init__(self, module: ModuleType, state: object, kind: str) -> None:
         self.module, self.state, self.kind = module, state, kind
@@ -212,9 +257,30 @@ class HandlerRuntime(FunctionRuntime):
         if fn is not None:
             fn(self.state)
 
+    @property
+    def parkable(self) -> bool:
+        """The module has both ``park(model)`` and ``resume(model)``."""
+        return _has_methods(self.module, "park", "resume")
+
+    def park(self) -> None:
+        if not self.parkable:
+            return super().park()
+        self.module.park(self.state)
+
+    def resume(self) -> None:
+        if not self.parkable:
+            return super().resume()
+        self.module.resume(self.state)
+
 
 class EmulatedRuntime(HandlerRuntime):
-    """The emulated handler (:mod:`.handlers.emulated`) replaying ``plan.model``."""
+    """The emulated handler (:mod:`.handlers.emulated`) replaying ``plan.model``. Always
+    parkable: parking frees the weights' device memory, resuming allocates it again and takes
+    the weight copy's time (:func:`.handlers.emulated.resume`)."""
+
+    @property
+    def parkable(self) -> bool:
+        return True
 
 
 def _import_class(plan: Plan, code_dir: Path | None) -> type:

@@ -10,6 +10,9 @@ The contract of a handler module (the class form, ``entry = "module:Name"``, is 
 - optional, by the function's kind: ``generate(model, batch) -> Iterator[list[bytes | None]]``
   (``llm``: one chunk per request per step), ``train_step(model) -> None`` (``training``: one
   iteration), and ``close(model)`` (called when the instance stops).
+- optional, both or neither: ``park(model)`` (move the weights to host memory and free their
+  device memory) and ``resume(model)`` (move them back). With them an idle ``inference`` or
+  ``llm`` instance can be parked and come back in a weight copy instead of a cold start.
 
 Every function runs in a worker thread, so it may block (GPU synchronisation, torch).
 """

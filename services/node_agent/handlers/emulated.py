@@ -20,6 +20,10 @@ By the function's kind:
   ``ctx.batch_size`` (the spec's ``max_batch``), lasting ``TRAIN_PASSES x L(b, w)``. Under the
   interceptor the launches are paced by the instance's token grant, so iterations/s follows the
   grant: a training job soaks idle share and yields when inference is pressed.
+
+Parking (:func:`park`, :func:`resume`): the weights' device memory is freed and allocated again,
+so the interceptor, NVML and the fake driver all see a parked instance hold none; a resume lasts
+the weight copy from pinned host memory, :func:`dilu.services.common.models.resume_ms`.
 """
 from __future__ import annotations
 
@@ -64,13 +68,20 @@ TRAIN_PASSES = 3
 @dataclass
 class EmulatedModel:
     """A model ready to replay: the driver session, the catalogue entry, the instance's SM width
-    (0..1), its kernels (one handle per kernel of a step) and ``batch_size`` (training batch)."""
+    (0..1), its kernels (one handle per kernel of a step) and ``batch_size`` (training batch).
+
+    ``weights``: the device pointer of the weights (None: not loaded, or parked);
+    ``weight_bytes``: their size (bytes); ``load_ms``: the load time the cold start took (ms),
+    from which a resume's copy time follows."""
 
     driver: Driver
     spec: models.ModelSpec
     width: float
     kernels: list
     batch_size: int = 1
+    weights: int | None = None
+    weight_bytes: int = 0
+    load_ms: float = 0.0
 
 
 def load_kernels(ctx: FunctionContext) -> EmulatedModel:
@@ -90,10 +101,32 @@ def load(ctx: FunctionContext, cold_start_ms: float | None = None) -> EmulatedMo
     documented one (:func:`models.cold_start_ms`). Raises CudaError (CUDA_ERROR_OUT_OF_MEMORY)
     when the weights do not fit the reservation, KeyError for an unknown model."""
     model = load_kernels(ctx)
-    model.driver.mem_alloc(models.weight_bytes(ctx.model))
-    load_ms = cold_start_ms if cold_start_ms and cold_start_ms > 0 else models.cold_start_ms(ctx.model)
-    time.sleep(load_ms / 1000.0)
+    model.weight_bytes = models.weight_bytes(ctx.model)
+    model.weights = model.driver.mem_alloc(model.weight_bytes)
+    model.load_ms = cold_start_ms if cold_start_ms and cold_start_ms > 0 else models.cold_start_ms(ctx.model)
+    time.sleep(model.load_ms / 1000.0)
     return model
+
+
+def park(model: EmulatedModel) -> None:
+    """Park: free the weights' device memory (cuMemFree). The emulation holds no bytes to copy
+    out, and no request waits for a park, so it takes no emulated time. A model already parked
+    is left as it is. Raises CudaError."""
+    if model.weights is None:
+        return
+    model.driver.mem_free(model.weights)
+    model.weights = None
+
+
+def resume(model: EmulatedModel) -> None:
+    """Resume: allocate the weights' ``weight_bytes`` again, then sleep the copy from pinned host
+    memory, ``models.resume_ms(load_ms)`` ms. A model not parked is left as it is. Raises
+    CudaError (CUDA_ERROR_OUT_OF_MEMORY when the weights no longer fit the reservation or the
+    device)."""
+    if model.weights is not None:
+        return
+    model.weights = model.driver.mem_alloc(model.weight_bytes)  # first: a refusal costs no wait
+    time.sleep(models.resume_ms(model.load_ms) / 1000.0)
 
 
 def _replay(m: EmulatedModel, total_ms: float, passes: int = 1) -> None:

@@ -31,3 +31,12 @@ def predict(net: nn.Module, batch: list[bytes]) -> list[bytes]:
     with torch.inference_mode():
         classes = net(x).argmax(dim=1).tolist()
     return [str(c).encode() for c in classes]
+
+
+def park(net: nn.Module) -> None:
+    """Nothing to move: the net lives on the CPU. Defined so that an idle instance can still be
+    parked (it gives its share back and pulls nothing)."""
+
+
+def resume(net: nn.Module) -> None:
+    """Nothing to move back (see :func:`park`)."""

@@ -37,7 +37,8 @@ FFN 256, vocabularies of 1024, 10 classes, 32x32 images, 16 encoder tokens, 8 pr
 
 :func:`load` builds the model and warms it up with a batch of 1 and one of ``ctx.batch_size``
 (the instance's cold start); :func:`predict` runs a batch of any length, in chunks of at most
-``ctx.batch_size``.
+``ctx.batch_size``. :func:`park` moves the weights to host memory and gives their GPU memory back
+(an idle instance parked live); :func:`resume` moves them back to the model's device.
 """
 from __future__ import annotations
 
@@ -442,3 +443,20 @@ def predict(model: TorchModel, batch: list[bytes]) -> list[bytes]:
     for i in range(0, len(batch), model.batch_size):
         out += model.run(batch[i:i + model.batch_size])
     return out
+
+
+def park(model: TorchModel) -> None:
+    """Move the weights to host memory; on CUDA, also hand the freed blocks back to the driver
+    (torch's caching allocator would keep them: the GPU would still count them against the
+    instance). On the CPU a no-op. Raises what torch raises."""
+    model.net.to("cpu")
+    if model.device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def resume(model: TorchModel) -> None:
+    """Move the weights back to ``model.device`` (a no-op on the CPU). Raises what torch raises
+    (e.g. torch.cuda.OutOfMemoryError when the GPU no longer has the room)."""
+    model.net.to(model.device)
+    if model.device.type == "cuda":
+        torch.cuda.synchronize()  # READY follows: the copy must be done, not queued
