@@ -3,8 +3,8 @@
 Life: connect to NATS, read the function's spec from KV ``dilu-functions`` (absent: the command
 line's model and handler, as older callers expect), load what the spec says to run
 (:mod:`.runtime`: the emulated handler, the user's class from its code bundle, or a handler
-module; this is the cold start), print ``READY`` on stdout (the node agent waits for that line),
-then by the function's kind:
+module; this is the cold start), print ``READY`` (or ``READY parkable``) on stdout (the node agent
+waits for that line), then by the function's kind:
 
 - ``inference``: pull batches from the function's JetStream work queue, run ``predict`` in a
   worker thread, reply to each caller's inbox and ack;
@@ -12,8 +12,22 @@ then by the function's kind:
   callers as they are produced (``Dilu-Status: chunk``), then each request's final reply;
 - ``training``: no requests; ``train_step`` runs in a loop, iterations are counted.
 
+Parking (``inference`` and ``llm``; a training instance logs the signal and ignores it): an idle
+instance gives its GPU back but keeps its process, so coming back is a weight copy, not a cold
+start. SIGUSR1 parks: nothing more is fetched, the batch in hand is answered, the runtime moves
+the weights to host memory (:meth:`.runtime.FunctionRuntime.park`), the control block's ready
+flag goes off, and the process prints ``PARKED``; a function that cannot park (its code has no
+``park``/``resume``, or ``park`` raises) prints ``PARK-FAILED <reason>`` and serves on. SIGUSR2
+resumes: the weights are copied back and ``READY`` is printed again, then pulling resumes; a
+resume that raises is ``FAILED <reason>`` and exit 1 (the weights are not back). Signals may
+repeat and come in any order: the last one wins, and one that asks for the state the instance is
+in prints that state's line again. One that comes while loading is applied once ``READY`` is out.
+A parked process waits on the next signal, polling nothing (its stats tick aside). The first word of ``READY`` is what
+counts; ``READY parkable`` says the function can park.
+
 SIGTERM drains: the batch (or training step) in hand finishes and is answered, nothing more is
-fetched, the process exits 0; one still loading exits without serving. A drain never takes more
+fetched, the process exits 0; one still loading exits without serving; one parked exits at once
+(nothing in hand); one parking or resuming finishes that step first. A drain never takes more
 than ``DRAIN_TIMEOUT_S``: past it the process ends itself (exit 1), even with no agent left to
 kill it. No instance outlives its node agent: the process asks Linux for SIGTERM when its parent
 dies, and exits at once when its parent is already not the agent that launched it (its pid is in
@@ -174,13 +188,89 @@ def checked_outputs(outputs: list, batch: list[Request]) -> list[bytes | Excepti
     ]
 
 
+READY_LINE = "READY"  # serving; "READY parkable" when its code can park
+PARKABLE_WORD = "parkable"
+PARKED_LINE = "PARKED"
+PARK_FAILED_PREFIX = "PARK-FAILED "  # the park was refused or raised: the instance keeps serving
+PARK_SIGNAL, RESUME_SIGNAL = signal.SIGUSR1, signal.SIGUSR2
+PARKABLE_KINDS = ("inference", "llm")  # a training job is never idle: nothing to park
+
+
+class Control:
+    """What the node agent's signals ask for, and where the instance stands, so the serving loop
+    can reconcile the two: signals come in any order, repeat, and may come while the function
+    loads or while a park or resume runs, so only the last wish counts.
+
+    ``stop``: SIGTERM/SIGINT (for good). ``wanted``: parked wanted (SIGUSR1 true, SIGUSR2 false).
+    ``state``: loading | serving | moving (a park or resume under way) | parked. ``changed`` is
+    set on every signal (it wakes a parked instance: no polling); the event from :meth:`pause`
+    is set once the puller must stop fetching (stop, or a park wanted)."""
+
+    def __init__(self, out, log) -> None:
+        self.out, self.log = out, log
+        self.stop = asyncio.Event()
+        self.changed = asyncio.Event()
+        self.wanted = False
+        self.state = "loading"
+        self.kind = ""  # the function's, once known (training ignores park and resume)
+        self.parkable = False  # as its READY line says
+        self._pause: asyncio.Event | None = None
+
+    def on_stop(self) -> None:
+        """SIGTERM/SIGINT: drain, bounded by ``DRAIN_TIMEOUT_S``."""
+        if not self.stop.is_set():
+            self.stop.set()
+            bound_drain()
+        self._wake()
+
+    def on_park(self, parked: bool) -> None:
+        """SIGUSR1 (``parked`` true) or SIGUSR2. A wish the instance already meets changes
+        nothing but says its state line again, so the agent always gets an answer."""
+        if self.kind == "training":
+            self.log.warning("park and resume are for inference and llm functions; signal ignored",
+                             parked=parked)
+            return
+        self.wanted = parked
+        if self.state == ("parked" if parked else "serving"):
+            self.say_state()
+        self._wake()
+
+    def _wake(self) -> None:
+        self.changed.set()
+        if self._pause is not None and (self.stop.is_set() or self.wanted):
+            self._pause.set()
+
+    def pause(self) -> asyncio.Event:
+        """A new event for one serving period, set (now or at the next signal) once stop or a
+        park is wanted: the puller then finishes its batch and fetches no more."""
+        self._pause = asyncio.Event()
+        self._wake()
+        return self._pause
+
+    def ready_line(self) -> str:
+        return f"{READY_LINE} {PARKABLE_WORD}" if self.parkable else READY_LINE
+
+    def say_state(self) -> None:
+        self.say(PARKED_LINE if self.state == "parked" else self.ready_line())
+
+    def say(self, line: str) -> None:
+        """Write one line on the channel the node agent reads (flushed); an agent gone already
+        (broken pipe) is ignored: its SIGTERM comes with its death."""
+        try:
+            self.out.write(line + "\n")
+            self.out.flush()
+        except (OSError, ValueError):
+            pass
+
+
 class Instance:
     """The serving half of an instance process, once its function is loaded."""
 
     def __init__(self, nc, js, rt: runtime.FunctionRuntime, *, instance_id: str, function: str, node: str,
-                 batch_size: int, cb_path: str | None, log, ready_out=None) -> None:
+                 batch_size: int, cb_path: str | None, log, ready_out=None, control: Control | None = None) -> None:
         self.nc, self.js, self.rt = nc, js, rt
         self.ready_out = ready_out or sys.stdout
+        self.control = control or Control(self.ready_out, log)
         self.instance_id, self.function, self.batch_size = instance_id, function, batch_size
         self.log = log
         self.cb = RuntimeStats(cb_path)
@@ -262,28 +352,32 @@ class Instance:
 
     # ---------------------------------------------------------------- serve
 
-    async def serve(self, kind: str, stop: asyncio.Event) -> None:
-        """Serve until ``stop`` (then drain). Raises what a training step raises."""
+    async def serve(self, kind: str) -> None:
+        """Serve until ``control.stop`` (then drain), parking and resuming as the signals ask.
+        Raises what a training step or a resume raises."""
+        ctl = self.control
         if kind != "training":  # the queue must exist before READY: requests may wait in it
             await ensure_stream(self.js)
             await ensure_consumer(self.js, self.function)
         ready_ns = time.time_ns()
-        self.cb.ready = True
-        self.cb.flush()
-        self.ready_out.write("READY\n")
-        self.ready_out.flush()
+        ctl.kind = kind
+        ctl.parkable = kind in PARKABLE_KINDS and self.rt.parkable
+        if kind not in PARKABLE_KINDS and ctl.wanted:  # asked while loading
+            self.log.warning("park and resume are for inference and llm functions; signal ignored")
+            ctl.wanted = False
+        self._now_serving()
         self.serving = True
-        self.log.info("instance ready", kind=kind)
+        self.log.info("instance ready", kind=kind, parkable=ctl.parkable)
         stats = asyncio.create_task(self.stats_loop())
         try:
             if kind == "training":
-                done = await runtime.train_loop(self.rt, stop, self.window.iteration)
+                done = await runtime.train_loop(self.rt, ctl.stop, self.window.iteration)
                 self.log.info("training stopped", iterations=done)
             else:
                 self.puller = BatchPuller(self.nc, self.js, self.function, instance_id=self.instance_id,
                                           max_batch=self.batch_size, ready_ns=ready_ns, on_done=self.on_done,
                                           stream=kind == "llm")
-                await self.puller.run(self.generate if kind == "llm" else self.predict, stop)
+                await self.serve_requests(self.generate if kind == "llm" else self.predict)
                 self.log.info("instance drained", requests=self.cb.requests)
         finally:
             stats.cancel()
@@ -291,25 +385,82 @@ class Instance:
             self.cb.ready = False
             self.cb.flush()
 
+    async def serve_requests(self, process) -> None:
+        """Pull and answer batches until ``control.stop``; between serving periods, park and
+        resume as ``control.wanted`` says. Parked, it waits on the next signal (no polling).
+        Raises what a resume raises (the process then fails: its weights are not back)."""
+        ctl = self.control
+        while not ctl.stop.is_set():
+            if ctl.state == "serving" and ctl.wanted:
+                await self.park()
+            elif ctl.state == "parked" and not ctl.wanted:
+                await self.resume()
+            elif ctl.state == "parked":
+                ctl.changed.clear()
+                await ctl.changed.wait()
+            else:
+                pause = ctl.pause()
+                await self.puller.run(process, pause)
+                if not pause.is_set():  # the puller gave up (connection closed): done, as a drain
+                    return
+
+    def _now_serving(self) -> None:
+        """Ready (first time or resumed): the block's ready flag on, the READY line out."""
+        self.cb.ready = True
+        self.cb.flush()
+        self.control.state = "serving"
+        self.control.say_state()
+
+    async def park(self) -> None:
+        """Move the weights off the device (the batch in hand is answered already), then the
+        block's ready flag off and ``PARKED``; a park refused or raising is one ``PARK-FAILED``
+        line, and the instance serves on (the wish is dropped: a repeat signal tries again)."""
+        ctl = self.control
+        ctl.state = "moving"
+        t0 = time.perf_counter()
+        try:
+            if not ctl.parkable:
+                raise runtime.NotParkable(f"{self.rt.description} cannot park: it has no park and resume")
+            await asyncio.to_thread(self.rt.park)
+        except Exception as exc:
+            reason = f"{type(exc).__name__}: {' '.join(str(exc).split())}"
+            self.log.warning("park failed; serving on", error=reason)
+            ctl.state, ctl.wanted = "serving", False
+            ctl.say(f"{PARK_FAILED_PREFIX}{reason}"[:MAX_FAILED_CHARS])
+            return
+        self.cb.ready = False
+        self.cb.flush()
+        ctl.state = "parked"
+        ctl.say_state()
+        self.log.info("instance parked", park_ms=round((time.perf_counter() - t0) * 1000.0, 1))
+
+    async def resume(self) -> None:
+        """Copy the weights back, then ``READY`` again (pulling resumes). Raises what the
+        runtime's resume raises."""
+        self.control.state = "moving"
+        t0 = time.perf_counter()
+        await asyncio.to_thread(self.rt.resume)
+        self._now_serving()
+        self.log.info("instance resumed", resume_ms=round((time.perf_counter() - t0) * 1000.0, 1))
+
 
 async def serve_instance(
     *, instance_id: str, function: str, model: str, handler: str, batch_size: int, width: float,
     device: str, nats: NatsOptions | str, cb_path: str | None, node: str = "", ready_out=None,
 ) -> int:
-    """Run the instance until ``stop`` (SIGTERM/SIGINT); returns the exit code: 0 after a drain,
-    1 when the function cannot load or fails (one log line says why). ``ready_out``: where
-    ``READY`` is written (default stdout)."""
+    """Run the instance until SIGTERM/SIGINT, parking on SIGUSR1 and resuming on SIGUSR2;
+    returns the exit code: 0 after a drain, 1 when the function cannot load or fails (a resume
+    included; one log line says why). ``ready_out``: where ``READY``, ``PARKED`` and the
+    ``FAILED`` lines are written (default stdout)."""
     log = dlog.get("instance").bind(instance=instance_id, function=function)
-    stop = asyncio.Event()
+    out = ready_out or sys.stdout
+    ctl = Control(out, log)
     loop = asyncio.get_running_loop()
-
-    def on_stop() -> None:
-        if not stop.is_set():
-            stop.set()
-            bound_drain()
-
     for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, on_stop)
+        loop.add_signal_handler(sig, ctl.on_stop)
+    # from now a park or resume is remembered, even while loading (applied once READY)
+    loop.add_signal_handler(PARK_SIGNAL, ctl.on_park, True)
+    loop.add_signal_handler(RESUME_SIGNAL, ctl.on_park, False)
 
     # NATS first: reading the spec (and the code bundle) is part of the cold start
     try:
@@ -319,19 +470,18 @@ async def serve_instance(
         return 1
     js = nc.jetstream()
     rt = inst = None
-    out = ready_out or sys.stdout
     try:
         spec = await read_spec(js, function)
         plan = runtime.choose(spec, function=function, device=device, model=model, handler=handler)
         ctx = runtime.context_for(plan, instance_id=instance_id, batch_size=batch_size, width=width, device=device)
         rt = await runtime.open_runtime(js, plan, ctx)
         log.info("function loaded", source=plan.source, target=plan.target, kind=plan.kind, model=plan.model)
-        if stop.is_set():  # stopped while loading (its agent may be gone): serve nothing
+        if ctl.stop.is_set():  # stopped while loading (its agent may be gone): serve nothing
             log.info("instance stopped before serving")
             return 0
         inst = Instance(nc, js, rt, instance_id=instance_id, function=function, node=node,
-                        batch_size=batch_size, cb_path=cb_path, log=log, ready_out=ready_out)
-        await inst.serve(plan.kind, stop)
+                        batch_size=batch_size, cb_path=cb_path, log=log, ready_out=out, control=ctl)
+        await inst.serve(plan.kind)
         return 0
     except runtime.LoadError as exc:
         log.error("instance failed to load", reason=exc.reason, error=str(exc))

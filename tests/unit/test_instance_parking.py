@@ -1,7 +1,10 @@
 """Parking an idle instance live, the runtime's half: ``parkable``, ``park()`` and ``resume()`` of
-each adapter (emulated model, user class, handler module, the built-in torch handlers)."""
+each adapter (emulated model, user class, handler module, the built-in torch handlers), and the
+instance's reaction to the park and resume signals, its state lines (Control)."""
 from __future__ import annotations
 
+import asyncio
+import io
 import json
 import os
 import subprocess
@@ -13,8 +16,9 @@ import uuid
 import pytest
 
 from dilu.interceptor.cuda import CUDA_ERROR_OUT_OF_MEMORY, CudaError
+from dilu.services.common import logging as dlog
 from dilu.services.common import models
-from dilu.services.node_agent import runtime
+from dilu.services.node_agent import instance, runtime
 from dilu.services.node_agent.handlers import FunctionContext, emulated
 
 # ------------------------------------------------------------------------------ emulated model
@@ -269,3 +273,140 @@ def test_the_torch_cnn_handler_is_parkable():
     rt.park()
     rt.resume()
     assert rt.parkable and rt.predict([b"x"]) == before
+
+
+# ------------------------------------------------------------------------- the instance's lines
+
+
+class FakeRuntime(runtime.FunctionRuntime):
+    description = "fake"
+
+    def __init__(self, parkable=True, park_error=None, resume_error=None):
+        self._parkable, self.park_error, self.resume_error = parkable, park_error, resume_error
+        self.calls: list[str] = []
+
+    @property
+    def parkable(self):
+        return self._parkable
+
+    def park(self):
+        self.calls.append("park")
+        if self.park_error:
+            raise self.park_error
+
+    def resume(self):
+        self.calls.append("resume")
+        if self.resume_error:
+            raise self.resume_error
+
+
+def an_instance(rt: runtime.FunctionRuntime, kind: str = "inference") -> tuple[instance.Instance, io.StringIO]:
+    out = io.StringIO()
+    log = dlog.get("test")
+    inst = instance.Instance(None, None, rt, instance_id="i1", function="f", node="n1", batch_size=1,
+                             cb_path=None, log=log, ready_out=out, control=instance.Control(out, log))
+    ctl = inst.control
+    ctl.kind, ctl.parkable = kind, kind in instance.PARKABLE_KINDS and rt.parkable
+    inst._now_serving()
+    return inst, out
+
+
+def lines(out: io.StringIO) -> list[str]:
+    return out.getvalue().splitlines()
+
+
+async def test_the_ready_line_says_parkable_only_when_the_code_can_park():
+    assert lines(an_instance(FakeRuntime())[1]) == ["READY parkable"]
+    assert lines(an_instance(FakeRuntime(parkable=False))[1]) == ["READY"]
+    assert lines(an_instance(FakeRuntime(), kind="training")[1]) == ["READY"]  # nothing to park
+
+
+async def test_park_then_resume_say_their_lines_and_flip_the_ready_flag():
+    rt = FakeRuntime()
+    inst, out = an_instance(rt)
+    assert inst.cb.ready
+    inst.control.on_park(True)
+    await inst.park()
+    assert (inst.control.state, inst.cb.ready) == ("parked", False)
+    inst.control.on_park(False)
+    await inst.resume()
+    assert (inst.control.state, inst.cb.ready) == ("serving", True)
+    assert rt.calls == ["park", "resume"]
+    assert lines(out) == ["READY parkable", "PARKED", "READY parkable"]
+
+
+async def test_a_signal_for_the_state_it_is_in_repeats_that_states_line():
+    inst, out = an_instance(FakeRuntime())
+    inst.control.on_park(False)  # serving: resume is a no-op
+    inst.control.on_park(True)
+    await inst.park()
+    inst.control.on_park(True)  # parked: park is a no-op
+    assert lines(out) == ["READY parkable", "READY parkable", "PARKED", "PARKED"]
+    assert inst.rt.calls == ["park"]
+
+
+async def test_a_park_that_cannot_happen_is_one_line_and_serving_goes_on():
+    for rt, reason in ((FakeRuntime(parkable=False), "NotParkable: fake cannot park: it has no park and resume"),
+                       (FakeRuntime(park_error=RuntimeError("copy\nfailed")), "RuntimeError: copy failed")):
+        inst, out = an_instance(rt)
+        inst.control.on_park(True)
+        await inst.park()
+        assert lines(out) == [lines(out)[0], f"PARK-FAILED {reason}"]
+        assert (inst.control.state, inst.control.wanted, inst.cb.ready) == ("serving", False, True)
+
+
+async def test_a_resume_that_raises_raises_and_says_nothing():
+    inst, out = an_instance(FakeRuntime(resume_error=MemoryError("no room")))
+    inst.control.on_park(True)
+    await inst.park()
+    with pytest.raises(MemoryError):  # serve_instance turns it into FAILED and exit 1
+        await inst.resume()
+    assert lines(out) == ["READY parkable", "PARKED"]
+
+
+async def test_the_pause_event_follows_park_and_stop_wishes():
+    ctl = instance.Control(io.StringIO(), dlog.get("test"))
+    ctl.state = "serving"
+    pause = ctl.pause()
+    assert not pause.is_set()
+    ctl.on_park(False)
+    assert not pause.is_set()  # resuming what serves: nothing to stop
+    ctl.on_park(True)
+    assert pause.is_set() and ctl.changed.is_set()
+    ctl.wanted = False
+    assert not ctl.pause().is_set()
+    ctl.stop.set()
+    assert ctl.pause().is_set()  # stopped: a new period ends at once
+
+
+async def test_signals_while_loading_are_remembered_silently():
+    out = io.StringIO()
+    ctl = instance.Control(out, dlog.get("test"))
+    ctl.on_park(True)
+    ctl.on_park(False)
+    ctl.on_park(True)
+    assert ctl.wanted and out.getvalue() == ""  # applied once READY is out
+
+
+async def test_a_training_instance_ignores_park_and_resume():
+    inst, out = an_instance(FakeRuntime(), kind="training")
+    inst.control.on_park(True)
+    inst.control.on_park(False)
+    assert not inst.control.wanted and lines(out) == ["READY"]
+
+
+async def test_a_parked_instance_waits_for_a_signal_and_exits_on_stop():
+    inst, out = an_instance(FakeRuntime())
+    ctl = inst.control
+    ctl.on_park(True)
+    await inst.park()
+    serving = asyncio.create_task(inst.serve_requests(process=None))  # parked: never pulls
+    await asyncio.sleep(0)
+    assert not serving.done() and inst.rt.calls == ["park"]
+    ctl.on_park(True)  # a repeat: still parked
+    await asyncio.sleep(0)
+    assert not serving.done()
+    ctl.stop.set()
+    ctl.changed.set()
+    await asyncio.wait_for(serving, 1)
+    assert lines(out) == ["READY parkable", "PARKED", "PARKED"]
