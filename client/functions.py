@@ -18,6 +18,15 @@ onto the device, warm-up) and its duration is part of the instance's cold start.
 Methods run in a worker thread, so they may block (GPU synchronisation, torch). Payloads and
 outputs are opaque bytes. A class may also define ``close(self)``, called when the instance
 stops.
+
+Parking (``inference`` and ``llm``): a class that defines both ``park(self)`` and
+``resume(self)`` lets the platform park an idle instance live instead of retiring it. ``park``
+moves the weights to host memory and frees their device memory (torch: ``self.model.to("cpu")``
+then ``torch.cuda.empty_cache()``, or the caching allocator keeps the memory); ``resume`` moves
+them back (``self.model.to(device)``) and returns once they are there. No request runs between
+the two. The next request then waits for a weight copy (milliseconds) rather than a cold start.
+If ``park`` raises, the instance keeps serving as it was; if ``resume`` raises, the instance
+fails (a new one is started: a cold start). Without both methods an instance cannot be parked.
 """
 from __future__ import annotations
 
