@@ -32,7 +32,20 @@ bucket and launch or drain instances; PlacementDecided events are for informatio
   agent's InstanceRetired arrives (``dilu.v1.instance.retired.*``). The capacity stays reserved
   while the instance drains. An InstanceRetired from the placement's node with reason
   ``load-failed`` or ``gave-up`` (the agent will not launch it again) deletes the placement too,
-  draining or not.
+  draining or not. Without ``instance_id`` the victim is never a parked instance (it holds
+  nothing on a GPU, so retiring it frees no room).
+- ``dilu.v1.scheduler.park`` (ParkRequest -> ParkReply): parking an idle inference instance sets
+  ``parked`` on its placement (compare-and-set) and takes its demand off the GPU, so other
+  instances may be placed there; the node agent sees the flag and has the process move its
+  weights to host memory. A parked placement stays in the table but is reserved nowhere: not in
+  the cluster, not an orphan, never moved by defragmentation. A resume re-seats it on the GPU it
+  left (its process is bound to that GPU at launch) when it still fits there, clearing
+  ``parked``; otherwise a new instance of the function is placed wherever the policy finds room
+  (``relaunched`` in the reply, a cold start) and the parked one is drained, or its entry
+  deleted when its node is gone (no agent will report it retired). With no room anywhere the
+  resume is refused and the instance stays parked. A parked instance that is draining on a node
+  gone for good (see the orphans above) is deleted by the sweep, for the same reason.
+  ``dilu_scheduler_parks_total{action}`` counts parks, resumes and relaunches.
 - Defragmentation (``defrag_interval_s`` > 0; the dilu policies set it): every interval, the
   policy's planner proposes migrations that empty whole GPUs, only when the GPU-seconds gained
   exceed the migrations' cost (:func:`.policy.migration_cost_gpu_s`). Each is applied make before
@@ -77,6 +90,8 @@ from dilu.contracts.events import (
     InstanceReady,
     InstanceRetired,
     NodeInventory,
+    ParkReply,
+    ParkRequest,
     PlaceReply,
     PlaceRequest,
     Placement,
@@ -106,7 +121,15 @@ NODES = Gauge("dilu_scheduler_nodes", "Nodes with a live inventory in dilu-nodes
 NODE_CHANGES = Counter("dilu_scheduler_node_changes", "Nodes that joined, changed or left", ["action"])
 DISPLACED = Counter("dilu_scheduler_displaced", "Placements of a gone node (or GPU) handled",
                     ["outcome"])  # placed | no-capacity | dropped-draining
+PARKS = Counter("dilu_scheduler_parks", "Instances parked, resumed on their GPU, or relaunched elsewhere",
+                ["action"])  # park | resume | relaunch
 NO_NODES = "no nodes: no node agent has published an inventory to dilu-nodes"
+RETRY = "placement table changed under the scheduler; state rebuilt, retry"
+
+
+def new_instance_id(function: str) -> str:
+    """A fresh instance id: the function's subject token and 10 random hex digits."""
+    return f"{subjects.token(function)}-{uuid.uuid4().hex[:10]}"
 
 
 def demand_of(p: Placement) -> Demand:
@@ -122,7 +145,11 @@ class TableConflict(RuntimeError):
 class SchedulerService:
     """See the module docstring. ``gamma`` caps Σ limit quotas per GPU; ``allocation`` is one of
     :data:`~.policy.ALLOCATIONS`; ``node_ttl_s``: a node whose inventory is older is gone;
-    ``sweep_interval_s``: how often liveness is checked; ``clock``: monotonic seconds (tests)."""
+    ``sweep_interval_s``: how often liveness is checked; ``clock``: monotonic seconds (tests).
+
+    ``placements`` holds every entry of the table, parked ones included; ``cluster`` holds only
+    the demand that is on a GPU now, so parked instances (and orphans) are in the first and not
+    the second: every ``cluster.remove`` of a placement is guarded by membership."""
 
     name = "scheduler"
 
@@ -181,6 +208,7 @@ class SchedulerService:
         await bus.subscribe(f"{p}.instance.retired.*", InstanceRetired, self._on_retired)
         await bus.serve(subjects.SCHEDULER_PLACE, PlaceRequest, self._on_place)
         await bus.serve(subjects.SCHEDULER_RETIRE, RetireRequest, self._on_retire)
+        await bus.serve(subjects.SCHEDULER_PARK, ParkRequest, self._on_park)
         await bus.serve(subjects.SCHEDULER_ADMIT, AdmitRequest, self._on_admit)
         self._tasks.append(asyncio.create_task(self._watch_nodes()))
         self._tasks.append(asyncio.create_task(self._sweep_loop()))
@@ -312,6 +340,21 @@ class SchedulerService:
                 elif due:
                     await self._place_again(iid, f"node {p.node} has published no inventory within "
                                                  f"{self.node_ttl_s:g} s of the scheduler's start")
+            if due:
+                await self._drop_parked_draining()
+
+    async def _drop_parked_draining(self) -> None:
+        """Delete the draining parked placements whose node is gone (not in the roster, once the
+        scheduler has waited its TTL since start): no agent will report them retired, and being
+        on no GPU they were never displaced like the others. Hold the lock."""
+        gone = [i for i, (p, _) in self.placements.items() if p.parked and p.draining and p.node not in self.roster]
+        for iid in gone:
+            if iid not in self.placements:  # a conflict rebuilt the state meanwhile
+                continue
+            if not await self._forget(iid):
+                return  # the table changed: rebuilt; the next sweep looks again
+            DISPLACED.labels("dropped-draining").inc()
+            self.bus.log.info("draining parked instance of a gone node dropped", instance=iid)
 
     def _log_change(self, change: NodeChange | None) -> None:
         if change is None:
@@ -352,7 +395,11 @@ class SchedulerService:
 
     def _seat(self, p: Placement) -> bool:
         """Reserve a stored placement in the cluster; False (and an orphan entry) when its node or
-        GPU is not in the inventory."""
+        GPU is not in the inventory. A parked placement is reserved nowhere (its demand is off the
+        GPU until it resumes, which checks its node then): True, and never an orphan."""
+        if p.parked:
+            self.orphans.pop(p.instance_id, None)
+            return True
         try:
             self.cluster.assign(p.instance_id, demand_of(p), [Slot(p.node, p.gpu)], check=False)
         except KeyError:
@@ -394,7 +441,7 @@ class SchedulerService:
                                  function=p.function, reason=why, error=str(exc))
             return
         slot = self.cluster.slot(g)
-        new_id = f"{subjects.token(p.function)}-{uuid.uuid4().hex[:10]}"
+        new_id = new_instance_id(p.function)
         new = msgspec.structs.replace(p, instance_id=new_id, node=slot.node, gpu=slot.gpu, draining=False)
         try:
             new_rev = await self.kv.create(new_id, msgspec.json.encode(new))
@@ -418,7 +465,8 @@ class SchedulerService:
     async def rebuild(self) -> None:
         """Rebuild the cluster state from the inventories and the placement table (on start and
         after a conflict). Placements whose node or GPU is not in the inventory are kept as
-        orphans (see :meth:`sweep`); entries that fail to decode are logged and skipped."""
+        orphans (see :meth:`sweep`); parked ones are kept and reserved nowhere (:meth:`_seat`);
+        entries that fail to decode are logged and skipped."""
         self.cluster = self._new_cluster()
         self.placements = {}
         self.orphans = {}
@@ -445,7 +493,8 @@ class SchedulerService:
         if self.orphans:
             self.bus.log.warning("placements on nodes or GPUs not in the inventory", count=len(self.orphans),
                                  examples=dict(list(self.orphans.items())[:5]))
-        self.bus.log.info("state rebuilt", instances=len(self.placements), orphans=len(self.orphans),
+        parked = sum(p.parked for p, _ in self.placements.values())
+        self.bus.log.info("state rebuilt", instances=len(self.placements), parked=parked, orphans=len(self.orphans),
                           nodes=len(self.roster), active_gpus=self.cluster.active)
 
     async def _spec_for(self, fn: str) -> FunctionSpec | None:
@@ -528,16 +577,25 @@ class SchedulerService:
             if failed:  # the agent launches it no more: its capacity comes back
                 self.bus.log.warning("instance failed for good: placement removed", instance=ev.instance_id,
                                      function=ev.function, reason=ev.reason, error=ev.error)
-            try:
-                await self.kv.delete(ev.instance_id, last=rev)
-            except APIError:  # wrong last revision (KV delete raises the plain API error)
-                CONFLICTS.inc()
-                await self.rebuild()
-                return
-            del self.placements[ev.instance_id]
-            self.orphans.pop(ev.instance_id, None)
-            if ev.instance_id in self.cluster.instances:
-                self.cluster.remove(ev.instance_id)
+            await self._forget(ev.instance_id)
+
+    async def _forget(self, iid: str) -> bool:
+        """Delete placement ``iid`` from the table (compare-and-set on its revision) and from the
+        state, giving back its capacity if it held any (a parked or orphaned one holds none).
+        False on a table conflict (state rebuilt). Hold the lock."""
+        _, rev = self.placements[iid]
+        try:
+            await self.kv.delete(iid, last=rev)
+        except APIError:  # wrong last revision (KV delete raises the plain API error)
+            CONFLICTS.inc()
+            await self.rebuild()
+            return False
+        del self.placements[iid]
+        self.orphans.pop(iid, None)
+        self.warm.discard(iid)
+        if iid in self.cluster.instances:
+            self.cluster.remove(iid)
+        return True
 
     # ------------------------------------------------------------------ requests
 
@@ -575,28 +633,33 @@ class SchedulerService:
         return out
 
     async def _place_one(self, spec: FunctionSpec, profile: Profile, demand: Demand) -> Placement:
-        iid = f"{subjects.token(spec.name)}-{uuid.uuid4().hex[:10]}"
         (g,) = self.cluster.choose(demand, exclude=self._unfit_gpus(spec) or None)
         slot = self.cluster.slot(g)
         p = Placement(
-            instance_id=iid, function=spec.name, node=slot.node, gpu=slot.gpu,
+            instance_id=new_instance_id(spec.name), function=spec.name, node=slot.node, gpu=slot.gpu,
             request_quota=demand.request_quota, limit_quota=demand.limit_quota, width=demand.limit_quota,
             memory_bytes=demand.memory_bytes, priority=spec.priority,
             batch_size=allocation_batch(self.allocation, profile.batch_size, profile.burst_batch),
             model=spec.model, handler=spec.handler, slo_ms=spec.slo_ms, cold_start_ms=spec.cold_start_ms,
         )
+        await self._create(p, demand)
+        return p
+
+    async def _create(self, p: Placement, demand: Demand) -> None:
+        """Write the new placement ``p`` (``create``: fails if its key exists), reserve ``demand``
+        on its GPU and publish PlacementDecided ``place``. Raises TableConflict (state rebuilt)
+        when the key exists. Hold the lock, and choose the GPU under it."""
         try:
-            rev = await self.kv.create(iid, msgspec.json.encode(p))
+            rev = await self.kv.create(p.instance_id, msgspec.json.encode(p))
         except KeyWrongLastSequenceError:
             CONFLICTS.inc()
             await self.rebuild()
-            raise TableConflict("placement table changed under the scheduler; state rebuilt, retry") from None
-        self.cluster.assign(iid, demand, [slot])
-        self.placements[iid] = (p, rev)
-        PLACEMENTS.labels(spec.name).inc()
-        await self.bus.publish(subjects.placement_decided(spec.name),
+            raise TableConflict(RETRY) from None
+        self.cluster.assign(p.instance_id, demand, [Slot(p.node, p.gpu)])
+        self.placements[p.instance_id] = (p, rev)
+        PLACEMENTS.labels(p.function).inc()
+        await self.bus.publish(subjects.placement_decided(p.function),
                                PlacementDecided(placement=p, action="place", revision=rev))
-        return p
 
     def _demand(self, spec, profile) -> Demand:
         """What one instance of ``spec`` asks of a GPU under this scheduler's allocation."""
@@ -613,7 +676,9 @@ class SchedulerService:
                                         f"no instance {req.instance_id!r} of function {req.function!r}")
                 victim = req.instance_id
             else:
-                live = [i for i, (p, _) in self.placements.items() if p.function == req.function and not p.draining]
+                # never a parked one: it holds no room on a GPU, and the policy knows it not
+                live = [i for i, (p, _) in self.placements.items()
+                        if p.function == req.function and not p.draining and not p.parked]
                 if not live:
                     return self._refuse(RetireReply, "no-instance", f"function {req.function!r} has no live instance")
                 if req.room_for:  # only a victim whose removal lets that function in
@@ -682,7 +747,8 @@ class SchedulerService:
         """Plan and apply one round of migrations; returns how many instances were moved.
 
         Only ready inference instances move: not one draining (it is leaving anyway), starting,
-        already being replaced, or training (its progress would be lost). Each move places the
+        already being replaced, training (its progress would be lost), or parked (it is on no
+        GPU, and its process can resume only on its own). Each move places the
         replacement (``replaces`` set) and leaves the old instance serving; :meth:`_on_ready`
         drains it once the replacement is ready (make before break: no request waits for the
         launch). The horizontal scaler counts the pair as one instance.
@@ -691,8 +757,8 @@ class SchedulerService:
             await self._settle_migrations(assume_ready=False)
             moving = {p.replaces for p, _ in self.placements.values() if p.replaces and not p.draining}
             costs = {i: (migration_cost_gpu_s(p.cold_start_ms, p.request_quota)
-                         if not p.draining and i in self.warm and i not in moving and p.priority != "training"
-                         else float("inf"))
+                         if not p.draining and not p.parked and i in self.warm and i not in moving
+                         and p.priority != "training" else float("inf"))
                      for i, (p, _) in self.placements.items()}
             plan = self.cluster.plan_defrag(costs, gain_per_gpu_s=DEFRAG_GAIN_PER_GPU_S)
             self.bus.log.debug("defragmentation planned", movable=sum(c != float("inf") for c in costs.values()),
@@ -700,7 +766,7 @@ class SchedulerService:
             moved = 0
             for m in plan.migrations:
                 old, _ = self.placements[m.instance_id]
-                new_id = f"{subjects.token(old.function)}-{uuid.uuid4().hex[:10]}"
+                new_id = new_instance_id(old.function)
                 new = msgspec.structs.replace(old, instance_id=new_id, node=m.target.node, gpu=m.target.gpu,
                                               replaces=m.instance_id)
                 try:
@@ -722,6 +788,143 @@ class SchedulerService:
                 self.bus.log.info("defragmented", moved=moved, freed=len(plan.freed),
                                   gain_gpu_s=plan.gain_gpu_s, cost_gpu_s=plan.cost_gpu_s)
             return moved
+
+    # ------------------------------------------------------------------ parking
+
+    async def _on_park(self, req: ParkRequest, _msg) -> ParkReply:
+        """Park an idle instance or resume a parked one (:class:`ParkRequest`). Refused (ok false,
+        ``error`` one line): an instance not in the table or not of ``function``, a draining one;
+        see :meth:`_park` and :meth:`_resume` for the rest. Repeating a request is harmless."""
+        async with self.lock:
+            known = self.placements.get(req.instance_id)
+            if known is None or known[0].function != req.function:
+                return self._refuse(ParkReply, "unknown-instance",
+                                    f"no instance {req.instance_id!r} of function {req.function!r}")
+            if known[0].draining:
+                return self._refuse(ParkReply, "draining", f"instance {req.instance_id!r} is draining")
+            if req.resume:
+                return await self._resume(req.instance_id)
+            return await self._park(req.instance_id)
+
+    async def _park(self, iid: str) -> ParkReply:
+        """Mark ``iid`` parked and take its demand off its GPU, so others may be placed there.
+        Refused for a training instance (it is never idle: it works without requests) and for
+        one in a migration (its pair's make-before-break needs it serving). Hold the lock."""
+        p, _ = self.placements[iid]
+        if p.parked:
+            return ParkReply(ok=True)  # parked already: a repeated request
+        if p.priority == "training":
+            return self._refuse(ParkReply, "training", f"instance {iid!r} is a training job: only idle "
+                                                       "inference instances park")
+        why = self._migrating(iid)
+        if why:
+            return self._refuse(ParkReply, "migrating", why)
+        if not await self._set_parked(iid, True):
+            return self._refuse(ParkReply, "conflict", RETRY)
+        if iid in self.cluster.instances:  # an orphan is in no GPU
+            self.cluster.remove(iid)
+        self.orphans.pop(iid, None)  # parked: the sweep does not place it again, a resume will
+        self.warm.discard(iid)  # it is ready again only after the resume's InstanceReady
+        PARKS.labels("park").inc()
+        return ParkReply(ok=True)
+
+    def _migrating(self, iid: str) -> str:
+        """Why ``iid`` is part of a migration in progress ("" when it is not): it replaces an
+        instance still placed, or a live placement replaces it."""
+        p, _ = self.placements[iid]
+        if p.replaces and p.replaces in self.placements:
+            return f"instance {iid!r} is replacing {p.replaces!r} (a migration in progress)"
+        for other, (q, _) in self.placements.items():
+            if q.replaces == iid and not q.draining:
+                return f"instance {iid!r} is being replaced by {other!r} (a migration in progress)"
+        return ""
+
+    async def _resume(self, iid: str) -> ParkReply:
+        """Bring parked ``iid`` back on the GPU it left when it fits there; else relaunch
+        (:meth:`_relaunch`). An instance that is not parked: ok (a repeated request). Hold the lock."""
+        p, _ = self.placements[iid]
+        if not p.parked:
+            return ParkReply(ok=True)
+        demand = demand_of(p)
+        slot = self._resume_slot(p, demand)
+        if slot is None:
+            return await self._relaunch(iid)
+        if not await self._set_parked(iid, False):
+            return self._refuse(ParkReply, "conflict", RETRY)
+        self.cluster.assign(iid, demand, [slot], check=False)  # resume_target checked it fits
+        PARKS.labels("resume").inc()
+        return ParkReply(ok=True)
+
+    def _resume_slot(self, p: Placement, demand: Demand) -> Slot | None:
+        """The GPU parked ``p`` left, when its node and GPU are still there and can take it back
+        (the process is bound to that GPU at launch, so nowhere else); None otherwise."""
+        try:
+            return self.cluster.resume_target(demand, Slot(p.node, p.gpu))
+        except (KeyError, IndexError):  # its node left, or the GPU is gone from its inventory
+            return None
+
+    async def _relaunch(self, iid: str) -> ParkReply:
+        """A resume that cannot happen on the parked instance's own GPU: place a new instance of
+        its function (same quotas, batch, ...; a new id) where the policy finds room, a cold
+        start, then retire the parked one (:meth:`_retire_parked`). Refused "no-capacity" when
+        no GPU can take it (the instance stays parked), "conflict" on a table conflict. Hold the lock."""
+        p, _ = self.placements[iid]
+        spec = await self._spec_for(p.function)
+        demand = demand_of(p)
+        try:
+            (g,) = self.cluster.choose(demand, exclude=(self._unfit_gpus(spec) if spec else None) or None)
+        except NoCapacity as exc:
+            return self._refuse(ParkReply, "no-capacity", f"instance {iid!r} cannot resume: its GPU "
+                                                          f"{p.node}/{p.gpu} has no room for it and {exc}")
+        slot = self.cluster.slot(g)
+        new = msgspec.structs.replace(p, instance_id=new_instance_id(p.function), node=slot.node, gpu=slot.gpu,
+                                      parked=False, draining=False, replaces="")
+        try:
+            await self._create(new, demand)
+        except TableConflict as exc:
+            return self._refuse(ParkReply, "conflict", str(exc))
+        if not await self._retire_parked(iid):
+            self.bus.log.warning("parked instance relaunched but not retired: table conflicts",
+                                 instance=iid, new_instance=new.instance_id)
+        PARKS.labels("relaunch").inc()
+        self.bus.log.info("parked instance relaunched elsewhere", instance=iid, new_instance=new.instance_id,
+                          node=new.node, gpu=new.gpu)
+        return ParkReply(ok=True, relaunched=new)
+
+    async def _retire_parked(self, iid: str) -> bool:
+        """Retire a parked instance that was relaunched: mark it draining when its node is live
+        (the agent ends the process and reports InstanceRetired, then it is deleted), delete its
+        entry when the node is gone (no agent will report it). Tried twice, since a conflict
+        rebuilds the state and the second try reads it afresh; False if both failed. Hold the lock."""
+        for _ in range(2):
+            known = self.placements.get(iid)
+            if known is None:
+                return True  # gone already
+            if known[0].node in self.cluster.node_index:
+                done = await self._drain(iid)
+            else:
+                done = await self._forget(iid)
+            if done:
+                return True
+        return False
+
+    async def _set_parked(self, iid: str, parked: bool) -> bool:
+        """Write ``parked`` into placement ``iid`` (compare-and-set on its revision: the agent acts
+        on the flag) and publish PlacementDecided ``park`` or ``resume``. False on a table
+        conflict (state rebuilt). Hold the lock."""
+        p, rev = self.placements[iid]
+        new = msgspec.structs.replace(p, parked=parked)
+        try:
+            new_rev = await self.kv.update(iid, msgspec.json.encode(new), last=rev)
+        except KeyWrongLastSequenceError:
+            CONFLICTS.inc()
+            await self.rebuild()
+            return False
+        self.placements[iid] = (new, new_rev)
+        await self.bus.publish(subjects.placement_decided(p.function),
+                               PlacementDecided(placement=new, action="park" if parked else "resume",
+                                                revision=new_rev))
+        return True
 
     def _refuse(self, kind, reason: str, error: str):
         REFUSALS.labels(reason).inc()
