@@ -28,6 +28,13 @@
   draining ones too, so the vertical scaler counts their quotas.
 - Exports per-function Prometheus metrics (:mod:`.function_metrics`) from the
   :class:`FunctionStats` its own instances publish (those naming this node).
+- Parks and resumes instances as the table says (``Placement.parked``, set by the scheduler on
+  the horizontal scaler's ParkRequest): SIGUSR1 has the process finish its batch, stop pulling
+  and move its weights to host memory (it prints ``PARKED``: the agent publishes
+  InstanceParked, leaves it out of telemetry and GPU-time accounting and hands its quota to its
+  neighbours); SIGUSR2 has it copy them back (``READY`` again: InstanceReady with ``resumed``,
+  its request quota written again). A parked placement with no process (the agent restarted, or
+  the parked process died) is launched afresh when it is resumed.
 - Serves profiling trials (``dilu.v1.node.trial.<node>``) on a trial worker under the interceptor
   (emulated GPUs only: a trial replays a model's kernels on the fake driver).
 
@@ -68,7 +75,8 @@ from .claim import claim_refusal, host_identity
 from .function_metrics import FunctionMetrics
 from .function_metrics import problem as stats_problem
 from .grants import fit_quota, quota_sum
-from .instance import AGENT_PID_ENV, DRAIN_TIMEOUT_S, FAILED_PREFIX
+from .instance import (AGENT_PID_ENV, DRAIN_TIMEOUT_S, FAILED_PREFIX, PARK_FAILED_PREFIX, PARK_SIGNAL, PARKABLE_WORD,
+                       PARKED_LINE, READY_LINE, RESUME_SIGNAL)
 
 LAUNCHES = Counter("dilu_instance_launches", "Instances launched", ["function"])
 GRANT_CHANGES = Counter("dilu_grant_changes", "TokenGrants that changed an instance's quota")
@@ -107,7 +115,7 @@ async def process_exit(proc: asyncio.subprocess.Process) -> int:
 @dataclass
 class ManagedInstance:
     placement: ev.Placement
-    state: str = "launching"  # launching -> ready -> draining -> gone
+    state: str = "launching"  # launching -> ready (<-> parked) -> draining -> gone
     proc: asyncio.subprocess.Process | None = None
     cb: object | None = None
     cb_path: str = ""
@@ -119,6 +127,8 @@ class ManagedInstance:
     oom_seen: int = 0  # allocation refusals already counted
     tasks: list[asyncio.Task] = field(default_factory=list)
     ready_seen: bool = False  # its READY line was read
+    parkable: bool = False  # its READY line said its code can park
+    resume_ns: int = 0  # when it was signalled to resume (wall ns); 0: no resume pending
     failed: str = ""  # the reason of its FAILED line, if any
 
 
@@ -348,6 +358,9 @@ class NodeAgent:
             return
         self._placements[placement.instance_id] = placement
         inst = self.instances.get(placement.instance_id)
+        if inst is not None and not placement.draining:
+            self._follow_park(inst, placement)
+            return
         if placement.draining:
             if inst is not None:
                 task = asyncio.create_task(self._retire(inst, "drained by scheduler"))
@@ -358,7 +371,7 @@ class NodeAgent:
                     instance_id=placement.instance_id, function=placement.function, node=self.node,
                     gpu=placement.gpu, reason="retired"))
             return
-        if inst is None and not self._stopping:
+        if inst is None and not self._stopping and not placement.parked:  # parked, no process: launched on resume
             if not 0 <= placement.gpu < len(self.gpus):
                 MALFORMED.labels(self.name, f"kv:{subjects.PLACEMENT_BUCKET}").inc()
                 self.log.warning("placement names a GPU this node lacks", instance=placement.instance_id, gpu=placement.gpu)
@@ -368,6 +381,22 @@ class NodeAgent:
                                  gpu=placement.gpu, reason=self.gpus[placement.gpu].reason)
                 return
             await self._launch(placement)
+
+    def _follow_park(self, inst: ManagedInstance, p: ev.Placement) -> None:
+        """The table parked or resumed ``inst``: signal its process (SIGUSR1 park, SIGUSR2
+        resume); its stdout says when it is done (:meth:`_on_line`). A process still loading
+        applies the signal once loaded."""
+        was = inst.placement.parked
+        inst.placement = p
+        if p.parked == was or inst.proc is None or inst.proc.returncode is not None:
+            return
+        if not p.parked:
+            inst.resume_ns = time.time_ns()
+        try:
+            inst.proc.send_signal(PARK_SIGNAL if p.parked else RESUME_SIGNAL)
+        except ProcessLookupError:  # it just ended: its exit is handled there
+            return
+        self.log.info("instance parking" if p.parked else "instance resuming", instance=p.instance_id)
 
     async def _launch(self, p: ev.Placement) -> None:
         """Start the instance of placement ``p``. A failure before its process runs (its control
@@ -489,15 +518,54 @@ class NodeAgent:
         text = line.decode(errors="replace").strip()
         if text.startswith(FAILED_PREFIX):
             return ready, text[len(FAILED_PREFIX):].strip() or "no reason given"
-        if text != "READY" or ready:
-            return ready, failed
+        word, _, rest = text.partition(" ")
+        if word == READY_LINE:
+            await self._instance_ready(inst, parkable=rest.strip() == PARKABLE_WORD)
+            return True, failed
+        if text == PARKED_LINE:
+            await self._instance_parked(inst)
+        elif text.startswith(PARK_FAILED_PREFIX):
+            self.log.warning("instance could not park", instance=p.instance_id,
+                             error=text[len(PARK_FAILED_PREFIX):].strip())
+        return ready, failed
+
+    async def _instance_ready(self, inst: ManagedInstance, parkable: bool) -> None:
+        """A READY line: the instance's first (InstanceReady with its cold start) or the end of a
+        resume (InstanceReady ``resumed``, with the resume's duration; its request quota is
+        written again). A READY repeated while serving says nothing new."""
+        p = inst.placement
+        inst.parkable = parkable
         if inst.state == "launching":  # not for one being drained already
             inst.state = "ready"
             cold_ms = (time.time_ns() - inst.launched_ns) / 1e6
             await self._publish_instance("ready", ev.InstanceReady(
-                instance_id=p.instance_id, function=p.function, node=self.node, gpu=p.gpu, cold_start_ms=cold_ms))
+                instance_id=p.instance_id, function=p.function, node=self.node, gpu=p.gpu, cold_start_ms=cold_ms,
+                parkable=parkable))
             self.log.info("instance ready", instance=p.instance_id, cold_start_ms=round(cold_ms, 1))
-        return True, failed
+        elif inst.state in ("ready", "parked") and inst.resume_ns and not p.parked:
+            resume_ms = (time.time_ns() - inst.resume_ns) / 1e6
+            inst.resume_ns = 0
+            if inst.state == "parked":
+                inst.state = "ready"
+                inst.window_start = inst.last  # its telemetry starts afresh, not over the parked span
+                if inst.cb is not None:
+                    self._apply_quota(inst, p.request_quota if self.initial_grant == "request" else p.limit_quota)
+            await self._publish_instance("ready", ev.InstanceReady(
+                instance_id=p.instance_id, function=p.function, node=self.node, gpu=p.gpu, cold_start_ms=resume_ms,
+                resumed=True, parkable=parkable))
+            self.log.info("instance resumed", instance=p.instance_id, resume_ms=round(resume_ms, 1))
+
+    async def _instance_parked(self, inst: ManagedInstance) -> None:
+        """A PARKED line: the instance holds no SM share now (its quota no longer counts on the
+        GPU, so neighbours may be granted it) and no weights on the device."""
+        p = inst.placement
+        if inst.state not in ("launching", "ready"):
+            return
+        inst.state, inst.quota = "parked", 0.0
+        self._note_quota_sum(p.gpu)
+        await self._publish_instance("parked", ev.InstanceParked(
+            instance_id=p.instance_id, function=p.function, node=self.node, gpu=p.gpu))
+        self.log.info("instance parked", instance=p.instance_id)
 
     async def _exited(self, inst: ManagedInstance, code: int, failed: str, ready: bool) -> None:
         """The instance's process ended. Asked to (being drained, or retired already, or the
@@ -506,6 +574,9 @@ class NodeAgent:
         not launched again; else a crash, relaunched (:meth:`_relaunch`) up to ``MAX_RESTARTS``
         times and then retired as GAVE_UP. Those two InstanceRetired carry the error."""
         p = inst.placement
+        if inst.state == "parked" and not self._stopping:
+            await self._lost_parked(inst, code)
+            return
         if inst.state not in ("launching", "ready") or self._stopping:
             return
         self.log.warning("instance exited unexpectedly", instance=p.instance_id, exit_code=code, error=failed)
@@ -527,6 +598,22 @@ class NodeAgent:
             return
         await self._finish(inst, "mps server failed" if mps_failure else "crashed", code, error=failed)
         await self._relaunch(p)
+
+    async def _lost_parked(self, inst: ManagedInstance, code: int) -> None:
+        """A parked instance's process ended on its own. It served nothing and its placement stays
+        parked: only the process and its block go; a resume launches it afresh (a cold start)."""
+        p = inst.placement
+        self.log.warning("parked instance exited; launched again when resumed", instance=p.instance_id, exit_code=code)
+        inst.state = "gone"
+        self.instances.pop(p.instance_id, None)
+        if inst.cb is not None:
+            inst.cb.close()
+            Path(inst.cb_path).unlink(missing_ok=True)
+            inst.cb = None
+            self._note_quota_sum(p.gpu)
+        live = self._placement_live(p.instance_id)
+        if live is not None and not live.parked and not self._stopping:  # resumed meanwhile
+            await self._launch(live)
 
     def _forget(self, instance_id: str) -> None:
         """Drop what the agent keeps about ``instance_id`` across relaunches (its restart count
@@ -566,6 +653,8 @@ class NodeAgent:
         if live is None:
             self.log.info("crashed instance not relaunched: its placement is gone or draining", instance=p.instance_id)
             self._forget(p.instance_id)
+            return
+        if live.parked:  # parked meanwhile: launched when it is resumed
             return
         await self._launch(live)
 
@@ -628,7 +717,7 @@ class NodeAgent:
 
     async def _on_grant(self, grant: ev.TokenGrant, _msg) -> None:
         inst = self.instances.get(grant.instance_id)
-        if inst is None or inst.cb is None or inst.state == "gone":
+        if inst is None or inst.cb is None or inst.state in ("gone", "parked"):  # parked: it holds no share
             return
         if not 0.0 < grant.quota <= 1.0:
             raise ValueError(f"grant quota {grant.quota} outside (0, 1]")
@@ -645,9 +734,10 @@ class NodeAgent:
                 REACTION_MS.labels(f"{q / 100:g}").set(self._reaction.get_value_at_percentile(q) / 1000.0)
 
     def _holding(self, gpu: int) -> list[ManagedInstance]:
-        """The instances with a control block on ``gpu`` (launching, ready or draining)."""
+        """The instances with a control block on ``gpu`` holding a share (launching, ready or
+        draining; not parked)."""
         return [i for i in self.instances.values()
-                if i.placement.gpu == gpu and i.cb is not None and i.state != "gone"]
+                if i.placement.gpu == gpu and i.cb is not None and i.state not in ("gone", "parked")]
 
     def _apply_quota(self, inst: ManagedInstance, wanted: float) -> None:
         """Write ``wanted`` (fraction 0..1) into ``inst``'s block as far as it fits: the quotas
@@ -722,10 +812,13 @@ class NodeAgent:
     async def _publish_window(self, dt_s: float) -> None:
         per_gpu: list[list[Slot]] = [[] for _ in self.gpus]
         per_gpu_tel: list[list[ev.InstanceTelemetry]] = [[] for _ in self.gpus]
-        states = {"launching": 0, "ready": 0, "draining": 0}
+        states = {"launching": 0, "ready": 0, "draining": 0, "parked": 0}
         for inst in list(self.instances.values()):
             p = inst.placement
             states[inst.state] = states.get(inst.state, 0) + 1
+            if inst.state == "parked":  # off the GPU: no share, no telemetry, no GPU time
+                inst.window_start = inst.last
+                continue
             use_share, wait_us, tel = 0.0, 0, None
             if inst.last is not None and inst.window_start is not None:
                 use = window_use(inst.window_start, inst.last)
