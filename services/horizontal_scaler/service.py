@@ -537,14 +537,14 @@ class HorizontalScaler:
                 self.bus.log.warning("resume refused", function=fn, instance=iid, error=error)
                 continue
             done += 1
-            if reply.relaunched is not None:
+            if reply.relaunched is not None:  # a new instance: a scale-out, as the simulator counts it
                 RESUMES.labels("relaunched").inc()
+                SCALE_OUTS.labels(fn).inc()
                 self.policy.instance_retired(fn, iid)
                 self.policy.instance_starting(fn, reply.relaunched.instance_id, now)
             else:
                 RESUMES.labels("resumed").inc()
         if done:
-            SCALE_OUTS.labels(fn).inc(done)
             await self._decided(fn, d, "resume", done)
 
     async def _make_room(self, fn: str) -> None:
