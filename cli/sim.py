@@ -81,7 +81,7 @@ def _opt(*decls, **kw):
       help="what-if: park an idle function's instances after this many trace seconds (their GPU share and "
            "placement freed, weights kept in host memory and copied back at "
            f"{models.RESUME_BANDWIDTH_BYTES_PER_S / 1e9:g} GB/s when a request comes); "
-           "0: never. The live node agent does not park instances yet, so this is the simulator's alone")
+           "0: never. Live: the horizontal scaler's --park-after-s, dilu demo --park-after-s")
 @_opt("--defrag-interval-s", type=ZeroOrAtLeast(DEFRAG_INTERVAL_MIN_S, 86_400), default=None,
       help="how often the scheduler of dilu and dilu-published defragments (moves instances off lightly used "
            "GPUs, each drained once its replacement is ready), trace seconds; 0: never (default: "
