@@ -248,7 +248,8 @@ class NodeAgent:
                 await self._watcher.stop()
             except Exception:
                 pass
-        await asyncio.gather(*(self._retire(i, "node stopping") for i in list(self.instances.values())), return_exceptions=True)
+        await asyncio.gather(*(self._end_parked(i) if i.state == "parked" else self._retire(i, "node stopping")
+                               for i in list(self.instances.values())), return_exceptions=True)
         for t in self._tasks:
             t.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
@@ -599,11 +600,24 @@ class NodeAgent:
         await self._finish(inst, "mps server failed" if mps_failure else "crashed", code, error=failed)
         await self._relaunch(p)
 
-    async def _lost_parked(self, inst: ManagedInstance, code: int) -> None:
-        """A parked instance's process ended on its own. It served nothing and its placement stays
-        parked: only the process and its block go; a resume launches it afresh (a cold start)."""
+    async def _end_parked(self, inst: ManagedInstance) -> None:
+        """The agent stops with ``inst`` parked: end its process (nothing in hand: it exits at
+        once) but report no retirement, so its placement stays parked for the horizontal scaler
+        to resume (the next agent launches it then) or retire."""
+        proc = inst.proc
+        self._drop_process(inst)
+        if proc is not None and proc.returncode is None:
+            try:
+                proc.send_signal(signal.SIGTERM)
+                await asyncio.wait_for(process_exit(proc), timeout=DRAIN_TIMEOUT_S)
+            except asyncio.TimeoutError:
+                proc.kill()
+            except ProcessLookupError:
+                pass
+
+    def _drop_process(self, inst: ManagedInstance) -> None:
+        """Forget ``inst``'s process and free its block, its placement untouched (parked)."""
         p = inst.placement
-        self.log.warning("parked instance exited; launched again when resumed", instance=p.instance_id, exit_code=code)
         inst.state = "gone"
         self.instances.pop(p.instance_id, None)
         if inst.cb is not None:
@@ -611,6 +625,13 @@ class NodeAgent:
             Path(inst.cb_path).unlink(missing_ok=True)
             inst.cb = None
             self._note_quota_sum(p.gpu)
+
+    async def _lost_parked(self, inst: ManagedInstance, code: int) -> None:
+        """A parked instance's process ended on its own. It served nothing and its placement stays
+        parked: only the process and its block go; a resume launches it afresh (a cold start)."""
+        p = inst.placement
+        self.log.warning("parked instance exited; launched again when resumed", instance=p.instance_id, exit_code=code)
+        self._drop_process(inst)
         live = self._placement_live(p.instance_id)
         if live is not None and not live.parked and not self._stopping:  # resumed meanwhile
             await self._launch(live)

@@ -140,3 +140,24 @@ async def test_a_retired_parked_instance_ends_at_once(nats_url):
         await h.wait_for("retired")
         assert h.events["retired"][0].reason == "drained by scheduler" and h.events["retired"][0].exit_code == 0
         assert time.monotonic() - t0 < 10.0  # far below the drain timeout: nothing was in hand
+
+
+async def test_an_agent_restarted_with_a_parked_instance_keeps_it_parked_and_launches_it_on_resume(nats_url):
+    async with Harness(nats_url) as h:
+        await ensure_consumer(h.js, FN)
+        await h.kv.put("i1", encode(placement("i1")))
+        await h.wait_for("ready")
+        await h.kv.put("i1", encode(placement("i1", parked=True)))
+        await h.wait_for("parked")
+        pid = h.agent.instances["i1"].proc.pid
+    # stopped: the parked process ended, but no retirement was reported (the placement stays parked)
+    assert h.events["retired"] == []
+    nc = await nats.connect(nats_url)  # the node's name is free again (this test's agents share one pid)
+    await (await nc.jetstream().key_value(subjects.NODES_BUCKET)).delete(NODE)
+    await nc.close()
+    async with Harness(nats_url) as h2:
+        await asyncio.sleep(1.0)
+        assert "i1" not in h2.agent.instances  # parked: nothing to launch yet
+        await h2.kv.put("i1", encode(placement("i1", parked=False)))
+        await h2.wait_for("ready")
+        assert h2.agent.instances["i1"].proc.pid != pid
