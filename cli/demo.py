@@ -38,6 +38,8 @@ from dilu.services.common.workqueue import ensure_stream
 from dilu.services.node_agent.__main__ import parse_gpus
 from dilu.services.node_agent.devices import EMULATED_DEFAULT_COUNT
 
+from dilu.services.common.policies import PARK_AFTER_S
+
 from .cluster import POLICIES, Cluster
 from .deploy import (WarmWatch, cluster_counters, cluster_facts, cpu_function_spec, deploy_all, function_spec, llm_spec, profile_all,
                      training_iterations, training_spec)
@@ -64,7 +66,7 @@ class RunOptions:
     log_dir: str | None
     training_jobs: int | None = None
     llm_share: float = 0.0
-    park_after_s: float = 0.0
+    park_after_s: float | None = None
     progress: bool = True
 
     def __post_init__(self) -> None:
@@ -113,7 +115,7 @@ def run_options(f):
         click.option("--nats-url", default=None, callback=nonempty_url, help="use a running NATS server instead of starting one"),
         click.option("--log-dir", default=None, type=click.Path(file_okay=False), callback=nonempty_path, help="where the services' JSON logs go (default: a temp dir)"),
         click.option("--training-jobs", type=click.IntRange(min=0, max=64), default=None, help="training jobs collocated with the inference functions, at most one per GPU (default: one per GPU in dilu demo, none in dilu compare; 0: none)"),
-        click.option("--park-after-s", type=click.FloatRange(min=0, max=86_400), default=0.0, show_default=True, callback=finite, help="park an idle function's instances after this many trace seconds within its keep-alive (their GPU share and device memory given back, weights kept in host memory, resumed in milliseconds); compressed by --speedup like the keep-alive; 0: never"),
+        click.option("--park-after-s", type=click.FloatRange(min=0, max=86_400), default=None, callback=finite, help=f"park an idle function's instances after this many trace seconds within its keep-alive (their GPU share and device memory given back, weights kept in host memory, resumed in milliseconds), every policy; compressed by --speedup like the keep-alive; 0: never (default: as each policy does, dilu after {PARK_AFTER_S:g} s, the others never)"),
         click.option("--llm-share", type=click.FloatRange(min=0.0, max=1.0), default=0.0, show_default=True, callback=finite, help="also replay this fraction of the Azure LLM 2023 code trace's requests (real arrival times, prompt and output lengths) against an llm function on LLaMA2-7B; 0: none"),
     ]
     for opt in reversed(opts):
@@ -184,15 +186,15 @@ def _timeout_s(spec, inv) -> float:
     return max(REQUEST_TIMEOUT_MIN_S, 10 * objective_ms / 1000.0)
 
 
-def replay_args(speedup: float, policy: str, park_after_s: float = 0.0) -> dict[str, list[str]]:
+def replay_args(speedup: float, policy: str, park_after_s: float | None = None) -> dict[str, list[str]]:
     """Per service, the settings a replay at ``speedup`` adds to ``policy``'s: the horizontal
-    scaler's windows (:func:`scaler_windows`) and parking delay (``park_after_s`` trace seconds;
-    0: never), and the scheduler's defragmentation interval, trace time compressed alike
-    (:meth:`PolicyModes.defrag_interval_s`)."""
+    scaler's windows (:func:`scaler_windows`) and parking delay (``park_after_s`` trace seconds,
+    0: never; None: the policy's, :meth:`PolicyModes.park_after_s`), and the scheduler's
+    defragmentation interval, trace time compressed alike (:meth:`PolicyModes.defrag_interval_s`)."""
     from dilu.services.common.policies import modes
 
-    park = ["--park-after-s", f"{park_after_s / speedup:g}"] if park_after_s > 0 else []
-    return {"horizontal_scaler": scaler_windows(speedup) + park,
+    park = modes(policy).park_after_s(speedup) if park_after_s is None else park_after_s / speedup
+    return {"horizontal_scaler": scaler_windows(speedup) + ["--park-after-s", f"{park:g}"],
             "scheduler": ["--defrag-interval-s", f"{modes(policy).defrag_interval_s(speedup):g}"]}
 
 

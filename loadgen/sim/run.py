@@ -95,8 +95,9 @@ class SimConfig:
     not; 1: trace time); ``nodes`` x ``gpus_per_node`` GPUs of 40 GB; ``training_jobs``: fraction
     (0..1) of the GPUs running a training job; ``keep_alive_s``: the horizontal scaler's fallback
     keep-alive in trace seconds (None: its default, 10 min; Knative's KPA has none);
-    ``park_after_s``: park an idle function's instances after this many trace seconds
-    (:class:`HorizontalConfig`'s Parking; 0: never, as the live platform); ``defrag_interval_s``:
+    ``park_after_s``: park an idle function's instances after this many trace seconds, every
+    policy (:class:`HorizontalConfig`'s Parking; 0: never; None: as each policy does live,
+    :meth:`PolicyModes.park_after_s`: dilu parks, the others never); ``defrag_interval_s``:
     how often the scheduler of a defragmenting policy (:attr:`PolicyModes.defrag`) defragments,
     in trace seconds (None: as it does live, :data:`DEFRAG_INTERVAL_S`; 0: never; the baselines
     never do); ``process_start_ms``:
@@ -113,7 +114,7 @@ class SimConfig:
     start_minute: int | None = None
     speedup: float = 1.0
     keep_alive_s: float | None = None
-    park_after_s: float = 0.0
+    park_after_s: float | None = None
     defrag_interval_s: float | None = None
     process_start_ms: float = models.PROCESS_START_MS
     vertical_tick_ms: float = 250.0
@@ -132,7 +133,7 @@ class SimConfig:
             raise ValueError(f"need at least 1 node and 1 GPU per node, got {self.nodes} x {self.gpus_per_node}")
         if self.keep_alive_s is not None and not (0 <= self.keep_alive_s <= 86_400):
             raise ValueError(f"keep_alive_s must be in [0, 86400] s, got {self.keep_alive_s}")
-        if not (0 <= self.park_after_s <= 86_400):
+        if self.park_after_s is not None and not (0 <= self.park_after_s <= 86_400):
             raise ValueError(f"park_after_s must be in [0, 86400] s, got {self.park_after_s}")
         if self.defrag_interval_s is not None and not (
                 self.defrag_interval_s == 0 or DEFRAG_INTERVAL_MIN_S <= self.defrag_interval_s <= 86_400):
@@ -239,6 +240,7 @@ class SimFacts:
     resumes_refused: int = 0
     migrations: int = 0
     defrag_interval_s: float = 0.0  # the interval in force, trace s (0: none)
+    park_after_s: float = 0.0  # the parking delay in force, trace s (0: never)
     resume_waits: int = 0
     timeline: list = field(default_factory=list)
     latency_slo_cdf: list = field(default_factory=list)
@@ -278,7 +280,8 @@ class Simulation:
         self.loop = EventLoop(0.0)
         self.cluster = Cluster([f"node{i}" for i in range(cfg.nodes)], cfg.gpus_per_node, GPU_MEMORY_BYTES)
         self.vertical = vertical_policy(VerticalConfig(mode=m.vertical))
-        self.hconf = horizontal_config(m.horizontal, cfg.speedup, cfg.keep_alive_s, cfg.park_after_s)
+        park = m.park_after_s() if cfg.park_after_s is None else cfg.park_after_s
+        self.hconf = horizontal_config(m.horizontal, cfg.speedup, cfg.keep_alive_s, park)
         self.horizontal = horizontal_policy(self.hconf)
         # the baselines never defragment; for dilu's policies the configured interval, else theirs
         every = 0.0 if not m.defrag else m.defrag_interval_s() if cfg.defrag_interval_s is None else cfg.defrag_interval_s
@@ -291,7 +294,7 @@ class Simulation:
         self.moved_out: set[str] = set()  # instances draining because their replacement is ready
         self.fns: dict[str, Function] = {}
         self.mech = report.Mechanism(vertical_reaction_ms_p50=None, vertical_reaction_ms_p99=None)  # not modelled
-        self.facts = SimFacts(defrag_interval_s=every)
+        self.facts = SimFacts(defrag_interval_s=every, park_after_s=park)
         self.t0 = warm_up_ms(cfg, work)  # the replay's start on the simulated clock
         self.span_end = self.t0 + work.plan.duration_s * 1000.0
         self.end = self.span_end + cfg.drain_s * 1000.0
@@ -995,6 +998,7 @@ def simulate(cfg: SimConfig, policies: list[str], progress=None, tick=None) -> d
                         "max_limit_sum": f.max_limit_sum, "unplaced": f.unplaced, "parks": f.parks,
                         "resumes": f.resumes, "resumes_refused": f.resumes_refused,
                         "migrations": f.migrations, "defrag_interval_s": f.defrag_interval_s,
+                        "park_after_s": f.park_after_s,
                         "resume_waits": f.resume_waits,
                         "timeline": [list(r) for r in f.timeline], "latency_slo_cdf": f.latency_slo_cdf}
     except KeyboardInterrupt:

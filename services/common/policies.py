@@ -5,8 +5,10 @@ services' command-line arguments from it (:meth:`PolicyModes.service_args`, used
 cannot drift.
 
 - ``dilu``: placement by request/limit, tokens resized by the vertical scaler, lazy horizontal,
-  and the scheduler's defragmentation every ``DEFRAG_INTERVAL_S``: it empties lightly used GPUs by
-  relaunching their instances on fuller ones, each drained once its replacement is ready.
+  the scheduler's defragmentation every ``DEFRAG_INTERVAL_S``: it empties lightly used GPUs by
+  relaunching their instances on fuller ones, each drained once its replacement is ready; and
+  parking after ``PARK_AFTER_S`` idle: an idle function's instances give their GPU back and keep
+  their weights in host memory, so its next request waits for a weight copy, not a cold start.
 - ``horizontal-only``: Knative's KPA as it ships (``kpa``: on load alone, scale to zero a stable
   window plus 30 s after the last request, no pre-warm) over quotas fixed at the request and
   placed by it alone (reserving limits an instance never bursts to would only strand GPUs).
@@ -15,10 +17,10 @@ cannot drift.
 - ``exclusive``: a whole GPU per instance, no token pacing, horizontal on load, dilu's keep-alive.
 - ``dilu-published``: dilu with the vertical scaling its paper describes (``PublishedVertical``:
   fixed 20/40-sample windows, stretch the only signal, AIMD on training only); placement and
-  horizontal scaling (and defragmentation) as ``dilu``'s.
+  horizontal scaling (and defragmentation) as ``dilu``'s; it does not park (the paper does not).
 
-The baselines do not defragment: Knative, INFless-style slices and exclusive GPUs leave an
-instance where it was placed.
+The baselines neither defragment nor park: Knative, INFless-style slices and exclusive GPUs leave
+an instance where it was placed, on its GPU until its keep-alive ends.
 """
 from __future__ import annotations
 
@@ -32,6 +34,12 @@ DEFRAG_INTERVAL_S = 30.0
 # The shortest interval accepted (s): a round under the scheduler's lock at most every 10 ms (a
 # replay at --speedup 1000 compresses the 30 s to 0.03 s); below it a loop would spin.
 DEFRAG_INTERVAL_MIN_S = 0.01
+# How long (trace seconds) a parking policy's function is idle before its instances are parked.
+# In the simulator (the README's 4-hour runs with training jobs, seeds 1-5, against Knative's KPA as
+# it ships) 5 s gave 0.13-0.26x its cold-start requests, 30 s 0.18-0.24x, both at 0.95-0.996x its
+# active GPU·s: a short delay parks more often, and each resume that finds its GPU full is a cold
+# start. Knative's stable window is 60 s; half of it is still well inside any keep-alive.
+PARK_AFTER_S = 30.0
 
 
 @dataclass(frozen=True)
@@ -39,31 +47,39 @@ class PolicyModes:
     """The modes one policy sets: ``vertical`` (VerticalConfig.mode), ``horizontal``
     (HorizontalConfig.mode), ``allocation`` (the scheduler's, see scheduler.policy.ALLOCATIONS),
     ``initial_grant`` (the node agent's first grant of an instance: ``request`` or ``limit``) and
-    ``defrag`` (whether the scheduler defragments, every :data:`DEFRAG_INTERVAL_S`)."""
+    ``defrag`` (whether the scheduler defragments, every :data:`DEFRAG_INTERVAL_S`) and ``park``
+    (whether the horizontal scaler parks idle functions, after :data:`PARK_AFTER_S`)."""
 
     vertical: str
     horizontal: str
     allocation: str
     initial_grant: str
     defrag: bool = False
+    park: bool = False
 
     def defrag_interval_s(self, speedup: float = 1.0) -> float:
         """The scheduler's defragmentation interval in seconds of a replay at ``speedup`` (trace
         time compressed, as the horizontal windows are); 0: it does not defragment."""
         return DEFRAG_INTERVAL_S / speedup if self.defrag else 0.0
 
+    def park_after_s(self, speedup: float = 1.0) -> float:
+        """The horizontal scaler's parking delay in seconds of a replay at ``speedup``; 0: it
+        never parks."""
+        return PARK_AFTER_S / speedup if self.park else 0.0
+
     def service_args(self) -> dict[str, list[str]]:
         """The command-line arguments of each service (by service name) that set these modes."""
         return {
             "vertical_scaler": ["--mode", self.vertical],
-            "horizontal_scaler": ["--mode", self.horizontal],
+            "horizontal_scaler": ["--mode", self.horizontal, "--park-after-s", f"{self.park_after_s():g}"],
             "scheduler": ["--policy", self.allocation, "--defrag-interval-s", f"{self.defrag_interval_s():g}"],
             "node_agent": ["--initial-grant", self.initial_grant],
         }
 
 
 POLICIES: dict[str, PolicyModes] = {
-    "dilu": PolicyModes(vertical="dilu", horizontal="lazy", allocation="dilu", initial_grant="request", defrag=True),
+    "dilu": PolicyModes(vertical="dilu", horizontal="lazy", allocation="dilu", initial_grant="request", defrag=True,
+                        park=True),
     "horizontal-only": PolicyModes(vertical="static", horizontal="kpa", allocation="static-mps",
                                    initial_grant="request"),
     "static-mps": PolicyModes(vertical="static-limit", horizontal="eager", allocation="static-mps",

@@ -698,9 +698,12 @@ class HorizontalPolicy:
 
     def _park(self, f: _Function, d: Decision) -> None:
         """Park every ready instance of an idle ``f``: no GPU share, its weights in host memory,
-        brought back by the next scale-out before any new instance is placed."""
+        brought back by the next scale-out before any new instance is placed. One that a
+        migration's replacement is taking over from serves on: its replacement takes its place
+        when ready (parking it would leave the pair with nothing to hand over)."""
+        replaced = {i.replaces for i in f.instances.values() if i.state == "moving"}
         for inst in f.instances.values():
-            if inst.state == "ready":
+            if inst.state == "ready" and inst.instance_id not in replaced:
                 inst.state = "parked"
                 d.park.append(inst.instance_id)
         d.desired = d.current - len(d.park)

@@ -11,7 +11,9 @@ from dilu.cli.main import main
 from dilu.loadgen.sim.run import SimConfig, Simulation, prepare
 from dilu.services.common.policies import DEFRAG_INTERVAL_S
 
-CFG = dict(functions=200, hours=0.5, nodes=4, gpus_per_node=4, seed=1, training_jobs=0.2)
+# parking off: defragmentation's own effect (a parked instance resumes only on the GPU it left,
+# and a fuller GPU refuses more resumes: with both, cold starts are parking's trade)
+CFG = dict(functions=200, hours=0.5, nodes=4, gpus_per_node=4, seed=1, training_jobs=0.2, park_after_s=0.0)
 
 
 class _Checked(Simulation):
@@ -60,6 +62,13 @@ def test_defragmentation_frees_gpu_seconds_without_cold_starts():
     # ... counted as a launch, not as a scale-out (the scheduler's, not the horizontal scaler's)
     for rep, f in ((kept, kept_facts), (moved, facts)):
         assert rep.totals.instance_launches == rep.mechanism.scale_outs + f.migrations + len(rep.training)
+
+
+def test_with_parking_a_migrating_instance_is_never_parked_and_the_state_stays_whole():
+    cfg = SimConfig(**{**CFG, "park_after_s": None})  # dilu as it runs: defragmentation and parking
+    rep, facts = _Checked(cfg, "dilu", prepare(cfg)).run()
+    assert facts.migrations > 0 and facts.parks > 0 and facts.park_after_s > 0
+    assert rep.totals.offered == rep.totals.completed
 
 
 def test_the_baselines_do_not_defragment_whatever_the_interval():

@@ -9,7 +9,8 @@ from dilu.services.vertical_scaler.policy import MODES as V_MODES
 
 def test_cluster_arguments_come_from_the_shared_table():
     assert list(POLICIES) == ["dilu", "horizontal-only", "static-mps", "exclusive", "dilu-published"]
-    assert POLICIES["dilu"] == {"vertical_scaler": ["--mode", "dilu"], "horizontal_scaler": ["--mode", "lazy"],
+    assert POLICIES["dilu"] == {"vertical_scaler": ["--mode", "dilu"],
+                                "horizontal_scaler": ["--mode", "lazy", "--park-after-s", "30"],
                                 "scheduler": ["--policy", "dilu", "--defrag-interval-s", "30"],
                                 "node_agent": ["--initial-grant", "request"]}
     assert POLICIES["exclusive"]["node_agent"] == ["--initial-grant", "limit"]
@@ -17,6 +18,11 @@ def test_cluster_arguments_come_from_the_shared_table():
     assert POLICIES["horizontal-only"]["scheduler"] == ["--policy", "static-mps", "--defrag-interval-s", "0"]
     assert replay_args(10.0, "dilu")["scheduler"] == ["--defrag-interval-s", "3"]
     assert replay_args(10.0, "static-mps")["scheduler"] == ["--defrag-interval-s", "0"]
+    # dilu parks, compressed like the keep-alive; the baselines never, unless a run asks all to
+    assert replay_args(10.0, "dilu")["horizontal_scaler"][-2:] == ["--park-after-s", "3"]
+    assert POLICIES["horizontal-only"]["horizontal_scaler"] == ["--mode", "kpa", "--park-after-s", "0"]
+    assert replay_args(10.0, "horizontal-only", park_after_s=5.0)["horizontal_scaler"][-2:] == ["--park-after-s", "0.5"]
+    assert replay_args(10.0, "dilu", park_after_s=0.0)["horizontal_scaler"][-2:] == ["--park-after-s", "0"]
     for name, m in policies.POLICIES.items():
         assert POLICIES[name] == m.service_args()
 

@@ -71,7 +71,7 @@ def test_vertical_headroom_saves_cold_starts_on_a_bursty_trace():
     does dilu-published, whose vertical scaling waits for a stretch that never comes."""
     from dilu.loadgen.arrivals import Invocation
 
-    cfg = SimConfig(**SMALL, seed=1)
+    cfg = SimConfig(**SMALL, seed=1, park_after_s=0.0)  # held on its GPU through the idle minute
     base = prepare(cfg)
     spec = next(s for s in base.specs if s.model == "resnet152") if any(s.model == "resnet152" for s in base.specs) \
         else base.specs[0]
@@ -381,7 +381,7 @@ def test_a_lone_request_at_a_paced_instance_takes_the_token_buckets_time():
     from dilu.loadgen.arrivals import Invocation
     from dilu.services.common import models
 
-    cfg = SimConfig(**SMALL, seed=1)
+    cfg = SimConfig(**SMALL, seed=1, park_after_s=0.0)  # held on its GPU through the idle minute
     base = prepare(cfg)
     spec = next(s for s in base.specs if s.model == "resnet152")
     profile = base.profiles[spec.name][0]
