@@ -210,7 +210,8 @@ def permissions(role: str, node: str | None = None, *, caller: str | None = None
         pub += invoke_queue("watch")
         sub += [pattern(ev.FunctionDeployed), pattern(ev.FunctionUndeployed), pattern(ev.ProfileReady),
                 *(instance_pattern(s) for s in ("launched", "ready", "retired")), pattern(ev.GpuTelemetry),
-                pattern(ev.PlacementDecided)]
+                pattern(ev.PlacementDecided),
+                sj.INVOKE_SUBJECTS]  # a parked function's requests wake it (as Knative's activator)
     elif role in ("gateway", "caller"):
         pub += [sj.INVOKE_SUBJECTS] + invoke_queue("publish")
         pub += kv_read(sj.FUNCTIONS_BUCKET) + kv_read(sj.FUNCTION_STATE_BUCKET)

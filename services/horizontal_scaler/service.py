@@ -37,6 +37,12 @@ have no invocations and are only held at their ``min_instances``):
 3. publishes ScaleDecision on ``dilu.v1.scale.decided.<fn>`` for what was done and
    BurstWindowBreach on ``dilu.v1.event.burst_window_breach.<fn>``.
 
+Parking (``--park-after-s``): the policy's ``park`` and ``resume`` go to the scheduler
+(``dilu.v1.scheduler.park``). While a function has parked instances and none starting or ready,
+the scaler listens on its invocation subject (a plain subscription beside the work queue, as
+Knative's activator sits in front of a function at zero): its first request resumes a parked
+instance at once (:meth:`HorizontalPolicy.on_arrival`), not at the next tick.
+
 Mechanism counters (DESIGN.md section 8): ``dilu_scale_outs`` (instances added),
 ``dilu_retirements`` (instances removed, cancellations included), ``dilu_scale_to_zero``.
 
@@ -165,6 +171,7 @@ class HorizontalScaler:
         self.decisions: list[Decision] = []  # recent decisions carried out (bounded), for inspection
         self.state = FunctionStateStore()  # KV dilu-function-state, for dilu status and the gateway
         self._undeployed: set[str] = set()  # undeployed and not deployed since: late events ignored
+        self._wakers: dict[str, object] = {}  # fn -> its invocation subscription while all parked
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -184,6 +191,8 @@ class HorizontalScaler:
         self._loop_task = asyncio.create_task(self._loop(), name="horizontal-scaler-tick")
 
     async def stop(self) -> None:
+        for fn in list(self._wakers):
+            await self._unwatch(fn)
         for t in [self._loop_task, *self._tasks]:
             if t is not None:
                 t.cancel()
@@ -408,7 +417,53 @@ class HorizontalScaler:
             await self._retire(fn, d)
         if fn in self.policy.functions():  # not undeployed meanwhile
             await self.state.observe(fn, instances=self.policy.instances(fn), desired=d.desired, backlog=backlog)
+        await self._watch_parked(fn)
         return d
+
+    # ------------------------------------------------------------------ waking parked functions
+
+    async def _watch_parked(self, fn: str) -> None:
+        """Listen on ``fn``'s invocation subject exactly while all it has are parked instances."""
+        states = self.policy.instances(fn).values() if fn in self.policy.functions() else ()
+        asleep = "parked" in states and not any(s in ("starting", "ready") for s in states)
+        if asleep and fn not in self._wakers:
+            assert self.bus is not None
+
+            async def on_request(_msg, fn=fn) -> None:  # not awaited here: the wake unsubscribes this
+                task = asyncio.create_task(self._wake(fn))
+                self._tasks.add(task)
+                task.add_done_callback(self._tasks.discard)
+
+            self._wakers[fn] = await self.bus.nc.subscribe(subjects.invoke(fn), cb=on_request)
+        elif not asleep and fn in self._wakers:
+            await self._unwatch(fn)
+
+    async def _unwatch(self, fn: str) -> None:
+        sub = self._wakers.pop(fn, None)
+        if sub is not None:
+            try:
+                await sub.unsubscribe()
+            except Exception:  # the connection is closing: nothing to undo
+                pass
+
+    async def _wake(self, fn: str) -> None:
+        """A request for all-parked ``fn``: resume one instance now. A tick of ``fn`` under way
+        handles it instead (its backlog counts the request)."""
+        if fn in self._busy or fn not in self.policy.functions():
+            return
+        now = self._now()
+        ids = self.policy.on_arrival(fn, now)
+        if not ids:
+            return
+        self._busy.add(fn)
+        try:
+            await self._unwatch(fn)
+            d = Decision(fn, now, 0, 0, 1, direction="resume", reason="a request for a parked function")
+            d.resume = ids
+            await self._resume(fn, d, now)
+            await self._watch_parked(fn)  # refused: it listens again
+        finally:
+            self._busy.discard(fn)
 
     async def _consumers(self) -> _Consumers:
         """List the invocation stream's consumers (one request per 256 of them); never raises."""

@@ -116,7 +116,7 @@ async def until(pred, timeout=10.0, step=0.05):
     raise AssertionError(f"condition not met within {timeout} s")
 
 
-async def setup(nats_url, with_consumer=True, **config):
+async def setup(nats_url, with_consumer=True, tick_s=0.1, **config):
     nc = await nats.connect(nats_url)
     js = nc.jetstream()
     await js.add_stream(StreamConfig(name=subjects.INVOKE_STREAM, subjects=[subjects.INVOKE_SUBJECTS],
@@ -128,7 +128,7 @@ async def setup(nats_url, with_consumer=True, **config):
     await cluster.start()
     cfg = HorizontalConfig(**{"mode": "lazy", "stable_window_s": 2.0, "panic_window_pct": 25.0, "keep_alive_s": 1.5,
                               **config})
-    scaler = HorizontalScaler(cfg, tick_s=0.1)
+    scaler = HorizontalScaler(cfg, tick_s=tick_s)
     shutdown = asyncio.Event()
     task = asyncio.create_task(serve(scaler, nats_url, shutdown=shutdown, install_signals=False))
     await until(scaler.ready)
@@ -317,6 +317,31 @@ async def test_an_idle_function_is_parked_and_a_request_resumes_it_without_a_new
             await until(lambda: scaler.policy.instances(FN) == {first: "ready"})
         assert [r.count for r in cluster.placed] == [1]  # no PlaceRequest: the resume brought it back
         await until(lambda: any(d.direction == "resume" for d in cluster.decisions))
+    finally:
+        shutdown.set()
+        await task
+        await nc.close()
+
+
+async def test_a_request_for_a_parked_function_resumes_it_without_waiting_for_a_tick(nats_url):
+    """While a function is all parked the scaler listens on its invocation subject: the request
+    itself resumes an instance (the decision says so), as Knative's activator wakes a function."""
+    nc, js, cluster, scaler, shutdown, task = await setup(nats_url, tick_s=1.0, keep_alive_s=60.0, park_after_s=0.5)
+    cluster.parkable = True
+    try:
+        await parkable_spec(nc, scaler)
+        await js.publish(subjects.invoke(FN), b"one")
+        await until(lambda: cluster.live)
+        (first,) = list(cluster.live)
+        await serve_all(js, 1)
+        await until(lambda: scaler.policy.instances(FN) == {first: "parked"} and FN in scaler._wakers)
+        await js.publish(subjects.invoke(FN), b"two")
+        await until(lambda: len(cluster.parks) == 2)
+        assert cluster.parks[1].resume and cluster.parks[1].instance_id == first
+        await until(lambda: any(d.direction == "resume" for d in cluster.decisions))
+        woke = [d for d in cluster.decisions if d.direction == "resume"]
+        assert woke[0].reason == "a request for a parked function"  # not the next tick's
+        await until(lambda: FN not in scaler._wakers)  # serving again: it listens no more
     finally:
         shutdown.set()
         await task
