@@ -408,11 +408,7 @@ class NodeAgent:
             await self._start_process(inst)
         except Exception:
             self.instances.pop(p.instance_id, None)
-            if inst.cb is not None:
-                inst.cb.close()
-                Path(inst.cb_path).unlink(missing_ok=True)
-                inst.cb = None
-                self._note_quota_sum(p.gpu)
+            self._free_block(inst)
             raise
         if inst.state != "launching":  # drained or removed while its process was being started
             await self._abandon(inst)
@@ -433,11 +429,7 @@ class NodeAgent:
             except ProcessLookupError:
                 pass
             await process_exit(inst.proc)
-        if inst.cb is not None:
-            inst.cb.close()
-            Path(inst.cb_path).unlink(missing_ok=True)
-            inst.cb = None
-            self._note_quota_sum(inst.placement.gpu)
+        self._free_block(inst)
         self.log.info("instance launch abandoned: its placement was drained", instance=inst.placement.instance_id)
 
     def _placement_live(self, instance_id: str) -> ev.Placement | None:
@@ -620,11 +612,15 @@ class NodeAgent:
         p = inst.placement
         inst.state = "gone"
         self.instances.pop(p.instance_id, None)
+        self._free_block(inst)
+
+    def _free_block(self, inst: ManagedInstance) -> None:
+        """Close and delete ``inst``'s control block (if it has one); its quota leaves the GPU's sum."""
         if inst.cb is not None:
             inst.cb.close()
             Path(inst.cb_path).unlink(missing_ok=True)
             inst.cb = None
-            self._note_quota_sum(p.gpu)
+            self._note_quota_sum(inst.placement.gpu)
 
     async def _lost_parked(self, inst: ManagedInstance, code: int) -> None:
         """A parked instance's process ended on its own. It served nothing and its placement stays
@@ -705,14 +701,7 @@ class NodeAgent:
         inst.state = "gone"
         p = inst.placement
         self.instances.pop(p.instance_id, None)
-        if inst.cb is not None:
-            inst.cb.close()
-            try:
-                Path(inst.cb_path).unlink()
-            except FileNotFoundError:
-                pass
-            inst.cb = None
-            self._note_quota_sum(inst.placement.gpu)
+        self._free_block(inst)
         await self._publish_instance("retired", ev.InstanceRetired(
             instance_id=p.instance_id, function=p.function, node=self.node, gpu=p.gpu, reason=reason, exit_code=code or 0,
             error=error))
