@@ -5,6 +5,7 @@ import click
 
 from dilu.services.common.cliopts import Finite, log_level_option, metrics_port_option, nats_options, service_main
 
+from dilu.services.common.policies import PARK_AFTER_S
 from dilu.services.common.runner import run
 
 from .policy import IDLE_BINS, MODES, HorizontalConfig
@@ -46,9 +47,10 @@ WINDOW_MAX_S = 86_400
               help="at most this many times the ready instances per decision (Knative's max-scale-up-rate)")
 @click.option("--scale-down-delay-s", type=Finite(0, WINDOW_MAX_S), default=HorizontalConfig.scale_down_delay_s, show_default=True,
               help="no scale-in to a non-zero count this long after a scale-out (Knative's scale-down-delay)")
-@click.option("--park-after-s", type=Finite(0, WINDOW_MAX_S), default=HorizontalConfig.park_after_s, show_default=True,
+@click.option("--park-after-s", type=Finite(0, WINDOW_MAX_S), default=PARK_AFTER_S, show_default=True,
               help="park an idle function's instances after this long within its keep-alive: their GPU share "
-                   "and device memory are given back, their weights wait in host memory (0: never)")
+                   "and device memory are given back, their weights wait in host memory (0: never; the "
+                   "default is the dilu policy's, as --mode lazy is)")
 @metrics_port_option("horizontal_scaler")
 @log_level_option
 def main(nats, mode, initial_scale, tick_ms, stable_window_s, panic_window_pct, panic_threshold, keep_alive_s,
