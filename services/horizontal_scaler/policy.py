@@ -358,6 +358,7 @@ class _Function:
     stable: _Window = field(default_factory=lambda: _Window())  # backlog over the stable window
     panic: _Window = field(default_factory=lambda: _Window())  # backlog over the panic window
     arrivals: deque = field(default_factory=deque)  # (t, count)
+    arriving: int = 0  # entries of ``arrivals`` with a count > 0 (read every tick; kept, not scanned)
     instances: dict[str, _Instance] = field(default_factory=dict)
     backlog: float | None = None
     stored: int = 0
@@ -608,11 +609,12 @@ class HorizontalPolicy:
         f.panic.add(now_s, float(backlog))
         if arrivals is not None:
             f.arrivals.append((now_s, float(arrivals)))
+            f.arriving += arrivals > 0
         horizon = now_s - self.config.stable_window_s
         f.stable.trim(horizon)
         f.panic.trim(now_s - self.config.panic_window)
         while f.arrivals and f.arrivals[0][0] <= horizon:
-            f.arrivals.popleft()
+            f.arriving -= f.arrivals.popleft()[1] > 0
         self._track_idle(f, now_s, backlog, arrivals)
         f.backlog = backlog
 
@@ -663,7 +665,7 @@ class HorizontalPolicy:
         stable_avg = f.stable.mean_since(now_s - cfg.stable_window_s)
         panic_avg = f.panic.mean_since(now_s - cfg.panic_window)
         desired, reason = self._kpa(f, d, now_s, stable_avg, panic_avg, target)
-        if desired == 0 and any(n for _, n in f.arrivals):
+        if desired == 0 and f.arriving:
             # Knative averages concurrency over time: any request in the stable window makes
             # it > 0 and so desired >= 1; a backlog sampled at ticks can miss short requests
             desired, reason = 1, "requests arrived within the stable window"
