@@ -696,7 +696,10 @@ class HorizontalPolicy:
             return False
         w = self._windows(f)
         idle_for = now_s - f.idle_since
-        return after <= idle_for < w.prewarm_s + w.keep_alive_s and idle_for >= w.prewarm_s
+        # all parked already (e.g. restored so after a restart, whose idle clock starts anew):
+        # stays parked, not resumed before a request, until the keep-alive ends
+        asleep = f.count("parked") > 0 and not f.count("starting", "ready")
+        return (after <= idle_for or asleep) and w.prewarm_s <= idle_for < w.prewarm_s + w.keep_alive_s
 
     def _park(self, f: _Function, d: Decision) -> None:
         """Park every ready instance of an idle ``f``: no GPU share, its weights in host memory,
@@ -937,7 +940,9 @@ def function_params(spec: FunctionSpec | None, profile: Profile | None, old: Fun
     it was measured at the limit quota (``limit_latency_ms`` > 0; older profiles lack it),
     ``burst_target``/``burst_rps`` at its burst batch. What neither gives keeps ``old``'s value
     (defaults without one: target 1, bounds 0..8, initial scale -1). ``spec``'s cold start gives
-    ``resume_ms`` and ``slo_ms`` is kept for :attr:`FunctionParams.parkable`. ``fixed_target`` > 0 (an
+    ``resume_ms`` (:func:`models.resume_ms`; a spec without one, a user's function, its memory
+    reservation at ``RESUME_BANDWIDTH_BYTES_PER_S``: more than its weights, so an upper bound)
+    and ``slo_ms`` is kept for :attr:`FunctionParams.parkable`. ``fixed_target`` > 0 (an
     operator's) replaces every target and drops the burst target. Raises ValueError (from
     :class:`FunctionParams`) for inconsistent bounds."""
     target = old.target if old else 1.0
@@ -948,7 +953,9 @@ def function_params(spec: FunctionSpec | None, profile: Profile | None, old: Fun
     if spec is not None:
         lo, hi = spec.min_instances, max(1, spec.max_instances, spec.min_instances)
         initial, keep_alive = spec.initial_scale, max(0.0, spec.keep_alive_s)
-        resume = models.resume_ms(spec.cold_start_ms)
+        # a user's function declares no cold start: its reservation bounds what a resume copies
+        resume = (models.resume_ms(spec.cold_start_ms) if spec.cold_start_ms > 0
+                  else spec.memory_bytes / models.RESUME_BANDWIDTH_BYTES_PER_S * 1000.0)
     burst_target = old.burst_target if old else 0.0
     burst_rps = old.burst_rps if old else 0.0
     if profile is not None:

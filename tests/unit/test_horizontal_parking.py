@@ -200,3 +200,28 @@ def test_a_parked_instance_restored_from_the_table_is_resumed_not_counted():
     assert d.current == 0 and d.resume == ["w0"] and d.place == 0 and d.direction == "resume"
     p.instance_ready(FN, "w0", 0.6)
     assert p.instances(FN) == {"w0": "ready"}
+
+
+def test_a_function_without_a_declared_cold_start_is_parkable_by_its_memory():
+    """A user's function (no [emulation], so no cold_start_ms): its resume is bounded by its memory
+    reservation copied back at RESUME_BANDWIDTH_BYTES_PER_S."""
+    from dilu.contracts.events import FunctionSpec
+
+    small = FunctionSpec(name=FN, memory_bytes=500_000_000, slo_ms=100.0)  # 42 ms: within half the SLO
+    big = FunctionSpec(name=FN, memory_bytes=2_000_000_000, slo_ms=100.0)  # 167 ms: not
+    p_small = function_params(small, None, None, slo_ms=100.0)
+    assert p_small.resume_ms == pytest.approx(500_000_000 / models.RESUME_BANDWIDTH_BYTES_PER_S * 1000.0)
+    assert p_small.parkable and not function_params(big, None, None, slo_ms=100.0).parkable
+
+
+def test_a_function_restored_all_parked_stays_parked_until_its_keep_alive_ends():
+    """After a restart its idle clock starts anew: it is neither resumed without a request nor
+    scaled to zero before its keep-alive ends."""
+    p = policy()
+    p.instance_parked(FN, "w0", 0.0)
+    p.restored(FN, 0.0)
+    decisions = idle_until(p, 0.0, 59.0)
+    assert not any(d.resume or d.retire or d.place for d in decisions)
+    assert p.instances(FN) == {"w0": "parked"}
+    later = idle_until(p, 59.0, 62.0)
+    assert any(d.retire == ["w0"] for d in later)  # then it goes, as a kept instance would
