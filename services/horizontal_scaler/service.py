@@ -579,8 +579,8 @@ class HorizontalScaler:
     async def _resume(self, fn: str, d: Decision, now: float) -> None:
         """Bring back each parked instance the policy marked starting. The scheduler resumes it
         on the GPU it left, or places a new instance (``relaunched``: counted starting, the
-        parked one retired); refused (no room anywhere) or unanswered, it stays parked and the
-        function backs off as after a refused placement."""
+        parked one retired); refused (no room anywhere) or unanswered, it stays parked (the next
+        scale-out asks again) and the function's placements back off as after a refused one."""
         assert self.bus is not None
         results = await asyncio.gather(*(self._ask_park(fn, iid, True) for iid in d.resume))
         done = 0
