@@ -180,34 +180,49 @@ def training_iterations(cluster: Cluster) -> dict[str, float]:
     return _by_label(cluster.metrics("node_agent"), "dilu_training_iterations", "function")
 
 
-def _sum(metrics: dict[str, float], name: str) -> float:
-    """Sum of a counter over all its label sets (``name_total`` samples)."""
+def _sum(metrics: dict[str, float], name: str, where: dict[str, str] | None = None) -> float:
+    """Sum of a counter over all its label sets (``name_total`` samples); with ``where``, over
+    those whose labels include each ``label: value`` of it only."""
     total = 0.0
     for key, value in metrics.items():
         base = key.split("{", 1)[0]
-        if base == f"{name}_total":
+        if base == f"{name}_total" and (not where or where.items() <= _labels(key).items()):
             total += value
     return total
+
+
+def _labels(key: str) -> dict[str, str]:
+    """The labels of a scraped sample's key (``name{a=1,b=2}``); {} when it has none."""
+    if "{" not in key or key.endswith("{}"):
+        return {}
+    return dict(kv.split("=", 1) for kv in key[key.index("{") + 1 : -1].split(","))
 
 
 def _by_label(metrics: dict[str, float], name: str, label: str) -> dict[str, float]:
     out: dict[str, float] = {}
     for key, value in metrics.items():
-        if key.split("{", 1)[0] != f"{name}_total" or "{" not in key:
+        if key.split("{", 1)[0] != f"{name}_total":
             continue
-        labels = dict(kv.split("=", 1) for kv in key[key.index("{") + 1 : -1].split(","))
+        labels = _labels(key)
         if label in labels:
             out[labels[label]] = out.get(labels[label], 0.0) + value
     return out
 
 
 _GPU_COUNTERS = ("dilu_active_gpu_seconds", "dilu_allocation_frag_gpu_seconds", "dilu_idle_frag_gpu_seconds")
-_MECHANISM_COUNTERS = {"profiler_trials": ("profiler", "dilu_profiler_trials"),
-                       "grant_changes": ("node_agent", "dilu_grant_changes"),
-                       "token_wait_ms": ("node_agent", "dilu_token_wait_ms"),
-                       "scale_outs": ("horizontal_scaler", "dilu_scale_outs"),
-                       "retirements": ("horizontal_scaler", "dilu_retirements"),
-                       "scale_to_zero": ("horizontal_scaler", "dilu_scale_to_zero")}
+# Mechanism field -> (service, counter, labels a sample must have to count; None: all samples).
+# resumes: in place only; a relaunched one is a scale-out (dilu_scale_outs counts it), a refused
+# one stays parked (report.Mechanism).
+_MECHANISM_COUNTERS: dict[str, tuple[str, str, dict[str, str] | None]] = {
+    "profiler_trials": ("profiler", "dilu_profiler_trials", None),
+    "grant_changes": ("node_agent", "dilu_grant_changes", None),
+    "token_wait_ms": ("node_agent", "dilu_token_wait_ms", None),
+    "scale_outs": ("horizontal_scaler", "dilu_scale_outs", None),
+    "retirements": ("horizontal_scaler", "dilu_retirements", None),
+    "scale_to_zero": ("horizontal_scaler", "dilu_scale_to_zero", None),
+    "parks": ("horizontal_scaler", "dilu_parks", None),
+    "resumes": ("horizontal_scaler", "dilu_resumes", {"outcome": "resumed"}),
+}
 
 
 def cluster_counters(cluster: Cluster) -> dict:
@@ -222,7 +237,8 @@ def cluster_counters(cluster: Cluster) -> dict:
         "gpu": {name: _sum(node, name) for name in _GPU_COUNTERS},
         "quota_seconds": _by_label(node, "dilu_quota_seconds", "function"),
         "instance_launches": _by_label(node, "dilu_instance_launches", "function"),
-        "mechanism": {field: _sum(scraped[svc], name) for field, (svc, name) in _MECHANISM_COUNTERS.items()},
+        "mechanism": {field: _sum(scraped[svc], name, where)
+                      for field, (svc, name, where) in _MECHANISM_COUNTERS.items()},
         "reaction_ms": (node.get("dilu_vertical_reaction_ms{quantile=0.5}", 0.0),
                         node.get("dilu_vertical_reaction_ms{quantile=0.99}", 0.0)),
     }

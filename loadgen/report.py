@@ -106,7 +106,12 @@ class Mechanism(msgspec.Struct, kw_only=True):
     (measurements the profiler made), ``grant_changes`` (TokenGrants that changed a quota),
     ``token_wait_ms`` (time launches waited for tokens, summed), ``scale_outs`` and
     ``retirements`` (instances added and removed by the horizontal scaler), ``scale_to_zero``
-    (times a function went to zero instances); ``vertical_reaction_ms_p50``/``_p99``: stretch
+    (times a function went to zero instances), ``parks`` (instances parked: each one whose
+    placement and share were freed, its weights moved to host memory; once per instance, not per
+    decision) and ``resumes`` (parked instances brought back on the GPU they left, their weights
+    copied back: the live scaler's ``dilu_resumes_total{outcome="resumed"}``; a resume that
+    found that GPU full and relaunched the instance elsewhere is a launch, counted in
+    ``scale_outs`` instead, and a refused one in neither); ``vertical_reaction_ms_p50``/``_p99``: stretch
     detected -> grant in the control block, ms (None where it is not measured: ``dilu sim``
     does not model the reaction, its grants take effect at the next vertical tick)."""
 
@@ -116,6 +121,8 @@ class Mechanism(msgspec.Struct, kw_only=True):
     scale_outs: int = 0
     retirements: int = 0
     scale_to_zero: int = 0
+    parks: int = 0
+    resumes: int = 0
     vertical_reaction_ms_p50: float | None = 0.0
     vertical_reaction_ms_p99: float | None = 0.0
 
@@ -502,6 +509,9 @@ LEGEND: dict[str, str] = {
     "scale-outs": "instances added by the horizontal scaler",
     "retirements": "instances removed by the horizontal scaler",
     "scale to zero": "times a function went to zero instances",
+    "parks": "instances parked: placement and GPU share freed, weights moved to host memory",
+    "resumes": "parked instances brought back on the GPU they left (weights copied back); one relaunched "
+               "elsewhere because that GPU was full counts as a scale-out instead",
     "reaction p50/p99 ms": "vertical scaling's reaction, stretch detected -> new grant in force, ms "
                            "(– when no grant changed, and in dilu sim, which does not model it)",
     "iterations": "training iterations done during the replay",
@@ -580,7 +590,8 @@ _FIGURE_COLUMNS = [
 ]
 _TOKEN_COLUMNS = ["TTFT p50 ms", "TTFT p99 ms", "TPOT p50 ms", "TPOT p99 ms", "token SLO viol."]
 _GPU_ROWS = ["active GPU·s", "alloc. frag.", "idle frag.", "profiler trials", "grant changes",
-             "token wait ms", "scale-outs", "retirements", "scale to zero", "reaction p50/p99 ms"]
+             "token wait ms", "scale-outs", "retirements", "scale to zero", "parks", "resumes",
+             "reaction p50/p99 ms"]
 
 
 def _cell_len(cell: str) -> int:
@@ -681,7 +692,7 @@ def render(report: Report, console: Console) -> None:
     values = [
         f"{t.active_gpu_seconds:,.1f}", _pct(t.allocation_fragmentation), _pct(t.idle_fragmentation),
         f"{m.profiler_trials:,}", f"{m.grant_changes:,}", f"{m.token_wait_ms:,.1f}", f"{m.scale_outs:,}",
-        f"{m.retirements:,}", f"{m.scale_to_zero:,}", _reaction(m),
+        f"{m.retirements:,}", f"{m.scale_to_zero:,}", f"{m.parks:,}", f"{m.resumes:,}", _reaction(m),
     ]
     gpu = Table(title="GPUs and mechanism")
     gpu.add_column("figure", no_wrap=True)
@@ -752,6 +763,8 @@ _COMPARE_ROWS: list[tuple[str, object, object, str | None]] = [
     ("scale-outs", lambda r: r.mechanism.scale_outs, "{:,}", None),
     ("retirements", lambda r: r.mechanism.retirements, "{:,}", None),
     ("scale to zero", lambda r: r.mechanism.scale_to_zero, "{:,}", None),
+    ("parks", lambda r: r.mechanism.parks, "{:,}", None),
+    ("resumes", lambda r: r.mechanism.resumes, "{:,}", None),
     ("vertical reaction p99 ms",
      lambda r: r.mechanism.vertical_reaction_ms_p99 if r.mechanism.grant_changes else None, "{:,.1f}", None),
     ("wall s", lambda r: r.run.wall_s, "{:,.1f}", None),

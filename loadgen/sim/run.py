@@ -463,6 +463,7 @@ class Simulation:
         self._leave_gpu(inst)
         inst.state = "parked"
         self.facts.parks += 1
+        self.mech.parks += 1
         return True
 
     def _resume(self, inst: Instance) -> None:
@@ -498,6 +499,7 @@ class Simulation:
         self._fit(gpu, inst, inst.request if self.modes.initial_grant == "request" else inst.width, granted=False)
         inst.quota_since = now
         self.facts.resumes += 1
+        self.mech.resumes += 1
         self.loop.at(inst.resumed_ms, self._ready, inst)
 
     def _leave_gpu(self, inst: Instance) -> None:

@@ -44,7 +44,9 @@ Knative's activator sits in front of a function at zero): its first request resu
 instance at once (:meth:`HorizontalPolicy.on_arrival`), not at the next tick.
 
 Mechanism counters (DESIGN.md section 8): ``dilu_scale_outs`` (instances added),
-``dilu_retirements`` (instances removed, cancellations included), ``dilu_scale_to_zero``.
+``dilu_retirements`` (instances removed, cancellations included), ``dilu_scale_to_zero``,
+``dilu_parks`` (instances the scheduler parked, one per instance) and ``dilu_resumes{outcome}``
+(``resumed`` on the GPU it left, ``relaunched`` elsewhere, also a scale-out, or ``refused``).
 
 ``--mode`` (what ``dilu demo --policy`` selects, see services/common/policies.py): ``lazy`` for
 dilu (scale out only once the vertical headroom is used); ``kpa`` for horizontal-only (Knative's KPA

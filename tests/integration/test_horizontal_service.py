@@ -143,6 +143,12 @@ def counter(name: str) -> float:
     return REGISTRY.get_sample_value(f"{name}_total", {"function": FN}) or 0.0
 
 
+def resume_counts() -> dict[str, float]:
+    """``dilu_resumes_total`` by outcome (the counter is not per function)."""
+    return {o: REGISTRY.get_sample_value("dilu_resumes_total", {"outcome": o}) or 0.0
+            for o in ("resumed", "relaunched", "refused")}
+
+
 async def test_burst_scales_out_then_idle_function_scales_to_zero_after_keep_alive(nats_url):
     before = {n: counter(n) for n in ("dilu_scale_outs", "dilu_retirements", "dilu_scale_to_zero")}
     nc, js, cluster, scaler, shutdown, task = await setup(nats_url)
@@ -296,7 +302,10 @@ async def test_an_idle_function_is_parked_and_a_request_resumes_it_without_a_new
     """Parking live: the scaler asks the scheduler to park the idle function's instance, and the
     next request resumes it (ParkRequest resume) rather than placing a new one; when the
     scheduler relaunched it elsewhere instead, the new instance is counted and the parked one
-    forgotten."""
+    forgotten. The counters the report reads say so: one park for the one instance parked, one
+    resume under its outcome."""
+    before = resume_counts()
+    parks_before = counter("dilu_parks")
     nc, js, cluster, scaler, shutdown, task = await setup(nats_url, keep_alive_s=30.0, park_after_s=0.5)
     cluster.parkable, cluster.relaunch = True, relaunch
     try:
@@ -308,6 +317,7 @@ async def test_an_idle_function_is_parked_and_a_request_resumes_it_without_a_new
         await until(lambda: scaler.policy.instances(FN) == {first: "parked"})
         assert [(p.instance_id, p.resume) for p in cluster.parks] == [(first, False)]
         await until(lambda: any(d.direction == "park" for d in cluster.decisions))
+        assert counter("dilu_parks") - parks_before == 1  # counted when its decision is published
         await js.publish(subjects.invoke(FN), b"two")
         await until(lambda: len(cluster.parks) == 2)
         assert cluster.parks[1].instance_id == first and cluster.parks[1].resume
@@ -318,6 +328,9 @@ async def test_an_idle_function_is_parked_and_a_request_resumes_it_without_a_new
             await until(lambda: scaler.policy.instances(FN) == {first: "ready"})
         assert [r.count for r in cluster.placed] == [1]  # no PlaceRequest: the resume brought it back
         await until(lambda: any(d.direction == "resume" for d in cluster.decisions))
+        outcome = "relaunched" if relaunch else "resumed"
+        assert {k: v - before[k] for k, v in resume_counts().items()} == {
+            "resumed": 0, "relaunched": 0, "refused": 0, outcome: 1}
     finally:
         shutdown.set()
         await task

@@ -41,6 +41,9 @@ def test_parking_frees_gpu_seconds_and_resumes_without_launches():
     assert parked.totals.instance_launches - kept.totals.instance_launches < facts.resumes / 10
     assert parked.totals.active_gpu_seconds < 0.95 * kept.totals.active_gpu_seconds
     assert parked.totals.offered == parked.totals.completed == kept.totals.completed  # ...and every request ended
+    # the report counts them up to the replay's end, the simulator's facts to the end of the drain
+    assert 0 < parked.mechanism.parks <= facts.parks and 0 < parked.mechanism.resumes <= facts.resumes
+    assert kept.mechanism.parks == kept.mechanism.resumes == 0
 
 
 def test_parking_is_deterministic_and_in_the_json(tmp_path):
@@ -58,6 +61,8 @@ def test_parking_is_deterministic_and_in_the_json(tmp_path):
     assert outs[0] == outs[1]
     assert outs[0]["sim"]["config"]["park_after_s"] == 30.0
     assert outs[0]["sim"]["policies"]["dilu"]["parks"] > 0
+    mechanism = outs[0]["policies"]["dilu"]["mechanism"]
+    assert 0 < mechanism["parks"] <= outs[0]["sim"]["policies"]["dilu"]["parks"] and mechanism["resumes"] >= 0
 
 
 def test_a_bad_park_after_s_is_one_line():

@@ -26,7 +26,12 @@ class Scraped:
                 "dilu_vertical_reaction_ms{quantile=0.99}": 7.0,
             },
             "profiler": {"dilu_profiler_trials_total": trials},
-            "horizontal_scaler": {},
+            "horizontal_scaler": {
+                "dilu_scale_outs_total{function=f}": 3,
+                "dilu_parks_total{function=f}": 4, "dilu_parks_total{function=g}": 1,
+                "dilu_resumes_total{outcome=resumed}": 2, "dilu_resumes_total{outcome=relaunched}": 1,
+                "dilu_resumes_total{outcome=refused}": 6,
+            },
         }
 
     def metrics(self, service: str) -> dict[str, float]:
@@ -48,3 +53,12 @@ def test_time_integrals_count_from_the_replay_and_events_from_the_start():
     whole = cluster_facts(cluster)  # no start given: since the services started
     assert whole["gpu"]["active_gpu_seconds"] == pytest.approx(130.0)
     assert whole["per_function"]["f"]["quota_seconds"] == pytest.approx(43.0)
+
+
+def test_parks_count_every_instance_and_resumes_only_those_back_on_their_gpu():
+    """``parks``: dilu_parks over every function; ``resumes``: outcome="resumed" only (a relaunch
+    is a scale-out, a refused resume brought nothing back)."""
+    cluster = Scraped()
+    cluster.set(active=1.0, alloc=0.0, idle=0.0, quota=0.0, launches=1, trials=0)
+    mechanism = cluster_facts(cluster)["mechanism"]
+    assert (mechanism["parks"], mechanism["resumes"], mechanism["scale_outs"]) == (5, 2, 3)

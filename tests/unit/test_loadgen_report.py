@@ -28,7 +28,8 @@ META = {"a": FunctionMeta(model="bert_base", slo_ms=100), "b": FunctionMeta(mode
 FACTS = RunFacts(
     functions={"a": FunctionFacts(instance_launches=3, quota_seconds=12.5), "b": FunctionFacts(instance_launches=1, quota_seconds=40.0)},
     active_gpu_seconds=80.0, allocation_fragmentation=0.25, idle_fragmentation=0.6,
-    mechanism=Mechanism(profiler_trials=17, grant_changes=9, token_wait_ms=123.4, scale_outs=2, retirements=1, scale_to_zero=1),
+    mechanism=Mechanism(profiler_trials=17, grant_changes=9, token_wait_ms=123.4, scale_outs=2, retirements=1, scale_to_zero=1,
+                        parks=5, resumes=3),
 )
 
 
@@ -83,7 +84,9 @@ def test_json_has_the_specified_shape_and_round_trips(tmp_path):
     assert set(d["functions"][0]) == keys | {"name", "model", "slo_ms"}
     assert set(d["totals"]["latency_ms"]) == {"p50", "p99", "p999"}
     assert set(d["mechanism"]) == {"profiler_trials", "grant_changes", "token_wait_ms", "scale_outs", "retirements",
-                                   "scale_to_zero", "vertical_reaction_ms_p50", "vertical_reaction_ms_p99"}
+                                   "scale_to_zero", "parks", "resumes", "vertical_reaction_ms_p50",
+                                   "vertical_reaction_ms_p99"}
+    assert (d["mechanism"]["parks"], d["mechanism"]["resumes"]) == (5, 3)
     path = tmp_path / "r.json"
     write_report(r, path)
     assert json.loads(path.read_text()) == d
@@ -106,6 +109,16 @@ def test_render_shows_functions_totals_and_mechanism():
     text = console.export_text()
     for needle in ("a", "bert_base", "llama2", "total", "1,030", "90.2 %", "90.3 %", "17", "123.4", "25.0 %", "60.0 %"):
         assert needle in text
+    lines = text.splitlines()
+    assert any(line.startswith("│ parks ") and " 5 " in line for line in lines)
+    assert any(line.startswith("│ resumes ") and " 3 " in line for line in lines)
+
+
+def test_a_report_written_before_parking_was_counted_reads_as_none_parked():
+    d = report().to_dict()
+    old = {k: v for k, v in d["mechanism"].items() if k not in ("parks", "resumes")}
+    r = Report.from_dict({**d, "mechanism": old})
+    assert (r.mechanism.parks, r.mechanism.resumes) == (0, 0)
 
 
 def test_render_compare_puts_policies_side_by_side():

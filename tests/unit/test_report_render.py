@@ -39,7 +39,7 @@ def big_report(llm: bool = False) -> Report:
         training={"train-0": TrainingFacts(iterations=12_000, seconds=130.0)} if llm else {},
         active_gpu_seconds=48_000.2, allocation_fragmentation=0.486, idle_fragmentation=0.131,
         mechanism=Mechanism(profiler_trials=170, grant_changes=900, token_wait_ms=12_345.4, scale_outs=20,
-                            retirements=10, scale_to_zero=1, vertical_reaction_ms_p50=3.2,
+                            retirements=10, scale_to_zero=1, parks=9_710, resumes=6_120, vertical_reaction_ms_p50=3.2,
                             vertical_reaction_ms_p99=20.5))
     run = RunInfo(wall_s=130.0, policy="horizontal-only", functions=16, trace="/t/azurefunctions-2019",
                   duration_s=120, speedup=10, seed=2, share=0.4, late_sends=3, late_threshold_ms=10)
@@ -93,9 +93,11 @@ def test_a_16_function_report_fits_100_columns_and_defines_every_column(llm):
     p99 = f"{r.totals.latency_ms.p99:,.0f}"
     assert any(line.startswith("│ total ") and f" {p99} " in line for line in text.splitlines())
     # the GPU figures, one per line with their meaning
-    for name in ("active GPU·s", "alloc. frag.", "idle frag.", "reaction p50/p99 ms"):
+    for name in ("active GPU·s", "alloc. frag.", "idle frag.", "parks", "resumes", "reaction p50/p99 ms"):
         line = next(line for line in text.splitlines() if line.startswith(f"│ {name} "))
         assert LEGEND[name].split()[0] in line
+    assert " 9,710 " in next(line for line in text.splitlines() if line.startswith("│ parks "))
+    assert " 6,120 " in next(line for line in text.splitlines() if line.startswith("│ resumes "))
     assert "48.6 %" in text and "13.1 %" in text and "seed 2" in text
     # with training jobs (the llm case here) the legend says the total row counts their launches
     assert ("total" in legend_names(text)) == bool(r.training)
@@ -113,6 +115,7 @@ def test_compare_prints_ratios_and_point_differences():
     second = Report.from_dict({**d, "totals": {
         **t, "cold_start_requests": 53, "slo_violation_rate": 0.036, "active_gpu_seconds": 24_000.1,
         "dropped": 7}})
+    second = Report.from_dict({**second.to_dict(), "mechanism": {**d["mechanism"], "parks": 4_855, "resumes": 0}})
     first = Report.from_dict({**d, "totals": {**t, "cold_start_requests": 100, "slo_violation_rate": 0.030}})
     text = printed(lambda c: render_compare({"dilu": first, "horizontal-only": second}, c))
     fits(text)
@@ -124,6 +127,8 @@ def test_compare_prints_ratios_and_point_differences():
     assert row("SLO violation rate").rstrip(" │").endswith("+0.6 pp")
     assert row("active GPU·s").rstrip(" │").endswith("0.50x")
     assert row("dropped").rstrip(" │").endswith("–")  # 7 against 0: no ratio
+    assert "9,710" in row("parks") and row("parks").rstrip(" │").endswith("0.50x")
+    assert "6,120" in row("resumes") and row("resumes").rstrip(" │").endswith("0.00x")
     assert "horizontal-only / dilu" in headers(text)
     labels = {line.split("│")[1].strip() for line in text.splitlines() if line.startswith("│ ")}
     defined = {line.split("  ")[0] for line in text.splitlines() if "  " in line and not line.startswith(("│", "┃"))}
