@@ -241,8 +241,8 @@ def invoke(name: str, data: str, timeout_s: float, stream: bool, nats: NatsOptio
               help="seconds to listen for telemetry (each instance's current grant)")
 @json_option
 def status(nats: NatsOptions, listen_s: float, as_json: bool) -> None:
-    """Nodes and GPUs; functions with their profile, instances (quotas and current grant),
-    backlog and last scale decisions."""
+    """Nodes and GPUs; functions with their profile, instances (quotas, current grant and state:
+    placed, parked or draining), backlog and last scale decisions."""
     st = run(nats, lambda c: admin.status(c, telemetry_s=listen_s))
     if as_json:
         _print_json(st)
@@ -286,8 +286,11 @@ def _functions_table(st: admin.Status) -> Table:
         objective = "-" if s is None or s.kind == "training" else f"{s.slo_ms:g} ms"
         prof = f"{p.request_quota:.2f} / {p.limit_quota:.2f} / {p.batch_size}" if p else "-"
         count = str(len(f.instances))
+        parked = sum(i.parked for i in f.instances)
         if state is not None:
-            count += f" (ready {state.ready}, desired {state.desired})"
+            count += f" (ready {state.ready}, desired {state.desired}" + (f", parked {parked})" if parked else ")")
+        elif parked:
+            count += f" (parked {parked})"
             if not state.placeable:
                 count += f" [red]unplaceable: {state.reason}[/red]"
         backlog = "-" if f.backlog is None else str(f.backlog)
@@ -296,13 +299,20 @@ def _functions_table(st: admin.Status) -> Table:
     return t
 
 
+def _instance_state(i: admin.InstanceStatus) -> str:
+    """What the placement table says of an instance: ``placed`` (on its GPU), ``parked`` (off
+    it, weights in host memory: node and GPU are where it resumes), ``draining``, or both."""
+    states = [name for name, on in (("parked", i.parked), ("draining", i.draining)) if on]
+    return ", ".join(states) or "placed"
+
+
 def _instances_table(st: admin.Status) -> Table:
     t = Table(title="Instances", title_justify="left")
-    for col in ("function", "instance", "node", "gpu", "request", "limit", "grant", "memory", "batch", "draining"):
+    for col in ("function", "instance", "node", "gpu", "request", "limit", "grant", "memory", "batch", "state"):
         t.add_column(col)
     for f in st.functions:
         for i in f.instances:
             t.add_row(f.name, i.instance_id, i.node, str(i.gpu), _quota(i.request_quota), _quota(i.limit_quota),
-                      _quota(i.grant), _bytes(i.memory_bytes), str(i.batch_size), "yes" if i.draining else "")
+                      _quota(i.grant), _bytes(i.memory_bytes), str(i.batch_size), _instance_state(i))
     return t
 

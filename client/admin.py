@@ -86,7 +86,9 @@ class UndeployResult(msgspec.Struct, kw_only=True):
 
 class InstanceStatus(msgspec.Struct, kw_only=True):
     """One placed instance: where it runs and its quotas (fractions 0..1 of its GPU);
-    ``grant``: the quota its node last reported for it (None: no telemetry heard)."""
+    ``draining``: being retired; ``parked``: idle and off its GPU (``Placement.parked``: no SM
+    share held, weights in host memory; ``node``/``gpu`` say where it resumes, the quotas what it
+    takes back then); ``grant``: the quota its node last reported for it (None: no telemetry heard)."""
 
     instance_id: str
     node: str
@@ -97,6 +99,7 @@ class InstanceStatus(msgspec.Struct, kw_only=True):
     memory_bytes: int
     batch_size: int = 1
     draining: bool = False
+    parked: bool = False
     grant: float | None = None
 
 
@@ -406,7 +409,8 @@ async def status(target: NATS | AsyncClient, *, telemetry_s: float = TELEMETRY_S
         spec = specs.get(name)
         instances = [InstanceStatus(instance_id=p.instance_id, node=p.node, gpu=p.gpu, request_quota=p.request_quota,
                                     limit_quota=p.limit_quota, width=p.width, memory_bytes=p.memory_bytes,
-                                    batch_size=p.batch_size, draining=p.draining, grant=grants.get(p.instance_id))
+                                    batch_size=p.batch_size, draining=p.draining, parked=p.parked,
+                                    grant=grants.get(p.instance_id))
                      for p in sorted(placed, key=lambda p: (p.node, p.gpu, p.instance_id)) if p.function == name]
         backlog = None
         if spec is None or spec.kind != "training":

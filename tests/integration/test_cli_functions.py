@@ -19,7 +19,7 @@ from client_fakes import FakeInstance, FakeServices, put_state, spec_toml
 from dilu.cli.main import main
 from dilu.client import admin
 from dilu.client.spec import parse_spec
-from dilu.contracts import encode
+from dilu.contracts import encode, subjects
 from dilu.contracts import events as ev
 from dilu.services.common.natsserver import free_port
 from dilu.services.common.nodes import nodes_bucket
@@ -158,14 +158,22 @@ async def test_status_shows_nodes_functions_and_instances(nc, nats_url, services
     decision = ev.ScaleDecision(function="echo", direction="out", count=1, reason="burst", ts_ns=time.time_ns())
     await put_state(nc.jetstream(), ev.FunctionState(function="echo", instances=1, ready=1, desired=1,
                                                      decisions=[decision]))
+    parked = ev.Placement(instance_id="echo-i2", function="echo", node="node-a", gpu=2, request_quota=0.3,
+                          limit_quota=0.6, width=0.6, memory_bytes=2**30, parked=True)
+    await (await nc.jetstream().key_value(subjects.PLACEMENT_BUCKET)).put("echo-i2", encode(parked))
     r = await dilu("status", "--listen", "0.2", "--nats-url", nats_url)
     assert r.exit_code == 0, r.output
-    for text in ("Nodes (1)", "NVIDIA A100-SXM4-40GB", "40.0 GiB", "108", "Functions (1)", "echo", "500 ms", "0.30 / 0.60 / 4", "ready 1, desired 1",
-                 "out 1 (burst)", "echo-i1", "node-a"):
+    for text in ("Nodes (1)", "NVIDIA A100-SXM4-40GB", "40.0 GiB", "108", "Functions (1)", "echo", "500 ms", "0.30 / 0.60 / 4",
+                 "ready 1, desired 1, parked 1", "out 1 (burst)", "echo-i1", "node-a"):
         assert text in r.stdout, text
+    states = {line.split("│")[2].strip(): line.split("│")[-2].strip() for line in r.stdout.splitlines()
+              if "│ echo-i" in line}
+    assert states == {"echo-i1": "placed", "echo-i2": "parked"}
     r = await dilu("status", "--listen", "0", "--json", "--nats-url", nats_url)
     st = msgspec.json.decode(r.stdout, type=admin.Status)
-    assert [f.name for f in st.functions] == ["echo"] and st.functions[0].instances[0].instance_id == "echo-i1"
+    assert [f.name for f in st.functions] == ["echo"]
+    assert [(i.instance_id, i.parked) for i in st.functions[0].instances] == [("echo-i1", False), ("echo-i2", True)]
+    assert json.loads(r.stdout)["functions"][0]["instances"][1]["parked"] is True
 
 
 async def test_undeploy_reports_and_an_unknown_name_is_exit_2(nats_url, services, tmp_path):
