@@ -161,6 +161,18 @@ def sim(trace_dir, functions, hours, start_minute, speedup, nodes, gpus_per_node
     _show(out, console, functions, hours, speedup, json_path, plots_dir)
 
 
+def _parking_line(name: str, s: dict) -> str:
+    """One policy's parking in words, from its ``sim`` facts (:class:`SimFacts`, counted to the end
+    of the drain, where the report's parks and resumes stop at the replay's end): instances
+    parked, resumed on the GPU they left, relaunched elsewhere (that GPU was full: a new instance,
+    a cold start) and refused (no GPU had room: the parked instance retired), and the requests
+    that waited for a resume."""
+    refused = s["resumes_refused"] - s["relaunches"]
+    return (f"{name}: {s['parks']:,} instances parked, {s['resumes']:,} resumed in place, {s['relaunches']:,} "
+            f"relaunched elsewhere (their GPU full), {refused:,} refused (no GPU had room), drain included; "
+            f"{s['resume_waits']:,} requests waited for a resume (no launch: not cold-start requests)")
+
+
 def _show(out: dict, console, functions, hours: float, speedup: float, json_path: str | None,
           plots_dir: str | None) -> None:
     """Print the comparison of ``out`` (:func:`simulate`'s output) and write its JSON and plots."""
@@ -179,8 +191,7 @@ def _show(out: dict, console, functions, hours: float, speedup: float, json_path
         console.print(f"{name}: {s['events']:,} events in {s['wall_s']:.1f} s; peak {s['peak_active_gpus']} active GPUs, "
                       f"largest Σ limits on a GPU {s['max_limit_sum']:.2f}")
         if s["parks"]:
-            console.print(f"{name}: {s['parks']:,} instances parked, {s['resumes']:,} resumed; {s['resume_waits']:,} "
-                          f"requests waited for a resume (no launch: not cold-start requests)")
+            console.print(_parking_line(name, s))
         if s["migrations"]:
             console.print(f"{name}: {s['migrations']:,} instances moved by defragmentation, every "
                           f"{s['defrag_interval_s']:g} trace s (each relaunched on a fuller GPU, then drained)")

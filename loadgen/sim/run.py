@@ -223,8 +223,10 @@ def warm_up_ms(cfg: SimConfig, work: Workload) -> float:
 class SimFacts:
     """Simulator-only figures of one run (not in the Report): ``events`` processed, ``wall_s``
     real seconds it took, ``peak_active_gpus``, ``max_limit_sum`` (the largest Σ against γ on one
-    GPU, :meth:`Cluster.limit_sum`), instances ``parks`` and ``resumes`` (parking, :class:`SimConfig`), ``resumes_refused`` (the
-    GPU it left had no room: a new instance was launched instead) and ``resume_waits``
+    GPU, :meth:`Cluster.limit_sum`), instances ``parks`` and ``resumes`` (on the GPU they left; parking,
+    :class:`SimConfig`), ``resumes_refused`` (the GPU it left had no room: the parked instance was
+    retired), of which ``relaunches`` placed a new instance elsewhere (a cold start; the others
+    found no GPU with room, and the function's placements back off), and ``resume_waits``
     (requests that waited for a resume: no launch, so not cold-start requests), ``migrations``
     (instances moved by defragmentation, every ``defrag_interval_s`` trace s; 0: none)
     and the ``timeline`` (t_s, active GPUs, cold-start requests so far, allocation and idle
@@ -238,6 +240,7 @@ class SimFacts:
     parks: int = 0
     resumes: int = 0
     resumes_refused: int = 0
+    relaunches: int = 0
     migrations: int = 0
     defrag_interval_s: float = 0.0  # the interval in force, trace s (0: none)
     park_after_s: float = 0.0  # the parking delay in force, trace s (0: never)
@@ -482,6 +485,7 @@ class Simulation:
             else:
                 self.horizontal.instance_starting(f.name, new.iid, now / 1000.0)
                 self.mech.scale_outs += 1
+                self.facts.relaunches += 1
             self._gone_parked(inst)
             return
         self._account()
@@ -998,7 +1002,7 @@ def simulate(cfg: SimConfig, policies: list[str], progress=None, tick=None) -> d
             reports[p] = rep.to_dict()
             facts[p] = {"events": f.events, "wall_s": f.wall_s, "peak_active_gpus": f.peak_active_gpus,
                         "max_limit_sum": f.max_limit_sum, "unplaced": f.unplaced, "parks": f.parks,
-                        "resumes": f.resumes, "resumes_refused": f.resumes_refused,
+                        "resumes": f.resumes, "resumes_refused": f.resumes_refused, "relaunches": f.relaunches,
                         "migrations": f.migrations, "defrag_interval_s": f.defrag_interval_s,
                         "park_after_s": f.park_after_s,
                         "resume_waits": f.resume_waits,

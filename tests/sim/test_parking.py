@@ -44,6 +44,8 @@ def test_parking_frees_gpu_seconds_and_resumes_without_launches():
     # the report counts them up to the replay's end, the simulator's facts to the end of the drain
     assert 0 < parked.mechanism.parks <= facts.parks and 0 < parked.mechanism.resumes <= facts.resumes
     assert kept.mechanism.parks == kept.mechanism.resumes == 0
+    # some resumes found their GPU full and relaunched elsewhere: a scale-out, not a resume
+    assert 0 < facts.relaunches <= facts.resumes_refused
 
 
 def test_parking_is_deterministic_and_in_the_json(tmp_path):
@@ -53,7 +55,7 @@ def test_parking_is_deterministic_and_in_the_json(tmp_path):
         r = CliRunner().invoke(main, ["sim", "--functions", "12", "--hours", "0.2", "--park-after-s", "30",
                                       "--policies", "dilu", "--json", str(path)], catch_exceptions=False)
         assert r.exit_code == 0, r.output
-        assert "instances parked" in r.output
+        assert "instances parked" in r.output and "relaunched elsewhere" in r.output and "refused" in r.output
         data = json.loads(path.read_text())
         facts = data["sim"]["policies"]["dilu"]
         facts.pop("wall_s")
@@ -63,6 +65,15 @@ def test_parking_is_deterministic_and_in_the_json(tmp_path):
     assert outs[0]["sim"]["policies"]["dilu"]["parks"] > 0
     mechanism = outs[0]["policies"]["dilu"]["mechanism"]
     assert 0 < mechanism["parks"] <= outs[0]["sim"]["policies"]["dilu"]["parks"] and mechanism["resumes"] >= 0
+
+
+def test_the_parking_line_says_parks_resumes_relaunches_and_refusals():
+    from dilu.cli.sim import _parking_line
+
+    line = _parking_line("dilu", {"parks": 1_200, "resumes": 900, "resumes_refused": 30, "relaunches": 25,
+                                  "resume_waits": 40})
+    assert line.startswith("dilu: 1,200 instances parked, 900 resumed in place, 25 relaunched elsewhere")
+    assert "5 refused" in line and "40 requests waited for a resume" in line
 
 
 def test_a_bad_park_after_s_is_one_line():
