@@ -28,7 +28,7 @@ from rich.console import Console
 from dilu.loadgen import arrivals, assign, generator, report, trace
 from dilu.loadgen import llm as llmtrace
 from dilu.services.common import logging as dlog
-from dilu.services.common.cliopts import finite, nonempty_path, nonempty_url, writable_output
+from dilu.services.common.cliopts import PARK_AFTER_S_TYPE, finite, nonempty_path, nonempty_url, writable_output
 from dilu.services.common import models
 from dilu.services.common.bus import quiet_error_cb
 from dilu.services.common.invoke import InvokeClient
@@ -115,7 +115,7 @@ def run_options(f):
         click.option("--nats-url", default=None, callback=nonempty_url, help="use a running NATS server instead of starting one"),
         click.option("--log-dir", default=None, type=click.Path(file_okay=False), callback=nonempty_path, help="where the services' JSON logs go (default: a temp dir)"),
         click.option("--training-jobs", type=click.IntRange(min=0, max=64), default=None, help="training jobs collocated with the inference functions, at most one per GPU (default: one per GPU in dilu demo, none in dilu compare; 0: none)"),
-        click.option("--park-after-s", type=click.FloatRange(min=0, max=86_400), default=None, callback=finite, help=f"park an idle function's instances after this many trace seconds within its keep-alive (their GPU share and device memory given back, weights kept in host memory, resumed in the time they take to copy back: 10 ms for ResNet152, 1.1 s for LLaMA2-7B), every policy; compressed by --speedup like the keep-alive; 0: never (default: as each policy does, dilu after {PARK_AFTER_S:g} s, the others never)"),
+        click.option("--park-after-s", type=PARK_AFTER_S_TYPE, default=None, help=f"park an idle function's instances after this many trace seconds within its keep-alive (their GPU share and device memory given back, weights kept in host memory, resumed in the time they take to copy back: 10 ms for ResNet152, 1.1 s for LLaMA2-7B), every policy; compressed by --speedup like the keep-alive; 0: never (default: as each policy does, dilu after {PARK_AFTER_S:g} s, the others never)"),
         click.option("--llm-share", type=click.FloatRange(min=0.0, max=1.0), default=0.0, show_default=True, callback=finite, help="also replay this fraction of the Azure LLM 2023 code trace's requests (real arrival times, prompt and output lengths) against an llm function on LLaMA2-7B; 0: none"),
     ]
     for opt in reversed(opts):

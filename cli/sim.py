@@ -16,7 +16,7 @@ import click
 
 from dilu.loadgen.arrivals import SPEEDUP_MAX, SPEEDUP_MIN
 from dilu.services.common import models
-from dilu.services.common.cliopts import Finite, ZeroOrAtLeast, writable_dir, writable_output, write_output
+from dilu.services.common.cliopts import PARK_AFTER_S_TYPE, Finite, ZeroOrAtLeast, writable_dir, writable_output, write_output
 from dilu.services.common.policies import DEFRAG_INTERVAL_MIN_S, DEFRAG_INTERVAL_S, PARK_AFTER_S, POLICIES
 from dilu.services.horizontal_scaler.policy import HorizontalConfig
 
@@ -77,7 +77,7 @@ def _opt(*decls, **kw):
       help="fallback keep-alive of an idle function, trace seconds (the horizontal scaler's; dilu, dilu-published, "
            "static-mps and exclusive keep by the idle-time histogram once it is representative; horizontal-only "
            "scales to zero as Knative does and ignores it)")
-@_opt("--park-after-s", type=Finite(min=0, max=86_400), default=None,
+@_opt("--park-after-s", type=PARK_AFTER_S_TYPE, default=None,
       help="park an idle function's instances after this many trace seconds, every policy (their GPU share "
            "and placement freed, weights kept in host memory and copied back at "
            f"{models.RESUME_BANDWIDTH_BYTES_PER_S / 1e9:g} GB/s when a request comes); 0: never (default: as "

@@ -69,6 +69,11 @@ class ZeroOrAtLeast(Finite):
         return v
 
 
+# --park-after-s of dilu demo, dilu compare and dilu sim: trace seconds, 0 (never) up to one day
+# (SimConfig checks the same range); one type, so that all three say the same of a bad value.
+PARK_AFTER_S_TYPE = Finite(min=0, max=86_400)
+
+
 def check_nats_url(ctx, param, value: str) -> str:
     """Click callback: a NATS URL with a known scheme, a host and a port in 1..65535 (nats-py
     would otherwise raise a traceback, or retry a nonsense host for ever). Raises BadParameter."""

@@ -79,6 +79,7 @@ def test_the_parking_line_says_parks_resumes_relaunches_and_refusals():
 def test_a_bad_park_after_s_is_one_line():
     from cli_errors import one_line_error
 
-    for bad in ("-1", "nan", "1e9"):
-        r = CliRunner().invoke(main, ["sim", "--park-after-s", bad])
-        assert "--park-after-s" in one_line_error(r, 2)
+    for bad in ("-1", "nan", "1e9", "bad"):
+        said = {one_line_error(CliRunner().invoke(main, [cmd, "--park-after-s", bad]), 2)
+                for cmd in ("sim", "demo", "compare")}
+        assert len(said) == 1 and "--park-after-s" in said.pop()  # one type, one message
