@@ -26,7 +26,12 @@ quotas in the data carry float artefacts such as 0.5900000000000001):
 Placement: among feasible GPUs that already host instances, best fit (least request quota and
 memory left over, memory relative to that GPU's size), with small preferences for complementary
 collocation (training beside inference; functions whose load peaks at different hours) and
-affinity, and against two replicas of one function on a GPU (their bursts coincide). A new GPU is
+affinity, and against two replicas of one function on a GPU (their bursts coincide), and a
+contention term for *rigid* instances (inference whose limit is its request: the profiler found
+no latency gain above it, e.g. BERT-base): the widths busy at once on a GPU slow each instance
+by their sum when it exceeds 1 (DESIGN.md section 7), a slowdown a wider grant makes up for an
+elastic instance but not for a rigid one, so a rigid instance goes where Σ limits stays lowest
+above 1, and others keep off rigid residents' GPUs alike (weight ``CONTENTION_WEIGHT``). A new GPU is
 opened only when nothing fits; it is taken on the node with the fewest empty GPUs (of enough
 memory) left, so whole nodes stay free for multi-GPU training, and among that node's empty GPUs
 the smallest that holds the instance, so large GPUs stay free for what only they can take. A
@@ -50,6 +55,12 @@ from dataclasses import dataclass, field
 EPS = 1e-6
 BUCKETS = 100  # free request quota buckets: bucket k holds GPUs with free in [k/100, (k+1)/100)
 UNLIMITED = 1 << 62  # instance limit of a GPU with no MPS client limit
+# Score per unit of Σ limits above 1 a rigid instance runs under (or a placement adds beside
+# rigid residents): comparable with the best-fit term (request left over, also a GPU fraction).
+# On the live seed-1 replay the busiest function (BERT-base, rigid) ran 1.2x slower at Σ limits
+# 1.4 than alone; with this weight a 0.2 difference in oversubscription outweighs a 0.2
+# difference in fit.
+CONTENTION_WEIGHT = 1.0
 
 
 class NoCapacity(RuntimeError):
@@ -95,6 +106,12 @@ class Demand:
         vertical policy takes from it first, ``functions.reclaimable_share``), so it claims only
         its request: the rest of its limit is idle share lent to it, not room kept for it."""
         return self.request_quota if self.kind == "training" else self.limit_quota
+
+    @property
+    def rigid(self) -> bool:
+        """Inference that cannot use width above its request (limit = request): neighbours'
+        widths above a GPU's SMs slow it and no grant makes up for it (see the module's Placement)."""
+        return self.kind != "training" and self.limit_quota <= self.request_quota + EPS
 
 
 ALLOCATIONS = ("dilu", "static-mps", "exclusive")
@@ -185,7 +202,7 @@ class GpuCapacity:
 
 
 class _Gpu:
-    __slots__ = ("req", "lim", "mem", "residents", "training", "fns", "peaks", "bucket", "multi",
+    __slots__ = ("req", "lim", "mem", "residents", "training", "rigid", "fns", "peaks", "bucket", "multi",
                  "node", "index", "cap", "max", "healthy", "reason", "alive", "open", "ok", "limit")
 
     def __init__(self, node: int, index: int, c: GpuCapacity) -> None:
@@ -194,6 +211,7 @@ class _Gpu:
         self.mem = 0
         self.residents: dict[str, Demand] = {}
         self.training = 0
+        self.rigid = 0  # residents that are Demand.rigid
         self.fns: dict[str, int] = {}
         self.peaks: dict[int, int] = {}
         self.bucket = -1  # -1: not in the active buckets (empty, or cannot take anything)
@@ -445,9 +463,13 @@ class Cluster:
                 and s.mem + d.memory_bytes <= s.cap and not (s.training and d.kind == "training"))
 
     def score(self, g: int, d: Demand) -> float:
-        """Lower is better: request and memory left over (best fit), adjusted by collocation preferences."""
+        """Lower is better: request and memory left over (best fit), adjusted by collocation
+        preferences and rigid instances' contention (see the module's Placement)."""
         s = self.gpus[g]
         score = (1 - s.req - d.request_quota) + 0.5 * (s.cap - s.mem - d.memory_bytes) / (s.cap or 1)
+        if d.rigid or s.rigid:
+            over = max(0.0, s.lim + d.burst_quota - 1)
+            score += CONTENTION_WEIGHT * (over if d.rigid else over - max(0.0, s.lim - 1))
         if s.residents:
             has_inference = s.training < len(s.residents)
             if (has_inference and d.kind == "training") or (s.training and d.kind != "training"):
@@ -596,6 +618,7 @@ class Cluster:
             s.mem += d.memory_bytes
             s.residents[instance_id] = d
             s.training += d.kind == "training"
+            s.rigid += d.rigid
             s.multi += d.gpus > 1
             s.fns[d.function] = s.fns.get(d.function, 0) + 1
             if d.peak_hour is not None:
@@ -613,6 +636,7 @@ class Cluster:
             s = self.gpus[g]
             del s.residents[instance_id]
             s.training -= d.kind == "training"
+            s.rigid -= d.rigid
             s.multi -= d.gpus > 1
             s.fns[d.function] -= 1
             if not s.fns[d.function]:

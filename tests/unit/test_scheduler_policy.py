@@ -75,6 +75,26 @@ def test_replicas_of_one_function_spread_and_peaks_complement():
     assert c.place("c", inf("x", r=0.3, peak_hour=9)) == [Slot("n0", 1)]
 
 
+def test_a_rigid_instance_keeps_off_oversubscribed_widths_and_others_keep_off_it():
+    """An instance whose limit is its request (no gain from width, e.g. BERT-base) is slowed by
+    neighbours' widths above 1 and no grant makes up for it: it takes the GPU where Σ limits
+    stays at 1 over the better fit at 1.4, and an elastic instance that would oversubscribe a
+    rigid one's GPU goes elsewhere; elastic beside elastic stays best fit."""
+    c = cluster(1, 4)
+    crowded, calm = [Slot("n0", 0)], [Slot("n0", 1)]
+    c.assign("e1", inf("e1", r=0.3, lim=0.65), crowded)
+    c.assign("e2", inf("e2", r=0.3, lim=0.65), crowded)  # Σ request 0.6, Σ limits 1.3
+    c.assign("r1", inf("r1", r=0.3), calm)  # Σ request 0.3, Σ limits 0.3
+    assert c.place("rigid", inf("bert", r=0.1)) == calm
+    assert c.place("elastic", inf("resnet", r=0.1, lim=0.2)) == crowded  # best fit: no rigid one there
+    c2 = cluster(1, 4)
+    shared, other = [Slot("n0", 0)], [Slot("n0", 1)]
+    c2.assign("r", inf("bert", r=0.5), shared)
+    c2.assign("e", inf("e", r=0.2, lim=0.6), shared)  # Σ request 0.7, Σ limits 1.1
+    c2.assign("o", inf("o", r=0.6, lim=0.6), other)  # Σ request 0.6, Σ limits 0.6
+    assert c2.place("new", inf("gpt", r=0.2, lim=0.4)) == other  # beside the rigid one: Σ limits 1.5
+
+
 def test_multi_gpu_training_takes_distinct_gpus_of_one_node():
     c = cluster(3, 4)
     c.place("small", inf(r=0.2))
