@@ -467,8 +467,8 @@ class Cluster:
         preferences and rigid instances' contention (see the module's Placement)."""
         s = self.gpus[g]
         score = (1 - s.req - d.request_quota) + 0.5 * (s.cap - s.mem - d.memory_bytes) / (s.cap or 1)
-        if d.rigid or s.rigid:
-            over = max(0.0, s.lim + d.burst_quota - 1)
+        over = s.lim + d.burst_quota - 1
+        if (d.rigid or s.rigid) and over > EPS:  # float residue at Σ limits = 1 is no contention
             score += CONTENTION_WEIGHT * (over if d.rigid else over - max(0.0, s.lim - 1))
         if s.residents:
             has_inference = s.training < len(s.residents)
