@@ -224,9 +224,9 @@ class SimFacts:
     """Simulator-only figures of one run (not in the Report): ``events`` processed, ``wall_s``
     real seconds it took, ``peak_active_gpus``, ``max_limit_sum`` (the largest Σ against γ on one
     GPU, :meth:`Cluster.limit_sum`), instances ``parks`` and ``resumes`` (on the GPU they left; parking,
-    :class:`SimConfig`), ``resumes_refused`` (the GPU it left had no room: the parked instance was
-    retired), of which ``relaunches`` placed a new instance elsewhere (a cold start; the others
-    found no GPU with room, and the function's placements back off), and ``resume_waits``
+    :class:`SimConfig`), ``resumes_refused`` (the GPU it left had no room), of which ``relaunches``
+    placed a new instance elsewhere and retired the parked one (a cold start; the others found no
+    GPU with room: the instance stayed parked and the function's placements back off), and ``resume_waits``
     (requests that waited for a resume: no launch, so not cold-start requests), ``migrations``
     (instances moved by defragmentation, every ``defrag_interval_s`` trace s; 0: none)
     and the ``timeline`` (t_s, active GPUs, cold-start requests so far, allocation and idle
@@ -473,7 +473,8 @@ class Simulation:
         """Bring a parked instance back (its weights copied back from host memory,
         :func:`models.resume_ms`) where :meth:`Cluster.resume_target` says: the GPU it left; when
         that has no room, it is retired and a new instance is placed and launched instead (a cold
-        start)."""
+        start); when no GPU has room either, it stays parked and the function's placements back
+        off (the live scheduler refuses that resume and the horizontal scaler does the same)."""
         now = self.loop.now
         f = inst.fn
         slot = self.cluster.resume_target(f.demand, self.cluster.slot(inst.gpu.gid))
@@ -482,10 +483,11 @@ class Simulation:
             new = self._place(f)  # before the parked one goes: the function is not at zero
             if new is None:
                 self.backoff.failed(f.name, now / 1000.0)
-            else:
-                self.horizontal.instance_starting(f.name, new.iid, now / 1000.0)
-                self.mech.scale_outs += 1
-                self.facts.relaunches += 1
+                self.horizontal.resume_failed(f.name, inst.iid)
+                return
+            self.horizontal.instance_starting(f.name, new.iid, now / 1000.0)
+            self.mech.scale_outs += 1
+            self.facts.relaunches += 1
             self._gone_parked(inst)
             return
         self._account()

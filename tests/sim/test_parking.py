@@ -83,3 +83,29 @@ def test_a_bad_park_after_s_is_one_line():
         said = {one_line_error(CliRunner().invoke(main, [cmd, "--park-after-s", bad]), 2)
                 for cmd in ("sim", "demo", "compare")}
         assert len(said) == 1 and "--park-after-s" in said.pop()  # one type, one message
+
+
+class _NoRoom(_Checked):
+    """Records the resumes that found no GPU with room (refused, not relaunched)."""
+
+    def __init__(self, *a, **kw) -> None:
+        super().__init__(*a, **kw)
+        self.kept: list[str] = []
+
+    def _resume(self, inst) -> None:
+        refused, relaunched = self.facts.resumes_refused, self.facts.relaunches
+        super()._resume(inst)
+        if self.facts.resumes_refused > refused and self.facts.relaunches == relaunched:
+            assert inst.state == "parked" and inst.iid in self.instances, (inst.iid, inst.state)
+            assert self.horizontal.instances(inst.fn.name)[inst.iid] == "parked"
+            self.kept.append(inst.iid)
+
+
+def test_a_resume_with_no_room_anywhere_leaves_the_instance_parked_as_live():
+    """One GPU for 40 functions: resumes find no room on the GPU they left nor elsewhere. Live,
+    the scheduler refuses such a resume and the instance stays parked for the next scale-out;
+    the simulator does the same (it used to retire it, a function at zero)."""
+    cfg = SimConfig(**{**CFG, "nodes": 1, "gpus_per_node": 1}, park_after_s=60.0)
+    sim = _NoRoom(cfg, "dilu", prepare(cfg))
+    _, facts = sim.run()
+    assert sim.kept and facts.resumes_refused - facts.relaunches == len(sim.kept)
