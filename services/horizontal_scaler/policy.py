@@ -43,7 +43,10 @@ pending plus in flight: the concurrency Knative measures at its queue proxy) and
   the histogram gives a pre-warm window, the function is unloaded once idle and one instance is
   launched again at the pre-warm time. A backlog with no instance scales from zero at once.
 - **Parking** (``park_after_s`` > 0; 0, the default, never parks): a function idle that long
-  while its keep-alive still holds it has its ready instances *parked*: they give up their GPU
+  while its keep-alive still holds it has its ready instances *parked* (a newly deployed
+  function's, not invoked yet, once they have been ready that long too: its first requests are
+  expected soon, and its idle clock started at the deploy, before their cold start; a pre-warmed
+  instance parks as soon as it is ready, to be resumed in a copy): they give up their GPU
   share (the scheduler frees their placement) and keep their weights in host memory, so bringing
   one back costs a copy to the device, not a cold start (PipeSwitch, OSDI 2020, and Torpor swap
   models between host and GPU memory in milliseconds). A scale-out resumes parked instances
@@ -688,7 +691,8 @@ class HorizontalPolicy:
         """Whether ``f``'s instances are to be parked now (see Parking): it has been idle (no
         backlog, no arrival) for ``park_after_s`` and is still kept by its keep-alive (``desired``
         at most one instance, never below a ``min_instances`` it was given), with the instance
-        the keep-alive keeps there already (a pre-warm still launches it, to park it once ready)."""
+        the keep-alive keeps there already (a pre-warm still launches it, to park it once
+        ready), and an instance due (:meth:`_to_park`)."""
         after = self.config.park_after_s
         if (after <= 0 or f.idle_since is None or f.backlog or f.params.min_instances > 0 or desired > 1
                 or not f.params.parkable or f.count("starting", "ready", "parked") < desired
@@ -696,21 +700,31 @@ class HorizontalPolicy:
             return False
         w = self._windows(f)
         idle_for = now_s - f.idle_since
+        if not w.prewarm_s <= idle_for < w.prewarm_s + w.keep_alive_s:
+            return False
         # all parked already (e.g. restored so after a restart, whose idle clock starts anew):
         # stays parked, not resumed before a request, until the keep-alive ends
         asleep = f.count("parked") > 0 and not f.count("starting", "ready")
-        return (after <= idle_for or asleep) and w.prewarm_s <= idle_for < w.prewarm_s + w.keep_alive_s
+        return asleep or (after <= idle_for and bool(self._to_park(f, now_s)))
+
+    def _to_park(self, f: _Function, now_s: float) -> list[_Instance]:
+        """``f``'s ready instances due for parking: all of them, but one that a migration's
+        replacement is taking over from (parking it would leave the pair with nothing to hand
+        over: its replacement takes its place when ready) and, while ``f`` is fresh (deployed,
+        not invoked yet), one ready for less than ``park_after_s`` (see Parking)."""
+        after = self.config.park_after_s
+        replaced = {i.replaces for i in f.instances.values() if i.state == "moving"}
+        return [i for i in f.instances.values()
+                if i.state == "ready" and i.instance_id not in replaced
+                and not (f.fresh and now_s - i.since_s < after)]
 
     def _park(self, f: _Function, d: Decision) -> None:
-        """Park every ready instance of an idle ``f``: no GPU share, its weights in host memory,
-        brought back by the next scale-out before any new instance is placed. One that a
-        migration's replacement is taking over from serves on: its replacement takes its place
-        when ready (parking it would leave the pair with nothing to hand over)."""
-        replaced = {i.replaces for i in f.instances.values() if i.state == "moving"}
-        for inst in f.instances.values():
-            if inst.state == "ready" and inst.instance_id not in replaced:
-                inst.state = "parked"
-                d.park.append(inst.instance_id)
+        """Park the instances of an idle ``f`` that are due (:meth:`_to_park`): no GPU share, its
+        weights in host memory, brought back by the next scale-out before any new instance is
+        placed."""
+        for inst in self._to_park(f, d.now_s):
+            inst.state = "parked"
+            d.park.append(inst.instance_id)
         d.desired = d.current - len(d.park)
         if d.park:
             d.direction = "park"

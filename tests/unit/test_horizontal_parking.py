@@ -49,6 +49,22 @@ def test_an_idle_function_is_parked_after_park_after_s_not_before():
     assert p.instances(FN) == {"w0": "parked"}
 
 
+def test_a_new_function_is_parked_only_once_its_instance_has_been_ready_park_after_s():
+    """A new function's idle clock starts at its deploy, before its instance's cold start ends;
+    that instance serves on the GPU for ``park_after_s`` first: the first requests, expected
+    soon after a deploy, find it on the GPU (a pre-warmed one parks at once: see below)."""
+    p = policy()
+    p.deployed(FN, 0.0)
+    p.instance_starting(FN, "w0", 0.0)
+    idle_until(p, 0.0, 8.0)
+    p.instance_ready(FN, "w0", 8.0)  # an 8 s cold start; the function has been idle since 0 s
+    decisions = idle_until(p, 8.0, 20.0)
+    parked = [d for d in decisions if d.park]
+    assert len(parked) == 1 and parked[0].park == ["w0"]
+    assert parked[0].now_s == pytest.approx(18.0)  # 10 s after ready, not 10 s after deploy
+    assert all(not d.retire and not d.place for d in decisions)
+
+
 def test_a_request_resumes_the_parked_instance_before_placing_a_new_one():
     p = policy()
     served_then_idle(p)
