@@ -56,10 +56,9 @@ EPS = 1e-6
 BUCKETS = 100  # free request quota buckets: bucket k holds GPUs with free in [k/100, (k+1)/100)
 UNLIMITED = 1 << 62  # instance limit of a GPU with no MPS client limit
 # Score per unit of Σ limits above 1 a rigid instance runs under (or a placement adds beside
-# rigid residents): comparable with the best-fit term (request left over, also a GPU fraction).
-# On the live seed-1 replay the busiest function (BERT-base, rigid) ran 1.2x slower at Σ limits
-# 1.4 than alone; with this weight a 0.2 difference in oversubscription outweighs a 0.2
-# difference in fit.
+# rigid residents), on the scale of the best-fit term (request left over, also a GPU fraction):
+# 0.2 more oversubscription (up to 1.2x slower while all are busy, DESIGN.md section 7) outweighs
+# 0.2 less room left over. Chosen, not fitted; the README's simulated figures are measured with it.
 CONTENTION_WEIGHT = 1.0
 
 
