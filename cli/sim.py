@@ -165,11 +165,12 @@ def _parking_line(name: str, s: dict) -> str:
     """One policy's parking in words, from its ``sim`` facts (:class:`SimFacts`, counted to the end
     of the drain, where the report's parks and resumes stop at the replay's end): instances
     parked, resumed on the GPU they left, relaunched elsewhere (that GPU was full: a new instance,
-    a cold start) and refused (no GPU had room: the parked instance retired), and the requests
-    that waited for a resume."""
+    a cold start) and refused (no GPU had room: the instance stayed parked, as live), and the
+    requests that waited for a resume."""
     refused = s["resumes_refused"] - s["relaunches"]
     return (f"{name}: {s['parks']:,} instances parked, {s['resumes']:,} resumed in place, {s['relaunches']:,} "
-            f"relaunched elsewhere (their GPU full), {refused:,} refused (no GPU had room), drain included; "
+            f"relaunched elsewhere (their GPU full), {refused:,} refused (no GPU had room), to the end of the drain "
+            f"(the table's parks and resumes stop at the replay's end); "
             f"{s['resume_waits']:,} requests waited for a resume (no launch: not cold-start requests)")
 
 

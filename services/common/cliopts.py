@@ -44,7 +44,7 @@ MAX_NODE_NAME = 64  # characters; a node name also names shared-memory segments 
 class Finite(click.FloatRange):
     """click.FloatRange that also refuses NaN and infinities (a NaN passes every comparison)."""
 
-    name = "finite float range"
+    name = "finite number"
 
     def convert(self, value, param, ctx):
         v = super().convert(value, param, ctx)
