@@ -70,6 +70,19 @@ class TextEncoder:
         if self.device.type == "cuda":
             torch.cuda.synchronize()
 
+    def park(self) -> None:
+        """Parking (``dilu.client.functions``): move the weights to host memory and free their
+        device memory; no request runs until :meth:`resume`."""
+        self.net.to("cpu")
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()  # else the caching allocator keeps the memory
+
+    def resume(self) -> None:
+        """Move the weights back to the device; returns once they are there."""
+        self.net.to(self.device)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+
     def predict(self, batch: list[bytes]) -> list[bytes]:
         """One JSON answer per payload, in order (see the module docstring); runs chunks of at
         most ``ctx.batch_size``."""

@@ -240,6 +240,19 @@ def test_trainer_is_seeded_and_reads_its_config():
 # ------------------------------------------------------------------------------ spec files, docs
 
 
+@pytest.mark.parametrize("folder", ["image-classifier", "text-encoder"])
+def test_the_inference_examples_park_and_answer_the_same_after_a_resume(folder):
+    """They define ``park`` and ``resume`` (the platform parks an idle instance only then): the
+    weights leave the device and come back, and the answers do not change."""
+    fn = build(folder)
+    before = fn.predict([sample(folder)])
+    fn.park()
+    assert all(p.device.type == "cpu" for p in fn.net.parameters())
+    fn.resume()
+    assert all(p.device.type == fn.device.type for p in fn.net.parameters())
+    assert fn.predict([sample(folder)]) == before
+
+
 def test_every_example_is_catalogued():
     assert sorted(p.parent.name for p in EXAMPLES.glob("*/function.toml")) == sorted(CATALOGUE)
 
