@@ -25,6 +25,8 @@ moves the weights to host memory and frees their device memory (torch: ``self.mo
 then ``torch.cuda.empty_cache()``, or the caching allocator keeps the memory); ``resume`` moves
 them back (``self.model.to(device)``) and returns once they are there. No request runs between
 the two. The next request then waits for a weight copy (milliseconds) rather than a cold start.
+A class keeping its torch module as ``self.net`` on ``self.device`` may inherit both from
+``dilu.services.node_agent.handlers.torch_models.ParksNet`` (the examples do).
 If ``park`` raises, the instance keeps serving as it was; if ``resume`` raises, the instance
 fails (a new one is started: a cold start). Without both methods an instance cannot be parked.
 """

@@ -79,7 +79,7 @@ def _torchvision_resnet50() -> nn.Module:
     return split
 
 
-class ImageClassifier:
+class ImageClassifier(tm.ParksNet):  # park()/resume(): weights to host memory and back
     """The function class (spec ``entry = "image_classifier:ImageClassifier"``, kind inference).
 
     ``backend``: ``torchvision`` or ``torch_models`` (which ResNet-50 runs); ``image_size``:
@@ -123,19 +123,6 @@ class ImageClassifier:
         field = torch.randn(1, 3, 7, 7, generator=g)
         return F.interpolate(field, size=(self.image_size, self.image_size), mode="bilinear",
                              align_corners=False)[0]
-
-    def park(self) -> None:
-        """Parking (``dilu.client.functions``): move the weights to host memory and free their
-        device memory; no request runs until :meth:`resume`."""
-        self.net.to("cpu")
-        if self.device.type == "cuda":
-            torch.cuda.empty_cache()  # else the caching allocator keeps the memory
-
-    def resume(self) -> None:
-        """Move the weights back to the device; returns once they are there."""
-        self.net.to(self.device)
-        if self.device.type == "cuda":
-            torch.cuda.synchronize()
 
     def predict(self, batch: list[bytes]) -> list[bytes]:
         """One JSON answer per payload, in order (see the module docstring); runs chunks of at

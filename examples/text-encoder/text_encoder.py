@@ -52,7 +52,7 @@ def tokenize(payload: bytes, vocab: int, length: int) -> list[int]:
     return ids + [PAD_ID] * (length - len(ids))
 
 
-class TextEncoder:
+class TextEncoder(tm.ParksNet):  # park()/resume(): weights to host memory and back
     """The function class (spec ``entry = "text_encoder:TextEncoder"``, kind inference).
 
     ``embedding_dim``: the width of the sentence embedding (768; 64 tiny). Raises ValueError for
@@ -67,19 +67,6 @@ class TextEncoder:
         self.embedding_dim = self.sizes.d_model
         self.predict([b"warm-up"])
         self.predict([b"warm-up %d" % i for i in range(self.batch_size)])
-        if self.device.type == "cuda":
-            torch.cuda.synchronize()
-
-    def park(self) -> None:
-        """Parking (``dilu.client.functions``): move the weights to host memory and free their
-        device memory; no request runs until :meth:`resume`."""
-        self.net.to("cpu")
-        if self.device.type == "cuda":
-            torch.cuda.empty_cache()  # else the caching allocator keeps the memory
-
-    def resume(self) -> None:
-        """Move the weights back to the device; returns once they are there."""
-        self.net.to(self.device)
         if self.device.type == "cuda":
             torch.cuda.synchronize()
 

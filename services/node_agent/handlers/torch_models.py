@@ -445,17 +445,35 @@ def predict(model: TorchModel, batch: list[bytes]) -> list[bytes]:
     return out
 
 
+class ParksNet:
+    """Parking for a function class that keeps its torch module as ``self.net`` on
+    ``self.device``: ``park()`` moves the weights to host memory and frees their device memory,
+    ``resume()`` moves them back (:func:`park`, :func:`resume`; the contract is in
+    ``dilu.client.functions``). A class inheriting it can be parked."""
+
+    net: nn.Module
+    device: torch.device
+
+    def park(self) -> None:
+        park(self)
+
+    def resume(self) -> None:
+        resume(self)
+
+
 def park(model: TorchModel) -> None:
     """Move the weights to host memory; on CUDA, also hand the freed blocks back to the driver
     (torch's caching allocator would keep them: the GPU would still count them against the
-    instance). On the CPU a no-op. Raises what torch raises."""
+    instance). On the CPU a no-op. ``model``: a :class:`TorchModel`, or anything with its
+    ``net`` and ``device`` (:class:`ParksNet`). Raises what torch raises."""
     model.net.to("cpu")
     if model.device.type == "cuda":
         torch.cuda.empty_cache()
 
 
 def resume(model: TorchModel) -> None:
-    """Move the weights back to ``model.device`` (a no-op on the CPU). Raises what torch raises
+    """Move the weights back to ``model.device`` (a no-op on the CPU; ``model`` as in
+    :func:`park`). Raises what torch raises
     (e.g. torch.cuda.OutOfMemoryError when the GPU no longer has the room)."""
     model.net.to(model.device)
     if model.device.type == "cuda":
