@@ -105,7 +105,7 @@ def test_a_resume_with_no_room_anywhere_leaves_the_instance_parked_as_live():
     """One GPU for 40 functions: resumes find no room on the GPU they left nor elsewhere. Live,
     the scheduler refuses such a resume and the instance stays parked for the next scale-out;
     the simulator does the same (it used to retire it, a function at zero)."""
-    cfg = SimConfig(**{**CFG, "nodes": 1, "gpus_per_node": 1}, park_after_s=60.0)
+    cfg = SimConfig(**{**CFG, "nodes": 1, "gpus_per_node": 1, "hours": 0.2}, park_after_s=60.0)
     sim = _NoRoom(cfg, "dilu", prepare(cfg))
     _, facts = sim.run()
     assert sim.kept and facts.resumes_refused - facts.relaunches == len(sim.kept)
