@@ -25,7 +25,8 @@ What drives what, as in the live cluster (services/*/service.py):
   (:meth:`VerticalPolicy.on_retired`), as the node agent's InstanceRetired reports it live.
 - **Horizontal scaler.** :func:`horizontal_policy` (windows of :func:`cli.demo.scaler_windows` at
   speed-up 1) with :func:`function_params` of each profile; every ``horizontal_tick_ms`` (its
-  500 ms tick) each function records its backlog (waiting + in flight) and arrivals, decides
+  500 ms tick), in its :func:`tick_order` (largest instances first), each function records its
+  backlog (waiting + in flight) and arrivals, decides
   with its :func:`vertical_headroom`, and places (:class:`PlacementBackoff` after a refusal) or
   retires (draining: an instance finishes its batch, then leaves).
 
@@ -43,6 +44,7 @@ Deterministic: same configuration and seed, same report, byte for byte.
 """
 from __future__ import annotations
 
+import bisect
 import math
 import time
 from collections.abc import Callable
@@ -59,7 +61,7 @@ from dilu.services.common import models
 from dilu.services.common.functions import GIB, STRETCH_RATIO, default_priority, yields_share
 from dilu.services.common.policies import DEFRAG_INTERVAL_MIN_S, modes
 from dilu.services.horizontal_scaler.policy import (HorizontalConfig, InstanceShare, PlacementBackoff, function_params,
-                                                    horizontal_policy, vertical_headroom)
+                                                    horizontal_policy, tick_order, vertical_headroom)
 from dilu.services.horizontal_scaler.service import MAX_PLACE_COUNT
 from dilu.services.node_agent.grants import fit_quota
 from dilu.services.profiler.policy import NoFeasibleSetting, cache_key, search_for
@@ -296,6 +298,7 @@ class Simulation:
         self.instances: dict[str, Instance] = {}
         self.moved_out: set[str] = set()  # instances draining because their replacement is ready
         self.fns: dict[str, Function] = {}
+        self.ticked: list[Function] = []  # functions with a profile, in horizontal tick order
         self.mech = report.Mechanism(vertical_reaction_ms_p50=None, vertical_reaction_ms_p99=None)  # not modelled
         self.facts = SimFacts(defrag_interval_s=every, park_after_s=park)
         self.t0 = warm_up_ms(cfg, work)  # the replay's start on the simulated clock
@@ -339,6 +342,9 @@ class Simulation:
             batch = allocation_batch(self.modes.allocation, profile.batch_size, profile.burst_batch)
         f = Function(spec.name, spec, slo, timeout, batch, demand, training)
         self.fns[spec.name] = f
+        if profile is not None:  # ticked in the live scaler's order
+            bisect.insort(self.ticked, f, key=lambda g: tick_order(self.work.profiles[g.name][0].limit_quota,
+                                                                   g.spec.memory_bytes, g.name))
         if training:
             self.loop.at(0.0, self._launch_training, f)
         elif demand is not None:
@@ -808,7 +814,7 @@ class Simulation:
         now = self.loop.now
         now_s = now / 1000.0
         hp = self.horizontal
-        due = [f for f in self.fns.values() if not f.asleep and not f.training and f.demand is not None]
+        due = [f for f in self.ticked if not f.asleep and not f.training and f.demand is not None]
         headroom: dict[str, float] = {}
         if self.hconf.mode == "lazy":
             gpus = {i.gpu.gid: i.gpu for f in due for i in f.instances.values() if i.state != "parked"}

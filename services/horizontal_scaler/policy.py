@@ -904,6 +904,19 @@ def horizontal_policy(config: HorizontalConfig | None = None) -> HorizontalPolic
     return (KnativeKPA if config.mode == "kpa" else HorizontalPolicy)(config)
 
 
+# ---------------------------------------------------------------------- tick order
+
+
+def tick_order(limit_quota: float, memory_bytes: int, name: str) -> tuple[float, int, str]:
+    """Sort key of a function within one tick: the largest instances first (limit quota 0..1,
+    then device memory in bytes, then the name, so the order is total). When several functions
+    place in one tick (their initial scale, a shared burst), the big ones are packed first:
+    first-fit decreasing needs at most 11/9 of the optimal bins plus one (Dósa, 2007), first fit in
+    deploy order up to 1.7 times as many. The live scaler and the simulator tick functions in this
+    order, so their placements match."""
+    return (-limit_quota, -memory_bytes, name)
+
+
 # ---------------------------------------------------------------------- vertical headroom
 
 

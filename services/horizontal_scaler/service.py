@@ -95,7 +95,7 @@ from dilu.services.common.kvkeys import kv_keys
 
 from .state import FunctionStateStore
 from .policy import (Decision, HorizontalConfig, InitialScaleGate, InstanceShare, PlacementBackoff,
-                     function_params, horizontal_policy, vertical_headroom)
+                     function_params, horizontal_policy, tick_order, vertical_headroom)
 
 SCALE_OUTS = Counter("dilu_scale_outs", "Instances added by the horizontal scaler", ["function"])
 RETIREMENTS = Counter("dilu_retirements", "Instances removed (drained or cancelled) by the horizontal scaler", ["function"])
@@ -378,11 +378,9 @@ class HorizontalScaler:
                 task.add_done_callback(self._tasks.discard)
 
     def _size(self, fn: str) -> tuple[float, int, str]:
-        """Tick order: functions with the largest instances first, so that when several place at
-        once (initial scale, a shared burst) the big ones are packed first (first-fit
-        decreasing packs tighter than arrival order)."""
+        """Tick order (:func:`tick_order`) of ``fn`` from its profile and spec (0 until known)."""
         prof, spec = self._profiles.get(fn), self._specs.get(fn)
-        return (-(prof.limit_quota if prof else 0.0), -(spec.memory_bytes if spec else 0), fn)
+        return tick_order(prof.limit_quota if prof else 0.0, spec.memory_bytes if spec else 0, fn)
 
     async def _tick_guarded(self, fn: str, now: float, headroom: float, consumers: _Consumers | None) -> None:
         try:

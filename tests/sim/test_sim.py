@@ -12,6 +12,7 @@ from click.testing import CliRunner
 
 from dilu.cli.main import main
 from dilu.loadgen.sim.run import SimConfig, Simulation, Workload, prepare, simulate
+from dilu.services.horizontal_scaler.policy import tick_order
 
 ROOT = Path(__file__).resolve().parents[2]
 WORKLOADS = ROOT / "services" / "scheduler" / "workloads"
@@ -406,3 +407,26 @@ def test_a_refused_or_failed_run_creates_no_plots_directory(tmp_path, args):
     r = CliRunner().invoke(main, ["sim", *args, "--plots", str(plots)])
     assert r.exit_code in (1, 2) and "Error" in r.output, r.output
     assert list(tmp_path.iterdir()) == []
+
+
+def test_functions_place_in_the_live_scalers_tick_order():
+    """The initial instances go out largest first (tick_order), as the live scaler ticks its
+    functions, not in deploy order (the busiest first): their GPUs then match a live run's."""
+    cfg = SimConfig(functions=16, hours=0.01, speedup=10, seed=3)
+    work = prepare(cfg)
+    sim = Simulation(cfg, "dilu", work)
+    placed: list[str] = []
+    place = sim._place
+
+    def record(f, *a, **kw):
+        inst = place(f, *a, **kw)
+        if inst is not None and sim.loop.now == 0.0:
+            placed.append(f.name)
+        return inst
+
+    sim._place = record
+    sim.run()
+    deployed = [s.name for s in work.specs if work.profiles[s.name][0] is not None]
+    key = {s.name: tick_order(work.profiles[s.name][0].limit_quota, s.memory_bytes, s.name) for s in work.specs}
+    assert sorted(placed) == sorted(deployed) and placed == sorted(placed, key=key.get)
+    assert placed != deployed  # this seed deploys a small function before a large one
