@@ -116,18 +116,21 @@ class _SurfaceAsync:
 
 
 class ProfilerService:
-    """See the module docstring. ``backend``: ``node`` (through the node agent) or ``surface``."""
+    """See the module docstring. ``backend``: ``node`` (through the node agent) or ``surface``;
+    ``trial_timeout_s``: how long one trial's answer is awaited (s); ``no_responder_wait_s``: how
+    long a node with no trial responder is asked again before the trial fails (s)."""
 
     name = "profiler"
 
     def __init__(self, node: str = "", backend: str = "node", repeats: int = 5,
-                 trial_timeout_s: float = 30.0) -> None:
+                 trial_timeout_s: float = 30.0, no_responder_wait_s: float = NO_RESPONDER_WAIT_S) -> None:
         if backend not in ("node", "surface"):
             raise ValueError(f"backend must be 'node' or 'surface', got {backend!r}")
         self.node = node
         self.backend = backend
         self.repeats = repeats
         self.trial_timeout_s = trial_timeout_s
+        self.no_responder_wait_s = no_responder_wait_s
         self.bus: Bus | None = None
         self.kv = None
         self.cache: dict[tuple, Profile] = {}
@@ -246,7 +249,8 @@ class ProfilerService:
         if self.backend == "surface":
             backend = _SurfaceAsync(spec.model)
         else:
-            backend = NodeTrialBackend(self.bus, await self._trial_node(), spec.model, self.repeats, self.trial_timeout_s)
+            backend = NodeTrialBackend(self.bus, await self._trial_node(), spec.model, self.repeats, self.trial_timeout_s,
+                                       no_responder_wait_s=self.no_responder_wait_s)
         while (trial := search.next_trial()) is not None:
             search.record(trial, await backend.run(trial))
         result = search.result()

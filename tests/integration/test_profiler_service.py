@@ -116,7 +116,7 @@ async def test_bad_requests_get_clear_errors_and_service_survives(nats_url):
 
 async def test_no_node_agent_is_a_clear_error(nats_url):
     nc = await nats.connect(nats_url)
-    async with running(ProfilerService(node="nowhere", trial_timeout_s=1), nats_url):
+    async with running(ProfilerService(node="nowhere", trial_timeout_s=1, no_responder_wait_s=1), nats_url):
         r = await ask(nc, FunctionSpec(name="x", model="bert_base"))
         assert not r.ok and "no answer" in r.error
     await nc.close()
