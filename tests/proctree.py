@@ -1,6 +1,7 @@
 """The processes a command starts, for tests that check it leaves none behind."""
 import os
 import subprocess
+import threading
 
 
 def children_of(pid: int) -> list[int]:
@@ -29,3 +30,30 @@ def alive(pids) -> list[int]:
         except ProcessLookupError:
             pass
     return out
+
+
+class OutputLines:
+    """A process's output read line by line on a thread, so a test can wait for a line (e.g. the
+    replay's progress) while the process runs. ``text``: all lines so far."""
+
+    def __init__(self, proc: subprocess.Popen) -> None:
+        self.lines: list[str] = []
+        self._thread = threading.Thread(target=self._read, args=(proc,), daemon=True)
+        self._thread.start()
+
+    def _read(self, proc: subprocess.Popen) -> None:
+        for line in proc.stdout:
+            self.lines.append(line)
+
+    def seen(self, part: str) -> bool:
+        """Whether a line so far contains ``part``."""
+        return any(part in line for line in self.lines)
+
+    def close(self, timeout_s: float = 10.0) -> str:
+        """Wait for the output to end (the process has exited); all of it."""
+        self._thread.join(timeout_s)
+        return "".join(self.lines)
+
+    @property
+    def text(self) -> str:
+        return "".join(self.lines)

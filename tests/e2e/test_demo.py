@@ -9,7 +9,7 @@ import time
 from pathlib import Path
 
 import pytest
-from proctree import alive, tree
+from proctree import OutputLines, alive, tree
 
 pytestmark = [pytest.mark.nats, pytest.mark.native, pytest.mark.slow]
 
@@ -21,16 +21,20 @@ def test_ctrl_c_stops_cleanly_still_accounts_and_exits_130(tmp_path: Path):
     proc = subprocess.Popen([*DILU, "demo", "--duration", "60", "--functions", "2", "--json", str(report),
                              "--log-dir", str(tmp_path / "logs")], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True)
+    output = OutputLines(proc)
     seen: set[int] = set()
-    started = time.monotonic()
-    while time.monotonic() - started < 25 and proc.poll() is None:
+    started = time.monotonic()  # interrupted once the replay is under way (its progress line says so)
+    while time.monotonic() - started < 60 and proc.poll() is None and not output.seen("] replay "):
         seen |= tree(proc.pid)
         time.sleep(0.5)
+    seen |= tree(proc.pid)
     proc.send_signal(signal.SIGINT)
-    out = proc.communicate(timeout=60)[0]
+    signalled = time.monotonic()
+    proc.wait(timeout=60)
+    out = output.close()
     assert proc.returncode == 130, out[-3000:]  # 128 + SIGINT, as a shell reports it, after the report
-    assert "interrupted (SIGINT)" in out
-    assert time.monotonic() - started < 25 + 45
+    assert "interrupted (SIGINT)" in out and "] replay " in out
+    assert time.monotonic() - signalled < 45
     time.sleep(1)
     assert alive(seen) == []
     t = json.loads(report.read_text())["totals"]

@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 
 import pytest
+from proctree import OutputLines
 
 from dilu.cli.chaos import Sampler
 from dilu.cli.cluster import Cluster, ServiceProc
@@ -56,12 +57,14 @@ def test_sigterm_still_reports_and_exits_143(tmp_path: Path):
     proc = subprocess.Popen([*DILU, "chaos", "--soak", "--minutes", "3", "--functions", "2", "--json", str(out),
                              "--log-dir", str(tmp_path / "logs")], stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)
-    started = time.monotonic()
-    while time.monotonic() - started < 30 and proc.poll() is None:
-        time.sleep(0.5)
+    output = OutputLines(proc)
+    started = time.monotonic()  # signalled once the replay is under way (its progress line says so)
+    while time.monotonic() - started < 60 and proc.poll() is None and not output.seen("] replay "):
+        time.sleep(0.2)
     proc.send_signal(signal.SIGTERM)
     signalled = time.monotonic()
-    text = proc.communicate(timeout=150)[0]
+    proc.wait(timeout=150)
+    text = output.close()
     assert proc.returncode == 143, text[-3000:]  # 128 + SIGTERM, after the report
     assert "interrupted (SIGTERM)" in text
     # the load stops at once (the soak's sampler too): draining and shutdown, not the 90 s left
