@@ -522,10 +522,11 @@ def _run_or_explain(main):
         raise click.ClickException(str(exc)) from None
 
 
-def make_console() -> Console:
+def make_console(**options) -> Console:
     """A terminal's own width; REPORT_WIDTH columns when writing to a file or pipe, unless
-    COLUMNS says otherwise (the report's tables split to fit either)."""
-    console = Console()
+    COLUMNS says otherwise (the report's tables split to fit either). ``options``: further
+    keyword arguments of :class:`rich.console.Console` (e.g. ``highlight=False``)."""
+    console = Console(**options)
     if not console.is_terminal and not os.environ.get("COLUMNS", "").strip().isdigit():
         console.width = REPORT_WIDTH
     return console

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import base64
-import os
 import sys
 from collections.abc import Awaitable, Callable
 from pathlib import Path
@@ -20,7 +19,7 @@ import click
 import msgspec
 import nats.errors
 from rich.console import Console
-from rich.table import Table
+from rich.markup import escape
 
 from dilu.client import admin
 from dilu.client.aio import AsyncClient, Reply
@@ -70,9 +69,11 @@ def run(options: NatsOptions, work: Callable[[AsyncClient], Awaitable[T]]) -> T:
 
 
 def _out() -> Console:
-    # not a terminal (a pipe, a log): wide enough that tables do not wrap; a terminal: its width
-    wide = not sys.stdout.isatty() and "COLUMNS" not in os.environ
-    return Console(highlight=False, width=200 if wide else None)  # sys.stdout as it is when printing
+    # the demo's width rule: a terminal's width, 100 columns in a file or pipe unless COLUMNS
+    # says; sys.stdout as it is when printing
+    from dilu.cli.demo import make_console
+
+    return make_console(highlight=False)
 
 
 def _err() -> Console:
@@ -248,38 +249,53 @@ def status(nats: NatsOptions, listen_s: float, as_json: bool) -> None:
         _print_json(st)
         return
     out = _out()
-    out.print(_nodes_table(st) if st.nodes else "No nodes: no node agent has registered in dilu-nodes.")
-    out.print(_functions_table(st) if st.functions else "No functions deployed.")
+    if st.nodes:
+        _print_table(out, f"Nodes ({len(st.nodes)})", *_nodes_rows(st))
+    else:
+        out.print("No nodes: no node agent has registered in dilu-nodes.")
+    if st.functions:
+        _print_table(out, f"Functions ({len(st.functions)})", *_functions_rows(st), wrap=("instances", "last decisions"))
+    else:
+        out.print("No functions deployed.")
     if any(f.instances for f in st.functions):
-        out.print(_instances_table(st))
+        _print_table(out, "Instances", *_instances_rows(st), keys=2)
 
 
-def _nodes_table(st: admin.Status) -> Table:
-    t = Table(title=f"Nodes ({len(st.nodes)})", title_justify="left")
-    for col in ("node", "device", "mps", "gpu", "name", "memory", "SMs", "health", "seen"):
-        t.add_column(col)
+Rows = list[tuple[list[str], dict]]
+
+
+def _print_table(out: Console, title: str, columns: tuple[str, ...], rows: Rows, **fit) -> None:
+    """One table within the console's width: split by columns when too wide (the first ``keys``
+    columns, default 1, repeated in each part; the ``wrap`` ones wrapped at words), as the demo's
+    report is (:func:`dilu.loadgen.report.fitted_tables`)."""
+    from dilu.loadgen.report import fitted_tables
+
+    for table in fitted_tables(title, [(col, "left") for col in columns], rows, out.width, title_justify="left", **fit):
+        out.print(table)
+
+
+def _nodes_rows(st: admin.Status) -> tuple[tuple[str, ...], Rows]:
+    rows: Rows = []
     for n in st.nodes:
         inv = n.inventory
         seen = f"{n.age_s:.0f} s ago"
         if not inv.gpus:
-            t.add_row(inv.node, inv.device, inv.mps, "-", "", "", "", "", seen)
+            rows.append(([escape(inv.node), inv.device, inv.mps, "-", "", "", "", "", seen], {}))
         for g in inv.gpus:
-            health = "ok" if g.healthy else f"[red]{g.health_reason or 'unhealthy'}[/red]"
-            t.add_row(inv.node, inv.device, inv.mps, str(g.index), g.name, _bytes(g.memory_bytes), str(g.sms),
-                      health, seen)
+            health = "ok" if g.healthy else f"[red]{escape(g.health_reason or 'unhealthy')}[/red]"
+            rows.append(([escape(inv.node), inv.device, inv.mps, str(g.index), escape(g.name), _bytes(g.memory_bytes),
+                          str(g.sms), health, seen], {}))
             seen = ""
-    return t
+    return ("node", "device", "mps", "gpu", "name", "memory", "SMs", "health", "seen"), rows
 
 
 def _decision_text(d, now_ns: int) -> str:
     ago = f", {(now_ns - d.ts_ns) / 1e9:.0f} s ago" if d.ts_ns else ""
-    return f"{d.direction} {d.count}" + (f" ({d.reason})" if d.reason else "") + ago
+    return f"{d.direction} {d.count}" + (f" ({escape(d.reason)})" if d.reason else "") + ago
 
 
-def _functions_table(st: admin.Status) -> Table:
-    t = Table(title=f"Functions ({len(st.functions)})", title_justify="left")
-    for col in ("function", "kind", "objective", "profile req/lim/batch", "instances", "backlog", "last decisions"):
-        t.add_column(col)
+def _functions_rows(st: admin.Status) -> tuple[tuple[str, ...], Rows]:
+    rows: Rows = []
     for f in st.functions:
         s, p, state = f.spec, f.profile, f.state
         kind = s.kind if s else "[dim]undeployed[/dim]"
@@ -289,14 +305,14 @@ def _functions_table(st: admin.Status) -> Table:
         parked = sum(i.parked for i in f.instances)
         if state is not None:
             count += f" (ready {state.ready}, desired {state.desired}" + (f", parked {parked})" if parked else ")")
+            if not state.placeable:
+                count += f" [red]unplaceable: {escape(state.reason)}[/red]"
         elif parked:
             count += f" (parked {parked})"
-            if not state.placeable:
-                count += f" [red]unplaceable: {state.reason}[/red]"
         backlog = "-" if f.backlog is None else str(f.backlog)
         decisions = "\n".join(_decision_text(d, st.taken_ns) for d in (state.decisions[-3:] if state else [])) or "-"
-        t.add_row(f.name, kind, objective, prof, count, backlog, decisions)
-    return t
+        rows.append(([escape(f.name), kind, objective, prof, count, backlog, decisions], {}))
+    return ("function", "kind", "objective", "profile req/lim/batch", "instances", "backlog", "last decisions"), rows
 
 
 def _instance_state(i: admin.InstanceStatus) -> str:
@@ -306,13 +322,9 @@ def _instance_state(i: admin.InstanceStatus) -> str:
     return ", ".join(states) or "placed"
 
 
-def _instances_table(st: admin.Status) -> Table:
-    t = Table(title="Instances", title_justify="left")
-    for col in ("function", "instance", "node", "gpu", "request", "limit", "grant", "memory", "batch", "state"):
-        t.add_column(col)
-    for f in st.functions:
-        for i in f.instances:
-            t.add_row(f.name, i.instance_id, i.node, str(i.gpu), _quota(i.request_quota), _quota(i.limit_quota),
-                      _quota(i.grant), _bytes(i.memory_bytes), str(i.batch_size), _instance_state(i))
-    return t
-
+def _instances_rows(st: admin.Status) -> tuple[tuple[str, ...], Rows]:
+    rows: Rows = [([escape(f.name), escape(i.instance_id), escape(i.node), str(i.gpu), _quota(i.request_quota),
+                    _quota(i.limit_quota), _quota(i.grant), _bytes(i.memory_bytes), str(i.batch_size),
+                    _instance_state(i)], {})
+                  for f in st.functions for i in f.instances]
+    return ("function", "instance", "node", "gpu", "request", "limit", "grant", "memory", "batch", "state"), rows

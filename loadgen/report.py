@@ -595,7 +595,8 @@ _GPU_ROWS = ["active GPU·s", "alloc. frag.", "idle frag.", "profiler trials", "
 
 
 def _cell_len(cell: str) -> int:
-    return Text.from_markup(cell).cell_len
+    """Columns a cell takes: its widest line, markup left out."""
+    return max(Text(line).cell_len for line in Text.from_markup(cell).plain.split("\n"))
 
 
 def split_columns(widths: list[int], keys: int, width: int) -> list[list[int]]:
@@ -633,22 +634,39 @@ def _pack(widths: list[int], keys: int, width: int) -> list[list[int]]:
     return groups
 
 
-def _fitted(title: str, headers: list[tuple[str, str]], rows: list[tuple[list[str], dict]], width: int,
-            *, keys: int = 1) -> list[Table]:
-    """The table as one or more tables of at most ``width`` cells, split by columns (the first
-    ``keys`` columns repeated in each); no cell wraps or is cut. ``headers``: (name, justify);
-    ``rows``: (cells, add_row keyword arguments)."""
-    widths = [max([_cell_len(h)] + [_cell_len(cells[i]) for cells, _ in rows]) for i, (h, _) in enumerate(headers)]
+WRAP_MIN_WIDTH = 24  # columns a wrapping (free-text) column of a fitted table keeps at least
+
+
+def fitted_tables(title: str, headers: list[tuple[str, str]], rows: list[tuple[list[str], dict]], width: int,
+                  *, keys: int = 1, wrap: Iterable[str] = (), **table_options) -> list[Table]:
+    """The table as one or more tables of at most ``width`` cells (console columns), split by
+    columns (the first ``keys`` columns repeated in each); no cell wraps or is cut, except in the
+    columns named in ``wrap`` (free text): those are packed at their header's width or
+    :data:`WRAP_MIN_WIDTH`, then take what their table has left, and wrap at words within it.
+    ``headers``: (name, justify); ``rows``: (cells, add_row keyword arguments); ``table_options``:
+    further keyword arguments of each :class:`rich.table.Table` (e.g. ``title_justify``)."""
+    wraps = [name in set(wrap) for name, _ in headers]
+    natural = [max([_cell_len(h)] + [_cell_len(cells[i]) for cells, _ in rows]) for i, (h, _) in enumerate(headers)]
+    base = 1 + sum(w + 3 for w in natural[:keys])
+    widths = [min(w, max(_cell_len(h), WRAP_MIN_WIDTH), max(1, width - base - 3)) if wraps[i] else w
+              for i, (w, (h, _)) in enumerate(zip(natural, headers))]
     groups = split_columns(widths, keys, width) or [[]]
+    for group in groups:  # the room a table has left goes to its wrapping columns, evenly
+        spare = width - base - sum(widths[i] + 3 for i in group)
+        while spare > 0 and (short := [i for i in group if wraps[i] and widths[i] < natural[i]]):
+            for i in short[:spare]:
+                widths[i] += 1
+            spare -= len(short[:spare])
     tables = []
     for n, group in enumerate(groups):
         part = f" ({n + 1}/{len(groups)})" if len(groups) > 1 else ""
         # wide enough for its title on one line, within the console
-        table = Table(title=title + part, min_width=min(width, _cell_len(title + part) + 4))
+        table = Table(title=title + part, min_width=min(width, _cell_len(title + part) + 4), **table_options)
         cols = [*range(keys), *group]
         for i in cols:
             name, justify = headers[i]
-            table.add_column(name, justify=justify, no_wrap=True, min_width=widths[i])
+            table.add_column(name, justify=justify, no_wrap=not wraps[i], min_width=widths[i],
+                             max_width=widths[i] if wraps[i] else None)
         for cells, kw in rows:
             table.add_row(*(cells[i] for i in cols), **kw)
         tables.append(table)
@@ -676,13 +694,13 @@ def render(report: Report, console: Console) -> None:
                      {"end_section": i == len(report.functions) - 1}))
     rows.append((["total", "", "", *_row(report.totals), *(["", *_token_row(report.totals)] if tokens else [])],
                  {"style": "bold"}))
-    for table in _fitted(f"Dilu replay — policy {run.policy}", headers, rows, width):
+    for table in fitted_tables(f"Dilu replay — policy {run.policy}", headers, rows, width):
         console.print(table)
     console.print(Text(_caption(run), style="table.caption"))
     shown = [h for h, _ in headers]
     if report.training:
         t_headers, t_rows = _training_rows(report.training)
-        for table in _fitted("Training jobs", t_headers, t_rows, width):
+        for table in fitted_tables("Training jobs", t_headers, t_rows, width):
             console.print(table)
         shown += [h for h, _ in t_headers if h not in shown]
     notes = [("total", LEGEND["total"])] if report.training else []
@@ -851,7 +869,7 @@ def render_compare(reports: Mapping[str, Report], console: Console) -> None:
         cells += [versus(values[0], v, rate=fmt is _pct) for v in values[1:]]
         rows.append(([label, *cells], {}))
         labels.append(label)
-    for table in _fitted("Policies compared on the same replay", headers, rows, console.width):
+    for table in fitted_tables("Policies compared on the same replay", headers, rows, console.width):
         console.print(table)
     entries = [(label, LEGEND[_compare_key(label)]) for label in labels]
     entries += [(v, f"{p}'s figure / {first}'s (0.53x: {p} has 53 % of it); for a rate (%), the difference "
