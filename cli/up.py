@@ -71,8 +71,27 @@ class DataDirLock:
         self.path = data_dir / LOCK_NAME
         self._fd: int | None = None
 
+    def check(self) -> None:
+        """Raise :class:`Refused` when another process holds the lock, creating nothing: no lock
+        file (or none this user may open) counts as free, and :meth:`acquire` has the last word."""
+        try:
+            fd = os.open(self.path, os.O_RDWR)
+        except OSError:
+            return
+        self._lock(fd)
+        os.close(fd)  # releases the probe's flock
+
     def acquire(self) -> "DataDirLock":
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)  # not inherited by the services
+        self._lock(fd)
+        os.ftruncate(fd, 0)
+        os.write(fd, f"{os.getpid()}\n".encode())
+        self._fd = fd
+        return self
+
+    def _lock(self, fd: int) -> None:
+        """flock ``fd``; when another process holds it, close ``fd`` and raise :class:`Refused`
+        naming that process (its pid from the file)."""
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -80,10 +99,6 @@ class DataDirLock:
             os.close(fd)
             raise Refused(f"another dilu up (pid {holder}) is running on {self.path.parent}; "
                           f"stop it first or pick another --data-dir") from None
-        os.ftruncate(fd, 0)
-        os.write(fd, f"{os.getpid()}\n".encode())
-        self._fd = fd
-        return self
 
     def release(self) -> None:
         if self._fd is not None:
@@ -191,8 +206,11 @@ def describe(cluster: Cluster, opts: UpOptions, resumed: bool) -> list[str]:
 def run_up(opts: UpOptions) -> None:
     """Check, lock the data directory, start, wait, stop (module docstring). Returns after a
     requested stop; raises click.ClickException (exit 1) when the cluster does not start or a
-    part of it dies, :class:`Refused` (exit 2) when the data directory or a port is taken."""
+    part of it dies, :class:`Refused` (exit 2) when the data directory or a port is taken. A
+    refusal comes before anything is created (no data or log directory, no lock file)."""
     check_options(opts)
+    DataDirLock(opts.data_dir).check()  # first: a second dilu up here also holds the ports
+    check_ports(opts)
     _directory(opts.data_dir, "--data-dir")
     _directory(opts.log_dir, "--log-dir")
     try:
@@ -200,7 +218,6 @@ def run_up(opts: UpOptions) -> None:
     except OSError as exc:
         raise click.ClickException(f"cannot create the lock file in {opts.data_dir}: {exc.strerror or exc}") from None
     try:
-        check_ports(opts)
         resumed = (opts.store_dir / "jetstream").is_dir()
         cluster = cluster_for(opts)
         with StopSignals() as signals:

@@ -119,6 +119,27 @@ def test_a_taken_port_is_refused_and_the_lock_released(option, listening, tmp_pa
     DataDirLock(tmp_path).acquire().release()
 
 
+@pytest.mark.parametrize("option", ["--nats-port", "--gateway-port"])
+def test_a_refused_start_leaves_nothing_behind(option, listening, tmp_path):
+    nats_port, gateway_port = free_ports(2)
+    ports = [str(x) for kv in {"--nats-port": nats_port, "--gateway-port": gateway_port, option: listening}.items()
+             for x in kv]
+    fresh = tmp_path / "fresh"  # a data directory not there yet stays absent
+    out = one_line_error(up("--data-dir", str(fresh), "--log-dir", str(tmp_path / "logs"), *ports), 2)
+    assert f"in use ({option})" in out
+    assert list(tmp_path.iterdir()) == []
+    used = tmp_path / "used"  # one from an earlier run gets no logs/ and no up.lock
+    (used / "nats").mkdir(parents=True)
+    one_line_error(up("--data-dir", str(used), *ports), 2)
+    assert [p.name for p in used.iterdir()] == ["nats"]
+
+
+def test_a_second_up_holding_the_ports_too_is_named(listening, tmp_path):
+    with DataDirLock(tmp_path):
+        out = one_line_error(up("--data-dir", str(tmp_path), "--nats-port", str(listening)), 2)
+    assert f"another dilu up (pid {os.getpid()})" in out
+
+
 def test_options_reach_the_services(tmp_path):
     opts = UpOptions(nats_port=4333, gateway_port=8111, data_dir=tmp_path, device="emulated", gpus="2",
                      node="rack1-n3", policy="exclusive", log_dir=tmp_path / "logs")
