@@ -69,8 +69,9 @@ class ZeroOrAtLeast(Finite):
         return v
 
 
-# --park-after-s of dilu demo, dilu compare and dilu sim: trace seconds, 0 (never) up to one day
-# (SimConfig checks the same range); one type, so that all three say the same of a bad value.
+# --park-after-s of dilu up, dilu demo, dilu compare and dilu sim: trace seconds (dilu up's are
+# wall seconds), 0 (never) up to one day (SimConfig and the horizontal scaler check the same
+# range); one type, so that all four say the same of a bad value.
 PARK_AFTER_S_TYPE = Finite(min=0, max=86_400)
 
 

@@ -12,8 +12,10 @@ import pytest
 from dilu.services.common.natsserver import free_ports
 from click.testing import CliRunner
 
+import dilu.cli.up as up_module
 from dilu.cli.main import main
 from dilu.cli.up import DataDirLock, Refused, UpOptions, cluster_for, default_data_dir
+from dilu.services.common.policies import PARK_AFTER_S
 
 
 def up(*args: str, env: dict[str, str] | None = None):
@@ -160,3 +162,35 @@ def test_options_reach_the_services(tmp_path):
 def test_default_data_dir_is_the_user_state_dir(monkeypatch, tmp_path):
     monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path))
     assert default_data_dir() == Path(tmp_path) / "dilu"
+
+
+def hs_params(opts: UpOptions) -> dict:
+    """The horizontal scaler's parameters as it would parse the arguments ``dilu up`` gives it."""
+    from dilu.services.horizontal_scaler.__main__ import main as horizontal_scaler
+
+    return horizontal_scaler.make_context("horizontal_scaler", cluster_for(opts)._args("horizontal_scaler")).params
+
+
+def test_park_after_s_reaches_the_horizontal_scaler(tmp_path):
+    opts = UpOptions(nats_port=4333, gateway_port=8111, data_dir=tmp_path, device="emulated", gpus="2",
+                     node="n1", policy="dilu", log_dir=tmp_path / "logs")
+    assert hs_params(opts)["park_after_s"] == PARK_AFTER_S  # the policy's by default
+    assert hs_params(UpOptions(**{**opts.__dict__, "policy": "exclusive"}))["park_after_s"] == 0
+    assert hs_params(UpOptions(**{**opts.__dict__, "park_after_s": 5.0}))["park_after_s"] == 5
+    assert hs_params(UpOptions(**{**opts.__dict__, "policy": "exclusive", "park_after_s": 12.5}))["park_after_s"] == 12.5
+    assert hs_params(UpOptions(**{**opts.__dict__, "park_after_s": 0.0}))["park_after_s"] == 0
+
+
+def test_park_after_s_comes_from_the_option_or_dilu_park_after_s(monkeypatch, tmp_path):
+    seen: list[UpOptions] = []
+    monkeypatch.setattr(up_module, "run_up", seen.append)
+    assert up("--data-dir", str(tmp_path), "--park-after-s", "7").exit_code == 0
+    assert up("--data-dir", str(tmp_path), env={"DILU_PARK_AFTER_S": "9"}).exit_code == 0
+    assert up("--data-dir", str(tmp_path)).exit_code == 0
+    assert [o.park_after_s for o in seen] == [7, 9, None]
+    for value in ("-1", "nan", "86401"):
+        out = one_line_error(up("--data-dir", str(tmp_path), "--park-after-s", value), 2)
+        assert "--park-after-s" in out
+    out = one_line_error(up("--data-dir", str(tmp_path), env={"DILU_PARK_AFTER_S": "soon"}), 2)
+    assert "DILU_PARK_AFTER_S" in out
+    assert len(seen) == 3
