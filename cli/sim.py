@@ -19,6 +19,7 @@ from dilu.services.common import models
 from dilu.services.common.cliopts import PARK_AFTER_S_TYPE, Finite, ZeroOrAtLeast, writable_dir, writable_output, write_output
 from dilu.services.common.policies import DEFRAG_INTERVAL_MIN_S, DEFRAG_INTERVAL_S, PARK_AFTER_S, POLICIES
 from dilu.services.horizontal_scaler.policy import HorizontalConfig
+from dilu.services.scheduler.bench import workloads_epilog
 
 ENV = "DILU"
 _WORKLOAD_OPTIONS = ("workload", "nodes", "gpus_per_node", "json_path")  # what a --workload run reads
@@ -54,7 +55,7 @@ def _opt(*decls, **kw):
     return click.option(*decls, envvar=f"{ENV}_{flag[2:].replace('-', '_').upper()}", show_envvar=True, **kw)
 
 
-@click.command("sim")
+@click.command("sim", epilog=workloads_epilog())
 @_opt("--trace", "trace_dir", type=click.Path(exists=True, file_okay=False), default=None,
       help="trace directory in the Azure Functions 2019 format (default: the bundled 100-function sample)")
 @_opt("--functions", default="16", show_default=True, callback=_functions, help="K busiest functions of the span, or 'all'")
@@ -94,8 +95,8 @@ def _opt(*decls, **kw):
 @_opt("--plots", "plots_dir", type=click.Path(file_okay=False), default=None, callback=writable_dir,
       help="write PNG plots here (active GPUs, latency/SLO CDF, cold starts, fragmentation over time)")
 @_opt("--workload", type=click.Path(exists=True, dir_okay=False), default=None,
-      help="replay a dilu-sim scheduling workload (e.g. services/scheduler/workloads/instances-3200.txt) "
-           "through the placement policy instead of a trace (default size: 1000 nodes)")
+      help="replay a dilu-sim scheduling workload (the bundled ones are listed below) through the placement "
+           "policy instead of a trace (default size: 1000 nodes)")
 def sim(trace_dir, functions, hours, start_minute, speedup, nodes, gpus_per_node, policies, seed, training_jobs,
         keep_alive_s, park_after_s, defrag_interval_s, process_start_ms, json_path, plots_dir, workload) -> None:
     """Simulate the platform's policies over a real trace (deterministic per seed) and print the

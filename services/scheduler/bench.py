@@ -38,6 +38,15 @@ from dilu.services.common.functions import GIB as GiB  # memory units, one truth
 WORKLOADS_DIR = Path(__file__).parent / "workloads"
 
 
+def workloads_epilog() -> str:
+    """The bundled workloads (the paper's dilu-sim event lists) as a click epilog: their folder
+    and file names in a ``\\b`` paragraph, which click prints as it is, so that no path is
+    rewrapped, and broken, within a word."""
+    names = sorted((p.name for p in WORKLOADS_DIR.glob("instances-*.txt")), key=lambda n: int(n[10:-4]))
+    rows = ["  " + "  ".join(names[i:i + 3]) for i in range(0, len(names), 3)]
+    return "\n".join(["The paper's scheduling workloads, for --workload, are bundled here:", "", "\b", f"  {WORKLOADS_DIR}/", *rows])
+
+
 class WorkloadError(ValueError):
     """A workload line that is not a valid event (the message names the line)."""
 
@@ -217,7 +226,7 @@ def synthetic(nodes: int = 1000, gpus_per_node: int = 4, instances: int = 10_000
     }
 
 
-@click.command("scheduler")
+@click.command("scheduler", epilog=workloads_epilog())
 @click.option("--nodes", type=click.IntRange(min=1, max=100_000), default=1000, show_default=True,
               help="Nodes of the cluster, a count.")
 @click.option("--gpus-per-node", type=click.IntRange(min=1, max=64), default=4, show_default=True,
@@ -231,7 +240,7 @@ def synthetic(nodes: int = 1000, gpus_per_node: int = 4, instances: int = 10_000
 @click.option("--churn", type=click.IntRange(min=0), default=2_000, show_default=True, help="Synthetic mode: retire+place pairs after filling.")
 @click.option("--seed", type=int, default=0, show_default=True, help="Synthetic mode: seed of the random instances.")
 @click.option("--workload", type=click.Path(exists=True, dir_okay=False, path_type=Path),
-              help="Replay a dilu-sim event list instead (e.g. services/scheduler/workloads/instances-1600.txt).")
+              help="Replay a dilu-sim event list instead (the bundled ones are listed below).")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False, path_type=Path), callback=writable_output,
               help="Write the figures here.")
 def bench_scheduler(nodes, gpus_per_node, gpu_memory_gib, max_gpu_instances, gamma, instances, churn, seed, workload,

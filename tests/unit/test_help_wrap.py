@@ -1,0 +1,39 @@
+"""Every command's --help wraps between words: click rewraps help text to the terminal, so a
+word longer than the help column (a path, say) would be cut in the middle; such text goes in a
+``\\b`` paragraph, which click prints as it is."""
+from __future__ import annotations
+
+import re
+
+import click
+import pytest
+from click.testing import CliRunner
+
+from dilu.cli.main import BENCHES, COMMANDS, main
+
+COMMAND_ARGS = [[name] for name in sorted(COMMANDS)] + [["bench", name] for name in sorted(BENCHES)]
+
+
+def command_of(args: list[str]) -> click.Command:
+    cmd, ctx = main, click.Context(main)
+    for name in args:
+        cmd = cmd.get_command(ctx, name)
+    return cmd
+
+
+def words(cmd: click.Command) -> set[str]:
+    """The words of the command's help, epilog and option helps, as written."""
+    texts = [cmd.help or "", cmd.epilog or ""]
+    texts += [p.help or "" for p in cmd.params if isinstance(p, click.Option)]
+    return {w for text in texts for w in text.replace("\b", "").split()}
+
+
+@pytest.mark.parametrize("width", [60, 80])
+@pytest.mark.parametrize("args", COMMAND_ARGS, ids=" ".join)
+def test_help_breaks_lines_between_words_only(args, width):
+    result = CliRunner().invoke(main, [*args, "--help"], terminal_width=width)
+    assert result.exit_code == 0, result.output
+    # lines rejoined: a break after a hyphen (click's "dilu-" / "published") joins without a space
+    joined = " ".join(re.sub(r"-\n\s+", "-", result.output).split())
+    cut = sorted(w for w in words(command_of(args)) if w not in joined)
+    assert not cut, f"cut inside a word: {cut}"
