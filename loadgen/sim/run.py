@@ -479,8 +479,9 @@ class Simulation:
         """Bring a parked instance back (its weights copied back from host memory,
         :func:`models.resume_ms`) where :meth:`Cluster.resume_target` says: the GPU it left; when
         that has no room, it is retired and a new instance is placed and launched instead (a cold
-        start); when no GPU has room either, it stays parked and the function's placements back
-        off (the live scheduler refuses that resume and the horizontal scaler does the same)."""
+        start); when no GPU has room either, it stays parked and the function's placements and
+        resumes back off (the live scheduler refuses that resume and the horizontal scaler does
+        the same)."""
         now = self.loop.now
         f = inst.fn
         slot = self.cluster.resume_target(f.demand, self.cluster.slot(inst.gpu.gid))
@@ -633,7 +634,8 @@ class Simulation:
                 break
         else:
             if self.hconf.park_after_s and not f.ready:
-                for iid in self.horizontal.on_arrival(f.name, self.loop.now / 1000.0):
+                now_s = self.loop.now / 1000.0
+                for iid in self.horizontal.on_arrival(f.name, now_s, backing_off=self.backoff.blocked(f.name, now_s)):
                     self._resume(f.instances[iid])
 
     def _start_batch(self, inst: Instance) -> None:
@@ -835,7 +837,7 @@ class Simulation:
             f.last_tick = k
             if backlog:
                 f.last_busy = k
-            d = hp.decide(f.name, now_s, headroom.get(f.name, 0.0))
+            d = hp.decide(f.name, now_s, headroom.get(f.name, 0.0), backing_off=self.backoff.blocked(f.name, now_s))
             if d.place and not self.backoff.blocked(f.name, now_s):
                 placed = 0
                 for _ in range(min(d.place, MAX_PLACE_COUNT)):

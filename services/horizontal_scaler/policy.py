@@ -556,12 +556,13 @@ class HorizontalPolicy:
         if inst is not None:
             inst.busy_share = busy_share
 
-    def on_arrival(self, fn: str, now_s: float) -> list[str]:
+    def on_arrival(self, fn: str, now_s: float, backing_off: bool = False) -> list[str]:
         """A request for ``fn`` arrived at ``now_s``: when nothing of it is starting or ready and
         an instance is parked, resume one at once (returned, marked starting), as Knative's
-        activator wakes a function at zero without waiting for the autoscaler's tick. Else []."""
+        activator wakes a function at zero without waiting for the autoscaler's tick. Else [];
+        also while ``backing_off`` (see :meth:`decide`)."""
         f = self._fn(fn)
-        if f.count("starting", "ready"):
+        if backing_off or f.count("starting", "ready"):
             return []
         for inst in f.instances.values():
             if inst.state == "parked":
@@ -578,7 +579,8 @@ class HorizontalPolicy:
 
     def resume_failed(self, fn: str, instance_id: str) -> None:
         """The scheduler could not bring ``instance_id`` back (no room anywhere): it stays parked,
-        and the next scale-out tries again."""
+        and the next scale-out once the function's back-off is over tries again (the caller
+        counts the refusal in its :class:`PlacementBackoff`, as for a refused placement)."""
         inst = self._fn(fn).instances.get(instance_id)
         if inst is not None and inst.state == "starting" and inst.resuming:
             inst.state, inst.resuming = "parked", False
@@ -651,10 +653,13 @@ class HorizontalPolicy:
 
     # ------------------------------------------------------------------ decisions
 
-    def decide(self, fn: str, now_s: float, headroom: float = 0.0) -> Decision:
+    def decide(self, fn: str, now_s: float, headroom: float = 0.0, backing_off: bool = False) -> Decision:
         """Decide ``fn``'s instance count now. ``headroom``: its vertical headroom (quota units,
         Σ over its instances, from :func:`vertical_headroom`). Victims in ``retire`` are marked
         draining at once; the caller reports new instances with :meth:`instance_starting`.
+        ``backing_off``: the function's placements back off now (:meth:`PlacementBackoff.blocked`,
+        after a refused placement or resume): its parked instances are not resumed (a resume is
+        refused as a placement is, for want of room), and the caller places nothing either.
         """
         cfg, f = self.config, self._fn(fn)
         cur = f.count("starting", "ready")
@@ -684,7 +689,7 @@ class HorizontalPolicy:
         if self._park_due(f, now_s, desired):
             self._park(f, d)
         else:
-            self._act(f, d)
+            self._act(f, d, backing_off)
         return d
 
     def _park_due(self, f: _Function, now_s: float, desired: int) -> bool:
@@ -847,15 +852,19 @@ class HorizontalPolicy:
             return cur, f"scale-down delay: last scale-out {since:.1f} s ago (wants {desired})"
         return desired, reason
 
-    def _act(self, f: _Function, d: Decision) -> None:
+    def _act(self, f: _Function, d: Decision, backing_off: bool = False) -> None:
         parked = [i for i in f.instances.values() if i.state == "parked"]
         if d.desired > d.current:
             f.last_out_s = d.now_s
-            for inst in parked[: d.desired - d.current]:  # a parked instance comes back faster than a new one starts
+            # a parked instance comes back faster than a new one starts; while the function backs
+            # off it waits parked, and no new instance is placed in its stead
+            waiting = parked[: d.desired - d.current]
+            for inst in [] if backing_off else waiting:
                 inst.state, inst.since_s, inst.resuming = "starting", d.now_s, True
                 d.resume.append(inst.instance_id)
-            d.place = d.desired - d.current - len(d.resume)
-            d.direction = "resume" if not d.place else "prewarm" if d.current == 0 and not f.backlog else "out"
+            d.place = d.desired - d.current - len(waiting)
+            if d.resume or d.place:
+                d.direction = "resume" if not d.place else "prewarm" if d.current == 0 and not f.backlog else "out"
             return
         if d.desired < d.current:
             d.retire = self._victims(f, d.current - d.desired)

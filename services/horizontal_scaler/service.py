@@ -41,7 +41,9 @@ Parking (``--park-after-s``): the policy's ``park`` and ``resume`` go to the sch
 (``dilu.v1.scheduler.park``). While a function has parked instances and none starting or ready,
 the scaler listens on its invocation subject (a plain subscription beside the work queue, as
 Knative's activator sits in front of a function at zero): its first request resumes a parked
-instance at once (:meth:`HorizontalPolicy.on_arrival`), not at the next tick.
+instance at once (:meth:`HorizontalPolicy.on_arrival`), not at the next tick. A resume the
+scheduler refuses (no room anywhere) backs the function off as a refused placement does: no
+resume and no placement of it, on a tick or on a request, until the delay is over.
 
 Mechanism counters (DESIGN.md section 8): ``dilu_scale_outs`` (instances added),
 ``dilu_retirements`` (instances removed, cancellations included), ``dilu_scale_to_zero``,
@@ -403,7 +405,7 @@ class HorizontalScaler:
             backlog, arrivals = self._backlog(fn, consumers if consumers is not None else await self._consumers())
             stored = await self._stored(fn) if backlog is None else 0
         self.policy.record(fn, now, backlog, arrivals, stored=stored)
-        d = self.policy.decide(fn, now, headroom)
+        d = self.policy.decide(fn, now, headroom, backing_off=self._backoff.blocked(fn, now))
         DESIRED.labels(fn).set(d.desired)
         if d.breach is not None:
             await self._publish_breach(d)
@@ -452,7 +454,7 @@ class HorizontalScaler:
         if fn in self._busy or fn not in self.policy.functions():
             return
         now = self._now()
-        ids = self.policy.on_arrival(fn, now)
+        ids = self.policy.on_arrival(fn, now, backing_off=self._backoff.blocked(fn, now))
         if not ids:
             return
         self._busy.add(fn)
@@ -579,8 +581,9 @@ class HorizontalScaler:
     async def _resume(self, fn: str, d: Decision, now: float) -> None:
         """Bring back each parked instance the policy marked starting. The scheduler resumes it
         on the GPU it left, or places a new instance (``relaunched``: counted starting, the
-        parked one retired); refused (no room anywhere) or unanswered, it stays parked (the next
-        scale-out asks again) and the function's placements back off as after a refused one."""
+        parked one retired); refused (no room anywhere) or unanswered, it stays parked and the
+        function's placements and resumes back off as after a refused placement (the policy
+        resumes nothing while :meth:`PlacementBackoff.blocked`)."""
         assert self.bus is not None
         results = await asyncio.gather(*(self._ask_park(fn, iid, True) for iid in d.resume))
         done = 0

@@ -85,8 +85,9 @@ class FakeCluster:
             relaunched = Placement(instance_id=iid, function=req.function, node="n0", gpu=1, request_quota=0.3,
                                    limit_quota=0.6, width=0.6, memory_bytes=1)
             self.live[iid] = req.function
-        await self.nc.publish(msg.reply, encode(ParkReply(ok=req.instance_id in self.live, relaunched=relaunched)))
-        if req.resume:
+        ok = req.instance_id in self.live  # an instance it does not know: refused (no room anywhere, say)
+        await self.nc.publish(msg.reply, encode(ParkReply(ok=ok, relaunched=relaunched)))
+        if req.resume and ok:
             iid = relaunched.instance_id if relaunched else req.instance_id
             ev = dict(instance_id=iid, function=req.function, node="n0", gpu=0)
             await self.nc.publish(subjects.instance_state("ready", "n0"), encode(InstanceReady(
@@ -116,7 +117,7 @@ async def until(pred, timeout=10.0, step=0.05):
     raise AssertionError(f"condition not met within {timeout} s")
 
 
-async def setup(nats_url, with_consumer=True, tick_s=0.1, **config):
+async def setup(nats_url, with_consumer=True, tick_s=0.1, place_backoff_max_s=10.0, **config):
     nc = await nats.connect(nats_url)
     js = nc.jetstream()
     await js.add_stream(StreamConfig(name=subjects.INVOKE_STREAM, subjects=[subjects.INVOKE_SUBJECTS],
@@ -128,7 +129,7 @@ async def setup(nats_url, with_consumer=True, tick_s=0.1, **config):
     await cluster.start()
     cfg = HorizontalConfig(**{"mode": "lazy", "stable_window_s": 2.0, "panic_window_pct": 25.0, "keep_alive_s": 1.5,
                               **config})
-    scaler = HorizontalScaler(cfg, tick_s=tick_s)
+    scaler = HorizontalScaler(cfg, tick_s=tick_s, place_backoff_max_s=place_backoff_max_s)
     shutdown = asyncio.Event()
     task = asyncio.create_task(serve(scaler, nats_url, shutdown=shutdown, install_signals=False))
     await until(scaler.ready)
@@ -356,6 +357,36 @@ async def test_a_request_for_a_parked_function_resumes_it_without_waiting_for_a_
         woke = [d for d in cluster.decisions if d.direction == "resume"]
         assert woke[0].reason == "a request for a parked function"  # not the next tick's
         await until(lambda: FN not in scaler._wakers)  # serving again: it listens no more
+    finally:
+        shutdown.set()
+        await task
+        await nc.close()
+
+
+async def test_a_refused_resume_backs_off_as_a_refused_placement(nats_url):
+    """The scheduler refuses to resume the parked instance (no room anywhere): it stays parked and
+    the function backs off as after a refused placement: no ParkRequest and no PlaceRequest until
+    the delay (a tick at first, then doubling) is over, then one more try. The ticks are driven
+    here at chosen times on the scaler's clock; its own loop never ticks (tick_s 1000)."""
+    before = resume_counts()
+    nc, js, cluster, scaler, shutdown, task = await setup(nats_url, tick_s=1000.0, place_backoff_max_s=8000.0,
+                                                          keep_alive_s=3600.0)
+    try:
+        scaler.policy.instance_parked(FN, "gone", 0.0)  # unknown to the scheduler: its resume is refused
+        await js.publish(subjects.invoke(FN), b"one")  # a backlog: one instance wanted
+        t = scaler._now() + 1.0
+        await scaler.tick(FN, t)
+        assert [(p.instance_id, p.resume) for p in cluster.parks] == [("gone", True)]
+        assert scaler.policy.instances(FN) == {"gone": "parked"}
+        for later in (1.0, 500.0, 999.0):  # within the first delay, one tick (1000 s)
+            d = await scaler.tick(FN, t + later)
+            assert d.resume == [] and d.desired >= 1
+        assert len(cluster.parks) == 1 and cluster.placed == []
+        await scaler.tick(FN, t + 1000.0)  # over: asked again, refused again, for twice as long
+        assert len(cluster.parks) == 2 and cluster.placed == []
+        await scaler.tick(FN, t + 2999.0)
+        assert len(cluster.parks) == 2 and scaler.policy.instances(FN) == {"gone": "parked"}
+        assert resume_counts()["refused"] - before["refused"] == 2
     finally:
         shutdown.set()
         await task

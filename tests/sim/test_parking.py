@@ -3,6 +3,7 @@ defragmentation), come back on the next request without a launch, and leave the 
 whole."""
 from __future__ import annotations
 
+import copy
 import json
 
 from click.testing import CliRunner
@@ -97,8 +98,19 @@ class _NoRoom(_Checked):
     def __init__(self, *a, **kw) -> None:
         super().__init__(*a, **kw)
         self.kept: list[str] = []
+        self.decided_with = None  # the back-off as a tick's decisions saw it (a failed placement may follow)
+
+    def _horizontal_tick(self, _=None) -> None:
+        self.decided_with = copy.deepcopy(self.backoff)
+        try:
+            super()._horizontal_tick(_)
+        finally:
+            self.decided_with = None
 
     def _resume(self, inst) -> None:
+        # a refused resume backs its function off as a refused placement does: none while it lasts
+        backoff = self.decided_with or self.backoff
+        assert not backoff.blocked(inst.fn.name, self.loop.now / 1000.0), (inst.fn.name, self.loop.now)
         refused, relaunched = self.facts.resumes_refused, self.facts.relaunches
         super()._resume(inst)
         if self.facts.resumes_refused > refused and self.facts.relaunches == relaunched:
@@ -109,8 +121,9 @@ class _NoRoom(_Checked):
 
 def test_a_resume_with_no_room_anywhere_leaves_the_instance_parked_as_live():
     """One GPU for 40 functions: resumes find no room on the GPU they left nor elsewhere. Live,
-    the scheduler refuses such a resume and the instance stays parked for the next scale-out;
-    the simulator does the same (it used to retire it, a function at zero)."""
+    the scheduler refuses such a resume and the instance stays parked for the next scale-out
+    once the function's back-off is over; the simulator does the same (it used to retire it, a
+    function at zero, and then retried at every tick)."""
     cfg = SimConfig(**{**CFG, "nodes": 1, "gpus_per_node": 1, "hours": 0.2}, park_after_s=60.0)
     sim = _NoRoom(cfg, "dilu", prepare(cfg))
     _, facts = sim.run()

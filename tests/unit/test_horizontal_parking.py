@@ -8,7 +8,7 @@ import pytest
 from dilu.cli.deploy import function_spec
 from dilu.services.common import models
 from dilu.services.horizontal_scaler.policy import (PARK_SLO_SHARE, FunctionParams, HorizontalConfig,
-                                                    HorizontalPolicy, function_params)
+                                                    HorizontalPolicy, PlacementBackoff, function_params)
 
 FN = "f"
 PARKABLE = dict(target=1.0, max_instances=4, resume_ms=10.0, slo_ms=100.0)
@@ -204,6 +204,47 @@ def test_a_refused_resume_leaves_the_instance_parked_for_the_next_scale_out():
     assert p.instances(FN) == {"w0": "parked"}
     p.record(FN, 13.0, 2, 0)
     assert p.decide(FN, 13.0).resume == ["w0"]  # tried again
+
+
+def test_a_refused_resume_backs_off_as_a_refused_placement():
+    """The caller counts a refused resume in its PlacementBackoff; while that blocks the function,
+    neither a tick nor a request resumes the parked instance, and no new one is placed in its
+    stead; once it is over, the next tick resumes it."""
+    p, backoff = policy(), PlacementBackoff(0.5, 10.0)
+    served_then_idle(p)
+    idle_until(p, 0.5, 12.0)
+    p.record(FN, 12.5, 2, 2)
+    assert p.decide(FN, 12.5, backing_off=backoff.blocked(FN, 12.5)).resume == ["w0"]
+    p.resume_failed(FN, "w0")
+    assert backoff.failed(FN, 12.5) == 0.5
+    now = 12.5
+    for _ in range(3):  # each refusal doubles the delay
+        held = now + backoff.delay(FN) - 0.25
+        p.record(FN, held, 2, 1)
+        assert backoff.blocked(FN, held)
+        d = p.decide(FN, held, backing_off=True)
+        assert d.resume == [] and d.place == d.desired - 1 and p.instances(FN) == {"w0": "parked"}  # none in its stead
+        assert p.on_arrival(FN, held, backing_off=True) == []
+        now += backoff.delay(FN)
+        p.record(FN, now, 2, 0)
+        assert not backoff.blocked(FN, now)
+        assert p.decide(FN, now, backing_off=False).resume == ["w0"]  # over: tried again
+        p.resume_failed(FN, "w0")
+        backoff.failed(FN, now)
+    assert backoff.delay(FN) == 4.0
+
+
+def test_a_function_backing_off_places_nothing_in_a_parked_instances_stead():
+    p = policy()
+    served_then_idle(p)
+    idle_until(p, 0.5, 12.0)
+    p.record(FN, 12.5, 1, 1)
+    d = p.decide(FN, 12.5, backing_off=True)
+    assert d.desired == 1 and d.resume == [] and d.place == 0 and d.direction == ""  # nothing to carry out
+    p.record(FN, 13.0, 40, 40)  # wants more than the one parked instance
+    d = p.decide(FN, 13.0, backing_off=True)
+    assert d.desired > 1 and d.resume == [] and d.place == d.desired - 1  # the caller's back-off holds these
+    assert p.instances(FN) == {"w0": "parked"}
 
 
 def test_a_parked_instance_restored_from_the_table_is_resumed_not_counted():
