@@ -211,8 +211,8 @@ def _by_label(metrics: dict[str, float], name: str, label: str) -> dict[str, flo
 
 _GPU_COUNTERS = ("dilu_active_gpu_seconds", "dilu_allocation_frag_gpu_seconds", "dilu_idle_frag_gpu_seconds")
 # Mechanism field -> (service, counter, labels a sample must have to count; None: all samples).
-# resumes: in place only; a relaunched one is a scale-out (dilu_scale_outs counts it), a refused
-# one stays parked (report.Mechanism).
+# resumes: in place only, over every function; a relaunched one is a scale-out (dilu_scale_outs
+# counts it), a refused one stays parked (report.Mechanism).
 _MECHANISM_COUNTERS: dict[str, tuple[str, str, dict[str, str] | None]] = {
     "profiler_trials": ("profiler", "dilu_profiler_trials", None),
     "grant_changes": ("node_agent", "dilu_grant_changes", None),

@@ -109,7 +109,8 @@ class Mechanism(msgspec.Struct, kw_only=True):
     (times a function went to zero instances), ``parks`` (instances parked: each one whose
     placement and share were freed, its weights moved to host memory; once per instance, not per
     decision) and ``resumes`` (parked instances brought back on the GPU they left, their weights
-    copied back: the live scaler's ``dilu_resumes_total{outcome="resumed"}``; a resume that
+    copied back: the live scaler's ``dilu_resumes_total{outcome="resumed"}`` over every
+    ``function``; a resume that
     found that GPU full and relaunched the instance elsewhere is a launch, counted in
     ``scale_outs`` instead, and a refused one in neither); ``vertical_reaction_ms_p50``/``_p99``: stretch
     detected -> grant in the control block, ms (None where it is not measured: ``dilu sim``

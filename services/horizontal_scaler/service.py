@@ -47,8 +47,9 @@ resume and no placement of it, on a tick or on a request, until the delay is ove
 
 Mechanism counters (DESIGN.md section 8): ``dilu_scale_outs`` (instances added),
 ``dilu_retirements`` (instances removed, cancellations included), ``dilu_scale_to_zero``,
-``dilu_parks`` (instances the scheduler parked, one per instance) and ``dilu_resumes{outcome}``
-(``resumed`` on the GPU it left, ``relaunched`` elsewhere, also a scale-out, or ``refused``).
+``dilu_parks`` (instances the scheduler parked, one per instance) and ``dilu_resumes{function,outcome}``
+(``resumed`` on the GPU it left, ``relaunched`` elsewhere, also a scale-out, or ``refused``), all
+per function.
 
 ``--mode`` (what ``dilu demo --policy`` selects, see services/common/policies.py): ``lazy`` for
 dilu (scale out only once the vertical headroom is used); ``kpa`` for horizontal-only (Knative's KPA
@@ -106,7 +107,7 @@ DECISIONS = Counter("dilu_scale_decisions", "Scale decisions carried out", ["fun
 BACKLOG_ERRORS = Counter("dilu_backlog_errors", "Ticks whose backlog could not be read (scale held)", ["function", "kind"])
 PREEMPTIONS = Counter("dilu_preemptions", "Surplus instances retired so a starved function gets its first", ["function"])
 PARKS = Counter("dilu_parks", "Instances parked (their weights moved to host memory)", ["function"])
-RESUMES = Counter("dilu_resumes", "Parked instances brought back", ["outcome"])  # resumed | relaunched | refused
+RESUMES = Counter("dilu_resumes", "Parked instances brought back", ["function", "outcome"])  # resumed | relaunched | refused
 PLACE_FAILURES = Counter("dilu_place_failures", "Scale-outs the scheduler refused or did not answer", ["function"])
 BREACHES = Counter("dilu_burst_window_breaches", "Burst windows whose load exceeded capacity", ["function", "panic"])
 DESIRED = Gauge("dilu_desired_instances", "Instances the horizontal scaler aims at", ["function"])
@@ -589,19 +590,19 @@ class HorizontalScaler:
         done = 0
         for iid, (reply, error) in zip(d.resume, results):
             if reply is None:
-                RESUMES.labels("refused").inc()
+                RESUMES.labels(fn, "refused").inc()
                 self.policy.resume_failed(fn, iid)
                 self._backoff.failed(fn, now)
                 self.bus.log.warning("resume refused", function=fn, instance=iid, error=error)
                 continue
             done += 1
             if reply.relaunched is not None:  # a new instance: a scale-out, as the simulator counts it
-                RESUMES.labels("relaunched").inc()
+                RESUMES.labels(fn, "relaunched").inc()
                 SCALE_OUTS.labels(fn).inc()
                 self.policy.instance_retired(fn, iid)
                 self.policy.instance_starting(fn, reply.relaunched.instance_id, now)
             else:
-                RESUMES.labels("resumed").inc()
+                RESUMES.labels(fn, "resumed").inc()
         if done:
             await self._decided(fn, d, "resume", done)
 

@@ -145,8 +145,8 @@ def counter(name: str) -> float:
 
 
 def resume_counts() -> dict[str, float]:
-    """``dilu_resumes_total`` by outcome (the counter is not per function)."""
-    return {o: REGISTRY.get_sample_value("dilu_resumes_total", {"outcome": o}) or 0.0
+    """FN's ``dilu_resumes_total`` by outcome (per function, as the other counters are)."""
+    return {o: REGISTRY.get_sample_value("dilu_resumes_total", {"function": FN, "outcome": o}) or 0.0
             for o in ("resumed", "relaunched", "refused")}
 
 

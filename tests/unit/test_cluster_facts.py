@@ -29,8 +29,8 @@ class Scraped:
             "horizontal_scaler": {
                 "dilu_scale_outs_total{function=f}": 3,
                 "dilu_parks_total{function=f}": 4, "dilu_parks_total{function=g}": 1,
-                "dilu_resumes_total{outcome=resumed}": 2, "dilu_resumes_total{outcome=relaunched}": 1,
-                "dilu_resumes_total{outcome=refused}": 6,
+                "dilu_resumes_total{function=f,outcome=resumed}": 1, "dilu_resumes_total{function=g,outcome=resumed}": 1,
+                "dilu_resumes_total{function=f,outcome=relaunched}": 1, "dilu_resumes_total{function=g,outcome=refused}": 6,
             },
         }
 
@@ -56,8 +56,8 @@ def test_time_integrals_count_from_the_replay_and_events_from_the_start():
 
 
 def test_parks_count_every_instance_and_resumes_only_those_back_on_their_gpu():
-    """``parks``: dilu_parks over every function; ``resumes``: outcome="resumed" only (a relaunch
-    is a scale-out, a refused resume brought nothing back)."""
+    """``parks``: dilu_parks over every function; ``resumes``: outcome="resumed" only, over every
+    function (a relaunch is a scale-out, a refused resume brought nothing back)."""
     cluster = Scraped()
     cluster.set(active=1.0, alloc=0.0, idle=0.0, quota=0.0, launches=1, trials=0)
     mechanism = cluster_facts(cluster)["mechanism"]
