@@ -23,9 +23,10 @@ from pathlib import Path
 import click
 import platformdirs
 
-from dilu.services.common.cliopts import ENV_PREFIX, PARK_AFTER_S_TYPE, NonEmptyPath, check_node, default_node
+from dilu.services.common.cliopts import (ENV_PREFIX, PARK_AFTER_S_TYPE, NonEmptyPath, ZeroOrAtLeast, check_node,
+                                         default_node)
 from dilu.services.common.natsserver import port_in_use
-from dilu.services.common.policies import PARK_AFTER_S
+from dilu.services.common.policies import DEFRAG_INTERVAL_MIN_S, DEFRAG_INTERVAL_S, PARK_AFTER_S
 from dilu.services.node_agent.__main__ import parse_gpus
 from dilu.services.node_agent.devices import MODES
 
@@ -56,6 +57,7 @@ class UpOptions:
     log_dir: Path
     auth: bool = True
     park_after_s: float | None = None  # seconds; 0: never; None: the policy's
+    defrag_interval_s: float | None = None  # seconds; 0: never; None: the policy's
 
     @property
     def store_dir(self) -> Path:
@@ -181,9 +183,14 @@ class StopSignals:
 
 
 def cluster_for(opts: UpOptions) -> Cluster:
-    """The Cluster ``dilu up`` runs for ``opts`` (not started); ``opts.park_after_s``, when set,
-    replaces the policy's parking delay on the horizontal scaler."""
-    extra = {} if opts.park_after_s is None else {"horizontal_scaler": ["--park-after-s", f"{opts.park_after_s:g}"]}
+    """The Cluster ``dilu up`` runs for ``opts`` (not started); ``opts.park_after_s`` and
+    ``opts.defrag_interval_s``, when set, replace the policy's parking delay on the horizontal
+    scaler and its defragmentation interval on the scheduler."""
+    extra = {}
+    if opts.park_after_s is not None:
+        extra["horizontal_scaler"] = ["--park-after-s", f"{opts.park_after_s:g}"]
+    if opts.defrag_interval_s is not None:
+        extra["scheduler"] = ["--defrag-interval-s", f"{opts.defrag_interval_s:g}"]
     return Cluster(log_dir=opts.log_dir, policy=opts.policy, gpus=opts.gpus, node=opts.node, device=opts.device,
                    nats_port=opts.nats_port, nats_store=opts.store_dir, gateway=True, gateway_host=HOST,
                    gateway_port=opts.gateway_port, auth=opts.auth, creds_root=opts.data_dir, extra_args=extra)
@@ -301,12 +308,17 @@ def _gpus(_ctx, _param, value: str) -> str:
               help="park an idle function's instances after this many seconds within its keep-alive (their GPU "
                    "share and device memory given back, weights kept in host memory until a request resumes "
                    f"them); 0: never (default: the policy's, dilu after {PARK_AFTER_S:g} s, the others never)")
-def up(nats_port, gateway_port, data_dir, device, gpus, node, policy, log_dir, no_auth, park_after_s) -> None:
+@click.option("--defrag-interval-s", type=ZeroOrAtLeast(DEFRAG_INTERVAL_MIN_S, 86_400), default=None, metavar="S",
+              help="how often the scheduler moves instances off lightly used GPUs to empty them; 0: never "
+                   f"(default: the policy's, dilu every {DEFRAG_INTERVAL_S:g} s, the others never)")
+def up(nats_port, gateway_port, data_dir, device, gpus, node, policy, log_dir, no_auth, park_after_s,
+       defrag_interval_s) -> None:
     """Run a local Dilu cluster in the foreground: nats-server, the services, the gateway and a
     node agent. Ctrl-C stops it; a later run on the same --data-dir resumes its functions.
     Every option can also be set as DILU_<OPTION> (e.g. DILU_NATS_PORT)."""
     data_dir = data_dir.expanduser().absolute()
     log_dir = log_dir.expanduser().absolute() if log_dir else data_dir / "logs"
     run_up(UpOptions(nats_port=nats_port, gateway_port=gateway_port, data_dir=data_dir, device=device, gpus=gpus,
-                     node=node, policy=policy, log_dir=log_dir, auth=not no_auth, park_after_s=park_after_s))
+                     node=node, policy=policy, log_dir=log_dir, auth=not no_auth, park_after_s=park_after_s,
+                     defrag_interval_s=defrag_interval_s))
 

@@ -15,7 +15,7 @@ from click.testing import CliRunner
 import dilu.cli.up as up_module
 from dilu.cli.main import main
 from dilu.cli.up import DataDirLock, Refused, UpOptions, cluster_for, default_data_dir
-from dilu.services.common.policies import PARK_AFTER_S
+from dilu.services.common.policies import DEFRAG_INTERVAL_S, PARK_AFTER_S
 
 
 def up(*args: str, env: dict[str, str] | None = None):
@@ -194,3 +194,24 @@ def test_park_after_s_comes_from_the_option_or_dilu_park_after_s(monkeypatch, tm
     out = one_line_error(up("--data-dir", str(tmp_path), env={"DILU_PARK_AFTER_S": "soon"}), 2)
     assert "DILU_PARK_AFTER_S" in out
     assert len(seen) == 3
+
+
+def test_defrag_interval_s_reaches_the_scheduler_from_the_option_or_its_variable(monkeypatch, tmp_path):
+    from dilu.services.scheduler.__main__ import main as scheduler
+
+    def interval(opts: UpOptions) -> float:
+        return scheduler.make_context("scheduler", cluster_for(opts)._args("scheduler")).params["defrag_interval_s"]
+
+    opts = UpOptions(nats_port=4333, gateway_port=8111, data_dir=tmp_path, device="emulated", gpus="2",
+                     node="n1", policy="dilu", log_dir=tmp_path / "logs")
+    assert interval(opts) == DEFRAG_INTERVAL_S  # the policy's by default
+    assert interval(UpOptions(**{**opts.__dict__, "policy": "exclusive"})) == 0
+    assert interval(UpOptions(**{**opts.__dict__, "defrag_interval_s": 0.0})) == 0
+    assert interval(UpOptions(**{**opts.__dict__, "policy": "exclusive", "defrag_interval_s": 12.5})) == 12.5
+    seen: list[UpOptions] = []
+    monkeypatch.setattr(up_module, "run_up", seen.append)
+    assert up("--data-dir", str(tmp_path), "--defrag-interval-s", "7").exit_code == 0
+    assert up("--data-dir", str(tmp_path), env={"DILU_DEFRAG_INTERVAL_S": "0"}).exit_code == 0
+    assert [o.defrag_interval_s for o in seen] == [7, 0]
+    out = one_line_error(up("--data-dir", str(tmp_path), "--defrag-interval-s", "0.001"), 2)
+    assert "--defrag-interval-s" in out
