@@ -26,19 +26,20 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-# How often (trace seconds) a defragmenting policy's scheduler plans migrations. In the simulator
-# (seed 1, the README's 4-hour run with training jobs) 10 s gave 97,764 active GPU·s, 30 s 98,595,
-# 120 s 100,396 and none 109,229, all at 182 cold-start requests; a round copies the placement
-# state, so not at every tick.
+# How often (trace seconds) a defragmenting policy's scheduler plans migrations. Chosen in the
+# simulator, before parking (seed 1, the README's 4-hour run with training jobs): 10 s gave 97,764
+# active GPU·s, 30 s 98,595, 120 s 100,396 and none 109,229, all at 182 cold-start requests; a
+# round copies the placement state, so not at every tick.
 DEFRAG_INTERVAL_S = 30.0
 # The shortest interval accepted (s): a round under the scheduler's lock at most every 10 ms (a
 # replay at --speedup 1000 compresses the 30 s to 0.03 s); below it a loop would spin.
 DEFRAG_INTERVAL_MIN_S = 0.01
 # How long (trace seconds) a parking policy's function is idle before its instances are parked.
-# In the simulator (the README's 4-hour runs with training jobs, seeds 1-5, against Knative's KPA as
-# it ships) 5 s gave 0.13-0.26x its cold-start requests, 30 s 0.18-0.24x, both at 0.95-0.996x its
-# active GPU·s: a short delay parks more often, and each resume that finds its GPU full is a cold
-# start. Knative's stable window is 60 s; half of it is still well inside any keep-alive.
+# Chosen in the simulator while it still placed in deploy order (the README's 4-hour runs with
+# training jobs, seeds 1-5, against Knative's KPA as it ships): 5 s gave 0.13-0.26x its
+# cold-start requests, 30 s 0.18-0.24x, both at 0.95-0.996x its active GPU·s: a short delay parks
+# more often, and each resume that finds its GPU full is a cold start. Knative's stable window is
+# 60 s; half of it is still well inside any keep-alive.
 PARK_AFTER_S = 30.0
 
 
