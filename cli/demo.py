@@ -49,6 +49,7 @@ WARM_UP_TIMEOUT_S = 30.0  # longest wait for the functions' initial instances be
 REQUEST_TIMEOUT_MIN_S = 30.0  # a request unanswered this long (or 10 x its SLO) counts as timed out
 PROGRESS_EVERY_S = 10.0  # a progress line this often when the output is not a terminal
 REPORT_WIDTH = 100  # columns of the report in a file or pipe (COLUMNS overrides); the tables split to fit
+REPORT_MIN_WIDTH = 40  # a narrower COLUMNS (0 prints nothing) is raised to it: a table's key column still fits
 
 
 @dataclass
@@ -524,11 +525,13 @@ def _run_or_explain(main):
 
 def make_console(**options) -> Console:
     """A terminal's own width; REPORT_WIDTH columns when writing to a file or pipe, unless
-    COLUMNS says otherwise (the report's tables split to fit either). ``options``: further
-    keyword arguments of :class:`rich.console.Console` (e.g. ``highlight=False``)."""
+    COLUMNS says otherwise (the report's tables split to fit either); never under
+    REPORT_MIN_WIDTH. ``options``: further keyword arguments of :class:`rich.console.Console`
+    (e.g. ``highlight=False``)."""
     console = Console(**options)
     if not console.is_terminal and not os.environ.get("COLUMNS", "").strip().isdigit():
         console.width = REPORT_WIDTH
+    console.width = max(console.width, REPORT_MIN_WIDTH)
     return console
 
 

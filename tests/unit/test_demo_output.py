@@ -80,6 +80,9 @@ def test_a_pipe_gets_the_report_width_unless_columns_says(monkeypatch):
     assert not console.is_terminal and console.width == demo.REPORT_WIDTH
     monkeypatch.setenv("COLUMNS", "140")
     assert demo.make_console().width == 140
+    for narrow in ("0", "1", "39"):  # 0 would print nothing at all
+        monkeypatch.setenv("COLUMNS", narrow)
+        assert demo.make_console().width == demo.REPORT_MIN_WIDTH
 
 
 def test_signal_exit_is_128_plus_the_signal():
