@@ -28,6 +28,7 @@ from dilu.services.common.cliopts import (ENV_PREFIX, PARK_AFTER_S_TYPE, NonEmpt
 from dilu.services.common.natsserver import port_in_use
 from dilu.services.common.policies import DEFRAG_INTERVAL_MIN_S, DEFRAG_INTERVAL_S, PARK_AFTER_S
 from dilu.services.node_agent.__main__ import parse_gpus
+from dilu.services.node_agent import nvml
 from dilu.services.node_agent.devices import MODES
 
 from .cluster import POLICIES, Cluster, StartInterrupted
@@ -136,6 +137,9 @@ def check_options(opts: UpOptions) -> None:
                                f"leave --device at auto")
     if opts.nats_port == opts.gateway_port:
         raise click.UsageError(f"--nats-port and --gateway-port are both {opts.nats_port}")
+    if opts.device == "nvml" and not nvml.available():  # the node agent would fail, after the rest started
+        raise click.UsageError("--device nvml: no NVIDIA driver or GPU here (NVML did not start); "
+                               "use --device auto or emulated")
 
 
 def check_ports(opts: UpOptions) -> None:

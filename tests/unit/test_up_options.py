@@ -215,3 +215,10 @@ def test_defrag_interval_s_reaches_the_scheduler_from_the_option_or_its_variable
     assert [o.defrag_interval_s for o in seen] == [7, 0]
     out = one_line_error(up("--data-dir", str(tmp_path), "--defrag-interval-s", "0.001"), 2)
     assert "--defrag-interval-s" in out
+
+
+def test_device_nvml_without_a_driver_is_refused_before_anything_is_created(monkeypatch, tmp_path):
+    monkeypatch.setattr(up_module.nvml, "available", lambda: False)
+    data = tmp_path / "data"
+    out = one_line_error(up("--data-dir", str(data), "--device", "nvml"), 2)
+    assert "--device nvml" in out and not data.exists()
