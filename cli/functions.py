@@ -24,7 +24,7 @@ from rich.markup import escape
 from dilu.client import admin
 from dilu.client.aio import AsyncClient, Reply
 from dilu.client.errors import DiluError, exit_code
-from dilu.client.spec import SpecError, load_spec
+from dilu.client.spec import NAME_RE, NAME_RULE, SpecError, load_spec
 from dilu.services.common.cliopts import ENV_PREFIX, Finite, nats_options
 from dilu.services.common.natsconn import NatsOptions
 
@@ -145,8 +145,17 @@ def _print_deployed(r: admin.DeployResult, wait_ready_s: float) -> None:
 # ---------------------------------------------------------------------------- undeploy
 
 
+def _function_name(_ctx, _param, value: str) -> str:
+    """NAME as a function name (``client.spec.NAME_RE``); a bad one is a usage error (exit 2), as
+    the gateway's 400, instead of "not deployed" from the cluster."""
+    if not NAME_RE.fullmatch(value):
+        shown = value if len(value) <= 40 else value[:40] + "..."
+        raise click.BadParameter(f"{shown!r} is not a function name ({NAME_RULE})")
+    return value
+
+
 @click.command(context_settings=CONTEXT, epilog=EPILOG)
-@click.argument("name")
+@click.argument("name", callback=_function_name)
 @nats_options
 @click.option("--wait", "wait_s", type=Finite(min=0), default=30.0, metavar="S", show_default=True,
               help="seconds to wait for its instances to drain before removing its queue")
@@ -190,7 +199,7 @@ def _reply_json(reply: Reply) -> dict:
 
 
 @click.command(context_settings=CONTEXT, epilog=EPILOG)
-@click.argument("name")
+@click.argument("name", callback=_function_name)
 @click.option("--data", default="", show_default=False, metavar="@FILE|-|TEXT",
               help="the request: @FILE (its bytes), - (stdin) or the text itself [default: empty]")
 @click.option("--timeout", "timeout_s", type=Finite(min=0.001), default=30.0, metavar="S", show_default=True,

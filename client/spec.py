@@ -26,6 +26,7 @@ from dilu.contracts.events import FunctionKind, FunctionSpec, PriorityClass, Pro
 from dilu.services.common import functions, models
 
 NAME_RE = re.compile(r"[A-Za-z0-9_-]{1,63}")
+NAME_RULE = "1..63 characters of A-Z a-z 0-9 _ -"  # NAME_RE in words, for every message about a name
 MAX_BATCH_LIMIT = 1024
 MAX_MEMORY_BYTES = 2**50  # the events' Bytes bound (1 PiB)
 DEFAULT_MAX_BATCH = 8
@@ -195,7 +196,7 @@ def parse_spec(text: str | bytes, *, source: str = "function.toml", base_dir: st
         raise SpecError(f"{source}: not valid TOML: nested too deeply") from None
     c = _Checker(source)
     if not NAME_RE.fullmatch(raw.name):
-        c.fail("name", f"{raw.name!r} is not 1..63 characters of A-Z a-z 0-9 _ -")
+        c.fail("name", f"{raw.name!r} is not {NAME_RULE}")
     model = _model(c, raw)
     if raw.entry:
         why = check_entry(raw.entry)

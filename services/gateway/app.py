@@ -41,7 +41,7 @@ from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.routing import Route
 
 from dilu.client import BadRequest, DiluError, FunctionError, InvocationTimeout, NoCapacity, NotDeployed
-from dilu.client.spec import NAME_RE
+from dilu.client.spec import NAME_RE, NAME_RULE
 from dilu.contracts import subjects
 from dilu.contracts.events import FunctionSpec
 from dilu.services.common import logging as dlog
@@ -182,7 +182,7 @@ def problem_of(exc: BaseException, function: str) -> Problem:
 
 def check_name(name: str) -> str:
     if not NAME_RE.fullmatch(name):
-        raise Problem("bad-request", f"{name!r} is not a function name (1..63 characters of A-Z a-z 0-9 _ -)")
+        raise Problem("bad-request", f"{name!r} is not a function name ({NAME_RULE})")
     return name
 
 

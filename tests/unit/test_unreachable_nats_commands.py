@@ -42,3 +42,15 @@ def test_command_fails_fast_with_one_line_when_nats_is_unreachable(name, tmp_pat
     assert len(lines) == 1, proc.stderr
     assert "Traceback" not in proc.stderr
     assert url in lines[0] and "reach" in lines[0], lines[0]
+
+
+@pytest.mark.parametrize("command", ["invoke", "undeploy"])
+@pytest.mark.parametrize("name", ["../x", "a/b", "x" * 5000, ""])
+def test_a_bad_function_name_is_a_usage_error_before_any_connection(command, name):
+    from click.testing import CliRunner
+
+    from dilu.cli.main import main
+
+    r = CliRunner().invoke(main, [command, name, "--nats-url", f"nats://127.0.0.1:{closed_port()}"])
+    assert r.exit_code == 2, r.output
+    assert "is not a function name" in r.output and len(r.output) < 1000  # a long name is cut
