@@ -838,7 +838,7 @@ class Simulation:
             if backlog:
                 f.last_busy = k
             d = hp.decide(f.name, now_s, headroom.get(f.name, 0.0), backing_off=self.backoff.blocked(f.name, now_s))
-            if d.place and not self.backoff.blocked(f.name, now_s):
+            if d.place:
                 placed = 0
                 for _ in range(min(d.place, MAX_PLACE_COUNT)):
                     inst = self._place(f)

@@ -658,8 +658,8 @@ class HorizontalPolicy:
         Σ over its instances, from :func:`vertical_headroom`). Victims in ``retire`` are marked
         draining at once; the caller reports new instances with :meth:`instance_starting`.
         ``backing_off``: the function's placements back off now (:meth:`PlacementBackoff.blocked`,
-        after a refused placement or resume): its parked instances are not resumed (a resume is
-        refused as a placement is, for want of room), and the caller places nothing either.
+        after a refused placement or resume): nothing is resumed or placed (``resume`` empty,
+        ``place`` 0), since a resume is refused as a placement is, for want of room.
         """
         cfg, f = self.config, self._fn(fn)
         cur = f.count("starting", "ready")
@@ -856,15 +856,14 @@ class HorizontalPolicy:
         parked = [i for i in f.instances.values() if i.state == "parked"]
         if d.desired > d.current:
             f.last_out_s = d.now_s
-            # a parked instance comes back faster than a new one starts; while the function backs
-            # off it waits parked, and no new instance is placed in its stead
-            waiting = parked[: d.desired - d.current]
-            for inst in [] if backing_off else waiting:
+            if backing_off:  # parked instances wait parked, and no new one is placed in their stead
+                return
+            # a parked instance comes back faster than a new one starts
+            for inst in parked[: d.desired - d.current]:
                 inst.state, inst.since_s, inst.resuming = "starting", d.now_s, True
                 d.resume.append(inst.instance_id)
-            d.place = d.desired - d.current - len(waiting)
-            if d.resume or d.place:
-                d.direction = "resume" if not d.place else "prewarm" if d.current == 0 and not f.backlog else "out"
+            d.place = d.desired - d.current - len(d.resume)
+            d.direction = "resume" if not d.place else "prewarm" if d.current == 0 and not f.backlog else "out"
             return
         if d.desired < d.current:
             d.retire = self._victims(f, d.current - d.desired)

@@ -527,9 +527,7 @@ class HorizontalScaler:
 
     async def _place(self, fn: str, d: Decision, now: float) -> None:
         assert self.bus is not None
-        if self._backoff.blocked(fn, now):
-            return
-        try:
+        try:  # the policy places nothing while the function backs off (decide's backing_off)
             count = min(d.place, MAX_PLACE_COUNT)  # the next tick asks for the rest
             reply = await self.bus.request(subjects.SCHEDULER_PLACE, PlaceRequest(function=fn, count=count, reason=d.reason),
                                            PlaceReply, timeout=self.timeout)

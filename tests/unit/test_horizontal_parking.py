@@ -223,7 +223,7 @@ def test_a_refused_resume_backs_off_as_a_refused_placement():
         p.record(FN, held, 2, 1)
         assert backoff.blocked(FN, held)
         d = p.decide(FN, held, backing_off=True)
-        assert d.resume == [] and d.place == d.desired - 1 and p.instances(FN) == {"w0": "parked"}  # none in its stead
+        assert d.resume == [] and d.place == 0 and p.instances(FN) == {"w0": "parked"}  # none in its stead
         assert p.on_arrival(FN, held, backing_off=True) == []
         now += backoff.delay(FN)
         p.record(FN, now, 2, 0)
@@ -243,7 +243,7 @@ def test_a_function_backing_off_places_nothing_in_a_parked_instances_stead():
     assert d.desired == 1 and d.resume == [] and d.place == 0 and d.direction == ""  # nothing to carry out
     p.record(FN, 13.0, 40, 40)  # wants more than the one parked instance
     d = p.decide(FN, 13.0, backing_off=True)
-    assert d.desired > 1 and d.resume == [] and d.place == d.desired - 1  # the caller's back-off holds these
+    assert d.desired > 1 and d.resume == [] and d.place == 0  # the policy places nothing while it backs off
     assert p.instances(FN) == {"w0": "parked"}
 
 
