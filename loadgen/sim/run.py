@@ -27,7 +27,7 @@ What drives what, as in the live cluster (services/*/service.py):
   speed-up 1) with :func:`function_params` of each profile; every ``horizontal_tick_ms`` (its
   500 ms tick), in its :func:`tick_order` (largest instances first), each function records its
   backlog (waiting + in flight) and arrivals, decides
-  with its :func:`vertical_headroom`, and places (:class:`PlacementBackoff` after a refusal) or
+  with its :func:`vertical_headroom` and :func:`burst_reach`, and places (:class:`PlacementBackoff` after a refusal) or
   retires (draining: an instance finishes its batch, then leaves).
 
 The replay starts when every function's initial instance is ready, as the demo starts it once
@@ -60,8 +60,9 @@ from dilu.loadgen.generator import Record, RunResult
 from dilu.services.common import models
 from dilu.services.common.functions import GIB, STRETCH_RATIO, default_priority, yields_share
 from dilu.services.common.policies import DEFRAG_INTERVAL_MIN_S, modes
-from dilu.services.horizontal_scaler.policy import (HorizontalConfig, InstanceShare, PlacementBackoff, function_params,
-                                                    horizontal_policy, tick_order, vertical_headroom)
+from dilu.services.horizontal_scaler.policy import (HorizontalConfig, InstanceShare, PlacementBackoff, burst_reach,
+                                                    function_params, horizontal_policy, tick_order,
+                                                    vertical_headroom)
 from dilu.services.horizontal_scaler.service import MAX_PLACE_COUNT
 from dilu.services.node_agent.grants import fit_quota
 from dilu.services.profiler.policy import NoFeasibleSetting, cache_key, search_for
@@ -818,12 +819,14 @@ class Simulation:
         hp = self.horizontal
         due = [f for f in self.ticked if not f.asleep and not f.training and f.demand is not None]
         headroom: dict[str, float] = {}
+        reach: dict[str, float] = {}
         if self.hconf.mode == "lazy":
             gpus = {i.gpu.gid: i.gpu for f in due for i in f.instances.values() if i.state != "parked"}
-            headroom = vertical_headroom({
-                gid: [InstanceShare(i.iid, i.fn.name, i.priority, i.grant, i.request, i.width)
-                      for i in gpu.instances.values()]
-                for gid, gpu in gpus.items()})
+            shares = {gid: [InstanceShare(i.iid, i.fn.name, i.priority, i.grant, i.request, i.width)
+                            for i in gpu.instances.values()]
+                      for gid, gpu in gpus.items()}
+            headroom = vertical_headroom(shares)
+            reach = burst_reach(shares, headroom)
         window_ticks = self.hconf.stable_window_s * 1000.0 / tick
         for f in due:
             if f.last_tick < k - 1:  # woken: the zero samples of the skipped ticks still in the window
@@ -837,7 +840,8 @@ class Simulation:
             f.last_tick = k
             if backlog:
                 f.last_busy = k
-            d = hp.decide(f.name, now_s, headroom.get(f.name, 0.0), backing_off=self.backoff.blocked(f.name, now_s))
+            d = hp.decide(f.name, now_s, headroom.get(f.name, 0.0), backing_off=self.backoff.blocked(f.name, now_s),
+                          reach=reach.get(f.name, 1.0))
             if d.place:
                 placed = 0
                 for _ in range(min(d.place, MAX_PLACE_COUNT)):

@@ -24,8 +24,10 @@ pending plus in flight: the concurrency Knative measures at its queue proxy) and
   flapping.
 - **Lazy.** In ``lazy`` mode an instance is sized by its burst capacity (``burst_target``: the
   in-flight requests it serves within the SLO once the vertical scaler has raised it to its
-  limit quota), so a burst the vertical scaler can absorb asks for no new instance. If a GPU
-  cannot give the limit, the backlog grows past the burst target and the scale-out follows.
+  limit quota), so a burst the vertical scaler can absorb asks for no new instance. Where its
+  GPUs cannot give the limit, it is sized by the share they can give: the target goes from the
+  request's to the burst's by the function's :func:`burst_reach` (0 on a GPU whose requests sum to
+  1, where the instance never rises above its request).
   A scale-out also waits while the function still has vertical headroom
   (Σ limit − Σ quota of its instances, realisable on their GPUs; see :func:`vertical_headroom`)
   of at least ``headroom_min``: the vertical scaler absorbs the burst in milliseconds. If the
@@ -202,12 +204,16 @@ class FunctionParams:
         if self.burst_target < 0 or self.instance_rps < 0 or self.burst_rps < 0 or self.keep_alive_s < 0:
             raise ValueError(f"need burst_target, instance_rps, burst_rps and keep_alive_s >= 0, got {self}")
 
-    def sizing(self, mode: str) -> tuple[float, float]:
-        """(in-flight target, requests/s) one instance is sized for under ``mode``: its burst
-        capacity in ``lazy`` mode (the vertical scaler grants a pressed instance its limit within
-        milliseconds), its request capacity otherwise."""
+    def sizing(self, mode: str, reach: float = 1.0) -> tuple[float, float]:
+        """(in-flight target, requests/s) one instance is sized for under ``mode``: its request
+        capacity, and in ``lazy`` mode the part ``reach`` (0..1, :func:`burst_reach`) of the way
+        from there to its burst capacity (the vertical scaler grants a pressed instance its limit
+        within milliseconds, where its GPU has the share to give). Capacity is taken as linear
+        in the quota between the two measured points, the request's and the limit's."""
         if mode == "lazy" and self.burst_target > 0:
-            return max(self.target, self.burst_target), max(self.instance_rps, self.burst_rps)
+            r = min(1.0, max(0.0, reach))
+            burst, rps = max(self.target, self.burst_target), max(self.instance_rps, self.burst_rps)
+            return self.target + r * (burst - self.target), self.instance_rps + r * (rps - self.instance_rps)
         return self.target, self.instance_rps
 
 
@@ -653,9 +659,12 @@ class HorizontalPolicy:
 
     # ------------------------------------------------------------------ decisions
 
-    def decide(self, fn: str, now_s: float, headroom: float = 0.0, backing_off: bool = False) -> Decision:
+    def decide(self, fn: str, now_s: float, headroom: float = 0.0, backing_off: bool = False,
+               reach: float = 1.0) -> Decision:
         """Decide ``fn``'s instance count now. ``headroom``: its vertical headroom (quota units,
-        Σ over its instances, from :func:`vertical_headroom`). Victims in ``retire`` are marked
+        Σ over its instances, from :func:`vertical_headroom`); ``reach``: the fraction 0..1 of
+        its burst capacity its instances can reach on their GPUs (:func:`burst_reach`; 1 when
+        unknown), which lazy sizing interpolates by. Victims in ``retire`` are marked
         draining at once; the caller reports new instances with :meth:`instance_starting`.
         ``backing_off``: the function's placements back off now (:meth:`PlacementBackoff.blocked`,
         after a refused placement or resume): nothing is resumed or placed (``resume`` empty,
@@ -669,7 +678,7 @@ class HorizontalPolicy:
         d = Decision(fn, now_s, cur, ready, cur)
         if f.backlog is None:
             return self._hold(f, d)
-        target, _ = f.params.sizing(cfg.mode)
+        target, _ = f.params.sizing(cfg.mode, reach)
         stable_avg = f.stable.mean_since(now_s - cfg.stable_window_s)
         panic_avg = f.panic.mean_since(now_s - cfg.panic_window)
         desired, reason = self._kpa(f, d, now_s, stable_avg, panic_avg, target)
@@ -685,7 +694,7 @@ class HorizontalPolicy:
         desired, reason = self._scale_down_delay(f, now_s, cur, desired, reason)
         desired, reason = self._after_restore(f, now_s, cur, desired, reason)
         d.desired, d.reason = desired, reason
-        d.breach = self._breach(f, now_s, ready, stable_avg, panic_avg)
+        d.breach = self._breach(f, now_s, ready, stable_avg, panic_avg, reach)
         if self._park_due(f, now_s, desired):
             self._park(f, d)
         else:
@@ -823,11 +832,12 @@ class HorizontalPolicy:
             return cur, f"lazy: {headroom:.2f} vertical headroom left (wants {desired})"
         return desired, f"{reason}; headroom {headroom:.2f} unused for {now_s - f.hold_since:.1f} s"
 
-    def _breach(self, f: _Function, now_s: float, ready: int, stable_avg: float, panic_avg: float) -> Breach | None:
+    def _breach(self, f: _Function, now_s: float, ready: int, stable_avg: float, panic_avg: float,
+                reach: float) -> Breach | None:
         cfg = self.config
         if ready == 0 and not f.backlog:
             return None  # nothing waiting and nothing to compare: old samples are no burst
-        target, rps = f.params.sizing(cfg.mode)
+        target, rps = f.params.sizing(cfg.mode, reach)
         capacity = ready * target
         panic = panic_avg >= cfg.panic_threshold * capacity and panic_avg > 0
         if not (panic or stable_avg > capacity):
@@ -958,6 +968,30 @@ def vertical_headroom(gpus: Mapping[object, Iterable[InstanceShare]]) -> dict[st
                               for j in insts if rank.get(j.priority, 2) > r)
             gain = min(max(0.0, i.limit_quota - i.quota), free + reclaimable)
             out[i.function] = out.get(i.function, 0.0) + gain
+    return out
+
+
+def burst_reach(gpus: Mapping[object, Iterable[InstanceShare]],
+                headroom: Mapping[str, float] | None = None) -> dict[str, float]:
+    """Per function: how far 0..1 its instances can rise from their requests towards their
+    limits on the GPUs they share, ``(Σ quota + headroom − Σ request) / (Σ limit − Σ request)``
+    over its instances, clamped to 0..1 (1 where no instance has a limit above its request).
+
+    Lazy sizing (:meth:`FunctionParams.sizing`) interpolates an instance's in-flight target by
+    it. An instance sized at its limit on a GPU whose requests already sum to 1 can never be
+    granted more than its request: sized so, a busy function scales in to instances that
+    saturate, then out again, a cold start per flap. ``headroom``: :func:`vertical_headroom` of
+    the same ``gpus`` (computed when None)."""
+    headroom = vertical_headroom(gpus) if headroom is None else headroom
+    sums: dict[str, list[float]] = {}
+    for insts in gpus.values():
+        for i in insts:
+            q, r, lim = sums.setdefault(i.function, [0.0, 0.0, 0.0])
+            sums[i.function] = [q + i.quota, r + i.request_quota, lim + max(i.limit_quota, i.request_quota)]
+    out: dict[str, float] = {}
+    for fn, (q, r, lim) in sums.items():
+        span = lim - r
+        out[fn] = 1.0 if span <= 1e-9 else min(1.0, max(0.0, (q + headroom.get(fn, 0.0) - r) / span))
     return out
 
 

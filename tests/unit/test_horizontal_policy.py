@@ -12,6 +12,7 @@ from dilu.services.horizontal_scaler.policy import (
     IdleTimeHistogram,
     IdleWindows,
     InstanceShare,
+    burst_reach,
     vertical_headroom,
 )
 
@@ -25,14 +26,14 @@ def policy(**kw) -> HorizontalPolicy:
     return p
 
 
-def feed(p, t0, t1, backlog, tick=0.5, headroom=0.0):
+def feed(p, t0, t1, backlog, tick=0.5, headroom=0.0, reach=1.0):
     """Record ``backlog`` every tick in (t0, t1] and decide; returns the decisions."""
     out, t = [], t0
     while t < t1 - 1e-9:
         t = round(t + tick, 6)
         b = backlog(t) if callable(backlog) else backlog
         p.record(FN, t, b, 1 if b > 0 else 0)  # a request arrives each tick while there is load
-        out.append(p.decide(FN, t, headroom))
+        out.append(p.decide(FN, t, headroom, reach=reach))
     return out
 
 
@@ -312,6 +313,44 @@ def test_breach_when_load_exceeds_capacity_at_most_once_per_interval():
     b = next(b for b in breaches if b.panic)
     assert b.window_s == 1.0 and b.capacity_rps == 8.0 and b.queue_depth == 12
     assert b.rate_rps == pytest.approx(2.0)  # 1 arrival per 0.5 s tick
+
+
+def test_lazy_sizes_by_the_share_the_gpus_can_give():
+    """On a GPU whose requests are full (reach 0) an instance never rises above its request: it
+    is sized there, and the burst that its limit could absorb elsewhere scales out."""
+    sized = FunctionParams(target=4.0, burst_target=12.0, instance_rps=30.0, burst_rps=90.0, max_instances=20)
+    assert sized.sizing("lazy", 0.0) == (4.0, 30.0)
+    assert sized.sizing("lazy", 0.5) == (8.0, 60.0)
+    assert sized.sizing("lazy", 2.0) == sized.sizing("lazy") == (12.0, 90.0)  # clamped to 0..1
+    assert sized.sizing("eager", 0.5) == (4.0, 30.0)
+    desired = {}
+    for reach in (1.0, 0.5, 0.0):
+        p = policy(mode="lazy", params=sized, panic_window_s=1.0)
+        ready(p, 1)
+        ds = feed(p, 0.0, 8.0, 10, reach=reach)  # 10 in flight
+        desired[reach] = ds[-1].desired
+        assert any(d.breach for d in ds) == (reach < 1.0)
+    assert desired == {1.0: 1, 0.5: 2, 0.0: 3}
+
+
+def test_burst_reach_is_the_part_of_the_limit_the_gpus_can_grant():
+    gpus = {
+        0: [InstanceShare("a", "f", "latency-sensitive", 0.5, 0.5, 0.9),  # requests fill the GPU
+            InstanceShare("b", "g", "latency-sensitive", 0.5, 0.5, 0.5)],
+        1: [InstanceShare("c", "f", "latency-sensitive", 0.3, 0.3, 0.7),  # 0.2 free of its 0.4
+            InstanceShare("d", "h", "latency-sensitive", 0.5, 0.3, 0.7)],  # 0.2 up, 0.2 free
+        2: [InstanceShare("e", "k", "latency-sensitive", 0.2, 0.2, 0.6),
+            InstanceShare("t", "train", "training", 0.8, 0.2, 0.8)],  # gives back all above 0.2
+        3: [InstanceShare("m", "u", "latency-sensitive", 0.5, 0.3, 0.7),  # 0.2 up, nothing free
+            InstanceShare("n", "v", "latency-sensitive", 0.5, 0.5, 0.5)],
+    }
+    r = burst_reach(gpus)
+    assert r["f"] == pytest.approx(0.2 / 0.8)  # 0 of a's 0.4, 0.2 of c's 0.4
+    assert r["g"] == 1.0  # no limit above its request: sized as before
+    assert r["h"] == pytest.approx(1.0)
+    assert r["u"] == pytest.approx(0.5)
+    assert r["k"] == 1.0  # training yields the whole span
+    assert burst_reach(gpus, {"f": 0.8})["f"] == 1.0  # a caller's headroom, clamped
 
 
 # ---------------------------------------------------------------------- vertical headroom
