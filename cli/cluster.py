@@ -46,6 +46,9 @@ READY_TIMEOUT_S = 90.0
 # --policy -> the knobs of each service it sets, derived from the one table of named policies
 # (services/common/policies.py, which says what each policy is; the simulator reads it too)
 POLICIES: dict[str, dict[str, list[str]]] = {name: m.service_args() for name, m in _POLICY_MODES.items()}
+POLICY_HELP = ("the platform's policy: dilu (tokens resized per instance, lazy horizontal scaling); baselines: "
+               "horizontal-only (Knative's KPA over fixed quotas), static-mps (fixed slices), exclusive (a GPU "
+               "per instance), dilu-published (the paper's vertical scaling)")
 SERVICES = ["scheduler", "profiler", "node_agent", "vertical_scaler", "horizontal_scaler"]
 GATEWAY = "gateway"
 NATS = "nats-server"  # its name where a process of the cluster is named (logs, exits)

@@ -40,7 +40,7 @@ from dilu.services.node_agent.devices import EMULATED_DEFAULT_COUNT
 
 from dilu.services.common.policies import PARK_AFTER_S
 
-from .cluster import POLICIES, Cluster
+from .cluster import POLICIES, POLICY_HELP, Cluster
 from .deploy import (WarmWatch, cluster_counters, cluster_facts, cpu_function_spec, deploy_all, function_spec, llm_spec, profile_all,
                      training_iterations, training_spec)
 
@@ -577,9 +577,7 @@ COMPARE_EPILOG = ("Rows of the comparison (also printed under it). A column 'P /
 @click.command(epilog=DEMO_EPILOG)
 @run_options
 @click.option("--policy", type=click.Choice(list(POLICIES)), default="dilu", show_default=True,
-              help="the platform's policy: dilu (tokens resized per instance, lazy horizontal scaling); baselines: "
-                   "horizontal-only (Knative's KPA over fixed quotas), static-mps (fixed slices), exclusive (a GPU "
-                   "per instance), dilu-published (the paper's vertical scaling)")
+              help=POLICY_HELP)
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None, callback=writable_output,
               help="also write the report as JSON")
 def demo(json_path, policy, **kw) -> None:

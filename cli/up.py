@@ -31,7 +31,7 @@ from dilu.services.node_agent.__main__ import parse_gpus
 from dilu.services.node_agent import nvml
 from dilu.services.node_agent.devices import MODES
 
-from .cluster import POLICIES, Cluster, StartInterrupted
+from .cluster import POLICIES, POLICY_HELP, Cluster, StartInterrupted
 
 LOCK_NAME = "up.lock"
 HOST = "127.0.0.1"  # everything listens on loopback: a local cluster
@@ -303,7 +303,7 @@ def _gpus(_ctx, _param, value: str) -> str:
               help="GPUs to use: all (an emulated node has 4), a count, or 'cpu' (functions run on the CPU)")
 @click.option("--node", default=default_node, show_default="host name", callback=check_node,
               help="node name; keep it stable so a restart finds its placements")
-@click.option("--policy", type=click.Choice(list(POLICIES)), default="dilu", show_default=True)
+@click.option("--policy", type=click.Choice(list(POLICIES)), default="dilu", show_default=True, help=POLICY_HELP)
 @click.option("--log-dir", type=NonEmptyPath(path_type=Path), default=None,
               help="each service's log (default: <data-dir>/logs)")
 @click.option("--no-auth", is_flag=True, default=False,
