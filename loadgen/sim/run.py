@@ -60,9 +60,8 @@ from dilu.loadgen.generator import Record, RunResult
 from dilu.services.common import models
 from dilu.services.common.functions import GIB, STRETCH_RATIO, default_priority, yields_share
 from dilu.services.common.policies import DEFRAG_INTERVAL_MIN_S, modes
-from dilu.services.horizontal_scaler.policy import (HorizontalConfig, InstanceShare, PlacementBackoff, burst_reach,
-                                                    function_params, horizontal_policy, tick_order,
-                                                    vertical_headroom)
+from dilu.services.horizontal_scaler.policy import (HorizontalConfig, InstanceShare, PlacementBackoff,
+                                                    function_params, horizontal_policy, tick_order, vertical_room)
 from dilu.services.horizontal_scaler.service import MAX_PLACE_COUNT
 from dilu.services.node_agent.grants import fit_quota
 from dilu.services.profiler.policy import NoFeasibleSetting, cache_key, search_for
@@ -825,8 +824,7 @@ class Simulation:
             shares = {gid: [InstanceShare(i.iid, i.fn.name, i.priority, i.grant, i.request, i.width)
                             for i in gpu.instances.values()]
                       for gid, gpu in gpus.items()}
-            headroom = vertical_headroom(shares)
-            reach = burst_reach(shares, headroom)
+            headroom, reach = vertical_room(shares)
         window_ticks = self.hconf.stable_window_s * 1000.0 / tick
         for f in due:
             if f.last_tick < k - 1:  # woken: the zero samples of the skipped ticks still in the window
@@ -841,7 +839,7 @@ class Simulation:
             if backlog:
                 f.last_busy = k
             d = hp.decide(f.name, now_s, headroom.get(f.name, 0.0), backing_off=self.backoff.blocked(f.name, now_s),
-                          reach=reach.get(f.name, 1.0))
+                          reach=reach)
             if d.place:
                 placed = 0
                 for _ in range(min(d.place, MAX_PLACE_COUNT)):

@@ -26,8 +26,9 @@ pending plus in flight: the concurrency Knative measures at its queue proxy) and
   in-flight requests it serves within the SLO once the vertical scaler has raised it to its
   limit quota), so a burst the vertical scaler can absorb asks for no new instance. Where its
   GPUs cannot give the limit, it is sized by the share they can give: the target goes from the
-  request's to the burst's by the function's :func:`burst_reach` (0 on a GPU whose requests sum to
-  1, where the instance never rises above its request).
+  request's to the burst's by the least :func:`burst_reach` of its ready instances (0 on a GPU
+  whose requests sum to 1, where the instance never rises above its request), and a scale-in
+  retires the instance that can rise least first.
   A scale-out also waits while the function still has vertical headroom
   (Σ limit − Σ quota of its instances, realisable on their GPUs; see :func:`vertical_headroom`)
   of at least ``headroom_min``: the vertical scaler absorbs the burst in milliseconds. If the
@@ -82,7 +83,7 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -660,11 +661,14 @@ class HorizontalPolicy:
     # ------------------------------------------------------------------ decisions
 
     def decide(self, fn: str, now_s: float, headroom: float = 0.0, backing_off: bool = False,
-               reach: float = 1.0) -> Decision:
+               reach: Mapping[str, float] | None = None) -> Decision:
         """Decide ``fn``'s instance count now. ``headroom``: its vertical headroom (quota units,
-        Σ over its instances, from :func:`vertical_headroom`); ``reach``: the fraction 0..1 of
-        its burst capacity its instances can reach on their GPUs (:func:`burst_reach`; 1 when
-        unknown), which lazy sizing interpolates by. Victims in ``retire`` are marked
+        Σ over its instances, from :func:`vertical_headroom`); ``reach``: per instance id, how far
+        0..1 it can rise towards its limit on its GPU (:func:`burst_reach`; 1 for one not in it).
+        In ``lazy`` mode the function is sized by the least reach of its ready instances, and a
+        scale-in retires the instance with the least reach first: the shared queue hands a burst
+        to whichever instance pulls, so one pinned at its request serves its part at request
+        capacity, and the instances kept are those that can rise. Victims in ``retire`` are marked
         draining at once; the caller reports new instances with :meth:`instance_starting`.
         ``backing_off``: the function's placements back off now (:meth:`PlacementBackoff.blocked`,
         after a refused placement or resume): nothing is resumed or placed (``resume`` empty,
@@ -678,7 +682,9 @@ class HorizontalPolicy:
         d = Decision(fn, now_s, cur, ready, cur)
         if f.backlog is None:
             return self._hold(f, d)
-        target, _ = f.params.sizing(cfg.mode, reach)
+        reach = (reach or {}) if cfg.mode == "lazy" else {}
+        least = min((reach.get(i.instance_id, 1.0) for i in f.instances.values() if i.state == "ready"), default=1.0)
+        target, _ = f.params.sizing(cfg.mode, least)
         stable_avg = f.stable.mean_since(now_s - cfg.stable_window_s)
         panic_avg = f.panic.mean_since(now_s - cfg.panic_window)
         desired, reason = self._kpa(f, d, now_s, stable_avg, panic_avg, target)
@@ -694,11 +700,11 @@ class HorizontalPolicy:
         desired, reason = self._scale_down_delay(f, now_s, cur, desired, reason)
         desired, reason = self._after_restore(f, now_s, cur, desired, reason)
         d.desired, d.reason = desired, reason
-        d.breach = self._breach(f, now_s, ready, stable_avg, panic_avg, reach)
+        d.breach = self._breach(f, now_s, ready, stable_avg, panic_avg, least)
         if self._park_due(f, now_s, desired):
             self._park(f, d)
         else:
-            self._act(f, d, backing_off)
+            self._act(f, d, backing_off, reach)
         return d
 
     def _park_due(self, f: _Function, now_s: float, desired: int) -> bool:
@@ -862,7 +868,8 @@ class HorizontalPolicy:
             return cur, f"scale-down delay: last scale-out {since:.1f} s ago (wants {desired})"
         return desired, reason
 
-    def _act(self, f: _Function, d: Decision, backing_off: bool = False) -> None:
+    def _act(self, f: _Function, d: Decision, backing_off: bool = False,
+             reach: Mapping[str, float] | None = None) -> None:
         parked = [i for i in f.instances.values() if i.state == "parked"]
         if d.desired > d.current:
             f.last_out_s = d.now_s
@@ -876,7 +883,7 @@ class HorizontalPolicy:
             d.direction = "resume" if not d.place else "prewarm" if d.current == 0 and not f.backlog else "out"
             return
         if d.desired < d.current:
-            d.retire = self._victims(f, d.current - d.desired)
+            d.retire = self._victims(f, d.current - d.desired, reach or {})
             gone = set(d.retire)  # a victim's replacement would only take its place: it goes too
             d.retire += [i.instance_id for i in f.instances.values() if i.state == "moving" and i.replaces in gone]
         if d.desired == 0:  # the keep-alive ran out (or a pre-warm unloads): parked and moving ones go too
@@ -889,10 +896,12 @@ class HorizontalPolicy:
             d.direction = "zero" if d.desired == 0 else "in"
 
     @staticmethod
-    def _victims(f: _Function, n: int) -> list[str]:
-        """Starting instances first (newest first), then ready ones by busy share, newest first."""
+    def _victims(f: _Function, n: int, reach: Mapping[str, float]) -> list[str]:
+        """Starting instances first (newest first), then ready ones by ``reach`` (see
+        :meth:`decide`; empty outside lazy mode), then busy share, newest first."""
         live = [i for i in f.instances.values() if i.state in ("starting", "ready")]
-        live.sort(key=lambda i: (i.state != "starting", i.busy_share if i.state == "ready" else 0.0, -i.since_s))
+        live.sort(key=lambda i: (i.state != "starting", reach.get(i.instance_id, 1.0),
+                                 i.busy_share if i.state == "ready" else 0.0, -i.since_s))
         return [i.instance_id for i in live[:n]]
 
 
@@ -950,15 +959,11 @@ class InstanceShare:
     limit_quota: float
 
 
-def vertical_headroom(gpus: Mapping[object, Iterable[InstanceShare]]) -> dict[str, float]:
-    """Per function: Σ over its instances of the quota it could still gain, in quota units.
-
-    An instance can grow up to its limit, but only by what its GPU can give: the unallocated
-    share (1 − Σ quotas) plus what lower-priority instances hold above their floors (training
-    above its request; best-effort all of it). ``gpus`` maps a GPU key to its instances.
-    """
+def _gains(gpus: Mapping[object, Iterable[InstanceShare]]) -> Iterator[tuple[InstanceShare, float]]:
+    """Each instance on each GPU with the quota it could still gain there: up to its limit, but
+    only by what its GPU can give (the unallocated share, 1 − Σ quotas, plus what lower-priority
+    instances hold above their floors: training above its request, best-effort all of it)."""
     rank = PRIORITY_RANK
-    out: dict[str, float] = {}
     for insts in gpus.values():
         insts = list(insts)
         free = max(0.0, 1.0 - sum(i.quota for i in insts))
@@ -966,33 +971,42 @@ def vertical_headroom(gpus: Mapping[object, Iterable[InstanceShare]]) -> dict[st
             r = rank.get(i.priority, 2)
             reclaimable = sum(reclaimable_share(j.priority, j.quota, j.request_quota)
                               for j in insts if rank.get(j.priority, 2) > r)
-            gain = min(max(0.0, i.limit_quota - i.quota), free + reclaimable)
-            out[i.function] = out.get(i.function, 0.0) + gain
-    return out
+            yield i, min(max(0.0, i.limit_quota - i.quota), free + reclaimable)
 
 
-def burst_reach(gpus: Mapping[object, Iterable[InstanceShare]],
-                headroom: Mapping[str, float] | None = None) -> dict[str, float]:
-    """Per function: how far 0..1 its instances can rise from their requests towards their
-    limits on the GPUs they share, ``(Σ quota + headroom − Σ request) / (Σ limit − Σ request)``
-    over its instances, clamped to 0..1 (1 where no instance has a limit above its request).
+def vertical_headroom(gpus: Mapping[object, Iterable[InstanceShare]]) -> dict[str, float]:
+    """Per function: Σ over its instances of the quota it could still gain, in quota units.
 
-    Lazy sizing (:meth:`FunctionParams.sizing`) interpolates an instance's in-flight target by
-    it. An instance sized at its limit on a GPU whose requests already sum to 1 can never be
-    granted more than its request: sized so, a busy function scales in to instances that
-    saturate, then out again, a cold start per flap. ``headroom``: :func:`vertical_headroom` of
-    the same ``gpus`` (computed when None)."""
-    headroom = vertical_headroom(gpus) if headroom is None else headroom
-    sums: dict[str, list[float]] = {}
-    for insts in gpus.values():
-        for i in insts:
-            q, r, lim = sums.setdefault(i.function, [0.0, 0.0, 0.0])
-            sums[i.function] = [q + i.quota, r + i.request_quota, lim + max(i.limit_quota, i.request_quota)]
-    out: dict[str, float] = {}
-    for fn, (q, r, lim) in sums.items():
-        span = lim - r
-        out[fn] = 1.0 if span <= 1e-9 else min(1.0, max(0.0, (q + headroom.get(fn, 0.0) - r) / span))
-    return out
+    An instance can grow up to its limit, but only by what its GPU can give: the unallocated
+    share (1 − Σ quotas) plus what lower-priority instances hold above their floors (training
+    above its request; best-effort all of it). ``gpus`` maps a GPU key to its instances.
+    """
+    return vertical_room(gpus)[0]
+
+
+def burst_reach(gpus: Mapping[object, Iterable[InstanceShare]]) -> dict[str, float]:
+    """Per instance id: how far 0..1 it can rise from its request towards its limit on its GPU,
+    ``(quota + gain − request) / (limit − request)`` with the gain of :func:`vertical_headroom`,
+    clamped to 0..1; 1 for an instance whose limit is its request; the least over its GPUs for
+    one on several.
+
+    Lazy sizing (:meth:`FunctionParams.sizing`, :meth:`HorizontalPolicy.decide`) interpolates an
+    instance's in-flight target by it. An instance sized at its limit on a GPU whose requests
+    already sum to 1 can never be granted more than its request: sized so, a busy function
+    scales in to instances that saturate, then out again, a cold start per flap."""
+    return vertical_room(gpus)[1]
+
+
+def vertical_room(gpus: Mapping[object, Iterable[InstanceShare]]) -> tuple[dict[str, float], dict[str, float]]:
+    """(:func:`vertical_headroom`, :func:`burst_reach`) in one pass over ``gpus``."""
+    headroom: dict[str, float] = {}
+    reach: dict[str, float] = {}
+    for i, gain in _gains(gpus):
+        headroom[i.function] = headroom.get(i.function, 0.0) + gain
+        span = i.limit_quota - i.request_quota
+        r = 1.0 if span <= 1e-9 else min(1.0, max(0.0, (i.quota + gain - i.request_quota) / span))
+        reach[i.instance_id] = min(r, reach.get(i.instance_id, 1.0))
+    return headroom, reach
 
 
 # ---------------------------------------------------------------------- profile -> parameters

@@ -60,6 +60,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import msgspec
@@ -98,7 +99,7 @@ from dilu.services.common.kvkeys import kv_keys
 
 from .state import FunctionStateStore
 from .policy import (Decision, HorizontalConfig, InitialScaleGate, InstanceShare, PlacementBackoff,
-                     burst_reach, function_params, horizontal_policy, tick_order, vertical_headroom)
+                     function_params, horizontal_policy, tick_order, vertical_room)
 
 SCALE_OUTS = Counter("dilu_scale_outs", "Instances added by the horizontal scaler", ["function"])
 RETIREMENTS = Counter("dilu_retirements", "Instances removed (drained or cancelled) by the horizontal scaler", ["function"])
@@ -306,12 +307,11 @@ class HorizontalScaler:
             if t.function in self.policy.functions():
                 self.policy.set_busy(t.function, t.instance_id, t.busy_share)
 
-    def _room(self, now: float) -> dict[str, tuple[float, float]]:
-        """Per function, (vertical headroom, burst reach) from fresh telemetry (policy's
-        :func:`vertical_headroom` and :func:`burst_reach`)."""
+    def _room(self, now: float) -> tuple[dict[str, float], dict[str, float]]:
+        """From fresh telemetry: each function's vertical headroom and each instance's burst
+        reach (the policy's :func:`vertical_headroom` and :func:`burst_reach`)."""
         fresh = {k: shares for k, (at, shares) in self._gpus.items() if now - at <= self.telemetry_stale_s}
-        headroom = vertical_headroom(fresh)
-        return {fn: (headroom.get(fn, 0.0), r) for fn, r in burst_reach(fresh, headroom).items()}
+        return vertical_room(fresh)
 
     async def _rebuild(self) -> None:
         """Functions, profiles and placed instances from JetStream KV (best effort)."""
@@ -373,13 +373,13 @@ class HorizontalScaler:
         while True:
             await asyncio.sleep(self.tick_s)
             now = self._now()
-            room = self._room(now)
+            headroom, reach = self._room(now)
             due = [fn for fn in sorted(self.policy.functions(), key=self._size) if fn not in self._busy]
             # one listing of the consumers serves every function's backlog this tick
             consumers = await self._consumers() if any(not self._gate.is_training(fn) for fn in due) else None
             for fn in due:  # a function whose last tick still talks to the scheduler waits
                 self._busy.add(fn)
-                task = asyncio.create_task(self._tick_guarded(fn, now, room.get(fn, (0.0, 1.0)), consumers))
+                task = asyncio.create_task(self._tick_guarded(fn, now, headroom.get(fn, 0.0), reach, consumers))
                 self._tasks.add(task)
                 task.add_done_callback(self._tasks.discard)
 
@@ -388,10 +388,10 @@ class HorizontalScaler:
         prof, spec = self._profiles.get(fn), self._specs.get(fn)
         return tick_order(prof.limit_quota if prof else 0.0, spec.memory_bytes if spec else 0, fn)
 
-    async def _tick_guarded(self, fn: str, now: float, room: tuple[float, float],
+    async def _tick_guarded(self, fn: str, now: float, headroom: float, reach: Mapping[str, float],
                             consumers: _Consumers | None) -> None:
         try:
-            await self.tick(fn, now, room[0], consumers, reach=room[1])
+            await self.tick(fn, now, headroom, consumers, reach=reach)
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # one function's trouble must not stop the others
@@ -401,7 +401,7 @@ class HorizontalScaler:
             self._busy.discard(fn)
 
     async def tick(self, fn: str, now: float, headroom: float = 0.0, consumers: _Consumers | None = None, *,
-                   reach: float = 1.0) -> Decision:
+                   reach: Mapping[str, float] | None = None) -> Decision:
         """One function's tick: observe its backlog, decide, carry the decision out.
 
         ``headroom`` and ``reach``: as :meth:`HorizontalPolicy.decide` takes them; ``consumers``:

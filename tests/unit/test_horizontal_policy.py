@@ -26,7 +26,7 @@ def policy(**kw) -> HorizontalPolicy:
     return p
 
 
-def feed(p, t0, t1, backlog, tick=0.5, headroom=0.0, reach=1.0):
+def feed(p, t0, t1, backlog, tick=0.5, headroom=0.0, reach=None):
     """Record ``backlog`` every tick in (t0, t1] and decide; returns the decisions."""
     out, t = [], t0
     while t < t1 - 1e-9:
@@ -327,10 +327,26 @@ def test_lazy_sizes_by_the_share_the_gpus_can_give():
     for reach in (1.0, 0.5, 0.0):
         p = policy(mode="lazy", params=sized, panic_window_s=1.0)
         ready(p, 1)
-        ds = feed(p, 0.0, 8.0, 10, reach=reach)  # 10 in flight
+        ds = feed(p, 0.0, 8.0, 10, reach={"w0": reach})  # 10 in flight
         desired[reach] = ds[-1].desired
         assert any(d.breach for d in ds) == (reach < 1.0)
     assert desired == {1.0: 1, 0.5: 2, 0.0: 3}
+
+
+def test_lazy_sizes_by_the_least_reach_and_retires_the_instance_that_cannot_rise():
+    """Two instances, one on a full GPU (reach 0): 6 in flight are more than it serves at its
+    request, so two are kept while it stays; when load falls, it is the one retired."""
+    sized = FunctionParams(target=4.0, burst_target=12.0, instance_rps=30.0, burst_rps=90.0, max_instances=20)
+    reach = {"w0": 1.0, "w1": 0.0}
+    p = policy(mode="lazy", params=sized, panic_window_s=1.0)
+    ready(p, 2)
+    assert all(d.desired == 2 and not d.retire for d in feed(p, 0.0, 12.0, 6, reach=reach))
+    ds = feed(p, 12.0, 30.0, 2, reach=reach)  # 2 in flight: one instance at its request serves it
+    assert [d.retire for d in ds if d.retire] == [["w1"]]
+    p = policy(mode="eager", params=sized, panic_window_s=1.0)  # no burst sizing: reach is ignored
+    ready(p, 2)
+    ds = feed(p, 0.0, 30.0, 2, reach=reach)
+    assert [d.retire for d in ds if d.retire] == [["w0"]]  # the newest of equally idle ones
 
 
 def test_burst_reach_is_the_part_of_the_limit_the_gpus_can_grant():
@@ -345,12 +361,13 @@ def test_burst_reach_is_the_part_of_the_limit_the_gpus_can_grant():
             InstanceShare("n", "v", "latency-sensitive", 0.5, 0.5, 0.5)],
     }
     r = burst_reach(gpus)
-    assert r["f"] == pytest.approx(0.2 / 0.8)  # 0 of a's 0.4, 0.2 of c's 0.4
-    assert r["g"] == 1.0  # no limit above its request: sized as before
-    assert r["h"] == pytest.approx(1.0)
-    assert r["u"] == pytest.approx(0.5)
-    assert r["k"] == 1.0  # training yields the whole span
-    assert burst_reach(gpus, {"f": 0.8})["f"] == 1.0  # a caller's headroom, clamped
+    assert r["a"] == 0.0  # its GPU's requests sum to 1
+    assert r["c"] == pytest.approx(0.5)  # 0.2 free of its 0.4
+    assert r["b"] == 1.0  # no limit above its request: sized as before
+    assert r["d"] == pytest.approx(1.0)  # 0.2 up, and the 0.2 free
+    assert r["m"] == pytest.approx(0.5)
+    assert r["e"] == 1.0  # training yields the whole span
+    assert burst_reach({0: gpus[0], 1: [InstanceShare("a", "f", "latency-sensitive", 0.5, 0.5, 0.9)]})["a"] == 0.0
 
 
 # ---------------------------------------------------------------------- vertical headroom

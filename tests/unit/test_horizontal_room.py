@@ -20,9 +20,10 @@ async def test_room_is_headroom_and_reach_from_fresh_telemetry(monkeypatch):
     monkeypatch.setattr(svc, "_now", lambda: now[0])
     await svc._on_telemetry(gpu(0, ("a", "f", 0.5, 0.5, 0.9), ("b", "g", 0.5, 0.5, 0.5)), None)
     await svc._on_telemetry(gpu(1, ("c", "h", 0.3, 0.3, 0.7)), None)
-    room = svc._room(now[0])
-    assert room["f"] == (0.0, 0.0)  # its GPU's requests sum to 1: sized at the request
-    assert room["h"] == pytest.approx((0.4, 1.0))
+    headroom, reach = svc._room(now[0])
+    assert headroom["f"] == 0.0 and reach["a"] == 0.0  # its GPU's requests sum to 1: sized at the request
+    assert headroom["h"] == pytest.approx(0.4) and reach["c"] == 1.0
     now[0] += svc.telemetry_stale_s + 1
     await svc._on_telemetry(gpu(1, ("c", "h", 0.3, 0.3, 0.7)), None)
-    assert set(svc._room(now[0])) == {"h"}  # GPU 0 went silent: no room claimed for f
+    headroom, reach = svc._room(now[0])
+    assert set(headroom) == {"h"} and set(reach) == {"c"}  # GPU 0 went silent: no room claimed for f
