@@ -34,6 +34,7 @@ from dilu.interceptor import native, timeline
 from dilu.interceptor.control_block import ControlBlock
 from dilu.services.common.cliopts import writable_output
 from dilu.services.common.interrupt import SignalExit
+from dilu.services.node_agent import segments
 
 SEC = 1_000_000_000
 QUOTAS = (0.1, 0.25, 0.5, 0.75, 1.0)
@@ -41,8 +42,15 @@ KERNELS_US = (20, 200, 1000, 5000)
 
 
 def _block(request_quota: float, width: float = 1.0) -> ControlBlock:
-    path = f"/dev/shm/dilu-cb-bench-{uuid.uuid4().hex[:12]}"
+    path = segments.control_block_path("bench", uuid.uuid4().hex[:12])
     return ControlBlock.create(path, os.path.basename(path), request_quota, width)
+
+
+def _gpu(kind: str) -> str:
+    """A fresh emulated GPU for one bench cell. Its segment, like the control blocks', carries
+    this process's pid (segments.timeline_name), so what a bench killed midway leaves in
+    /dev/shm is removed by the next node agent to start (segments.sweep_dead)."""
+    return segments.timeline_name("bench", f"{kind}-{uuid.uuid4().hex[:8]}", 0)
 
 
 def _run(env: dict[str, str], *args: str, timeout: float = 120) -> dict:
@@ -70,7 +78,7 @@ def _reap(proc: subprocess.Popen) -> None:
 
 def fast_path(rounds: int = 5, launches: int = 1_000_000) -> dict:
     """Interleaved runs of dilu_launch with and without the interceptor on a null launch."""
-    gpu = f"bench-oh-{uuid.uuid4().hex[:8]}"
+    gpu = _gpu("oh")
     cb = _block(1.0)
     try:
         with_env = native.instance_env(cb.path, gpu_name=gpu, width=1.0, request_quota=1.0)
@@ -98,7 +106,7 @@ def fast_path(rounds: int = 5, launches: int = 1_000_000) -> dict:
 
 def share_cell(quota: float, kernel_us: float, seconds: float) -> dict:
     """One process (width 1) at ``quota`` launching ``kernel_us`` kernels back to back."""
-    gpu = f"bench-share-{uuid.uuid4().hex[:8]}"
+    gpu = _gpu("share")
     cb = _block(quota)
     # start-up transient: launches charged the default cost until the kernel's first timing
     # arrives, then repaid; skip 0.4 s plus 10 kernel periods (kernel / quota) of it
@@ -120,7 +128,7 @@ def share_cell(quota: float, kernel_us: float, seconds: float) -> dict:
 
 def resize(changes: int = 40, gap_s: float = 0.03) -> dict:
     """Alternates the grant 0.2 <-> 0.8 under a throttled process; latency to applied."""
-    gpu = f"bench-resize-{uuid.uuid4().hex[:8]}"
+    gpu = _gpu("resize")
     cb = _block(0.2)
     lat_ms: list[float] = []
     proc = None
@@ -153,7 +161,7 @@ def resize(changes: int = 40, gap_s: float = 0.03) -> dict:
 
 def fairness(quotas: tuple[float, ...], seconds: float, kernel: str = "k_200") -> dict:
     """len(quotas) width-1 processes on one emulated GPU at once."""
-    gpu = f"bench-fair-{uuid.uuid4().hex[:8]}"
+    gpu = _gpu("fair")
     blocks = [_block(q) for q in quotas]
     procs: list[subprocess.Popen] = []
     try:

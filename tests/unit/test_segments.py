@@ -3,6 +3,8 @@ dead agents (a node agent killed with SIGKILL leaves its segments behind)."""
 import os
 import subprocess
 
+import pytest
+
 from dilu.services.node_agent import segments
 
 
@@ -36,3 +38,18 @@ def test_sweep_removes_dead_agents_segments_only(tmp_path):
     removed = segments.sweep_dead(tmp_path)
     assert sorted(removed) == sorted(n for n, keep in names.items() if not keep)
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(n for n, keep in names.items() if keep)
+
+
+@pytest.mark.native
+def test_the_interceptor_bench_names_its_segments_for_the_sweep():
+    """A bench killed midway (SIGKILL, a timeout) leaves its control blocks and emulated GPUs:
+    their names carry its pid, so the next node agent removes them."""
+    from dilu.interceptor import bench
+
+    cb = bench._block(0.5)
+    try:
+        assert segments.owner(os.path.basename(cb.path)) == os.getpid()
+    finally:
+        cb.close()
+        cb.unlink()
+    assert segments.owner("dilu-gpu-" + bench._gpu("oh")) == os.getpid()
