@@ -314,7 +314,7 @@ def _gpus(_ctx, _param, value: str) -> str:
                    f"them); 0: never (default: the policy's, dilu after {PARK_AFTER_S:g} s, the others never)")
 @click.option("--defrag-interval-s", type=ZeroOrAtLeast(DEFRAG_INTERVAL_MIN_S, 86_400), default=None, metavar="S",
               help="how often the scheduler moves instances off lightly used GPUs to empty them; 0: never "
-                   f"(default: the policy's, dilu every {DEFRAG_INTERVAL_S:g} s, the others never)")
+                   f"(default: the policy's, dilu and dilu-published every {DEFRAG_INTERVAL_S:g} s, the others never)")
 def up(nats_port, gateway_port, data_dir, device, gpus, node, policy, log_dir, no_auth, park_after_s,
        defrag_interval_s) -> None:
     """Run a local Dilu cluster in the foreground: nats-server, the services, the gateway and a
