@@ -229,3 +229,7 @@ def _print_workload(out: dict, console) -> None:
         v = out[k]
         table.add_row(k, f"{v:.3f}" if isinstance(v, float) else str(v))
     console.print(table)
+    if out["unplaced"]:
+        console.print(f"[yellow]{out['unplaced']:,} instances found no GPU with room on {out['nodes']} x "
+                      f"{out['gpus_per_node']} GPUs: the peaks and the lower bound count the placed ones "
+                      f"only[/yellow]", highlight=False)

@@ -108,6 +108,17 @@ def test_workload_limits_within_capacity(tmp_path, name):
     assert s["violations"] == 0 and s["lower_bound_peak"] <= s["peak_active_gpus"]
 
 
+def test_workload_too_big_for_the_cluster_says_so(tmp_path):
+    out = tmp_path / "w.json"
+    r = CliRunner().invoke(main, ["sim", "--workload", str(WORKLOADS / "instances-100.txt"), "--nodes", "1",
+                                  "--gpus-per-node", "1", "--json", str(out)])
+    assert r.exit_code == 0, r.output
+    unplaced = json.loads(out.read_text())["sim"]["unplaced"]
+    assert unplaced > 0 and f"{unplaced:,} instances found no GPU with room on 1 x 1 GPUs" in " ".join(r.output.split())
+    r = CliRunner().invoke(main, ["sim", "--workload", str(WORKLOADS / "instances-100.txt"), "--nodes", "100"])
+    assert "found no GPU with room" not in r.output
+
+
 @pytest.mark.parametrize("args, words", [
     (["--policies", "dilu,nope"], "unknown policies nope"),
     (["--policies", ","], "no policy given"),
