@@ -19,11 +19,25 @@ from pathlib import Path
 from urllib.parse import urlsplit
 
 import click
+from click import _textwrap
 
 from .natsconn import (DEFAULT_URL, ENV_CREDS, ENV_REPLICAS, ENV_TLS_CA, ENV_TLS_CERT, ENV_TLS_KEY,
                        MAX_REPLICAS, CredentialsError, NatsOptions, creds_kwargs)
 
 ENV_PREFIX = "DILU"
+
+
+class _WholeWordWrapper(_textwrap.TextWrapper):
+    """Click's help wrapper, never breaking a line inside a hyphenated word: ``--data-dir`` and
+    ``horizontal-only`` are names, split across two lines they read as two. (Click builds its
+    wrapper with textwrap's default ``break_on_hyphens=True`` and takes no option for it.)"""
+
+    def __init__(self, *args, **kwargs) -> None:
+        kwargs["break_on_hyphens"] = False
+        super().__init__(*args, **kwargs)
+
+
+_textwrap.TextWrapper = _WholeWordWrapper  # click.formatting.wrap_text looks it up at each call
 
 # Default /metrics, /healthz, /readyz port of each service (docs/operations.md section 7).
 METRICS_PORTS = {
