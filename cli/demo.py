@@ -25,7 +25,7 @@ import click
 import uvloop
 from rich.console import Console
 
-from dilu.loadgen import arrivals, assign, generator, report, trace
+from dilu.loadgen import arrivals, assign, generator, report, requestlog, trace
 from dilu.loadgen import llm as llmtrace
 from dilu.services.common import logging as dlog
 from dilu.services.common.cliopts import PARK_AFTER_S_TYPE, finite, nonempty_path, nonempty_url, writable_output
@@ -310,9 +310,11 @@ async def _replay_with(opts: RunOptions, cluster: Cluster, plan, chosen: dict[st
             if lines is not None and r.status == "ok":
                 lines.completed += 1
             ttft, tpot = generator.token_times_ms(scheduled, r.chunks, r.first_chunk_ns, r.last_chunk_ns)
+            timings = generator.Timings(instance=r.instance, enqueued_ns=r.enqueued_ns, started_ns=r.started_ns,
+                                        replied_ns=r.replied_ns, batch=r.batch) if r.instance else None
             return generator.Outcome(status=r.status, cold_start=r.cold_start, detail=r.error,
                                      ttft_ms=ttft if streamed else None, tpot_ms=tpot if streamed else None,
-                                     output_tokens=r.chunks)
+                                     output_tokens=r.chunks, timings=timings)
 
         invocations = sorted([*plan.invocations, *(llm_plan.invocations if llm_plan else ())],
                              key=lambda i: (i.scheduled_ns, i.id))
@@ -493,7 +495,12 @@ async def run_once(opts: RunOptions, policy: str, console: Console, stop: asynci
                                         tpot_ms=s.tpot_ms or None) for s in specs}
     gpus = 0 if opts.gpus == "cpu" else int(opts.gpus)
     info = report.run_info(plan, result, policy=policy, gpus=gpus, llm_plan=llm_plan)
-    return report.build_report(result.records, meta, run_facts(facts, trained), info).to_dict()
+    rep = report.build_report(result.records, meta, run_facts(facts, trained), info).to_dict()
+    # beside the services' logs: every request with the platform's times, and the report they
+    # make (what ``dilu calibrate`` reads)
+    requestlog.write(log_dir / requestlog.FILENAME, result)
+    (log_dir / requestlog.REPORT_FILENAME).write_text(json.dumps(rep, indent=2))
+    return rep
 
 
 async def _start(cluster: Cluster, created: Path | None) -> None:

@@ -117,7 +117,14 @@ H_STATUS = "Dilu-Status"  # reply: ok | error
 H_ERROR = "Dilu-Error"
 H_COLD_START = "Dilu-Cold-Start"  # reply: "1" when the request waited for an instance launch
 H_INSTANCE = "Dilu-Instance"
-H_ENQUEUED_NS = "Dilu-Enqueued-Ns"
+H_ENQUEUED_NS = "Dilu-Enqueued-Ns"  # reply: when JetStream stored the request, Unix epoch ns
+# reply: the serving instance's own times, Unix epoch ns: its batch began (the handler was called)
+# and it published this reply; and how many requests that batch held. With the caller's send and
+# arrival times they split a latency into the platform's path in and out, the wait in the queue
+# and the batch's service (``dilu compare --requests``, whose figures calibrate ``dilu sim --overheads``).
+H_STARTED_NS = "Dilu-Started-Ns"
+H_REPLIED_NS = "Dilu-Replied-Ns"
+H_BATCH = "Dilu-Batch"
 # Streamed replies (``llm`` functions): zero or more messages with H_STATUS = STATUS_CHUNK, each
 # one output chunk (a token's text) numbered from 0 in H_CHUNK, then the final reply (ok/error)
 # whose payload is the whole output and whose H_CHUNK holds the number of chunks sent.

@@ -30,6 +30,22 @@ DEFAULT_LATE_THRESHOLD_MS = 10.0
 DEFAULT_DRAIN_TIMEOUT_S = 30.0
 
 
+class Timings(msgspec.Struct, frozen=True, kw_only=True):
+    """What the platform says about how it served one answered request (its reply headers):
+    the ``instance`` that answered, and Unix epoch ns at which JetStream stored the request
+    (``enqueued_ns``), the instance began the batch holding it (``started_ns``) and published
+    the reply (``replied_ns``); ``batch``: the requests in that batch. 0 (or "") where the reply
+    did not say. With the caller's times they split a latency into the way in (scheduled ->
+    stored), the queue (stored -> started), the service (started -> replied) and the way back
+    (replied -> answered): what ``dilu calibrate`` measures."""
+
+    instance: str = ""
+    enqueued_ns: int = 0
+    started_ns: int = 0
+    replied_ns: int = 0
+    batch: int = 0
+
+
 class Outcome(msgspec.Struct, frozen=True, kw_only=True):
     """What ``invoke`` reports for one request.
 
@@ -43,6 +59,7 @@ class Outcome(msgspec.Struct, frozen=True, kw_only=True):
     token, ms from the *scheduled* send to the first chunk's arrival; ``tpot_ms`` time per output
     token, ms, ``(last chunk - first chunk) / (chunks - 1)``; ``output_tokens`` chunks received.
     None, None and 0 when the reply was not streamed (TPOT also None for a single chunk).
+    ``timings``: the platform's own times of the request (None: not known, e.g. no reply).
     """
 
     status: Status = "ok"
@@ -52,6 +69,7 @@ class Outcome(msgspec.Struct, frozen=True, kw_only=True):
     ttft_ms: float | None = None
     tpot_ms: float | None = None
     output_tokens: int = 0
+    timings: Timings | None = None
 
 
 class Record(msgspec.Struct, frozen=True, kw_only=True):
@@ -60,7 +78,7 @@ class Record(msgspec.Struct, frozen=True, kw_only=True):
     ``done_ns`` answer (or the moment it was given up). Latency is ``done_ns - scheduled_ns``;
     lateness ``sent_ns - scheduled_ns``.
     ``ttft_ms``, ``tpot_ms`` and ``output_tokens`` are the :class:`Outcome`'s (None, None, 0 when
-    the reply was not streamed)."""
+    the reply was not streamed); ``timings`` too (Unix epoch ns, unlike the offsets above)."""
 
     id: str
     function: str
@@ -73,6 +91,7 @@ class Record(msgspec.Struct, frozen=True, kw_only=True):
     ttft_ms: float | None = None
     tpot_ms: float | None = None
     output_tokens: int = 0
+    timings: Timings | None = None
 
     @property
     def latency_ns(self) -> int:
@@ -257,7 +276,7 @@ class OpenLoopGenerator:
             id=inv.id, function=inv.function, scheduled_ns=inv.scheduled_ns, sent_ns=sent,
             done_ns=done_abs - self._start_ns, status=status, cold_start=outcome.cold_start,
             detail=outcome.detail, ttft_ms=outcome.ttft_ms, tpot_ms=outcome.tpot_ms,
-            output_tokens=outcome.output_tokens,
+            output_tokens=outcome.output_tokens, timings=outcome.timings,
         ))
 
     async def _drain(self) -> None:

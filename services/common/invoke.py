@@ -69,6 +69,9 @@ class InvokeResult(msgspec.Struct, frozen=True, kw_only=True):
     ``chunks``: streamed chunks received in order (0 for a plain reply); ``first_chunk_ns`` /
     ``last_chunk_ns``: Unix epoch ns at which the first / last of them arrived (0: none), so
     TTFT = ``first_chunk_ns - scheduled_ns`` and TPOT = ``(last - first) / (chunks - 1)``.
+    ``started_ns`` / ``replied_ns``: Unix epoch ns at which the answering instance began the batch
+    holding the request and published this reply, and ``batch`` how many requests that batch held
+    (0 where the reply does not say: an older instance, or a request given up unrun).
     """
 
     request_id: str
@@ -82,6 +85,17 @@ class InvokeResult(msgspec.Struct, frozen=True, kw_only=True):
     chunks: int = 0
     first_chunk_ns: int = 0
     last_chunk_ns: int = 0
+    started_ns: int = 0
+    replied_ns: int = 0
+    batch: int = 0
+
+
+def _int_header(headers: dict, name: str) -> int:
+    """A reply header holding a non-negative integer, 0 when absent or not one."""
+    try:
+        return max(0, int(headers.get(name, "0")))
+    except ValueError:
+        return 0
 
 
 OnChunk = Callable[[bytes], None]
@@ -337,10 +351,6 @@ class InvokeClient:
                 self.log.warning("reply for no known request", request_id=request_id, subject=msg.subject)
             return
         status = "ok" if headers.get(subj.H_STATUS) == "ok" else "error"
-        try:
-            enqueued_ns = int(headers.get(subj.H_ENQUEUED_NS, "0"))
-        except ValueError:
-            enqueued_ns = 0
         result = InvokeResult(
             request_id=request_id,
             status=status,
@@ -348,11 +358,14 @@ class InvokeClient:
             cold_start=headers.get(subj.H_COLD_START) == "1",
             instance=headers.get(subj.H_INSTANCE, ""),
             error=headers.get(subj.H_ERROR, "" if status == "ok" else "error reply without a reason"),
-            enqueued_ns=enqueued_ns,
+            enqueued_ns=_int_header(headers, subj.H_ENQUEUED_NS),
             payload=msg.data if status == "ok" else b"",
             chunks=pending.chunks,
             first_chunk_ns=pending.first_chunk_ns,
             last_chunk_ns=pending.last_chunk_ns,
+            started_ns=_int_header(headers, subj.H_STARTED_NS),
+            replied_ns=_int_header(headers, subj.H_REPLIED_NS),
+            batch=_int_header(headers, subj.H_BATCH),
         )
         self._remember(request_id, answered=True)
         setattr(self.stats, status, getattr(self.stats, status) + 1)

@@ -179,7 +179,9 @@ class Request:
     ``enqueued_ns``: when JetStream stored it, Unix epoch ns. ``delivered``: delivery count
     (> 1 means a redelivery). ``status`` ("ok" / "error") and ``error`` are filled in once the
     request is answered, before the ``on_done`` hook sees it. ``chunks``: streamed chunks sent
-    to the caller so far (:meth:`BatchPuller.send_chunk`).
+    to the caller so far (:meth:`BatchPuller.send_chunk`). ``started_ns``: when the batch holding
+    it was handed to the handler, Unix epoch ns, and ``batch`` how many requests it held (0, 0
+    until then); both go back in the reply.
     """
 
     request_id: str
@@ -191,6 +193,8 @@ class Request:
     status: str = ""
     error: str = ""
     chunks: int = 0
+    started_ns: int = 0
+    batch: int = 0
 
 
 class MalformedRequest(ValueError):
@@ -408,6 +412,9 @@ class BatchPuller:
             for group in groups:
                 requests = [req for req, _ in group]
                 self.batches += 1
+                started = time.time_ns()
+                for req in requests:
+                    req.started_ns, req.batch = started, len(requests)
                 results = await self._run_process(process, requests)
                 for (req, msg), result in zip(group, results):
                     await self._answer(req, msg, result)
@@ -492,6 +499,10 @@ class BatchPuller:
             headers[subj.H_ERROR] = _header_value(req.error)
         if self.stream or req.chunks:
             headers[subj.H_CHUNK] = str(req.chunks)
+        if req.batch:  # 0: answered without running (given up after repeated deliveries)
+            headers[subj.H_STARTED_NS] = str(req.started_ns)
+            headers[subj.H_BATCH] = str(req.batch)
+        headers[subj.H_REPLIED_NS] = str(time.time_ns())
         try:
             await self.nc.publish(req.reply_to, data, headers=headers)
             # after the reply: a crash in between means redelivery, not loss. No flush: acks are

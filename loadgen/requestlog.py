@@ -1,0 +1,73 @@
+"""The request log of a live run: one JSON object per offered request, in ``requests.jsonl`` beside
+the services' logs (``dilu demo`` / ``dilu compare`` write one per policy into ``--log-dir``).
+
+Each line (:class:`RequestLine`): the request's ``id``, ``function``, ``status`` and
+``cold_start``; the caller's times ``scheduled_ns`` (intended send), ``sent_ns`` and ``done_ns``
+(answer, or given up); and what the platform's reply said (:class:`~.generator.Timings`):
+``instance``, ``enqueued_ns``, ``started_ns``, ``replied_ns`` and ``batch`` (0 / "" where the
+reply did not say). Every time is Unix epoch ns, so the four spans of a latency are plain
+differences: way in ``enqueued - scheduled``, queue ``started - enqueued``, service ``replied -
+started``, way back ``done - replied``. ``dilu calibrate`` reads it (:mod:`.sim.calibrate`).
+"""
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import msgspec
+
+from .generator import RunResult, Status
+
+FILENAME = "requests.jsonl"
+REPORT_FILENAME = "report.json"  # the run's report (``dilu demo --json``'s), beside the request log
+
+
+class RequestLine(msgspec.Struct, kw_only=True):
+    """One request of a live run (module docstring); times in Unix epoch ns."""
+
+    id: str
+    function: str
+    status: Status
+    cold_start: bool = False
+    scheduled_ns: int
+    sent_ns: int
+    done_ns: int
+    instance: str = ""
+    enqueued_ns: int = 0
+    started_ns: int = 0
+    replied_ns: int = 0
+    batch: int = 0
+
+
+def lines(result: RunResult) -> Iterator[RequestLine]:
+    """The request log lines of a replay (its records' offsets made Unix epoch ns)."""
+    base = result.started_unix_ns
+    for r in result.records:
+        t = r.timings
+        yield RequestLine(id=r.id, function=r.function, status=r.status, cold_start=r.cold_start,
+                          scheduled_ns=base + r.scheduled_ns, sent_ns=base + r.sent_ns, done_ns=base + r.done_ns,
+                          **({} if t is None else msgspec.structs.asdict(t)))
+
+
+def write(path: str | Path, result: RunResult) -> None:
+    """Write the request log of ``result`` to ``path`` (replaced). Raises OSError."""
+    enc = msgspec.json.Encoder()
+    with open(path, "wb") as fh:
+        for line in lines(result):
+            fh.write(enc.encode(line) + b"\n")
+
+
+def read(path: str | Path) -> list[RequestLine]:
+    """The lines of a request log. Raises OSError, or ValueError naming the file and line of one
+    that is malformed."""
+    dec = msgspec.json.Decoder(RequestLine)
+    out = []
+    with open(path, "rb") as fh:
+        for n, raw in enumerate(fh, 1):
+            if not raw.strip():
+                continue
+            try:
+                out.append(dec.decode(raw))
+            except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+                raise ValueError(f"{path}:{n}: not a request log line ({exc})") from None
+    return out
