@@ -24,6 +24,7 @@ COMMANDS: dict[str, str] = {
     "creds": "dilu.cli.creds:creds",
     "events": "dilu.cli.events:events",
     "sim": "dilu.cli.sim:sim",
+    "calibrate": "dilu.cli.sim:calibrate",
 }
 BENCHES: dict[str, str] = {
     "interceptor": "dilu.interceptor.bench:bench_interceptor",

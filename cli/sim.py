@@ -15,6 +15,7 @@ from pathlib import Path
 import click
 
 from dilu.loadgen.arrivals import SPEEDUP_MAX, SPEEDUP_MIN
+from dilu.loadgen.sim.calibrate import MIN_BATCHES
 from dilu.services.common import models
 from dilu.services.common.cliopts import PARK_AFTER_S_TYPE, Finite, ZeroOrAtLeast, writable_dir, writable_output, write_output
 from dilu.services.common.policies import DEFRAG_INTERVAL_MIN_S, DEFRAG_INTERVAL_S, PARK_AFTER_S, POLICIES
@@ -87,9 +88,13 @@ def _opt(*decls, **kw):
       help="how often the scheduler of dilu and dilu-published defragments (moves instances off lightly used "
            "GPUs, each drained once its replacement is ready), trace seconds; 0: never (default: "
            f"{DEFRAG_INTERVAL_S:g}, as they do live). The baselines never defragment, whatever this says")
-@_opt("--process-start-ms", type=Finite(min=0, max=600_000), default=models.PROCESS_START_MS, show_default=True,
+@_opt("--process-start-ms", type=Finite(min=0, max=600_000), default=None,
       help="an instance's process start before its weights load (a cold start is this plus the weights at "
-           "4 GB/s); set it to what your node measures (the node agent logs cold_start_ms per instance)")
+           "4 GB/s); set it to what your node measures (the node agent logs cold_start_ms per instance; "
+           f"dilu calibrate measures it) (default: the --overheads file's, else {models.PROCESS_START_MS:g})")
+@_opt("--overheads", "overheads_path", type=click.Path(exists=True, dir_okay=False), default=None,
+      help="add what a live node adds to each request and batch beyond the modelled GPU time, as measured by "
+           "dilu calibrate --json (for a cross-check against the emulated node; default: nothing)")
 @_opt("--json", "json_path", type=click.Path(dir_okay=False), default=None, callback=writable_output,
       help='write {"policies": {name: report}, "sim": {...}} here (the format of dilu compare --json)')
 @_opt("--plots", "plots_dir", type=click.Path(file_okay=False), default=None, callback=writable_dir,
@@ -98,7 +103,8 @@ def _opt(*decls, **kw):
       help="replay a dilu-sim scheduling workload (the bundled ones are listed below) through the placement "
            "policy instead of a trace (default size: 1000 nodes)")
 def sim(trace_dir, functions, hours, start_minute, speedup, nodes, gpus_per_node, policies, seed, training_jobs,
-        keep_alive_s, park_after_s, defrag_interval_s, process_start_ms, json_path, plots_dir, workload) -> None:
+        keep_alive_s, park_after_s, defrag_interval_s, process_start_ms, overheads_path, json_path, plots_dir,
+        workload) -> None:
     """Simulate the platform's policies over a real trace (deterministic per seed) and print the
     comparison table, as dilu compare does for live runs. In a simulated report, seconds are
     simulated seconds ("wall s" and goodput's denominator included), and the vertical reaction is
@@ -131,7 +137,16 @@ def sim(trace_dir, functions, hours, start_minute, speedup, nodes, gpus_per_node
             console.print(f"written to {json_path}")
         return
 
+    from dilu.loadgen.sim.overheads import Overheads, OverheadsError
     from dilu.loadgen.sim.run import Interrupted, SimConfig, simulate
+
+    try:
+        overheads = Overheads.read(overheads_path) if overheads_path else None
+    except OverheadsError as exc:
+        raise click.BadParameter(str(exc), param_hint="--overheads") from None
+    if process_start_ms is None:
+        measured = overheads.process_start_ms if overheads is not None else None
+        process_start_ms = models.PROCESS_START_MS if measured is None else measured
 
     stopped = {"code": 130}
 
@@ -144,7 +159,8 @@ def sim(trace_dir, functions, hours, start_minute, speedup, nodes, gpus_per_node
         cfg = SimConfig(trace_dir=trace_dir, functions=functions, hours=hours, nodes=nodes, gpus_per_node=gpus_per_node,
                         seed=seed, training_jobs=training_jobs, start_minute=start_minute,
                         speedup=speedup, keep_alive_s=keep_alive_s, park_after_s=park_after_s,
-                        defrag_interval_s=defrag_interval_s, process_start_ms=process_start_ms)
+                        defrag_interval_s=defrag_interval_s, process_start_ms=process_start_ms,
+                        overheads=overheads)
         out = simulate(cfg, policies, progress=lambda p: console.print(f"[dim]simulating policy {p}[/dim]"),
                        tick=lambda p, done, total: console.print(
                            f"[dim]{p}: {done:,.0f} of {total:,.0f} simulated s[/dim]", highlight=False))
@@ -233,3 +249,43 @@ def _print_workload(out: dict, console) -> None:
         console.print(f"[yellow]{out['unplaced']:,} instances found no GPU with room on {out['nodes']} x "
                       f"{out['gpus_per_node']} GPUs: the peaks and the lower bound count the placed ones "
                       f"only[/yellow]", highlight=False)
+
+
+@click.command("calibrate")
+@click.argument("log_dirs", nargs=-1, required=True, type=click.Path(exists=True, file_okay=False, path_type=Path))
+@_opt("--json", "json_path", type=click.Path(dir_okay=False), default=None, callback=writable_output,
+      help="write the overheads here, for dilu sim --overheads")
+@_opt("--min-batches", type=click.IntRange(min=1), default=MIN_BATCHES, show_default=True,
+      help="leave out a function and batch size with fewer batches than this, live or simulated")
+def calibrate(log_dirs, json_path, min_batches) -> None:
+    """Measure what the live node adds beyond the simulator's model, from the log directories of
+    live runs (each a policy's directory under dilu demo/compare --log-dir, holding
+    requests.jsonl, report.json and node_agent.log): the process start of an instance, the
+    way in and back of a request, and how much longer a batch's service takes than simulated
+    on the run's own plan. Prints the quantiles; --json writes them for dilu sim --overheads."""
+    from rich.table import Table
+
+    from dilu.cli.demo import make_console
+    from dilu.loadgen.sim import calibrate as cal
+    from dilu.loadgen.trace import TraceError
+
+    console = make_console()
+    try:
+        ov = cal.calibrate(list(log_dirs), min_batches)
+    except (OSError, KeyError, ValueError, TraceError) as exc:
+        raise click.ClickException(f"cannot calibrate: {exc if not isinstance(exc, KeyError) else f'missing {exc}'}") from None
+    table = Table(title="Overheads of the live node beyond the simulated GPU time (ms)")
+    table.add_column("overhead")
+    for q in ("p10", "p50", "p90", "p99", "max"):
+        table.add_column(q, justify="right")
+    for name, tab in (("transport (way in + back)", ov.transport_ms), ("batch service", ov.batch_ms)):
+        table.add_row(name, *(f"{tab[k]:.1f}" for k in (10, 50, 90, 99, 100)))
+    console.print(table)
+    src = ov.source
+    console.print(f"{src['transport_samples']:,} requests, {src['batch_samples']:,} batches; process start "
+                  + (f"{ov.process_start_ms:g} ms (median of {src['process_start_samples']} launches)"
+                     if ov.process_start_ms is not None else "not measured (no launch after the initial ones)"),
+                  highlight=False)
+    if json_path:
+        write_output(json_path, ov.to_json().decode())
+        console.print(f"written to {json_path}")

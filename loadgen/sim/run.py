@@ -72,6 +72,7 @@ from dilu.services.vertical_scaler.policy import VerticalConfig, vertical_policy
 
 from .engine import EventLoop
 from .node import Function, Gpu, Instance, batch_ms, iteration_ms, pace, train_load
+from .overheads import Overheads, Sampler
 
 GPU_MEMORY_BYTES = 40 * GIB  # the emulated A100 40 GB (node_agent.devices "a100-40gb" rounds to 40 GiB)
 REQUEST_TIMEOUT_MIN_MS = 30_000.0  # cli.demo.REQUEST_TIMEOUT_MIN_S
@@ -104,7 +105,9 @@ class SimConfig:
     in trace seconds (None: as it does live, :data:`DEFRAG_INTERVAL_S`; 0: never; the baselines
     never do); ``process_start_ms``:
     an instance's process start before its weights load (a cold start is that plus the weights
-    at 4 GB/s); ticks in ms; ``sample_s``: timeline resolution."""
+    at 4 GB/s); ``overheads``: what a live node adds to each request and batch beyond the
+    modelled GPU time (:mod:`.overheads`, measured by ``dilu calibrate``; None: nothing); ticks
+    in ms; ``sample_s``: timeline resolution."""
 
     trace_dir: str | None = None
     functions: int | str = 16
@@ -119,6 +122,7 @@ class SimConfig:
     park_after_s: float | None = None
     defrag_interval_s: float | None = None
     process_start_ms: float = models.PROCESS_START_MS
+    overheads: Overheads | None = None
     vertical_tick_ms: float = 250.0
     horizontal_tick_ms: float = 500.0
     warm_up_s: float | None = None  # None: when the initial instances are ready (warm_up_ms)
@@ -324,6 +328,12 @@ class Simulation:
         for s in work.specs:
             self._deploy(s)
         self.by_fn = [self.fns[i.function] for i in invs]
+        ov = cfg.overheads  # each its own seeded stream: the same draws whatever else is random
+        self.transport = Sampler(ov.transport_ms, f"transport-{cfg.seed}") if ov else None
+        self.batch_extra = Sampler(ov.batch_ms, f"batch-{cfg.seed}") if ov else None
+        # (function, batch size, modelled service ms) of each batch of the replay, when a caller
+        # (dilu calibrate) sets a list here; None: not kept
+        self.batch_log: list[tuple[str, int, float]] | None = None
 
     # ------------------------------------------------------------------ setup
 
@@ -676,7 +686,12 @@ class Simulation:
         inst.win_busy_ms += dur
         if now >= self.t0:
             self.consumed += inst.width * base
-        self.loop.at(now + dur, self._end_batch, inst)
+            if self.batch_log is not None:
+                self.batch_log.append((f.name, len(reqs), dur))
+        # the live node's own time for a batch (the instance is busy for it; first order, it also
+        # holds its width on the GPU meanwhile)
+        extra = self.batch_extra() if self.batch_extra is not None else 0.0
+        self.loop.at(now + dur + extra, self._end_batch, inst)
         if stretch >= STRETCH_RATIO and not yields_share(inst.priority):
             for g in self.vertical.on_stretch(gpu.gid, now, inst.iid, stretch):
                 target = gpu.instances.get(g.instance_id)
@@ -687,10 +702,10 @@ class Simulation:
         now = self.loop.now
         inst.busy = False
         inst.gpu.busy_width -= inst.width
-        ready_ms, sched = inst.ready_ms, self.sched
+        ready_ms, sched, transport = inst.ready_ms, self.sched, self.transport
         worst = 0.0
         for i in inst.inflight:
-            self._finish(i, now, "ok", ready_ms > sched[i])
+            self._finish(i, now + transport() if transport is not None else now, "ok", ready_ms > sched[i])
             if inst.resumed_ms > sched[i]:
                 self.facts.resume_waits += 1
             lat = now - sched[i]
@@ -1030,6 +1045,7 @@ def _output(cfg: SimConfig, work: Workload, reports: dict, facts: dict) -> dict:
             "functions": cfg.functions, "keep_alive_s": cfg.keep_alive_s, "park_after_s": cfg.park_after_s,
             "defrag_interval_s": cfg.defrag_interval_s,
             "process_start_ms": cfg.process_start_ms,
+            "overheads": None if cfg.overheads is None else cfg.overheads.source,
             "seed": cfg.seed, "training_jobs": cfg.training_jobs, "vertical_tick_ms": cfg.vertical_tick_ms,
             "horizontal_tick_ms": cfg.horizontal_tick_ms,
             "warm_up_s": round(warm_up_ms(cfg, work) / 1000.0, 6), "drain_s": cfg.drain_s}

@@ -1,0 +1,143 @@
+"""``dilu calibrate``: the simulator's overheads (:mod:`.overheads`) measured from live runs.
+
+Input: the log directories ``dilu demo`` / ``dilu compare`` leave per policy under ``--log-dir``
+(``requests.jsonl`` and ``report.json``, :mod:`dilu.loadgen.requestlog`; the node agent's
+``node_agent.log``). From each:
+
+- **process start**: each instance launched after the initial ones were all ready, its
+  InstanceReady cold start less the emulated weight load (:func:`models.cold_start_ms`); the
+  initial ones start all at once and share the CPU. The median over every run.
+- **transport**: per answered request, way in + way back (:mod:`.overheads`).
+- **batch**: the live service of each batch (the first reply of each (instance, start) pair:
+  handler called -> reply published) against the simulator's service of the batches of the same
+  function and size, simulated on the run's own plan, policy and process start: the k-th of n
+  live services (ascending) less the simulated quantile at (k + 1/2) / n. A function and batch size
+  with fewer than ``min_batches`` batches either way is left out. These differences, pooled over
+  the runs, are the batch overhead's sample (negative ones count as 0).
+"""
+from __future__ import annotations
+
+import json
+import statistics
+from collections import defaultdict
+from pathlib import Path
+
+import numpy as np
+
+from dilu.loadgen import requestlog
+from dilu.services.common import models
+
+from .overheads import Overheads, OverheadsError
+
+MIN_BATCHES = 20  # fewer batches of one function and size say little about its service's spread
+NODE_AGENT_LOG = "node_agent.log"
+
+
+def process_starts_ms(log: Path, model_of: dict[str, str]) -> list[float]:
+    """The process starts (ms) of the instances a live run launched once its initial ones were up,
+    from the node agent's JSON log (module docstring); empty when it launched none then.
+    ``model_of``: function name -> model."""
+    events = [json.loads(line) for line in log.read_text().splitlines() if line.startswith("{")]
+    ready = [e for e in events if e.get("event") == "instance ready" and "cold_start_ms" in e]
+    first: dict[str, int] = {}
+    for k, e in enumerate(ready):
+        first.setdefault(_function(e["instance"]), k)
+    last_initial = max(first.values(), default=-1)
+    return [e["cold_start_ms"] - models.cold_start_ms(model_of[_function(e["instance"])])
+            for k, e in enumerate(ready) if k > last_initial and _function(e["instance"]) in model_of]
+
+
+def _function(instance: str) -> str:
+    """An instance id's function (``<function>-<10 hex>``, as the scheduler names instances)."""
+    return instance.rsplit("-", 1)[0]
+
+
+def transport_ms(lines: list[requestlog.RequestLine]) -> list[float]:
+    """Way in + way back (ms) of each answered request whose reply carried its timings."""
+    return [((r.enqueued_ns - r.scheduled_ns) + (r.done_ns - r.replied_ns)) / 1e6
+            for r in lines if r.status == "ok" and r.enqueued_ns and r.replied_ns]
+
+
+def live_services(lines: list[requestlog.RequestLine]) -> dict[tuple[str, int], list[float]]:
+    """(function, batch size) -> the live service (ms) of each of its batches: from the handler's
+    call to the batch's first reply."""
+    first: dict[tuple[str, int], int] = {}
+    size: dict[tuple[str, int], tuple[str, int]] = {}
+    for r in lines:
+        if r.status != "ok" or not (r.started_ns and r.replied_ns and r.batch):
+            continue
+        key = (r.instance, r.started_ns)
+        if key not in first or r.replied_ns < first[key]:
+            first[key] = r.replied_ns
+            size[key] = (r.function, r.batch)
+    out: dict[tuple[str, int], list[float]] = defaultdict(list)
+    for key, replied in first.items():
+        out[size[key]].append((replied - key[1]) / 1e6)
+    return dict(out)
+
+
+def simulated_services(run: dict, policy: str, training_jobs: int,
+                       process_start_ms: float) -> dict[tuple[str, int], list[float]]:
+    """(function, batch size) -> the simulated service (ms) of each batch of a simulation of the
+    live run described by ``run`` (a report's ``run`` section) under ``policy``. Raises ValueError
+    for a run the simulator cannot replay (an llm trace beside it)."""
+    from .run import SimConfig, Simulation, prepare
+
+    if run.get("llm"):
+        raise ValueError("the run replayed the LLM trace beside the functions (--llm-share), "
+                         "which the simulator does not: calibrate from runs without it")
+    gpus = int(run["gpus"])
+    if gpus < 1:
+        raise ValueError("the run had no emulated GPU (--gpus cpu): nothing to calibrate")
+    cfg = SimConfig(trace_dir=run["trace"], functions=int(run["functions"]),
+                    hours=run["duration_s"] * run["speedup"] / 3600.0, gpus_per_node=gpus, seed=int(run["seed"]),
+                    start_minute=run.get("start_minute"), speedup=run["speedup"],
+                    training_jobs=training_jobs / gpus, process_start_ms=process_start_ms, keep_records=False)
+    sim = Simulation(cfg, policy, prepare(cfg))
+    sim.batch_log = []
+    sim.run()
+    out: dict[tuple[str, int], list[float]] = defaultdict(list)
+    for fn, size, ms in sim.batch_log:
+        out[(fn, size)].append(ms)
+    return dict(out)
+
+
+def batch_overheads_ms(live: dict, simulated: dict, min_batches: int = MIN_BATCHES) -> list[float]:
+    """Live service less simulated service, quantile by quantile, for each (function, batch size)
+    with at least ``min_batches`` batches in both (module docstring); one value per live batch."""
+    out: list[float] = []
+    for key, services in live.items():
+        sims = simulated.get(key, ())
+        if len(services) < min_batches or len(sims) < min_batches:
+            continue
+        ranked = np.sort(np.asarray(services))
+        at = (np.arange(len(ranked)) + 0.5) / len(ranked) * 100.0
+        out.extend((ranked - np.percentile(np.asarray(sims), at)).tolist())
+    return out
+
+
+def calibrate(log_dirs: list[Path], min_batches: int = MIN_BATCHES) -> Overheads:
+    """The overheads measured from the live runs' log directories (module docstring). Raises
+    OSError for a missing file, ValueError (OverheadsError) naming what cannot be used."""
+    transport: list[float] = []
+    batch: list[float] = []
+    starts: list[float] = []
+    runs = []
+    for d in log_dirs:
+        rep = json.loads((d / requestlog.REPORT_FILENAME).read_text())
+        lines = requestlog.read(d / requestlog.FILENAME)
+        model_of = {f["name"]: f["model"] for f in rep["functions"]}
+        starts += process_starts_ms(d / NODE_AGENT_LOG, model_of)
+        runs.append((d, rep, lines))
+    start_ms = statistics.median(starts) if starts else models.PROCESS_START_MS
+    for d, rep, lines in runs:
+        run = rep["run"]
+        transport += transport_ms(lines)
+        simulated = simulated_services(run, run["policy"], len(rep.get("training", [])), start_ms)
+        batch += batch_overheads_ms(live_services(lines), simulated, min_batches)
+    if not batch:
+        raise OverheadsError(f"no function served {min_batches} batches of one size in both the live runs "
+                             "and their simulation: give longer or busier runs")
+    source = {"runs": [str(d) for d in log_dirs], "transport_samples": len(transport),
+              "batch_samples": len(batch), "process_start_samples": len(starts)}
+    return Overheads.from_samples(transport, batch, start_ms if starts else None, source)

@@ -1,0 +1,120 @@
+"""What a live node adds to a request beyond the GPU time the simulator models, as quantile tables
+measured by ``dilu calibrate`` (:mod:`.calibrate`) and replayed by ``dilu sim --overheads``.
+
+Two parts, split by the serving instance's own times in its reply (``Dilu-Started-Ns``,
+``Dilu-Replied-Ns``; :class:`dilu.loadgen.generator.Timings`):
+
+- ``transport_ms``: the way in (scheduled send -> stored by JetStream) plus the way back (reply
+  published -> answer received) of a request: the load generator, NATS and the caller's event
+  loop. It adds to the request's latency and holds no instance.
+- ``batch_ms``: how much longer a batch's service (handler called -> reply published) takes live
+  than the simulator's model of it (the surface at the instance's width, paced and stretched):
+  the instance's Python, the launch path through the interceptor and the fake driver, and the
+  wait for a CPU on a busy node. The instance is busy for it, so it also lengthens the queue.
+
+On a real GPU node both are small against the GPU's time; on the emulated node of a 2-core
+machine they are not (README, At cluster scale: the cross-check). ``dilu sim`` without
+``--overheads`` models neither.
+"""
+from __future__ import annotations
+
+import math
+import random
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Sequence
+
+import msgspec
+import numpy as np
+
+QUANTILE_POINTS = 101  # each table: the 0th, 1st, ..., 100th percentile
+
+
+class OverheadsError(ValueError):
+    """An overheads file that cannot be used (one line: the file and what is wrong)."""
+
+
+@dataclass(frozen=True)
+class Overheads:
+    """Measured overheads (ms) as quantile tables of :data:`QUANTILE_POINTS` non-decreasing,
+    finite, non-negative values (``transport_ms``, ``batch_ms``), the node's median process start
+    (``process_start_ms``, ms; None: not measured) and where they come from (``source``: free
+    JSON, e.g. the runs measured and how many samples). Raises :class:`OverheadsError` when a
+    table is malformed."""
+
+    transport_ms: tuple[float, ...]
+    batch_ms: tuple[float, ...]
+    process_start_ms: float | None = None
+    source: dict = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        for name in ("transport_ms", "batch_ms"):
+            q = getattr(self, name)
+            if len(q) != QUANTILE_POINTS:
+                raise OverheadsError(f"{name} must hold {QUANTILE_POINTS} quantiles, got {len(q)}")
+            if any(not (math.isfinite(v) and v >= 0) for v in q):
+                raise OverheadsError(f"{name} holds a negative or non-finite value")
+            if any(b < a for a, b in zip(q, q[1:])):
+                raise OverheadsError(f"{name} is not non-decreasing (quantiles)")
+        ps = self.process_start_ms
+        if ps is not None and not (math.isfinite(ps) and 0 <= ps <= 600_000):
+            raise OverheadsError(f"process_start_ms must be in [0, 600000] ms, got {ps}")
+
+    @classmethod
+    def from_samples(cls, transport_ms: Sequence[float], batch_ms: Sequence[float],
+                     process_start_ms: float | None = None, source: dict | None = None) -> Overheads:
+        """The tables of two samples (ms; negative values count as 0: a batch served faster than
+        modelled adds nothing). Raises :class:`OverheadsError` when a sample is empty."""
+        return cls(quantiles(transport_ms, "transport"), quantiles(batch_ms, "batch"),
+                   None if process_start_ms is None else round(process_start_ms, 1), dict(source or {}))
+
+    def to_json(self) -> bytes:
+        return msgspec.json.format(msgspec.json.encode({
+            "transport_ms": list(self.transport_ms), "batch_ms": list(self.batch_ms),
+            "process_start_ms": self.process_start_ms, "source": self.source}), indent=2) + b"\n"
+
+    @classmethod
+    def read(cls, path: str | Path) -> Overheads:
+        """Load a file written by ``dilu calibrate --json``; raises :class:`OverheadsError` naming the
+        file when it is unreadable or malformed."""
+        try:
+            data = msgspec.json.decode(Path(path).read_bytes(), type=_File)
+            return cls(tuple(data.transport_ms), tuple(data.batch_ms), data.process_start_ms, data.source)
+        except (OSError, msgspec.DecodeError, msgspec.ValidationError, OverheadsError) as exc:
+            raise OverheadsError(f"{path}: not an overheads file ({exc})") from None
+
+
+class _File(msgspec.Struct, forbid_unknown_fields=True):
+    transport_ms: list[float]
+    batch_ms: list[float]
+    process_start_ms: float | None = None
+    source: dict = {}
+
+
+def quantiles(sample: Sequence[float], what: str = "sample") -> tuple[float, ...]:
+    """The :data:`QUANTILE_POINTS` percentiles 0..100 of ``sample`` (ms, values clamped at 0;
+    numpy's linear interpolation between order statistics), rounded to µs. Raises
+    :class:`OverheadsError` when the sample is empty."""
+    if not len(sample):
+        raise OverheadsError(f"no {what} overhead measured: the runs hold no answered request with its timings")
+    q = np.percentile(np.maximum(np.asarray(sample, dtype=float), 0.0), np.linspace(0.0, 100.0, QUANTILE_POINTS))
+    return tuple(round(float(v), 3) for v in q)
+
+
+class Sampler:
+    """Draws from a quantile table by inverse transform: u uniform on [0, 1), read between the two
+    neighbouring quantiles. Deterministic per ``seed`` (its own :class:`random.Random`, so the
+    draws do not move any other seeded stream)."""
+
+    __slots__ = ("table", "rng", "span")
+
+    def __init__(self, table: Sequence[float], seed: int | str) -> None:
+        self.table = tuple(table)
+        self.span = len(self.table) - 1
+        self.rng = random.Random(seed)
+
+    def __call__(self) -> float:
+        pos = self.rng.random() * self.span
+        i = int(pos)
+        lo, hi = self.table[i], self.table[i + 1]
+        return lo + (hi - lo) * (pos - i)
