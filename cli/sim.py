@@ -95,6 +95,9 @@ def _opt(*decls, **kw):
 @_opt("--overheads", "overheads_path", type=click.Path(exists=True, dir_okay=False), default=None,
       help="add what a live node adds to each request and batch beyond the modelled GPU time, as measured by "
            "dilu calibrate --json (for a cross-check against the emulated node; default: nothing)")
+@_opt("--overheads-seed", type=click.IntRange(min=0), default=None,
+      help="seeds the draws of --overheads alone (default: --seed): the same requests meet other overheads, "
+           "as a live rerun of the same plan does")
 @_opt("--json", "json_path", type=click.Path(dir_okay=False), default=None, callback=writable_output,
       help='write {"policies": {name: report}, "sim": {...}} here (the format of dilu compare --json)')
 @_opt("--plots", "plots_dir", type=click.Path(file_okay=False), default=None, callback=writable_dir,
@@ -103,8 +106,8 @@ def _opt(*decls, **kw):
       help="replay a dilu-sim scheduling workload (the bundled ones are listed below) through the placement "
            "policy instead of a trace (default size: 1000 nodes)")
 def sim(trace_dir, functions, hours, start_minute, speedup, nodes, gpus_per_node, policies, seed, training_jobs,
-        keep_alive_s, park_after_s, defrag_interval_s, process_start_ms, overheads_path, json_path, plots_dir,
-        workload) -> None:
+        keep_alive_s, park_after_s, defrag_interval_s, process_start_ms, overheads_path, overheads_seed, json_path,
+        plots_dir, workload) -> None:
     """Simulate the platform's policies over a real trace (deterministic per seed) and print the
     comparison table, as dilu compare does for live runs. In a simulated report, seconds are
     simulated seconds ("wall s" and goodput's denominator included), and the vertical reaction is
@@ -140,6 +143,8 @@ def sim(trace_dir, functions, hours, start_minute, speedup, nodes, gpus_per_node
     from dilu.loadgen.sim.overheads import Overheads, OverheadsError
     from dilu.loadgen.sim.run import Interrupted, SimConfig, simulate
 
+    if overheads_seed is not None and not overheads_path:
+        raise click.UsageError("--overheads-seed seeds the draws of --overheads, which is not given")
     try:
         overheads = Overheads.read(overheads_path) if overheads_path else None
     except OverheadsError as exc:
@@ -160,7 +165,7 @@ def sim(trace_dir, functions, hours, start_minute, speedup, nodes, gpus_per_node
                         seed=seed, training_jobs=training_jobs, start_minute=start_minute,
                         speedup=speedup, keep_alive_s=keep_alive_s, park_after_s=park_after_s,
                         defrag_interval_s=defrag_interval_s, process_start_ms=process_start_ms,
-                        overheads=overheads)
+                        overheads=overheads, overheads_seed=overheads_seed)
         out = simulate(cfg, policies, progress=lambda p: console.print(f"[dim]simulating policy {p}[/dim]"),
                        tick=lambda p, done, total: console.print(
                            f"[dim]{p}: {done:,.0f} of {total:,.0f} simulated s[/dim]", highlight=False))
@@ -178,6 +183,11 @@ def sim(trace_dir, functions, hours, start_minute, speedup, nodes, gpus_per_node
     _show(out, console, functions, hours, speedup, json_path, plots_dir)
 
 
+def _count(n: int, noun: str, plural: str | None = None) -> str:
+    """``n`` and the noun in its number: "1 request", "2,000 requests"."""
+    return f"{n:,} {noun if n == 1 else plural or noun + 's'}"
+
+
 def _parking_line(name: str, s: dict) -> str:
     """One policy's parking in words, from its ``sim`` facts (:class:`SimFacts`, counted to the end
     of the drain, where the report's parks and resumes stop at the replay's end): instances
@@ -185,10 +195,11 @@ def _parking_line(name: str, s: dict) -> str:
     a cold start) and refused (no GPU had room: the instance stayed parked, as live), and the
     requests that waited for a resume."""
     refused = s["resumes_refused"] - s["relaunches"]
-    return (f"{name}: {s['parks']:,} instances parked, {s['resumes']:,} resumed in place, {s['relaunches']:,} "
+    waits = s["resume_waits"]
+    return (f"{name}: {_count(s['parks'], 'instance')} parked, {s['resumes']:,} resumed in place, {s['relaunches']:,} "
             f"relaunched elsewhere (their GPU full), {refused:,} refused (no GPU had room), to the end of the drain "
             f"(the table's parks and resumes stop at the replay's end); "
-            f"{s['resume_waits']:,} requests waited for a resume (no launch: not cold-start requests)")
+            f"{_count(waits, 'request')} waited for a resume (no launch: not {'a cold-start request' if waits == 1 else 'cold-start requests'})")
 
 
 def _show(out: dict, console, functions, hours: float, speedup: float, json_path: str | None,
@@ -206,12 +217,12 @@ def _show(out: dict, console, functions, hours: float, speedup: float, json_path
                       f"simulated those[/yellow]", highlight=False)
     report.render_compare({k: report.Report.from_dict(v) for k, v in out["policies"].items()}, console)
     for name, s in out["sim"]["policies"].items():
-        console.print(f"{name}: {s['events']:,} events in {s['wall_s']:.1f} s; peak {s['peak_active_gpus']} active GPUs, "
+        console.print(f"{name}: {s['events']:,} events in {s['wall_s']:.1f} s; peak {_count(s['peak_active_gpus'], 'active GPU')}, "
                       f"largest Σ limits on a GPU {s['max_limit_sum']:.2f}")
         if s["parks"]:
             console.print(_parking_line(name, s))
         if s["migrations"]:
-            console.print(f"{name}: {s['migrations']:,} instances moved by defragmentation, every "
+            console.print(f"{name}: {_count(s['migrations'], 'instance')} moved by defragmentation, every "
                           f"{s['defrag_interval_s']:g} trace s (each relaunched on a fuller GPU, then drained)")
         if s["unplaced"]:
             console.print(f"{name}: {s['unplaced']:,} placements refused (no GPU had room for the instance)")

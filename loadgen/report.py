@@ -830,12 +830,13 @@ def _compare_rows(reports: Iterable[Report]) -> list[tuple[str, object, object, 
 
 def versus(first: float | None, other: float | None, *, rate: bool = False) -> str:
     """How ``other`` compares with ``first``: their ratio ``other / first`` as ``"0.53x"``, or for a
-    rate (a fraction 0..1) the difference in percentage points as ``"+1.2 pp"``; ``"–"`` when
-    either is missing or, for a ratio, ``first`` is 0."""
+    rate (a fraction 0..1) the difference in percentage points as ``"+1.2 pp"``, taken between the
+    two rates as printed (to 0.1 %), so that it is their visible difference; ``"–"`` when either is
+    missing or, for a ratio, ``first`` is 0."""
     if first is None or other is None:
         return "–"
     if rate:
-        return f"{100 * (other - first):+.1f} pp"
+        return f"{round(100 * other, 1) - round(100 * first, 1):+.1f} pp"
     if first == 0:
         return "–"
     return f"{other / first:.2f}x"

@@ -106,8 +106,10 @@ class SimConfig:
     never do); ``process_start_ms``:
     an instance's process start before its weights load (a cold start is that plus the weights
     at 4 GB/s); ``overheads``: what a live node adds to each request and batch beyond the
-    modelled GPU time (:mod:`.overheads`, measured by ``dilu calibrate``; None: nothing); ticks
-    in ms; ``sample_s``: timeline resolution."""
+    modelled GPU time (:mod:`.overheads`, measured by ``dilu calibrate``; None: nothing), drawn
+    from streams seeded by ``overheads_seed`` (None: ``seed``; another value draws other overheads
+    over the same requests, as a live rerun would meet them); ticks in ms; ``sample_s``: timeline
+    resolution."""
 
     trace_dir: str | None = None
     functions: int | str = 16
@@ -123,6 +125,7 @@ class SimConfig:
     defrag_interval_s: float | None = None
     process_start_ms: float = models.PROCESS_START_MS
     overheads: Overheads | None = None
+    overheads_seed: int | None = None
     vertical_tick_ms: float = 250.0
     horizontal_tick_ms: float = 500.0
     warm_up_s: float | None = None  # None: when the initial instances are ready (warm_up_ms)
@@ -329,8 +332,9 @@ class Simulation:
             self._deploy(s)
         self.by_fn = [self.fns[i.function] for i in invs]
         ov = cfg.overheads  # each its own seeded stream: the same draws whatever else is random
-        self.transport = Sampler(ov.transport_ms, f"transport-{cfg.seed}") if ov else None
-        self.batch_extra = Sampler(ov.batch_ms, f"batch-{cfg.seed}") if ov else None
+        ov_seed = cfg.seed if cfg.overheads_seed is None else cfg.overheads_seed
+        self.transport = Sampler(ov.transport_ms, f"transport-{ov_seed}") if ov else None
+        self.batch_extra = Sampler(ov.batch_ms, f"batch-{ov_seed}") if ov else None
         # (function, batch size, modelled service ms) of each batch of the replay, when a caller
         # (dilu calibrate) sets a list here; None: not kept
         self.batch_log: list[tuple[str, int, float]] | None = None
@@ -1046,6 +1050,8 @@ def _output(cfg: SimConfig, work: Workload, reports: dict, facts: dict) -> dict:
             "defrag_interval_s": cfg.defrag_interval_s,
             "process_start_ms": cfg.process_start_ms,
             "overheads": None if cfg.overheads is None else cfg.overheads.source,
+            "overheads_seed": None if cfg.overheads is None else
+            (cfg.seed if cfg.overheads_seed is None else cfg.overheads_seed),
             "seed": cfg.seed, "training_jobs": cfg.training_jobs, "vertical_tick_ms": cfg.vertical_tick_ms,
             "horizontal_tick_ms": cfg.horizontal_tick_ms,
             "warm_up_s": round(warm_up_ms(cfg, work) / 1000.0, 6), "drain_s": cfg.drain_s}

@@ -171,8 +171,9 @@ def nats_options(f):
 
     options = [
         click.option("--replicas", type=click.IntRange(1, MAX_REPLICAS), default=1, show_default=True,
-                     envvar=ENV_REPLICAS, help="JetStream replicas of the streams and buckets this creates "
-                                               "(1: one server; 3: the cluster configuration)"),
+                     envvar=ENV_REPLICAS, help="JetStream replicas of a stream or bucket this command has to "
+                                               "create, where it does not exist yet; those that exist keep "
+                                               "theirs (1: one server; 3: the cluster configuration)"),
         click.option("--tls-key", type=file, envvar=ENV_TLS_KEY, help="this client's TLS key (with --tls-cert)"),
         click.option("--tls-cert", type=file, envvar=ENV_TLS_CERT,
                      help="this client's TLS certificate, for a server that verifies clients"),
@@ -313,11 +314,14 @@ def flag_envvars(command: click.Command) -> click.Command:
     """Let each option of ``command`` (and of its subcommands) that names no variable of its own
     come from ``DILU_<FLAG>``, named after its long flag (``--nats-url`` -> ``DILU_NATS_URL``,
     ``--timeout`` -> ``DILU_TIMEOUT``), not after its Python name as click's
-    ``auto_envvar_prefix`` would (``timeout_s`` -> ``DILU_TIMEOUT_S``). Returns ``command``."""
+    ``auto_envvar_prefix`` would (``timeout_s`` -> ``DILU_TIMEOUT_S``); ``--help`` names it. Returns
+    ``command``."""
     for param in command.params:
         longs = [o for o in getattr(param, "opts", []) if o.startswith("--")]
         if isinstance(param, click.Option) and param.envvar is None and longs:
             param.envvar = f"{ENV_PREFIX}_{longs[0][2:].replace('-', '_').upper()}"
+        if isinstance(param, click.Option) and param.envvar:
+            param.show_envvar = True
     return command
 
 

@@ -83,12 +83,13 @@ async def test_a_lost_store_acknowledgement_is_retried_and_the_request_stored_on
     await client.close()
 
 
-async def test_ok_reply_carries_payload_instance_and_enqueue_time(nc, js):
+async def test_ok_reply_carries_payload_instance_and_the_platforms_times(nc, js):
     client = InvokeClient(nc, js)
     await client.start()
     stop = asyncio.Event()
 
     async def echo(batch):
+        await asyncio.sleep(0.02)  # a service the times must bracket
         return [b"out:" + r.payload for r in batch]
 
     puller = BatchPuller(nc, js, FN, instance_id="inst-7", max_batch=4, ready_ns=0, fetch_timeout_s=0.2)
@@ -98,7 +99,9 @@ async def test_ok_reply_carries_payload_instance_and_enqueue_time(nc, js):
     stop.set()
     await run
     assert result.status == "ok" and result.payload == b"out:in" and result.instance == "inst-7"
-    assert before <= result.enqueued_ns <= result.done_ns and not result.cold_start
+    assert before <= result.enqueued_ns <= result.started_ns and not result.cold_start
+    # the instance's own times: its batch began, then (after the 20 ms service) it replied
+    assert result.started_ns + 20_000_000 <= result.replied_ns <= result.done_ns and result.batch == 1
     assert client.stats.ok == 1 and balanced(client)
     await client.close()
 

@@ -81,6 +81,8 @@ def test_the_parking_line_says_parks_resumes_relaunches_and_refusals():
                                   "resume_waits": 40})
     assert line.startswith("dilu: 1,200 instances parked, 900 resumed in place, 25 relaunched elsewhere")
     assert "5 refused" in line and "40 requests waited for a resume" in line
+    one = _parking_line("dilu", {"parks": 1, "resumes": 0, "resumes_refused": 0, "relaunches": 0, "resume_waits": 1})
+    assert one.startswith("dilu: 1 instance parked") and "1 request waited for a resume (no launch: not a cold-start request)" in one
 
 
 def test_a_bad_park_after_s_is_one_line():

@@ -441,3 +441,55 @@ def test_functions_place_in_the_live_scalers_tick_order():
     key = {s.name: tick_order(work.profiles[s.name][0].limit_quota, s.memory_bytes, s.name) for s in work.specs}
     assert sorted(placed) == sorted(deployed) and placed == sorted(placed, key=key.get)
     assert placed != deployed  # this seed deploys a small function before a large one
+
+
+def test_overheads_add_the_live_nodes_time_and_nothing_else():
+    """--overheads (what ``dilu calibrate`` measures): a way in and back of 5 ms adds exactly 5 ms
+    to every answered request and changes no decision, holding no instance; 5 ms more per batch
+    holds the instance, so requests wait longer still."""
+    from dilu.loadgen.sim.overheads import QUANTILE_POINTS, Overheads
+
+    def totals(transport_ms: float, batch_ms: float) -> dict:
+        ov = Overheads((transport_ms,) * QUANTILE_POINTS, (batch_ms,) * QUANTILE_POINTS)
+        cfg = SimConfig(**SMALL, seed=2, overheads=ov if transport_ms or batch_ms else None)
+        return simulate(cfg, ["dilu"])["policies"]["dilu"]["totals"]
+
+    base, way, batch = totals(0, 0), totals(5.0, 0), totals(0, 5.0)
+    for k in ("cold_start_requests", "instance_launches", "active_gpu_seconds", "completed"):
+        assert way[k] == base[k], k
+    assert way["latency_ms"]["p50"] == pytest.approx(base["latency_ms"]["p50"] + 5.0, rel=0.002)
+    assert way["latency_ms"]["p99"] == pytest.approx(base["latency_ms"]["p99"] + 5.0, rel=0.002)
+    assert batch["latency_ms"]["p50"] >= base["latency_ms"]["p50"] + 5.0 * 0.998
+    assert batch["latency_ms"]["p99"] > way["latency_ms"]["p99"]
+
+
+def test_an_overheads_file_sets_the_process_start_unless_it_is_given(tmp_path):
+    from dilu.loadgen.sim.overheads import Overheads
+
+    path = tmp_path / "ov.json"
+    path.write_bytes(Overheads.from_samples([2.0], [1.0], 420.0, {"runs": ["x"]}).to_json())
+    args = ["--functions", "4", "--hours", "0.02", "--policies", "dilu", "--overheads", str(path)]
+    data, _ = _run(args, tmp_path, "a.json")
+    assert data["sim"]["config"]["process_start_ms"] == 420.0 and data["sim"]["config"]["overheads"] == {"runs": ["x"]}
+    data, _ = _run([*args, "--process-start-ms", "300"], tmp_path, "b.json")
+    assert data["sim"]["config"]["process_start_ms"] == 300.0
+    other, _ = _run([*args, "--overheads-seed", "7"], tmp_path, "c.json")
+    assert other["sim"]["config"]["overheads_seed"] == 7 and data["sim"]["config"]["overheads_seed"] == 1
+    r = CliRunner().invoke(main, ["sim", "--functions", "4", "--hours", "0.02", "--overheads-seed", "7"])
+    assert r.exit_code == 2 and "--overheads-seed" in r.output
+    path.write_text('{"transport_ms": [1], "batch_ms": []}')
+    r = CliRunner().invoke(main, ["sim", *args])
+    assert r.exit_code == 2 and "--overheads" in r.output and "not an overheads file" in r.output
+
+
+def test_drawn_overheads_repeat_per_seed_and_differ_by_overheads_seed():
+    from dilu.loadgen.sim.overheads import Overheads
+
+    ov = Overheads.from_samples([0.5 * k for k in range(200)], [0.2 * k for k in range(200)])
+
+    def policies(**kw) -> dict:
+        return simulate(SimConfig(**SMALL, seed=2, overheads=ov, **kw), ["dilu"])["policies"]
+
+    a = policies()
+    assert a == policies() and a == policies(overheads_seed=2)  # the default stream is --seed's
+    assert a != policies(overheads_seed=3)

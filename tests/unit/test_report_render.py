@@ -148,6 +148,8 @@ def test_versus():
     assert versus(100, 53) == "0.53x"
     assert versus(0.030, 0.036, rate=True) == "+0.6 pp"
     assert versus(0.5, 0.25, rate=True) == "-25.0 pp"
+    # the difference of the rates as printed, 5.6 % and 5.8 %: +0.2, not the +0.1 of 5.649 and 5.751
+    assert versus(0.05649, 0.05751, rate=True) == "+0.2 pp"
     assert versus(0, 5) == "–" and versus(None, 5) == "–" and versus(3, None, rate=True) == "–"
     assert versus(0, 0, rate=True) == "+0.0 pp"
 

@@ -1,0 +1,123 @@
+"""The simulator's overheads (loadgen/sim/overheads.py) and how dilu calibrate measures them from a
+live run's logs (loadgen/sim/calibrate.py, loadgen/requestlog.py)."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from dilu.loadgen import requestlog
+from dilu.loadgen.generator import Record, RunResult, Timings
+from dilu.loadgen.sim import calibrate as cal
+from dilu.loadgen.sim.overheads import QUANTILE_POINTS, Overheads, OverheadsError, Sampler, quantiles
+from dilu.services.common import models
+
+
+def flat(v: float) -> tuple[float, ...]:
+    return (v,) * QUANTILE_POINTS
+
+
+def test_quantiles_are_the_percentiles_with_negatives_as_zero():
+    q = quantiles([-5.0, *range(1, 101)])  # 101 values: -5 (as 0), 1, ..., 100
+    assert len(q) == QUANTILE_POINTS and q[0] == 0.0 and q[1] == 1.0 and q[50] == 50.0 and q[100] == 100.0
+    with pytest.raises(OverheadsError, match="no batch overhead measured"):
+        quantiles([], "batch")
+
+
+@pytest.mark.parametrize("table, error", [
+    ((1.0,) * 10, "must hold 101 quantiles"),
+    ((2.0, *(1.0,) * 100), "not non-decreasing"),
+    ((-1.0, *(1.0,) * 100), "negative or non-finite"),
+    ((float("nan"),) * 101, "negative or non-finite"),
+])
+def test_a_malformed_table_is_refused(table, error):
+    with pytest.raises(OverheadsError, match=error):
+        Overheads(table, flat(1.0))
+
+
+def test_a_file_round_trips_and_a_bad_one_is_one_error_naming_it(tmp_path: Path):
+    ov = Overheads.from_samples([1.0, 2.0, 3.0], [0.5, 4.0], 401.04, {"runs": ["a"]})
+    path = tmp_path / "ov.json"
+    path.write_bytes(ov.to_json())
+    back = Overheads.read(path)
+    assert back == ov and back.process_start_ms == 401.0 and back.transport_ms[50] == 2.0
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({"transport_ms": [1, 2], "batch_ms": list(flat(1.0))}))
+    with pytest.raises(OverheadsError, match=r"bad.json: not an overheads file \(transport_ms must hold 101"):
+        Overheads.read(bad)
+    with pytest.raises(OverheadsError, match="missing.json"):
+        Overheads.read(tmp_path / "missing.json")
+
+
+def test_the_sampler_draws_within_the_table_and_repeats_per_seed():
+    table = quantiles(list(range(0, 1001)))  # uniform on 0..1000
+    a, b = Sampler(table, "s-1"), Sampler(table, "s-1")
+    draws = [a() for _ in range(20_000)]
+    assert draws == [b() for _ in range(20_000)]
+    assert draws != [Sampler(table, "s-2")() for _ in range(20_000)]
+    assert 0 <= min(draws) and max(draws) <= 1000
+    assert 480 < sum(draws) / len(draws) < 520  # the table's mean, 500
+    assert all(Sampler(flat(3.0), 1)() == 3.0 for _ in range(10))
+
+
+# ---------------------------------------------------------------- the live run's logs
+
+
+def line(fn: str, inst: str, sched: int, enq: int, start: int, replied: int, done: int, batch: int,
+         status: str = "ok") -> requestlog.RequestLine:
+    ms = 1_000_000
+    return requestlog.RequestLine(id=f"{inst}-{sched}", function=fn, status=status, scheduled_ns=sched * ms,
+                                  sent_ns=sched * ms, done_ns=done * ms, instance=inst, enqueued_ns=enq * ms,
+                                  started_ns=start * ms, replied_ns=replied * ms, batch=batch)
+
+
+def test_transport_is_the_way_in_plus_the_way_back_of_answered_requests():
+    lines = [line("f", "f-1", 0, 2, 10, 40, 43, 1), line("f", "f-1", 0, 1, 10, 40, 41, 1, status="timeout"),
+             requestlog.RequestLine(id="x", function="f", status="ok", scheduled_ns=0, sent_ns=0, done_ns=5)]
+    assert cal.transport_ms(lines) == [5.0]  # 2 in + 3 back; the timeout and the untimed one are left out
+
+
+def test_a_batch_is_served_from_its_start_to_its_first_reply():
+    lines = [line("f", "f-1", 0, 1, 10, 42, 45, 2), line("f", "f-1", 1, 2, 10, 40, 44, 2),  # one batch of 2
+             line("f", "f-2", 0, 1, 10, 30, 31, 1), line("g", "g-1", 0, 1, 5, 25, 26, 1)]
+    assert cal.live_services(lines) == {("f", 2): [30.0], ("f", 1): [20.0], ("g", 1): [20.0]}
+
+
+def test_the_batch_overhead_is_live_less_simulated_quantile_by_quantile():
+    live = {("f", 1): [s + 3.0 for s in range(100)], ("few", 1): [100.0] * 5, ("f", 2): [9.0] * 30}
+    sim = {("f", 1): [s / 10 for s in range(1000)], ("few", 1): [1.0] * 50, ("f", 2): [10.0] * 40}
+    got = cal.batch_overheads_ms(live, sim, min_batches=20)
+    assert len(got) == 130  # one per live batch of the two kept; "few" has 5 live batches
+    assert got[:100] == pytest.approx([3.0] * 100, abs=0.6)  # the same spread, 3 ms later
+    assert got[100:] == pytest.approx([-1.0] * 30)  # faster than simulated: counted as 0 in the table
+    assert Overheads.from_samples([1.0], got).batch_ms[0] == 0.0
+
+
+def test_process_starts_count_the_launches_after_the_initial_ones(tmp_path: Path):
+    log = tmp_path / "node_agent.log"
+    cold = models.cold_start_ms("bert_base")
+    events = [("a-0000000001", cold + 900), ("b-0000000002", cold + 800),  # the initial ones
+              ("a-0000000003", cold + 400), ("b-0000000004", cold + 500)]
+    log.write_text("not json\n" + "\n".join(json.dumps({"event": "instance ready", "instance": i, "cold_start_ms": c})
+                                            for i, c in events) + "\n")
+    assert cal.process_starts_ms(log, {"a": "bert_base", "b": "bert_base"}) == pytest.approx([400.0, 500.0])
+
+
+def test_the_request_log_holds_unix_times_and_names_a_bad_line(tmp_path: Path):
+    rec = Record(id="r1", function="f", scheduled_ns=1_000, sent_ns=1_500, done_ns=9_000, status="ok",
+                 timings=Timings(instance="f-1", enqueued_ns=10_002_000, started_ns=10_003_000,
+                                 replied_ns=10_008_000, batch=3))
+    lost = Record(id="r2", function="f", scheduled_ns=2_000, sent_ns=2_000, done_ns=30_000, status="timeout")
+    result = RunResult(records=[rec, lost], wall_s=1.0, started_unix_ns=10_000_000, late_sends=0,
+                       late_threshold_ms=10.0, max_late_ms=0.0)
+    path = tmp_path / requestlog.FILENAME
+    requestlog.write(path, result)
+    a, b = requestlog.read(path)
+    assert (a.scheduled_ns, a.sent_ns, a.done_ns) == (10_001_000, 10_001_500, 10_009_000)
+    assert (a.instance, a.enqueued_ns, a.started_ns, a.replied_ns, a.batch) == ("f-1", 10_002_000, 10_003_000, 10_008_000, 3)
+    assert b.status == "timeout" and b.instance == "" and b.batch == 0
+    with path.open("a") as fh:
+        fh.write('{"id": 3}\n')
+    with pytest.raises(ValueError, match=r"requests.jsonl:3: not a request log line"):
+        requestlog.read(path)
