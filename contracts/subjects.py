@@ -121,7 +121,8 @@ H_ENQUEUED_NS = "Dilu-Enqueued-Ns"  # reply: when JetStream stored the request, 
 # reply: the serving instance's own times, Unix epoch ns: its batch began (the handler was called)
 # and it published this reply; and how many requests that batch held. With the caller's send and
 # arrival times they split a latency into the platform's path in and out, the wait in the queue
-# and the batch's service (``dilu compare --requests``, whose figures calibrate ``dilu sim --overheads``).
+# and the batch's service (``requests.jsonl`` of ``dilu demo/compare --log-dir``, from which ``dilu
+# calibrate`` measures the overheads ``dilu sim --overheads`` replays).
 H_STARTED_NS = "Dilu-Started-Ns"
 H_REPLIED_NS = "Dilu-Replied-Ns"
 H_BATCH = "Dilu-Batch"
