@@ -16,14 +16,15 @@ from pathlib import Path
 
 import msgspec
 
-from .generator import RunResult, Status
+from .generator import RunResult, Status, Timings
 
 FILENAME = "requests.jsonl"
 REPORT_FILENAME = "report.json"  # the run's report (``dilu demo --json``'s), beside the request log
 
 
-class RequestLine(msgspec.Struct, kw_only=True):
-    """One request of a live run (module docstring); times in Unix epoch ns."""
+class RequestLine(Timings, frozen=True, kw_only=True):
+    """One request of a live run (module docstring): the :class:`~.generator.Timings` of its reply
+    and the caller's side; times in Unix epoch ns."""
 
     id: str
     function: str
@@ -32,11 +33,6 @@ class RequestLine(msgspec.Struct, kw_only=True):
     scheduled_ns: int
     sent_ns: int
     done_ns: int
-    instance: str = ""
-    enqueued_ns: int = 0
-    started_ns: int = 0
-    replied_ns: int = 0
-    batch: int = 0
 
 
 def lines(result: RunResult) -> Iterator[RequestLine]:
