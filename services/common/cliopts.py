@@ -314,14 +314,20 @@ def flag_envvars(command: click.Command) -> click.Command:
     """Let each option of ``command`` (and of its subcommands) that names no variable of its own
     come from ``DILU_<FLAG>``, named after its long flag (``--nats-url`` -> ``DILU_NATS_URL``,
     ``--timeout`` -> ``DILU_TIMEOUT``), not after its Python name as click's
-    ``auto_envvar_prefix`` would (``timeout_s`` -> ``DILU_TIMEOUT_S``); ``--help`` names it. Returns
-    ``command``."""
+    ``auto_envvar_prefix`` would (``timeout_s`` -> ``DILU_TIMEOUT_S``); ``--help`` names it. A
+    duration option without a metavar of its own shows its unit as one (``--keep-alive-s S``,
+    ``--process-start-ms MS``), as every command's do. Returns ``command``."""
     for param in command.params:
-        longs = [o for o in getattr(param, "opts", []) if o.startswith("--")]
-        if isinstance(param, click.Option) and param.envvar is None and longs:
+        if not isinstance(param, click.Option):
+            continue
+        longs = [o for o in param.opts if o.startswith("--")]
+        if param.envvar is None and longs:
             param.envvar = f"{ENV_PREFIX}_{longs[0][2:].replace('-', '_').upper()}"
-        if isinstance(param, click.Option) and param.envvar:
+        if param.envvar:
             param.show_envvar = True
+        unit = longs[0].rsplit("-", 1)[-1] if longs else ""
+        if param.metavar is None and not param.is_flag and unit in ("s", "ms"):
+            param.metavar = unit.upper()
     return command
 
 

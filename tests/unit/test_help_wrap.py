@@ -47,3 +47,13 @@ def test_help_names_the_variable_of_every_option(args):
     unnamed = [p.opts[0] for p in options if not p.envvar
                or not all(v in result.output for v in ([p.envvar] if isinstance(p.envvar, str) else p.envvar))]
     assert not unnamed, f"options whose variable --help does not name: {unnamed}"
+
+
+@pytest.mark.parametrize("args", COMMAND_ARGS, ids=" ".join)
+def test_durations_show_their_unit(args):
+    """--keep-alive-s S, --process-start-ms MS: the same metavar for a unit in every command."""
+    result = CliRunner().invoke(main, [*args, "--help"], terminal_width=400)
+    flags = [o for p in command_of(args).params if isinstance(p, click.Option) and not p.is_flag
+             for o in p.opts if o.startswith("--") and o.rsplit("-", 1)[-1] in ("s", "ms")]
+    shown = [f for f in flags if f"{f} {f.rsplit('-', 1)[-1].upper()}" not in result.output]
+    assert not shown, f"durations without their unit as metavar: {shown}"
