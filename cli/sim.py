@@ -144,7 +144,8 @@ def sim(trace_dir, functions, hours, start_minute, speedup, nodes, gpus_per_node
     from dilu.loadgen.sim.run import Interrupted, SimConfig, simulate
 
     if overheads_seed is not None and not overheads_path:
-        raise click.UsageError("--overheads-seed seeds the draws of --overheads, which is not given")
+        raise click.UsageError("--overheads-seed (DILU_OVERHEADS_SEED) seeds the draws of --overheads "
+                               "(DILU_OVERHEADS), which is not given")
     try:
         overheads = Overheads.read(overheads_path) if overheads_path else None
     except OverheadsError as exc:
@@ -152,6 +153,10 @@ def sim(trace_dir, functions, hours, start_minute, speedup, nodes, gpus_per_node
     if process_start_ms is None:
         measured = overheads.process_start_ms if overheads is not None else None
         process_start_ms = models.PROCESS_START_MS if measured is None else measured
+    if overheads is not None:
+        console.print(f"[dim]with the overheads of {overheads_path} (drawn with seed "
+                      f"{seed if overheads_seed is None else overheads_seed}); process start {process_start_ms:g} ms[/dim]",
+                      highlight=False)
 
     stopped = {"code": 130}
 
@@ -283,13 +288,16 @@ def calibrate(log_dirs, json_path, min_batches) -> None:
     console = make_console()
     try:
         ov = cal.calibrate(list(log_dirs), min_batches)
-    except (OSError, KeyError, ValueError, TraceError) as exc:
-        raise click.ClickException(f"cannot calibrate: {exc if not isinstance(exc, KeyError) else f'missing {exc}'}") from None
+    except OSError as exc:
+        raise click.ClickException(f"cannot calibrate: cannot read {exc.filename or ''}: {exc.strerror or exc}") from None
+    except (ValueError, TraceError) as exc:
+        raise click.ClickException(f"cannot calibrate: {exc}") from None
     table = Table(title="Overheads of the live node beyond the simulated GPU time (ms)")
     table.add_column("overhead")
     for q in ("p10", "p50", "p90", "p99", "max"):
         table.add_column(q, justify="right")
-    for name, tab in (("transport (way in + back)", ov.transport_ms), ("batch service", ov.batch_ms)):
+    for name, tab in (("way in + way back of a request", ov.transport_ms),
+                      ("a batch's service beyond the simulated one", ov.batch_ms)):
         table.add_row(name, *(f"{tab[k]:.1f}" for k in (10, 50, 90, 99, 100)))
     console.print(table)
     src = ov.source

@@ -15,7 +15,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Awaitable, Callable, Sequence
-from typing import Literal
+from typing import Annotated, Literal
 
 import msgspec
 from rich.console import Console
@@ -25,6 +25,7 @@ from .arrivals import Invocation
 from .clock import Clock, MonotonicClock
 
 Status = Literal["ok", "error", "timeout", "dropped"]
+NonNegative = Annotated[int, msgspec.Meta(ge=0)]  # checked where a line is decoded (the request log)
 STATUSES: tuple[str, ...] = ("ok", "error", "timeout", "dropped")
 DEFAULT_LATE_THRESHOLD_MS = 10.0
 DEFAULT_DRAIN_TIMEOUT_S = 30.0
@@ -40,10 +41,10 @@ class Timings(msgspec.Struct, frozen=True, kw_only=True):
     (replied -> answered): what ``dilu calibrate`` measures."""
 
     instance: str = ""
-    enqueued_ns: int = 0
-    started_ns: int = 0
-    replied_ns: int = 0
-    batch: int = 0
+    enqueued_ns: NonNegative = 0
+    started_ns: NonNegative = 0
+    replied_ns: NonNegative = 0
+    batch: NonNegative = 0
 
 
 class Outcome(msgspec.Struct, frozen=True, kw_only=True):

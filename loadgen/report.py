@@ -728,7 +728,7 @@ def _caption(run: RunInfo) -> str:
     text = "" if llm_only else (
         f"trace {Path(run.trace).name or run.trace} from minute {run.start_minute}, "
         f"{run.duration_s:g} s at speed-up {run.speedup:g}, seed {run.seed}; {run.functions} functions carry "
-        f"{_pct(run.share)} of the span's invocations; "
+        f"{run.share:.1%} of the span's invocations; "  # as the run's first line says it, and unbroken
     )
     if llm is not None:
         cap = f", output capped at {llm.max_new_tokens_cap} tokens" if llm.max_new_tokens_cap else ""

@@ -55,7 +55,9 @@ def write(path: str | Path, result: RunResult) -> None:
 
 def read(path: str | Path) -> list[RequestLine]:
     """The lines of a request log. Raises OSError, or ValueError naming the file and line of one
-    that is malformed."""
+    that is malformed or whose platform times go backwards (stored, batch start, reply, answer:
+    each at or after the one before; the send may precede the scheduled time by the event loop's
+    timer resolution, so those two are not compared)."""
     dec = msgspec.json.Decoder(RequestLine)
     out = []
     with open(path, "rb") as fh:
@@ -63,7 +65,12 @@ def read(path: str | Path) -> list[RequestLine]:
             if not raw.strip():
                 continue
             try:
-                out.append(dec.decode(raw))
+                line = dec.decode(raw)
             except (msgspec.DecodeError, msgspec.ValidationError) as exc:
                 raise ValueError(f"{path}:{n}: not a request log line ({exc})") from None
+            times = [t for t in (line.enqueued_ns, line.started_ns, line.replied_ns) if t] + [line.done_ns]
+            if line.replied_ns and any(b < a for a, b in zip(times, times[1:])):
+                raise ValueError(f"{path}:{n}: times out of order (stored, batch start, reply and answer "
+                                 "must not go backwards)")
+            out.append(line)
     return out

@@ -22,6 +22,7 @@ import statistics
 from collections import defaultdict
 from pathlib import Path
 
+import msgspec
 import numpy as np
 
 from dilu.loadgen import requestlog
@@ -33,12 +34,55 @@ MIN_BATCHES = 20  # fewer batches of one function and size say little about its 
 NODE_AGENT_LOG = "node_agent.log"
 
 
+class _Function(msgspec.Struct):
+    name: str
+    model: str
+
+
+class _Run(msgspec.Struct):
+    """What of a report's ``run`` section the simulation of the same plan needs."""
+
+    policy: str
+    trace: str
+    functions: int
+    duration_s: float
+    speedup: float
+    seed: int
+    gpus: int
+    start_minute: int | None = None
+    llm: dict | None = None
+
+
+class _Report(msgspec.Struct):
+    functions: list[_Function]
+    run: _Run
+    training: list = []
+
+
+def read_report(path: Path) -> _Report:
+    """The parts of a live run's ``report.json`` calibration reads. Raises OSError, or ValueError
+    naming the file when it is not a run's report."""
+    try:
+        return msgspec.json.decode(path.read_bytes(), type=_Report)
+    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        raise ValueError(f"{path}: not a run's report ({exc})") from None
+
+
 def process_starts_ms(log: Path, model_of: dict[str, str]) -> list[float]:
     """The process starts (ms) of the instances a live run launched once its initial ones were up,
     from the node agent's JSON log (module docstring); empty when it launched none then.
-    ``model_of``: function name -> model."""
-    events = [json.loads(line) for line in log.read_text().splitlines() if line.startswith("{")]
-    ready = [e for e in events if e.get("event") == "instance ready" and "cold_start_ms" in e]
+    ``model_of``: function name -> model. Raises OSError, or ValueError naming the log when a
+    line is not JSON or no instance became ready in it."""
+    events = []
+    for n, line in enumerate(log.read_text().splitlines(), 1):
+        if line.startswith("{"):
+            try:
+                events.append(json.loads(line))
+            except ValueError:
+                raise ValueError(f"{log}:{n}: not a JSON log line") from None
+    ready = [e for e in events if e.get("event") == "instance ready" and "cold_start_ms" in e and "instance" in e]
+    if not ready:
+        raise ValueError(f"{log}: no instance became ready in it: not the node agent's log of a run")
     first: dict[str, int] = {}
     for k, e in enumerate(ready):
         first.setdefault(_function(e["instance"]), k)
@@ -76,24 +120,21 @@ def live_services(lines: list[requestlog.RequestLine]) -> dict[tuple[str, int], 
     return dict(out)
 
 
-def simulated_services(run: dict, policy: str, training_jobs: int,
-                       process_start_ms: float) -> dict[tuple[str, int], list[float]]:
+def simulated_services(run: _Run, training_jobs: int, process_start_ms: float) -> dict[tuple[str, int], list[float]]:
     """(function, batch size) -> the simulated service (ms) of each batch of a simulation of the
-    live run described by ``run`` (a report's ``run`` section) under ``policy``. Raises ValueError
-    for a run the simulator cannot replay (an llm trace beside it)."""
+    live run described by ``run`` (a report's ``run`` section), under its policy. Raises
+    ValueError for a run the simulator cannot replay (an llm trace beside it, a CPU node)."""
     from .run import SimConfig, Simulation, prepare
 
-    if run.get("llm"):
+    if run.llm:
         raise ValueError("the run replayed the LLM trace beside the functions (--llm-share), "
                          "which the simulator does not: calibrate from runs without it")
-    gpus = int(run["gpus"])
-    if gpus < 1:
+    if run.gpus < 1:
         raise ValueError("the run had no emulated GPU (--gpus cpu): nothing to calibrate")
-    cfg = SimConfig(trace_dir=run["trace"], functions=int(run["functions"]),
-                    hours=run["duration_s"] * run["speedup"] / 3600.0, gpus_per_node=gpus, seed=int(run["seed"]),
-                    start_minute=run.get("start_minute"), speedup=run["speedup"],
-                    training_jobs=training_jobs / gpus, process_start_ms=process_start_ms, keep_records=False)
-    sim = Simulation(cfg, policy, prepare(cfg))
+    cfg = SimConfig(trace_dir=run.trace, functions=run.functions, hours=run.duration_s * run.speedup / 3600.0,
+                    gpus_per_node=run.gpus, seed=run.seed, start_minute=run.start_minute, speedup=run.speedup,
+                    training_jobs=training_jobs / run.gpus, process_start_ms=process_start_ms, keep_records=False)
+    sim = Simulation(cfg, run.policy, prepare(cfg))
     sim.batch_log = []
     sim.run()
     out: dict[tuple[str, int], list[float]] = defaultdict(list)
@@ -123,17 +164,21 @@ def calibrate(log_dirs: list[Path], min_batches: int = MIN_BATCHES) -> Overheads
     batch: list[float] = []
     starts: list[float] = []
     runs = []
+    seen: set[Path] = set()
     for d in log_dirs:
-        rep = json.loads((d / requestlog.REPORT_FILENAME).read_text())
+        if d.resolve() in seen:
+            raise ValueError(f"{d} is given twice: its requests would count twice")
+        seen.add(d.resolve())
+        rep = read_report(d / requestlog.REPORT_FILENAME)
         lines = requestlog.read(d / requestlog.FILENAME)
-        model_of = {f["name"]: f["model"] for f in rep["functions"]}
-        starts += process_starts_ms(d / NODE_AGENT_LOG, model_of)
-        runs.append((d, rep, lines))
+        if not lines:
+            raise ValueError(f"{d / requestlog.FILENAME}: holds no request")
+        starts += process_starts_ms(d / NODE_AGENT_LOG, {f.name: f.model for f in rep.functions})
+        runs.append((rep, lines))
     start_ms = statistics.median(starts) if starts else models.PROCESS_START_MS
-    for d, rep, lines in runs:
-        run = rep["run"]
+    for rep, lines in runs:
         transport += transport_ms(lines)
-        simulated = simulated_services(run, run["policy"], len(rep.get("training", [])), start_ms)
+        simulated = simulated_services(rep.run, len(rep.training), start_ms)
         batch += batch_overheads_ms(live_services(lines), simulated, min_batches)
     if not batch:
         raise OverheadsError(f"no function served {min_batches} batches of one size in both the live runs "

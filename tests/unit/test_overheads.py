@@ -121,3 +121,46 @@ def test_the_request_log_holds_unix_times_and_names_a_bad_line(tmp_path: Path):
         fh.write('{"id": 3}\n')
     with pytest.raises(ValueError, match=r"requests.jsonl:3: not a request log line"):
         requestlog.read(path)
+
+
+def test_a_request_log_whose_times_go_backwards_or_negative_is_refused(tmp_path: Path):
+    path = tmp_path / requestlog.FILENAME
+    good = dict(id="r", function="f", status="ok", scheduled_ns=10, sent_ns=9, done_ns=50, instance="f-1",
+                enqueued_ns=8, started_ns=20, replied_ns=40, batch=1)  # sent and stored before scheduled: allowed
+    path.write_text(json.dumps(good) + "\n")
+    assert requestlog.read(path)[0].replied_ns == 40
+    for bad, words in ((dict(good, started_ns=45), "times out of order"), (dict(good, done_ns=30), "times out of order"),
+                       (dict(good, batch=-3), "not a request log line")):
+        path.write_text(json.dumps(good) + "\n" + json.dumps(bad) + "\n")
+        with pytest.raises(ValueError, match=rf"requests.jsonl:2: {words}"):
+            requestlog.read(path)
+
+
+def _log_dir(d: Path, report: object = None, requests: str | None = None, node_log: str | None = None) -> Path:
+    d.mkdir()
+    run = dict(policy="dilu", trace="t", functions=1, duration_s=10.0, speedup=10.0, seed=1, gpus=4)
+    (d / requestlog.REPORT_FILENAME).write_text(json.dumps(
+        report if report is not None else {"functions": [{"name": "f", "model": "bert_base"}], "run": run}))
+    (d / requestlog.FILENAME).write_text(requests if requests is not None else json.dumps(
+        dict(id="r", function="f", status="ok", scheduled_ns=1, sent_ns=1, done_ns=9)) + "\n")
+    (d / cal.NODE_AGENT_LOG).write_text(node_log if node_log is not None else json.dumps(
+        {"event": "instance ready", "instance": "f-0000000001", "cold_start_ms": 900.0}) + "\n")
+    return d
+
+
+@pytest.mark.parametrize("kw, words", [
+    (dict(report=[]), "report.json: not a run's report"),
+    (dict(report={"functions": [], "run": {"policy": "dilu"}}), "report.json: not a run's report"),
+    (dict(requests=""), "requests.jsonl: holds no request"),
+    (dict(node_log="starting\n"), "node_agent.log: no instance became ready in it"),
+    (dict(node_log="{not json\n"), "node_agent.log:1: not a JSON log line"),
+])
+def test_calibrate_names_the_file_it_cannot_use(tmp_path: Path, kw, words):
+    with pytest.raises(ValueError, match=words):
+        cal.calibrate([_log_dir(tmp_path / "run", **kw)])
+
+
+def test_calibrate_refuses_a_directory_given_twice(tmp_path: Path):
+    d = _log_dir(tmp_path / "run")
+    with pytest.raises(ValueError, match="given twice"):
+        cal.calibrate([d, tmp_path / "." / "run"])
