@@ -7,7 +7,9 @@ Each line (:class:`RequestLine`): the request's ``id``, ``function``, ``status``
 ``instance``, ``enqueued_ns``, ``started_ns``, ``replied_ns`` and ``batch`` (0 / "" where the
 reply did not say). Every time is Unix epoch ns, so the four spans of a latency are plain
 differences: way in ``enqueued - scheduled``, queue ``started - enqueued``, service ``replied -
-started``, way back ``done - replied``. ``dilu calibrate`` reads it (:mod:`.sim.calibrate`).
+started``, way back ``done - replied``. A send may precede its scheduled time by up to the event
+loop's timer resolution (1 ms under uvloop), so the way in can be slightly negative. ``dilu
+calibrate`` reads it (:mod:`.sim.calibrate`).
 """
 from __future__ import annotations
 
