@@ -495,12 +495,12 @@ async def run_once(opts: RunOptions, policy: str, console: Console, stop: asynci
                                         tpot_ms=s.tpot_ms or None) for s in specs}
     gpus = 0 if opts.gpus == "cpu" else int(opts.gpus)
     info = report.run_info(plan, result, policy=policy, gpus=gpus, llm_plan=llm_plan)
-    rep = report.build_report(result.records, meta, run_facts(facts, trained), info).to_dict()
+    rep = report.build_report(result.records, meta, run_facts(facts, trained), info)
     # beside the services' logs: every request with the platform's times, and the report they
     # make (what ``dilu calibrate`` reads)
     requestlog.write(log_dir / requestlog.FILENAME, result)
-    (log_dir / requestlog.REPORT_FILENAME).write_text(json.dumps(rep, indent=2))
-    return rep
+    report.write_report(rep, log_dir / requestlog.REPORT_FILENAME)
+    return rep.to_dict()
 
 
 async def _start(cluster: Cluster, created: Path | None) -> None:

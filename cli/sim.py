@@ -88,7 +88,7 @@ def _opt(*decls, **kw):
       help="how often the scheduler of dilu and dilu-published defragments (moves instances off lightly used "
            "GPUs, each drained once its replacement is ready), trace seconds; 0: never (default: "
            f"{DEFRAG_INTERVAL_S:g}, as they do live). The baselines never defragment, whatever this says")
-@_opt("--process-start-ms", type=Finite(min=0, max=600_000), default=None,
+@_opt("--process-start-ms", type=Finite(min=0, max=models.PROCESS_START_MAX_MS), default=None,
       help="an instance's process start before its weights load (a cold start is this plus the weights at "
            "4 GB/s); set it to what your node measures (the node agent logs cold_start_ms per instance; "
            f"dilu calibrate measures it) (default: the --overheads file's, else {models.PROCESS_START_MS:g})")
@@ -188,9 +188,9 @@ def sim(trace_dir, functions, hours, start_minute, speedup, nodes, gpus_per_node
     _show(out, console, functions, hours, speedup, json_path, plots_dir)
 
 
-def _count(n: int, noun: str, plural: str | None = None) -> str:
+def _count(n: int, noun: str) -> str:
     """``n`` and the noun in its number: "1 request", "2,000 requests"."""
-    return f"{n:,} {noun if n == 1 else plural or noun + 's'}"
+    return f"{n:,} {noun if n == 1 else noun + 's'}"
 
 
 def _parking_line(name: str, s: dict) -> str:

@@ -22,50 +22,15 @@ import statistics
 from collections import defaultdict
 from pathlib import Path
 
-import msgspec
 import numpy as np
 
-from dilu.loadgen import requestlog
+from dilu.loadgen import report, requestlog
 from dilu.services.common import models
 
 from .overheads import Overheads, OverheadsError
 
 MIN_BATCHES = 20  # fewer batches of one function and size say little about its service's spread
 NODE_AGENT_LOG = "node_agent.log"
-
-
-class _Function(msgspec.Struct):
-    name: str
-    model: str
-
-
-class _Run(msgspec.Struct):
-    """What of a report's ``run`` section the simulation of the same plan needs."""
-
-    policy: str
-    trace: str
-    functions: int
-    duration_s: float
-    speedup: float
-    seed: int
-    gpus: int
-    start_minute: int | None = None
-    llm: dict | None = None
-
-
-class _Report(msgspec.Struct):
-    functions: list[_Function]
-    run: _Run
-    training: list = []
-
-
-def read_report(path: Path) -> _Report:
-    """The parts of a live run's ``report.json`` calibration reads. Raises OSError, or ValueError
-    naming the file when it is not a run's report."""
-    try:
-        return msgspec.json.decode(path.read_bytes(), type=_Report)
-    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-        raise ValueError(f"{path}: not a run's report ({exc})") from None
 
 
 def process_starts_ms(log: Path, model_of: dict[str, str]) -> list[float]:
@@ -120,7 +85,7 @@ def live_services(lines: list[requestlog.RequestLine]) -> dict[tuple[str, int], 
     return dict(out)
 
 
-def simulated_services(run: _Run, training_jobs: int, process_start_ms: float) -> dict[tuple[str, int], list[float]]:
+def simulated_services(run: report.RunInfo, training_jobs: int, process_start_ms: float) -> dict[tuple[str, int], list[float]]:
     """(function, batch size) -> the simulated service (ms) of each batch of a simulation of the
     live run described by ``run`` (a report's ``run`` section), under its policy. Raises
     ValueError for a run the simulator cannot replay (an llm trace beside it, a CPU node)."""
@@ -169,7 +134,7 @@ def calibrate(log_dirs: list[Path], min_batches: int = MIN_BATCHES) -> Overheads
         if d.resolve() in seen:
             raise ValueError(f"{d} is given twice: its requests would count twice")
         seen.add(d.resolve())
-        rep = read_report(d / requestlog.REPORT_FILENAME)
+        rep = report.read_report(d / requestlog.REPORT_FILENAME)
         lines = requestlog.read(d / requestlog.FILENAME)
         if not lines:
             raise ValueError(f"{d / requestlog.FILENAME}: holds no request")

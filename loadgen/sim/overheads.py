@@ -20,12 +20,13 @@ from __future__ import annotations
 
 import math
 import random
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Sequence
 
 import msgspec
 import numpy as np
+
+from dilu.services.common import models
 
 QUANTILE_POINTS = 101  # each table: the 0th, 1st, ..., 100th percentile
 
@@ -34,18 +35,17 @@ class OverheadsError(ValueError):
     """An overheads file that cannot be used (one line: the file and what is wrong)."""
 
 
-@dataclass(frozen=True)
-class Overheads:
+class Overheads(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """Measured overheads (ms) as quantile tables of :data:`QUANTILE_POINTS` non-decreasing,
     finite, non-negative values (``transport_ms``, ``batch_ms``), the node's median process start
     (``process_start_ms``, ms; None: not measured) and where they come from (``source``: free
-    JSON, e.g. the runs measured and how many samples). Raises :class:`OverheadsError` when a
-    table is malformed."""
+    JSON, e.g. the runs measured and how many samples); the JSON of ``dilu calibrate --json`` is
+    this struct's. Raises :class:`OverheadsError` when a table is malformed."""
 
     transport_ms: tuple[float, ...]
     batch_ms: tuple[float, ...]
     process_start_ms: float | None = None
-    source: dict = field(default_factory=dict)
+    source: dict = {}
 
     def __post_init__(self) -> None:
         for name in ("transport_ms", "batch_ms"):
@@ -57,8 +57,8 @@ class Overheads:
             if any(b < a for a, b in zip(q, q[1:])):
                 raise OverheadsError(f"{name} is not non-decreasing (quantiles)")
         ps = self.process_start_ms
-        if ps is not None and not (math.isfinite(ps) and 0 <= ps <= 600_000):
-            raise OverheadsError(f"process_start_ms must be in [0, 600000] ms, got {ps}")
+        if ps is not None and not (math.isfinite(ps) and 0 <= ps <= models.PROCESS_START_MAX_MS):
+            raise OverheadsError(f"process_start_ms must be in [0, {models.PROCESS_START_MAX_MS:g}] ms, got {ps}")
 
     @classmethod
     def from_samples(cls, transport_ms: Sequence[float], batch_ms: Sequence[float],
@@ -69,26 +69,16 @@ class Overheads:
                    None if process_start_ms is None else round(process_start_ms, 1), dict(source or {}))
 
     def to_json(self) -> bytes:
-        return msgspec.json.format(msgspec.json.encode({
-            "transport_ms": list(self.transport_ms), "batch_ms": list(self.batch_ms),
-            "process_start_ms": self.process_start_ms, "source": self.source}), indent=2) + b"\n"
+        return msgspec.json.format(msgspec.json.encode(self), indent=2) + b"\n"
 
     @classmethod
     def read(cls, path: str | Path) -> Overheads:
         """Load a file written by ``dilu calibrate --json``; raises :class:`OverheadsError` naming the
         file when it is unreadable or malformed."""
         try:
-            data = msgspec.json.decode(Path(path).read_bytes(), type=_File)
-            return cls(tuple(data.transport_ms), tuple(data.batch_ms), data.process_start_ms, data.source)
-        except (OSError, msgspec.DecodeError, msgspec.ValidationError, OverheadsError) as exc:
+            return msgspec.json.decode(Path(path).read_bytes(), type=cls)
+        except (OSError, msgspec.DecodeError) as exc:  # a table's own error arrives as a ValidationError
             raise OverheadsError(f"{path}: not an overheads file ({exc})") from None
-
-
-class _File(msgspec.Struct, forbid_unknown_fields=True):
-    transport_ms: list[float]
-    batch_ms: list[float]
-    process_start_ms: float | None = None
-    source: dict = {}
 
 
 def quantiles(sample: Sequence[float], what: str = "sample") -> tuple[float, ...]:

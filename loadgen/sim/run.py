@@ -148,8 +148,9 @@ class SimConfig:
                 self.defrag_interval_s == 0 or DEFRAG_INTERVAL_MIN_S <= self.defrag_interval_s <= 86_400):
             raise ValueError(f"defrag_interval_s must be 0 or in [{DEFRAG_INTERVAL_MIN_S:g}, 86400] s, "
                              f"got {self.defrag_interval_s}")
-        if not (0 <= self.process_start_ms <= 600_000):
-            raise ValueError(f"process_start_ms must be in [0, 600000] ms, got {self.process_start_ms}")
+        if not (0 <= self.process_start_ms <= models.PROCESS_START_MAX_MS):
+            raise ValueError(f"process_start_ms must be in [0, {models.PROCESS_START_MAX_MS:g}] ms, "
+                             f"got {self.process_start_ms}")
         if not 0.0 <= self.training_jobs <= 1.0:
             raise ValueError(f"training_jobs is a fraction of the GPUs (0..1), got {self.training_jobs}")
 

@@ -33,6 +33,7 @@ RESUME_BANDWIDTH_BYTES_PER_S = 12e9
 # An instance's process start and imports before it loads weights (Python on an A100 node); the
 # emulated node pays it for real, so only the simulator uses this figure (dilu sim --process-start-ms).
 PROCESS_START_MS = 1000.0
+PROCESS_START_MAX_MS = 600_000.0  # the longest process start a simulation accepts: 10 minutes
 DEFAULT_SLO_FACTOR = 5.0
 
 

@@ -9,6 +9,7 @@ import pytest
 
 from dilu.loadgen import requestlog
 from dilu.loadgen.generator import Record, RunResult, Timings
+from dilu.loadgen.report import FunctionMeta, RunFacts, RunInfo, build_report
 from dilu.loadgen.sim import calibrate as cal
 from dilu.loadgen.sim.overheads import QUANTILE_POINTS, Overheads, OverheadsError, Sampler, quantiles
 from dilu.services.common import models
@@ -138,9 +139,10 @@ def test_a_request_log_whose_times_go_backwards_or_negative_is_refused(tmp_path:
 
 def _log_dir(d: Path, report: object = None, requests: str | None = None, node_log: str | None = None) -> Path:
     d.mkdir()
-    run = dict(policy="dilu", trace="t", functions=1, duration_s=10.0, speedup=10.0, seed=1, gpus=4)
-    (d / requestlog.REPORT_FILENAME).write_text(json.dumps(
-        report if report is not None else {"functions": [{"name": "f", "model": "bert_base"}], "run": run}))
+    if report is None:  # a live run's report as dilu demo writes it, of one function
+        run = RunInfo(wall_s=10.0, policy="dilu", trace="t", functions=1, duration_s=10.0, speedup=10.0, seed=1, gpus=4)
+        report = build_report([], {"f": FunctionMeta(model="bert_base", slo_ms=80.0)}, RunFacts(), run).to_dict()
+    (d / requestlog.REPORT_FILENAME).write_text(json.dumps(report))
     (d / requestlog.FILENAME).write_text(requests if requests is not None else json.dumps(
         dict(id="r", function="f", status="ok", scheduled_ns=1, sent_ns=1, done_ns=9)) + "\n")
     (d / cal.NODE_AGENT_LOG).write_text(node_log if node_log is not None else json.dumps(
@@ -149,8 +151,8 @@ def _log_dir(d: Path, report: object = None, requests: str | None = None, node_l
 
 
 @pytest.mark.parametrize("kw, words", [
-    (dict(report=[]), "report.json: not a run's report"),
-    (dict(report={"functions": [], "run": {"policy": "dilu"}}), "report.json: not a run's report"),
+    (dict(report=[]), "report.json: not a Dilu report"),
+    (dict(report={"functions": [], "run": {"policy": "dilu"}}), "report.json: not a Dilu report"),
     (dict(requests=""), "requests.jsonl: holds no request"),
     (dict(node_log="starting\n"), "node_agent.log: no instance became ready in it"),
     (dict(node_log="{not json\n"), "node_agent.log:1: not a JSON log line"),
