@@ -41,12 +41,14 @@ def test_steadiness_does_not_depend_on_device_size(agent):
 
 
 def test_pair_at_03_and_07_completes_kernels_in_ratio(agent, gpu):
-    """Two width-1 processes at 0.3 and 0.7 on one GPU (200 µs kernels, to keep the host's launch
-    rate modest on a loaded machine): completed-kernel ratio 2.33 +- 0.25 over their common run."""
+    """Two width-1 processes at 0.3 and 0.7 on one GPU (1 ms kernels, so that the host's launch
+    rate, at most 1,000/s, never limits the 0.7 process on a loaded machine: with 200 µs kernels
+    it completed 1.9-2.1x the 0.3 process's kernels on a busy 2-core machine, the CPU and not the
+    tokens setting the pace): completed-kernel ratio 2.33 +- 0.25 over their common run."""
     a = agent.block(request_quota=0.3)
     b = agent.block(request_quota=0.7)
-    pa = spawn(launch_env(a.path, gpu, request_quota=0.3), "-k", "k_200", "-t", "2.5")
-    pb = spawn(launch_env(b.path, gpu, request_quota=0.7), "-k", "k_200", "-t", "2.5")
+    pa = spawn(launch_env(a.path, gpu, request_quota=0.3), "-k", "k_1000", "-t", "2.5")
+    pb = spawn(launch_env(b.path, gpu, request_quota=0.7), "-k", "k_1000", "-t", "2.5")
     oa, ob = finish(pa), finish(pb)
     recs = timeline.read_array(gpu)
     t0 = max(timeline.span(recs, oa["pid"])[0], timeline.span(recs, ob["pid"])[0]) + SEC // 5
