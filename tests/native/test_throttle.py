@@ -22,7 +22,7 @@ def shares(gpu: str, pid: int, window_s: float, skip_s: float = 0.2) -> list[flo
     return timeline.window_shares(recs, pid, t0 + int(skip_s * SEC), t1, int(window_s * SEC))
 
 
-@pytest.mark.parametrize("quota,kernel", [(0.25, "k_200"), (0.6, "k_50"), (0.1, "k_2000")])
+@pytest.mark.parametrize("quota,kernel", [(0.25, "k_200"), (0.6, "k_500"), (0.1, "k_2000")])
 def test_busy_share_follows_quota(agent, gpu, quota, kernel):
     cb = agent.block(request_quota=quota)
     out = finish(spawn(launch_env(cb.path, gpu), "-k", kernel, "-t", "1.6"))
@@ -37,7 +37,7 @@ def test_busy_share_follows_quota(agent, gpu, quota, kernel):
 def test_grant_changed_at_run_time_reaches_the_enforcer(agent, gpu):
     """Issue 6 case 2, scaled 10 s -> 1.2 s per phase: 1.0, then 0.3, then 0.8."""
     cb = agent.block(request_quota=1.0)
-    proc = spawn(launch_env(cb.path, gpu), "-k", "k_50", "-t", "3.6")
+    proc = spawn(launch_env(cb.path, gpu), "-k", "k_500", "-t", "3.6")
     phase = 1.2
     marks, busy = [], []
     start = time.monotonic()
