@@ -23,9 +23,16 @@ native: $(STAMP)
 demo: $(STAMP)
 	$(VENV)/bin/dilu demo $(ARGS)
 
+# Pure tests share both cores (pytest-xdist); those that read the clock through other processes
+# then run one at a time (the `serial` mark, set in tests/conftest.py). ARGS runs pytest once, as given.
 test: $(STAMP)
 	$(PY) -m dilu.interceptor.build
+ifeq ($(strip $(ARGS)),)
+	$(PY) -m pytest -q -p no:cacheprovider -n 2 --dist worksteal -m "not serial"
+	$(PY) -m pytest -q -p no:cacheprovider -m serial
+else
 	$(PY) -m pytest -q -p no:cacheprovider $(ARGS)
+endif
 
 schema: $(STAMP)
 	$(PY) -m dilu.contracts.schema --write

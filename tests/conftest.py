@@ -10,6 +10,21 @@ import pytest
 from dilu.services.common.natsserver import EmbeddedNats
 
 
+# Tests that read the clock through other processes (a nats-server, the emulated device's timeline,
+# live services) run one at a time; the rest are pure computation and share the cores
+# (``make test`` runs them with pytest-xdist, then the serial ones alone).
+_PARALLEL_DIRS = ("unit", "sim", "fuzz")
+_SERIAL_MARKS = ("nats", "native", "slow")
+
+
+def pytest_collection_modifyitems(config, items):
+    tests = Path(__file__).parent
+    for item in items:
+        top = Path(item.fspath).relative_to(tests).parts[0]
+        if top not in _PARALLEL_DIRS or any(item.get_closest_marker(m) for m in _SERIAL_MARKS):
+            item.add_marker(pytest.mark.serial)
+
+
 @pytest.fixture
 def nats_url():
     with EmbeddedNats() as server:
