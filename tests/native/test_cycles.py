@@ -3,6 +3,7 @@ another process contends for the device (the signal the node agent turns into
 KernelCycleStretch)."""
 from __future__ import annotations
 
+import statistics
 import time
 
 import pytest
@@ -16,11 +17,16 @@ def test_cycles_are_counted_and_stretch_under_contention(agent, gpu):
     cb = agent.block(request_quota=1.0)
     # batches of 10 x 200 µs kernels, a synchronisation, then 3 ms of host think time
     proc = spawn(launch_env(cb.path, gpu), "-k", "k_200", "-s", "10", "-p", "3000", "-t", "2.4")
-    time.sleep(1.0)
-    alone = cb.snapshot()
+    time.sleep(0.6)
+    # a loaded host can stall the launcher within one cycle: judge the typical one of 8 read 50 ms apart
+    reads = []
+    for _ in range(8):
+        time.sleep(0.05)
+        reads.append(cb.snapshot())
+    alone = reads[-1]
     assert alone.cycles >= 20
     assert alone.baseline_cycle_us == pytest.approx(2000, rel=0.15)
-    assert alone.last_cycle_us <= 1.4 * alone.baseline_cycle_us
+    assert statistics.median(r.last_cycle_us for r in reads) <= 1.4 * alone.baseline_cycle_us
     # a saturating width-1 neighbour: our kernels now take turns with its kernels
     rival = agent.block(request_quota=1.0)
     other = spawn(launch_env(rival.path, gpu), "-k", "k_200", "-t", "1.2")
@@ -36,3 +42,14 @@ def test_cycles_are_counted_and_stretch_under_contention(agent, gpu):
     assert contended.cycles > alone.cycles
     assert contended.last_cycle_us >= 1.5 * contended.baseline_cycle_us
     assert contended.baseline_cycle_us == pytest.approx(alone.baseline_cycle_us, rel=0.15)
+
+
+def test_a_host_stall_that_splits_a_cycle_does_not_set_the_baseline(agent, gpu):
+    """Every 4th cycle of 10 x 200 µs the launcher stalls halfway for 1.5 ms (past the 1 ms cycle
+    gap), as a descheduled host thread would: two fragments of about 1 ms. The least span would be
+    a fragment, and every whole cycle would then read as stretch 2; the baseline stays a whole one."""
+    cb = agent.block(request_quota=1.0)
+    out = finish(spawn(launch_env(cb.path, gpu), "-k", "k_200", "-s", "10", "-p", "3000", "-x", "4", "-t", "1.2"))
+    snap = cb.snapshot()
+    assert out["errors"] == 0 and snap.cycles >= 100
+    assert snap.baseline_cycle_us == pytest.approx(2000, rel=0.15)
