@@ -256,19 +256,6 @@ struct shared {
 static struct shared *SH;
 static int g_sh_private; /* the shared page could not be made: SH is process-local */
 
-/* The baseline cycle is the least of the median spans of the last BASELINE_WINDOWS windows, each
- * at least BASELINE_WINDOW_NS long and BASELINE_WINDOW_MIN cycles (the median of its last
- * BASELINE_WINDOW_MAX); before the first window closes, the median so far. A median, because a
- * host that stalls the launching thread past DILU_CYCLE_GAP_US splits one cycle in two, and the
- * least span would then be a fragment that reads every whole cycle as stretch: fragments move it
- * only once they are half the cycles. The least of a minute's windows, so contention shorter than
- * that still reads as stretch while a lasting change of workload re-baselines: a shorter one
- * within a window, a longer one within a minute. */
-#define BASELINE_WINDOW_NS 1000000000ull
-#define BASELINE_WINDOW_MIN 8
-#define BASELINE_WINDOW_MAX 64
-#define BASELINE_WINDOWS 60
-
 static struct {
     /* configuration */
     uint64_t width_ppm, request_ppm, min_ppm;
@@ -300,12 +287,6 @@ static struct {
     uint64_t samples, flags;
     uint64_t cycles, last_cycle_us, baseline_cycle_us;
     uint64_t cycle_start_ns, last_launch_ns, sync_ns, work_end_ns;
-    /* baseline windows (see note_cycle): this window's spans and start, the medians of closed ones */
-    uint32_t win_spans[BASELINE_WINDOW_MAX];
-    uint32_t win_n, win_seen;
-    uint64_t win_start_ns;
-    uint64_t medians[BASELINE_WINDOWS];
-    uint32_t nmedians, median_head;
     double last_cost_us;
     uint64_t applied_epoch, applied_ns;
 } S;
@@ -643,48 +624,6 @@ static uint64_t cycle_end(void)
     return S.work_end_ns > est ? S.work_end_ns : est;
 }
 
-static int cmp_u32(const void *a, const void *b)
-{
-    uint32_t x = *(const uint32_t *)a, y = *(const uint32_t *)b;
-    return (x > y) - (x < y);
-}
-
-/* The median of this window's spans (µs); the window holds at least one. */
-static uint64_t window_median(void)
-{
-    uint32_t n = S.win_n, v[BASELINE_WINDOW_MAX];
-    memcpy(v, S.win_spans, n * sizeof v[0]);
-    qsort(v, n, sizeof v[0], cmp_u32);
-    return n % 2 ? v[n / 2] : ((uint64_t)v[n / 2 - 1] + v[n / 2]) / 2;
-}
-
-/* Adds one cycle's span to the baseline windows and updates S.baseline_cycle_us (see
- * BASELINE_WINDOW_NS). */
-static void note_baseline(uint64_t span_us, uint64_t now)
-{
-    if (!S.win_start_ns)
-        S.win_start_ns = now;
-    S.win_spans[S.win_seen++ % BASELINE_WINDOW_MAX] = span_us > UINT32_MAX ? UINT32_MAX : (uint32_t)span_us;
-    S.win_n = S.win_seen < BASELINE_WINDOW_MAX ? S.win_seen : BASELINE_WINDOW_MAX;
-    if (S.win_n >= BASELINE_WINDOW_MIN && now - S.win_start_ns >= BASELINE_WINDOW_NS) {
-        S.medians[S.median_head] = window_median();
-        S.median_head = (S.median_head + 1) % BASELINE_WINDOWS;
-        if (S.nmedians < BASELINE_WINDOWS)
-            S.nmedians++;
-        S.win_n = S.win_seen = 0;
-        S.win_start_ns = now;
-    }
-    if (!S.nmedians) {
-        S.baseline_cycle_us = window_median();
-        return;
-    }
-    uint64_t least = S.medians[0];
-    for (uint32_t i = 1; i < S.nmedians; i++)
-        if (S.medians[i] < least)
-            least = S.medians[i];
-    S.baseline_cycle_us = least;
-}
-
 static void note_cycle(uint64_t arrival)
 {
     uint64_t end = S.last_launch_ns ? cycle_end() : 0;
@@ -692,7 +631,12 @@ static void note_cycle(uint64_t arrival)
         uint64_t span_us = (end - S.cycle_start_ns) / 1000;
         S.cycles++;
         S.last_cycle_us = span_us;
-        note_baseline(span_us, arrival);
+        if (S.baseline_cycle_us == 0 || span_us < S.baseline_cycle_us)
+            S.baseline_cycle_us = span_us;
+        else /* drift up over about a minute, so a lasting change of workload re-baselines while
+              * a contention episode still reads as stretch */
+            S.baseline_cycle_us += (uint64_t)((double)(span_us - S.baseline_cycle_us) *
+                                              fmin(1.0, (double)(arrival - S.cycle_start_ns) / 60e9));
         S.cycle_start_ns = arrival;
     }
     if (!S.cycle_start_ns)

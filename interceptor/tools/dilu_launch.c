@@ -2,7 +2,7 @@
  * interceptor's tests and benchmark (no interpreter start-up in the way).
  *
  *   dilu_launch [-m MODE] [-k KERNEL] [-n COUNT] [-t SECONDS] [-s SYNC_EVERY] [-g GRAPH_LEN]
- *               [-p PAUSE_US] [-x SPLIT_EVERY] [-D KEYS] [-f] [-b]
+ *               [-p PAUSE_US] [-D KEYS] [-f] [-b]
  *
  * MODE: direct (linked cuLaunchKernel, default), ptsz (linked cuLaunchKernel_ptsz), dlsym
  * (dlopen + dlsym), gpa0 / gpa2 (cuGetProcAddress_v2 with flags 0 / 2), gpa4 (4-argument
@@ -13,7 +13,6 @@
  * KERNEL: a fake-driver kernel name, e.g. k_50 (50 µs). Launches COUNT times, or for SECONDS
  * (when -t is given), synchronising every SYNC_EVERY launches (0: only at the end).
  * -p PAUSE_US: sleep that long after each synchronisation (idle gaps between launch cycles).
- * -x SPLIT_EVERY: in every SPLIT_EVERY-th cycle, stall the host halfway for 1.5 ms (with -s).
  * -D KEYS: cycle through KEYS distinct launch geometries (grid x 1..KEYS) of KERNEL, so the
  * interceptor sees KEYS distinct kernels of the same duration (like a model's first forward pass).
  * -f: fork after the first half; parent and child each run the second half.
@@ -302,11 +301,11 @@ int main(int argc, char **argv)
     long count = 1000, sync_every = 0, graph_len = 10, keys = 1;
     double seconds = -1.0;
     int do_fork = 0, bench = 0, c;
-    long pause_us = 0, split_every = 0;
+    long pause_us = 0;
     long long alloc_bytes = -1;
     const char *entry = "alloc";
     int free_each = 0, hold = 0, leak = 0;
-    while ((c = getopt(argc, argv, "m:k:n:t:s:g:p:D:x:fbA:e:FHL")) != -1) {
+    while ((c = getopt(argc, argv, "m:k:n:t:s:g:p:D:fbA:e:FHL")) != -1) {
         switch (c) {
         case 'm': mode = optarg; break;
         case 'k': kernel = optarg; break;
@@ -318,7 +317,6 @@ int main(int argc, char **argv)
         case 'b': bench = 1; break;
         case 'p': pause_us = atol(optarg); break;
         case 'D': keys = atol(optarg); break;
-        case 'x': split_every = atol(optarg); break;
         case 'A': alloc_bytes = atoll(optarg); break;
         case 'e': entry = optarg; break;
         case 'F': free_each = 1; break;
@@ -326,7 +324,7 @@ int main(int argc, char **argv)
         case 'L': leak = 1; break;
         default:
             fprintf(stderr, "usage: dilu_launch [-m MODE] [-k KERNEL] [-n COUNT] [-t SECONDS] "
-                            "[-s SYNC_EVERY] [-g GRAPH_LEN] [-p PAUSE_US] [-x SPLIT_EVERY] [-D KEYS] [-f] [-b]\n"
+                            "[-s SYNC_EVERY] [-g GRAPH_LEN] [-p PAUSE_US] [-D KEYS] [-f] [-b]\n"
                             "       dilu_launch -A BYTES [-n COUNT] [-m MODE] [-e ENTRY] [-F] [-H] [-L] [-f]\n");
             return 1;
         }
@@ -412,13 +410,6 @@ int main(int argc, char **argv)
         if (!first_ns)
             first_ns = now_ns();
         done++;
-        /* -x N: in every Nth cycle the host stalls halfway (its work done, 1.5 ms idle, past the
-         * default DILU_CYCLE_GAP_US), as a descheduled launcher would: one cycle in two fragments */
-        if (split_every > 0 && sync_every > 1 && done % sync_every == sync_every / 2 &&
-            (done / sync_every) % split_every == 0) {
-            CHECK(sync13 ? sync13(ctx) : cuCtxSynchronize());
-            usleep(1500);
-        }
         if (sync_every > 0 && done % sync_every == 0) {
             CHECK(sync13 ? sync13(ctx) : cuCtxSynchronize());
             if (pause_us > 0) /* host-side think time: an idle gap between cycles */
