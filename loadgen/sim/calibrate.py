@@ -6,7 +6,11 @@ Input: the log directories ``dilu demo`` / ``dilu compare`` leave per policy und
 
 - **process start**: each instance launched after the initial ones were all ready, its
   InstanceReady cold start less the emulated weight load (:func:`models.cold_start_ms`); the
-  initial ones start all at once and share the CPU. The median over every run.
+  initial ones start all at once and share the CPU. The median over every run, and the median
+  by how many other instances were starting on the node when it launched (any instance, the
+  initial ones too; its start is its ready time less its cold start): starting processes share
+  the node's CPU, so one launched beside three others starts several times slower than one alone
+  (:func:`starts_by_starting`).
 - **transport**: per answered request, way in + way back (:mod:`.overheads`).
 - **batch**: the live service of each batch (the first reply of each (instance, start) pair:
   handler called -> reply published) against the simulator's service of the batches of the same
@@ -20,6 +24,7 @@ from __future__ import annotations
 import json
 import statistics
 from collections import defaultdict
+from datetime import datetime
 from pathlib import Path
 
 import numpy as np
@@ -30,14 +35,16 @@ from dilu.services.common import models
 from .overheads import Overheads, OverheadsError
 
 MIN_BATCHES = 20  # fewer batches of one function and size say little about its service's spread
+MIN_STARTS = 10  # a process start table's entry comes from at least this many launches (else pooled)
 NODE_AGENT_LOG = "node_agent.log"
 
 
-def process_starts_ms(log: Path, model_of: dict[str, str]) -> list[float]:
-    """The process starts (ms) of the instances a live run launched once its initial ones were up,
-    from the node agent's JSON log (module docstring); empty when it launched none then.
-    ``model_of``: function name -> model. Raises OSError, or ValueError naming the log when a
-    line is not JSON or no instance became ready in it."""
+def process_starts_ms(log: Path, model_of: dict[str, str]) -> list[tuple[int, float]]:
+    """The process starts of the instances a live run launched once its initial ones were up, from
+    the node agent's JSON log (module docstring): (other instances starting on the node at its
+    launch, process start in ms) each; empty when it launched none then. ``model_of``: function
+    name -> model. Raises OSError, or ValueError naming the log when a line is not JSON, a ready
+    line has no timestamp or no instance became ready in it."""
     events = []
     for n, line in enumerate(log.read_text().splitlines(), 1):
         if line.startswith("{"):
@@ -48,12 +55,51 @@ def process_starts_ms(log: Path, model_of: dict[str, str]) -> list[float]:
     ready = [e for e in events if e.get("event") == "instance ready" and "cold_start_ms" in e and "instance" in e]
     if not ready:
         raise ValueError(f"{log}: no instance became ready in it: not the node agent's log of a run")
+    spans = []  # (launched, ready) in ms since the epoch
+    for e in ready:
+        try:
+            end = datetime.fromisoformat(e["timestamp"]).timestamp() * 1000.0
+        except (KeyError, TypeError, ValueError):
+            raise ValueError(f"{log}: an 'instance ready' line has no ISO timestamp") from None
+        spans.append((end - e["cold_start_ms"], end))
     first: dict[str, int] = {}
     for k, e in enumerate(ready):
         first.setdefault(_function(e["instance"]), k)
     last_initial = max(first.values(), default=-1)
-    return [e["cold_start_ms"] - models.cold_start_ms(model_of[_function(e["instance"])])
-            for k, e in enumerate(ready) if k > last_initial and _function(e["instance"]) in model_of]
+    out = []
+    for k, e in enumerate(ready):
+        fn = _function(e["instance"])
+        if k > last_initial and fn in model_of:
+            at = spans[k][0]
+            starting = sum(1 for j, (a, b) in enumerate(spans) if j != k and a <= at < b)
+            out.append((starting, e["cold_start_ms"] - models.cold_start_ms(model_of[fn])))
+    return out
+
+
+def starts_by_starting(starts: list[tuple[int, float]], min_starts: int = MIN_STARTS) -> list[float]:
+    """The median process start (ms) by the number k of other instances starting on the node:
+    entry k for k of them while k holds ``min_starts`` launches and so do those above it; then one
+    entry pools k and above (or, too few for that, joins the entry before). ``starts``: (k, ms)
+    pairs of :func:`process_starts_ms`. Empty for fewer than ``min_starts`` launches."""
+    by_k: dict[int, list[float]] = defaultdict(list)
+    for k, ms in starts:
+        by_k[k].append(ms)
+
+    def from_k(k: int) -> list[float]:
+        return [ms for j, v in by_k.items() if j >= k for ms in v]
+
+    table: list[float] = []
+    for k in range(max(by_k, default=-1) + 1):
+        if len(by_k[k]) >= min_starts and len(from_k(k + 1)) >= min_starts:
+            table.append(statistics.median(by_k[k]))
+        elif len(from_k(k)) >= min_starts:
+            table.append(statistics.median(from_k(k)))
+            break
+        else:
+            if table:
+                table[-1] = statistics.median(from_k(k - 1))
+            break
+    return table
 
 
 def _function(instance: str) -> str:
@@ -85,9 +131,11 @@ def live_services(lines: list[requestlog.RequestLine]) -> dict[tuple[str, int], 
     return dict(out)
 
 
-def simulated_services(run: report.RunInfo, training_jobs: int, process_start_ms: float) -> dict[tuple[str, int], list[float]]:
+def simulated_services(run: report.RunInfo, training_jobs: int, process_start_ms: float,
+                       by_starting: tuple[float, ...] = ()) -> dict[tuple[str, int], list[float]]:
     """(function, batch size) -> the simulated service (ms) of each batch of a simulation of the
-    live run described by ``run`` (a report's ``run`` section), under its policy. Raises
+    live run described by ``run`` (a report's ``run`` section), under its policy, with the
+    process start ``process_start_ms`` or by those starting (``by_starting``, :class:`SimConfig`). Raises
     ValueError for a run the simulator cannot replay (an llm trace beside it, a CPU node)."""
     from .run import SimConfig, Simulation, prepare
 
@@ -98,7 +146,8 @@ def simulated_services(run: report.RunInfo, training_jobs: int, process_start_ms
         raise ValueError("the run had no emulated GPU (--gpus cpu): nothing to calibrate")
     cfg = SimConfig(trace_dir=run.trace, functions=run.functions, hours=run.duration_s * run.speedup / 3600.0,
                     gpus_per_node=run.gpus, seed=run.seed, start_minute=run.start_minute, speedup=run.speedup,
-                    training_jobs=training_jobs / run.gpus, process_start_ms=process_start_ms, keep_records=False)
+                    training_jobs=training_jobs / run.gpus, process_start_ms=process_start_ms,
+                    process_start_by_starting_ms=tuple(by_starting), keep_records=False)
     sim = Simulation(cfg, run.policy, prepare(cfg))
     sim.batch_log = []
     sim.run()
@@ -140,14 +189,15 @@ def calibrate(log_dirs: list[Path], min_batches: int = MIN_BATCHES) -> Overheads
             raise ValueError(f"{d / requestlog.FILENAME}: holds no request")
         starts += process_starts_ms(d / NODE_AGENT_LOG, {f.name: f.model for f in rep.functions})
         runs.append((rep, lines))
-    start_ms = statistics.median(starts) if starts else models.PROCESS_START_MS
+    start_ms = statistics.median(ms for _, ms in starts) if starts else models.PROCESS_START_MS
+    by_starting = starts_by_starting(starts)
     for rep, lines in runs:
         transport += transport_ms(lines)
-        simulated = simulated_services(rep.run, len(rep.training), start_ms)
+        simulated = simulated_services(rep.run, len(rep.training), start_ms, by_starting)
         batch += batch_overheads_ms(live_services(lines), simulated, min_batches)
     if not batch:
         raise OverheadsError(f"no function served {min_batches} batches of one size in both the live runs "
                              "and their simulation: give longer or busier runs")
     source = {"runs": [str(d) for d in log_dirs], "transport_samples": len(transport),
               "batch_samples": len(batch), "process_start_samples": len(starts)}
-    return Overheads.from_samples(transport, batch, start_ms if starts else None, source)
+    return Overheads.from_samples(transport, batch, start_ms if starts else None, source, by_starting)

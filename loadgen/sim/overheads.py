@@ -12,7 +12,11 @@ Two parts, split by the serving instance's own times in its reply (``Dilu-Starte
   the instance's Python, the launch path through the interceptor and the fake driver, and the
   wait for a CPU on a busy node. The instance is busy for it, so it also lengthens the queue.
 
-On a real GPU node both are small against the GPU's time; on the emulated node of a 2-core
+Beside them, the node's process start (before the weights load), as a median and by how many
+other instances were starting on the node at the launch: on a 2-core node the starting
+processes share the CPU, so a burst of launches starts several times slower than one launch.
+
+On a real GPU node the two tables are small against the GPU's time; on the emulated node of a 2-core
 machine they are not (README, At cluster scale: the cross-check). ``dilu sim`` without
 ``--overheads`` models neither.
 """
@@ -38,13 +42,17 @@ class OverheadsError(ValueError):
 class Overheads(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """Measured overheads (ms) as quantile tables of :data:`QUANTILE_POINTS` non-decreasing,
     finite, non-negative values (``transport_ms``, ``batch_ms``), the node's median process start
-    (``process_start_ms``, ms; None: not measured) and where they come from (``source``: free
-    JSON, e.g. the runs measured and how many samples); the JSON of ``dilu calibrate --json`` is
-    this struct's. Raises :class:`OverheadsError` when a table is malformed."""
+    (``process_start_ms``, ms; None: not measured), the median process start by the number of
+    other instances already starting on the node (``process_start_by_starting_ms``: entry k for
+    k of them, the last entry also for more; empty: not measured; on a 2-core node the starting
+    processes share the CPU) and where they come from (``source``: free JSON, e.g. the runs
+    measured and how many samples); the JSON of ``dilu calibrate --json`` is this struct's.
+    Raises :class:`OverheadsError` when a table is malformed."""
 
     transport_ms: tuple[float, ...]
     batch_ms: tuple[float, ...]
     process_start_ms: float | None = None
+    process_start_by_starting_ms: tuple[float, ...] = ()
     source: dict = {}
 
     def __post_init__(self) -> None:
@@ -59,14 +67,20 @@ class Overheads(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         ps = self.process_start_ms
         if ps is not None and not (math.isfinite(ps) and 0 <= ps <= models.PROCESS_START_MAX_MS):
             raise OverheadsError(f"process_start_ms must be in [0, {models.PROCESS_START_MAX_MS:g}] ms, got {ps}")
+        if any(not (math.isfinite(v) and 0 <= v <= models.PROCESS_START_MAX_MS)
+               for v in self.process_start_by_starting_ms):
+            raise OverheadsError(f"process_start_by_starting_ms must hold values in "
+                                 f"[0, {models.PROCESS_START_MAX_MS:g}] ms")
 
     @classmethod
     def from_samples(cls, transport_ms: Sequence[float], batch_ms: Sequence[float],
-                     process_start_ms: float | None = None, source: dict | None = None) -> Overheads:
+                     process_start_ms: float | None = None, source: dict | None = None,
+                     process_start_by_starting_ms: Sequence[float] = ()) -> Overheads:
         """The tables of two samples (ms; negative values count as 0: a batch served faster than
         modelled adds nothing). Raises :class:`OverheadsError` when a sample is empty."""
         return cls(quantiles(transport_ms, "transport"), quantiles(batch_ms, "batch"),
-                   None if process_start_ms is None else round(process_start_ms, 1), dict(source or {}))
+                   None if process_start_ms is None else round(process_start_ms, 1),
+                   tuple(round(v, 1) for v in process_start_by_starting_ms), dict(source or {}))
 
     def to_json(self) -> bytes:
         return msgspec.json.format(msgspec.json.encode(self), indent=2) + b"\n"

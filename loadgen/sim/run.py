@@ -47,6 +47,7 @@ from __future__ import annotations
 import bisect
 import math
 import time
+from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -105,7 +106,9 @@ class SimConfig:
     in trace seconds (None: as it does live, :data:`DEFRAG_INTERVAL_S`; 0: never; the baselines
     never do); ``process_start_ms``:
     an instance's process start before its weights load (a cold start is that plus the weights
-    at 4 GB/s); ``overheads``: what a live node adds to each request and batch beyond the
+    at 4 GB/s); ``process_start_by_starting_ms``: if not empty, the process start instead by how
+    many other instances are starting on the node at the launch (entry k for k, the last also
+    for more; :attr:`Overheads.process_start_by_starting_ms`); ``overheads``: what a live node adds to each request and batch beyond the
     modelled GPU time (:mod:`.overheads`, measured by ``dilu calibrate``; None: nothing), drawn
     from streams seeded by ``overheads_seed`` (None: ``seed``; another value draws other overheads
     over the same requests, as a live rerun would meet them); ticks in ms; ``sample_s``: timeline
@@ -124,6 +127,7 @@ class SimConfig:
     park_after_s: float | None = None
     defrag_interval_s: float | None = None
     process_start_ms: float = models.PROCESS_START_MS
+    process_start_by_starting_ms: tuple[float, ...] = ()
     overheads: Overheads | None = None
     overheads_seed: int | None = None
     vertical_tick_ms: float = 250.0
@@ -148,9 +152,9 @@ class SimConfig:
                 self.defrag_interval_s == 0 or DEFRAG_INTERVAL_MIN_S <= self.defrag_interval_s <= 86_400):
             raise ValueError(f"defrag_interval_s must be 0 or in [{DEFRAG_INTERVAL_MIN_S:g}, 86400] s, "
                              f"got {self.defrag_interval_s}")
-        if not (0 <= self.process_start_ms <= models.PROCESS_START_MAX_MS):
-            raise ValueError(f"process_start_ms must be in [0, {models.PROCESS_START_MAX_MS:g}] ms, "
-                             f"got {self.process_start_ms}")
+        for ms in (self.process_start_ms, *self.process_start_by_starting_ms):
+            if not (0 <= ms <= models.PROCESS_START_MAX_MS):
+                raise ValueError(f"process_start_ms must be in [0, {models.PROCESS_START_MAX_MS:g}] ms, got {ms}")
         if not 0.0 <= self.training_jobs <= 1.0:
             raise ValueError(f"training_jobs is a fraction of the GPUs (0..1), got {self.training_jobs}")
 
@@ -219,14 +223,16 @@ def horizontal_config(mode: str, speedup: float = 1.0, keep_alive_s: float | Non
 
 def warm_up_ms(cfg: SimConfig, work: Workload) -> float:
     """When the replay starts (ms after the deploy): ``cfg.warm_up_s`` if set, else when the
-    initial instances placed at 0 ms (the first horizontal tick) are all ready, the longest cold
-    start among the deployed models, at most the demo's ``WARM_UP_TIMEOUT_S``."""
+    initial instances placed at 0 ms (the first horizontal tick) are all ready: the longest
+    process start (the last of them to launch finds the others starting) plus the longest weight
+    load among the deployed models, at most the demo's ``WARM_UP_TIMEOUT_S``."""
     from dilu.cli.demo import WARM_UP_TIMEOUT_S
 
     if cfg.warm_up_s is not None:
         return cfg.warm_up_s * 1000.0
     longest = max((models.cold_start_ms(s.model) for s in work.specs), default=0.0)
-    return min(cfg.process_start_ms + longest, WARM_UP_TIMEOUT_S * 1000.0)
+    start = max(cfg.process_start_by_starting_ms, default=cfg.process_start_ms)
+    return min(start + longest, WARM_UP_TIMEOUT_S * 1000.0)
 
 
 @dataclass
@@ -301,6 +307,7 @@ class Simulation:
         self.defrag_every = every * 1000.0 / cfg.speedup  # ms; 0: never
         self.backoff = PlacementBackoff(cfg.horizontal_tick_ms / 1000.0, 30.0)
         self.gpus: dict[int, Gpu] = {}
+        self.node_gpus: dict[str, list[Gpu]] = defaultdict(list)  # node name -> its GPUs in use so far
         self.awake: dict[int, Gpu] = {}  # GPUs whose telemetry is not paused (see QUIET_WINDOWS)
         self.vtick = self.htick = 0  # tick counters: tick k runs at k x its period
         self.instances: dict[str, Instance] = {}
@@ -428,14 +435,12 @@ class Simulation:
                 return None
         self._account()
         gid = self.cluster.gpu_id(slots[0])
-        gpu = self.gpus.get(gid)
-        if gpu is None:
-            gpu = self.gpus[gid] = Gpu(gid)
+        gpu = self._gpu(gid, slots[0].node)
         d = f.demand
         self.live_req += d.request_quota
         self.facts.peak_active_gpus = max(self.facts.peak_active_gpus, self.cluster.active)
         self.facts.max_limit_sum = max(self.facts.max_limit_sum, round(self.cluster.gpus[gid].lim, 9))
-        ready = now + self.cfg.process_start_ms + models.cold_start_ms(f.model)
+        ready = now + self._process_start_ms(slots[0].node) + models.cold_start_ms(f.model)
         inst = Instance(iid, f, gpu, d.request_quota, d.limit_quota, 0.0, f.batch, ready, now, f.training,
                         f.spec.priority or default_priority(f.spec.kind))
         gpu.instances[iid] = inst
@@ -448,6 +453,25 @@ class Simulation:
         inst.quota_since = now
         self.loop.at(ready, self._ready, inst)
         return inst
+
+    def _gpu(self, gid: int, node: str) -> Gpu:
+        """The simulated GPU of scheduler id ``gid`` on ``node``, made on first use."""
+        gpu = self.gpus.get(gid)
+        if gpu is None:
+            gpu = self.gpus[gid] = Gpu(gid)
+            self.node_gpus[node].append(gpu)
+        return gpu
+
+    def _process_start_ms(self, node: str) -> float:
+        """The process start (ms) of an instance launched now on ``node``: by the instances already
+        starting there when the config has a table for it (resumes are no process start), else
+        the configured one."""
+        table = self.cfg.process_start_by_starting_ms
+        if not table:
+            return self.cfg.process_start_ms
+        starting = sum(1 for g in self.node_gpus[node] for i in g.instances.values()
+                       if i.state == "starting" and not i.resumed_ms)
+        return table[min(starting, len(table) - 1)]
 
     def _launch_training(self, f: Function) -> None:
         inst = self._place(f)
@@ -515,10 +539,7 @@ class Simulation:
         self._account()
         self.cluster.assign(inst.iid, f.demand, [slot], check=False)
         self.live_req += inst.request
-        gid = self.cluster.gpu_id(slot)
-        gpu = self.gpus.get(gid)
-        if gpu is None:
-            gpu = self.gpus[gid] = Gpu(gid)
+        gpu = self._gpu(self.cluster.gpu_id(slot), slot.node)
         inst.gpu = gpu
         gpu.instances[inst.iid] = inst
         self._wake(gpu)
@@ -1050,6 +1071,7 @@ def _output(cfg: SimConfig, work: Workload, reports: dict, facts: dict) -> dict:
             "functions": cfg.functions, "keep_alive_s": cfg.keep_alive_s, "park_after_s": cfg.park_after_s,
             "defrag_interval_s": cfg.defrag_interval_s,
             "process_start_ms": cfg.process_start_ms,
+            "process_start_by_starting_ms": list(cfg.process_start_by_starting_ms),
             "overheads": None if cfg.overheads is None else cfg.overheads.source,
             "overheads_seed": None if cfg.overheads is None else
             (cfg.seed if cfg.overheads_seed is None else cfg.overheads_seed),

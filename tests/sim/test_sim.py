@@ -11,7 +11,8 @@ import pytest
 from click.testing import CliRunner
 
 from dilu.cli.main import main
-from dilu.loadgen.sim.run import SimConfig, Simulation, Workload, prepare, simulate
+from dilu.loadgen.sim.run import SimConfig, Simulation, Workload, prepare, simulate, warm_up_ms
+from dilu.services.common import models
 from dilu.services.horizontal_scaler.policy import tick_order
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -467,12 +468,17 @@ def test_an_overheads_file_sets_the_process_start_unless_it_is_given(tmp_path):
     from dilu.loadgen.sim.overheads import Overheads
 
     path = tmp_path / "ov.json"
-    path.write_bytes(Overheads.from_samples([2.0], [1.0], 420.0, {"runs": ["x"]}).to_json())
+    path.write_bytes(Overheads.from_samples([2.0], [1.0], 420.0, {"runs": ["x"]}, (400.0, 900.0)).to_json())
     args = ["--functions", "4", "--hours", "0.02", "--policies", "dilu", "--overheads", str(path)]
     data, _ = _run(args, tmp_path, "a.json")
-    assert data["sim"]["config"]["process_start_ms"] == 420.0 and data["sim"]["config"]["overheads"] == {"runs": ["x"]}
-    data, _ = _run([*args, "--process-start-ms", "300"], tmp_path, "b.json")
+    conf = data["sim"]["config"]
+    assert conf["process_start_ms"] == 420.0 and conf["overheads"] == {"runs": ["x"]}
+    assert conf["process_start_by_starting_ms"] == [400.0, 900.0]
+    said = " ".join(CliRunner().invoke(main, ["sim", *args]).output.split())
+    assert "process start 0: 400 ms, 1+: 900 ms" in said
+    data, _ = _run([*args, "--process-start-ms", "300"], tmp_path, "b.json")  # one start for every launch
     assert data["sim"]["config"]["process_start_ms"] == 300.0
+    assert data["sim"]["config"]["process_start_by_starting_ms"] == []
     other, _ = _run([*args, "--overheads-seed", "7"], tmp_path, "c.json")
     assert other["sim"]["config"]["overheads_seed"] == 7 and data["sim"]["config"]["overheads_seed"] == 1
     r = CliRunner().invoke(main, ["sim", "--functions", "4", "--hours", "0.02", "--overheads-seed", "7"])
@@ -480,6 +486,33 @@ def test_an_overheads_file_sets_the_process_start_unless_it_is_given(tmp_path):
     path.write_text('{"transport_ms": [1], "batch_ms": []}')
     r = CliRunner().invoke(main, ["sim", *args])
     assert r.exit_code == 2 and "--overheads" in r.output and "not an overheads file" in r.output
+
+
+def test_a_launch_beside_others_starting_takes_the_tables_process_start():
+    """process_start_by_starting_ms (``dilu calibrate``'s, from the overheads file): an instance
+    launched while k others start on its node takes entry k. The initial instances start at once:
+    the first alone, the others beside it; a table flat at the constant changes nothing."""
+    flat = SimConfig(**SMALL, seed=2, process_start_ms=500.0, process_start_by_starting_ms=(500.0,))
+    const = SimConfig(**SMALL, seed=2, process_start_ms=500.0)
+    assert simulate(flat, ["dilu"])["policies"] == simulate(const, ["dilu"])["policies"]
+    cfg = SimConfig(**SMALL, seed=2, process_start_ms=500.0, process_start_by_starting_ms=(500.0, 3000.0))
+    sim = Simulation(cfg, "dilu", prepare(cfg))
+    starts = []
+    place = sim._place
+
+    def logged(f, slot=None):
+        inst = place(f, slot)
+        if inst is not None:
+            starts.append(inst.ready_ms - sim.loop.now - models.cold_start_ms(f.model))
+        return inst
+
+    sim._place = logged
+    sim.run()
+    assert starts[:2] == pytest.approx([500.0, 3000.0])  # the first alone, the second beside it
+    assert set(round(s) for s in starts) == {500, 3000}
+    assert warm_up_ms(cfg, sim.work) == warm_up_ms(const, sim.work) + 2500.0  # the last initial one
+    with pytest.raises(ValueError, match="process_start_ms"):
+        SimConfig(process_start_by_starting_ms=(400.0, -1.0))
 
 
 def test_drawn_overheads_repeat_per_seed_and_differ_by_overheads_seed():

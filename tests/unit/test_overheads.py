@@ -95,14 +95,38 @@ def test_the_batch_overhead_is_live_less_simulated_quantile_by_quantile():
     assert Overheads.from_samples([1.0], got).batch_ms[0] == 0.0
 
 
-def test_process_starts_count_the_launches_after_the_initial_ones(tmp_path: Path):
+def _ready(instance: str, cold_ms: float, ready_s: float) -> str:
+    """A node agent's 'instance ready' line, ready ``ready_s`` s after 12:00:00 UTC."""
+    ts = f"2026-01-01T12:00:{ready_s:09.6f}Z"
+    return json.dumps({"event": "instance ready", "instance": instance, "cold_start_ms": cold_ms, "timestamp": ts})
+
+
+def test_process_starts_count_the_launches_after_the_initial_ones_and_those_starting_beside_them(tmp_path: Path):
     log = tmp_path / "node_agent.log"
     cold = models.cold_start_ms("bert_base")
-    events = [("a-0000000001", cold + 900), ("b-0000000002", cold + 800),  # the initial ones
-              ("a-0000000003", cold + 400), ("b-0000000004", cold + 500)]
-    log.write_text("not json\n" + "\n".join(json.dumps({"event": "instance ready", "instance": i, "cold_start_ms": c})
-                                            for i, c in events) + "\n")
-    assert cal.process_starts_ms(log, {"a": "bert_base", "b": "bert_base"}) == pytest.approx([400.0, 500.0])
+    lines = [_ready("a-0000000001", cold + 900, 10.0), _ready("b-0000000002", cold + 800, 10.5),  # the initial ones
+             # a-3 launched at 20 s, alone; a-4 launched at 30 s, d-5 0.1 s later, while a-4 was starting
+             _ready("a-0000000003", cold + 400, 20.0 + (cold + 400) / 1000),
+             _ready("a-0000000004", cold + 1000, 30.0 + (cold + 1000) / 1000),
+             _ready("b-0000000005", cold + 1200, 30.1 + (cold + 1200) / 1000)]
+    log.write_text("not json\n" + "\n".join(lines) + "\n")
+    got = cal.process_starts_ms(log, {"a": "bert_base", "b": "bert_base"})
+    assert [k for k, _ in got] == [0, 0, 1]  # a-4 found none starting, b-5 found a-4
+    assert [ms for _, ms in got] == pytest.approx([400.0, 1000.0, 1200.0], abs=0.01)
+    log.write_text(json.dumps({"event": "instance ready", "instance": "a-1", "cold_start_ms": 1.0}) + "\n")
+    with pytest.raises(ValueError, match="node_agent.log: an 'instance ready' line has no ISO timestamp"):
+        cal.process_starts_ms(log, {"a": "bert_base"})
+
+
+@pytest.mark.parametrize("starts, table", [
+    ([(0, 100.0)] * 12 + [(1, 200.0)] * 12 + [(2, 300.0)] * 12 + [(3, 400.0)] * 3, [100.0, 200.0, 300.0]),
+    ([(0, 100.0)] * 12 + [(1, 200.0)] * 5 + [(2, 300.0)] * 12, [100.0, 300.0]),  # k=1 too few: pooled with 2
+    ([(0, 100.0)] * 12 + [(1, 200.0)] * 12 + [(2, 300.0)] * 5 + [(3, 400.0)] * 4, [100.0, 200.0]),
+    ([(0, 100.0)] * 12 + [(2, 300.0)] * 4, [100.0]),  # k=2 too few for an entry: pooled into k=0's
+    ([(0, 100.0)] * 5, []),  # too few launches for any entry
+])
+def test_process_starts_by_those_starting_pool_what_is_too_few(starts, table):
+    assert cal.starts_by_starting(starts, min_starts=10) == pytest.approx(table)
 
 
 def test_the_request_log_holds_unix_times_and_names_a_bad_line(tmp_path: Path):
@@ -145,8 +169,8 @@ def _log_dir(d: Path, report: object = None, requests: str | None = None, node_l
     (d / requestlog.REPORT_FILENAME).write_text(json.dumps(report))
     (d / requestlog.FILENAME).write_text(requests if requests is not None else json.dumps(
         dict(id="r", function="f", status="ok", scheduled_ns=1, sent_ns=1, done_ns=9)) + "\n")
-    (d / cal.NODE_AGENT_LOG).write_text(node_log if node_log is not None else json.dumps(
-        {"event": "instance ready", "instance": "f-0000000001", "cold_start_ms": 900.0}) + "\n")
+    (d / cal.NODE_AGENT_LOG).write_text(node_log if node_log is not None else
+                                        _ready("f-0000000001", 900.0, 10.0) + "\n")
     return d
 
 
