@@ -16,8 +16,8 @@ Beside them, the node's process start (before the weights load), as a median and
 other instances were starting on the node at the launch: on a 2-core node the starting
 processes share the CPU, so a burst of launches starts several times slower than one launch.
 
-On a real GPU node the two tables are small against the GPU's time; on the emulated node of a 2-core
-machine they are not (README, At cluster scale: the cross-check). ``dilu sim`` without
+On a real GPU node the two tables are small against the GPU's time; on the emulated node of a
+2-core machine they are not (README, At cluster scale: the cross-check). ``dilu sim`` without
 ``--overheads`` models neither.
 """
 from __future__ import annotations

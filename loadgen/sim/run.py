@@ -108,11 +108,11 @@ class SimConfig:
     an instance's process start before its weights load (a cold start is that plus the weights
     at 4 GB/s); ``process_start_by_starting_ms``: if not empty, the process start instead by how
     many other instances are starting on the node at the launch (entry k for k, the last also
-    for more; :attr:`Overheads.process_start_by_starting_ms`); ``overheads``: what a live node adds to each request and batch beyond the
-    modelled GPU time (:mod:`.overheads`, measured by ``dilu calibrate``; None: nothing), drawn
-    from streams seeded by ``overheads_seed`` (None: ``seed``; another value draws other overheads
-    over the same requests, as a live rerun would meet them); ticks in ms; ``sample_s``: timeline
-    resolution."""
+    for more; :attr:`Overheads.process_start_by_starting_ms`); ``overheads``: what a live node
+    adds to each request and batch beyond the modelled GPU time (:mod:`.overheads`, measured by
+    ``dilu calibrate``; None: nothing), drawn from streams seeded by ``overheads_seed`` (None:
+    ``seed``; another value draws other overheads over the same requests, as a live rerun would
+    meet them); ticks in ms; ``sample_s``: timeline resolution."""
 
     trace_dir: str | None = None
     functions: int | str = 16

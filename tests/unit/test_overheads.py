@@ -37,6 +37,12 @@ def test_a_malformed_table_is_refused(table, error):
         Overheads(table, flat(1.0))
 
 
+@pytest.mark.parametrize("starts", [(400.0, -1.0), (float("nan"),), (4e9,)])
+def test_a_process_start_table_out_of_range_is_refused(starts):
+    with pytest.raises(OverheadsError, match="process_start_by_starting_ms must hold values in"):
+        Overheads(flat(1.0), flat(1.0), process_start_by_starting_ms=starts)
+
+
 def test_a_file_round_trips_and_a_bad_one_is_one_error_naming_it(tmp_path: Path):
     ov = Overheads.from_samples([1.0, 2.0, 3.0], [0.5, 4.0], 401.04, {"runs": ["a"]})
     path = tmp_path / "ov.json"
