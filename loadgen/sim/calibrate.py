@@ -144,7 +144,7 @@ def simulated_services(run: report.RunInfo, training_jobs: int, process_start_ms
                          "which the simulator does not: calibrate from runs without it")
     if run.gpus < 1:
         raise ValueError("the run had no emulated GPU (--gpus cpu): nothing to calibrate")
-    cfg = SimConfig(trace_dir=run.trace, functions=run.functions, hours=run.duration_s * run.speedup / 3600.0,
+    cfg = SimConfig(trace_dir=_trace_dir(run.trace), functions=run.functions, hours=run.duration_s * run.speedup / 3600.0,
                     gpus_per_node=run.gpus, seed=run.seed, start_minute=run.start_minute, speedup=run.speedup,
                     training_jobs=training_jobs / run.gpus, process_start_ms=process_start_ms,
                     process_start_by_starting_ms=tuple(by_starting), keep_records=False)
@@ -155,6 +155,18 @@ def simulated_services(run: report.RunInfo, training_jobs: int, process_start_ms
     for fn, size, ms in sim.batch_log:
         out[(fn, size)].append(ms)
     return dict(out)
+
+
+def _trace_dir(recorded: str) -> str:
+    """The replayed trace's directory: as the report recorded it (an absolute path), or this
+    checkout's copy of the bundled sample when the run used that sample from a checkout that is
+    gone, so logs moved off their machine still calibrate."""
+    from dilu.loadgen.trace import default_trace_dir
+
+    bundled = default_trace_dir()
+    if recorded and not Path(recorded).exists() and Path(recorded).name == bundled.name:
+        return str(bundled)
+    return recorded
 
 
 def batch_overheads_ms(live: dict, simulated: dict, min_batches: int = MIN_BATCHES) -> list[float]:

@@ -192,6 +192,23 @@ def test_calibrate_names_the_file_it_cannot_use(tmp_path: Path, kw, words):
         cal.calibrate([_log_dir(tmp_path / "run", **kw)])
 
 
+def test_logs_moved_off_their_checkout_calibrate_against_the_bundled_sample(tmp_path: Path):
+    """A report records the trace directory's absolute path; the bundled sample's, from a checkout
+    that is gone, is this checkout's copy (the run is simulated: too short to calibrate, it says
+    so, where a missing trace directory would have stopped it first)."""
+    from dilu.loadgen.trace import default_trace_dir
+
+    gone = f"/nonexistent/checkout/{default_trace_dir().name}"
+    run = RunInfo(wall_s=10.0, policy="dilu", trace=gone, functions=1, duration_s=10.0, speedup=10.0, seed=1, gpus=4,
+                  start_minute=480)
+    rep = build_report([], {"f": FunctionMeta(model="bert_base", slo_ms=80.0)}, RunFacts(), run).to_dict()
+    with pytest.raises(OverheadsError, match="no function served 20 batches"):
+        cal.calibrate([_log_dir(tmp_path / "run", report=rep)])
+    rep["run"]["trace"] = "/nonexistent/other-trace"
+    with pytest.raises(ValueError, match="trace directory not found"):
+        cal.calibrate([_log_dir(tmp_path / "other", report=rep)])
+
+
 def test_calibrate_refuses_a_directory_given_twice(tmp_path: Path):
     d = _log_dir(tmp_path / "run")
     with pytest.raises(ValueError, match="given twice"):
