@@ -15,7 +15,7 @@ from pathlib import Path
 import click
 
 from dilu.loadgen.arrivals import SPEEDUP_MAX, SPEEDUP_MIN
-from dilu.loadgen.sim.calibrate import MIN_BATCHES
+from dilu.loadgen.sim.calibrate import MIN_BATCHES, MIN_STARTS
 from dilu.services.common import models
 from dilu.services.common.cliopts import PARK_AFTER_S_TYPE, Finite, ZeroOrAtLeast, writable_dir, writable_output, write_output
 from dilu.services.common.policies import DEFRAG_INTERVAL_MIN_S, DEFRAG_INTERVAL_S, PARK_AFTER_S, POLICIES
@@ -191,9 +191,9 @@ def sim(trace_dir, functions, hours, start_minute, speedup, nodes, gpus_per_node
     _show(out, console, functions, hours, speedup, json_path, plots_dir)
 
 
-def _count(n: int, noun: str) -> str:
-    """``n`` and the noun in its number: "1 request", "2,000 requests"."""
-    return f"{n:,} {noun if n == 1 else noun + 's'}"
+def _count(n: int, noun: str, plural: str | None = None) -> str:
+    """``n`` and the noun in its number: "1 request", "2,000 requests" (``plural``: when not noun + s)."""
+    return f"{n:,} {noun if n == 1 else plural or noun + 's'}"
 
 
 def _parking_line(name: str, s: dict) -> str:
@@ -305,12 +305,12 @@ def calibrate(log_dirs, json_path, min_batches) -> None:
     console.print(table)
     src = ov.source
     console.print(f"{src['transport_samples']:,} requests, {src['batch_samples']:,} batches; process start "
-                  + (f"{ov.process_start_ms:g} ms (median of {src['process_start_samples']} launches)"
+                  + (f"{ov.process_start_ms:g} ms (median of {_count(src['process_start_samples'], 'launch', 'launches')})"
                      if ov.process_start_ms is not None else "not measured (no launch after the initial ones)"),
                   highlight=False)
-    if ov.process_start_by_starting_ms:
-        console.print(f"process start by the other instances starting on the node: "
-                      f"{_by_starting(ov.process_start_by_starting_ms)}", highlight=False)
+    by_starting = (_by_starting(ov.process_start_by_starting_ms) if ov.process_start_by_starting_ms else
+                   f"not measured (an entry needs {MIN_STARTS} launches after the initial ones)")
+    console.print(f"process start by the other instances starting on the node: {by_starting}", highlight=False)
     if json_path:
         write_output(json_path, ov.to_json().decode())
         console.print(f"written to {json_path}")

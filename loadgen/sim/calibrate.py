@@ -21,12 +21,13 @@ Input: the log directories ``dilu demo`` / ``dilu compare`` leave per policy und
 """
 from __future__ import annotations
 
-import json
 import statistics
 from collections import defaultdict
 from datetime import datetime
 from pathlib import Path
+from typing import Annotated
 
+import msgspec
 import numpy as np
 
 from dilu.loadgen import report, requestlog
@@ -39,40 +40,49 @@ MIN_STARTS = 10  # a process start table's entry comes from at least this many l
 NODE_AGENT_LOG = "node_agent.log"
 
 
+class _Ready(msgspec.Struct):
+    """The node agent's log line of an instance's first ready (``instance ready``): the instance
+    id, its cold start (ms, launch to ready) and when it was logged (ISO 8601)."""
+
+    instance: str
+    cold_start_ms: Annotated[float, msgspec.Meta(ge=0)]
+    timestamp: datetime
+
+
 def process_starts_ms(log: Path, model_of: dict[str, str]) -> list[tuple[int, float]]:
     """The process starts of the instances a live run launched once its initial ones were up, from
     the node agent's JSON log (module docstring): (other instances starting on the node at its
     launch, process start in ms) each; empty when it launched none then. ``model_of``: function
-    name -> model. Raises OSError, or ValueError naming the log when a line is not JSON, a ready
-    line has no timestamp or no instance became ready in it."""
-    events = []
+    name -> model. Raises OSError, or ValueError naming the log (and line) when a line is not
+    JSON, a ready line is malformed or no instance became ready in it."""
+    ready: list[_Ready] = []
     for n, line in enumerate(log.read_text().splitlines(), 1):
-        if line.startswith("{"):
+        if not line.startswith("{"):
+            continue
+        try:
+            e = msgspec.json.decode(line)
+        except msgspec.DecodeError:
+            raise ValueError(f"{log}:{n}: not a JSON log line") from None
+        if isinstance(e, dict) and e.get("event") == "instance ready" and "cold_start_ms" in e:
             try:
-                events.append(json.loads(line))
-            except ValueError:
-                raise ValueError(f"{log}:{n}: not a JSON log line") from None
-    ready = [e for e in events if e.get("event") == "instance ready" and "cold_start_ms" in e and "instance" in e]
+                ready.append(msgspec.convert(e, _Ready))
+            except msgspec.ValidationError as exc:
+                raise ValueError(f"{log}:{n}: not an 'instance ready' line of the node agent: {exc}") from None
     if not ready:
         raise ValueError(f"{log}: no instance became ready in it: not the node agent's log of a run")
-    spans = []  # (launched, ready) in ms since the epoch
-    for e in ready:
-        try:
-            end = datetime.fromisoformat(e["timestamp"]).timestamp() * 1000.0
-        except (KeyError, TypeError, ValueError):
-            raise ValueError(f"{log}: an 'instance ready' line has no ISO timestamp") from None
-        spans.append((end - e["cold_start_ms"], end))
+    spans = [(r.timestamp.timestamp() * 1000.0 - r.cold_start_ms, r.timestamp.timestamp() * 1000.0)
+             for r in ready]  # (launched, ready) in ms since the epoch
     first: dict[str, int] = {}
-    for k, e in enumerate(ready):
-        first.setdefault(_function(e["instance"]), k)
+    for k, r in enumerate(ready):
+        first.setdefault(_function(r.instance), k)
     last_initial = max(first.values(), default=-1)
     out = []
-    for k, e in enumerate(ready):
-        fn = _function(e["instance"])
+    for k, r in enumerate(ready):
+        fn = _function(r.instance)
         if k > last_initial and fn in model_of:
             at = spans[k][0]
             starting = sum(1 for j, (a, b) in enumerate(spans) if j != k and a <= at < b)
-            out.append((starting, e["cold_start_ms"] - models.cold_start_ms(model_of[fn])))
+            out.append((starting, max(0.0, r.cold_start_ms - models.cold_start_ms(model_of[fn]))))
     return out
 
 

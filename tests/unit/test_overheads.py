@@ -120,7 +120,7 @@ def test_process_starts_count_the_launches_after_the_initial_ones_and_those_star
     assert [k for k, _ in got] == [0, 0, 1]  # a-4 found none starting, b-5 found a-4
     assert [ms for _, ms in got] == pytest.approx([400.0, 1000.0, 1200.0], abs=0.01)
     log.write_text(json.dumps({"event": "instance ready", "instance": "a-1", "cold_start_ms": 1.0}) + "\n")
-    with pytest.raises(ValueError, match="node_agent.log: an 'instance ready' line has no ISO timestamp"):
+    with pytest.raises(ValueError, match="node_agent.log:1: not an 'instance ready' line .* field `timestamp`"):
         cal.process_starts_ms(log, {"a": "bert_base"})
 
 
@@ -186,6 +186,16 @@ def _log_dir(d: Path, report: object = None, requests: str | None = None, node_l
     (dict(requests=""), "requests.jsonl: holds no request"),
     (dict(node_log="starting\n"), "node_agent.log: no instance became ready in it"),
     (dict(node_log="{not json\n"), "node_agent.log:1: not a JSON log line"),
+    (dict(node_log='{"event": "instance ready", "instance": "f-1", "cold_start_ms": "x", "timestamp": "2026-01-01T12:00:00Z"}\n'),
+     r"node_agent.log:1: not an 'instance ready' line of the node agent: Expected `float`"),
+    (dict(node_log='{"event": "instance ready", "instance": 42, "cold_start_ms": 1.0, "timestamp": "2026-01-01T12:00:00Z"}\n'),
+     r"node_agent.log:1: not an 'instance ready' line .* `\$.instance`"),
+    (dict(node_log='{"event": "instance ready", "instance": "f-1", "cold_start_ms": -60.0, "timestamp": "2026-01-01T12:00:00Z"}\n'),
+     r"node_agent.log:1: .*Expected `float` >= 0"),
+    (dict(node_log='{"event": "instance ready", "instance": "f-1", "cold_start_ms": 1.0, "timestamp": "noon"}\n'),
+     r"node_agent.log:1: .*datetime"),
+    (dict(node_log='{"event": "instance ready", "instance": "f-1", "cold_start_ms": NaN, "timestamp": "2026-01-01T12:00:00Z"}\n'),
+     "node_agent.log:1: not a JSON log line"),
 ])
 def test_calibrate_names_the_file_it_cannot_use(tmp_path: Path, kw, words):
     with pytest.raises(ValueError, match=words):
