@@ -205,6 +205,10 @@ def calibrate(log_dirs: list[Path], min_batches: int = MIN_BATCHES) -> Overheads
         if d.resolve() in seen:
             raise ValueError(f"{d} is given twice: its requests would count twice")
         seen.add(d.resolve())
+        inner = sorted(p.parent.name for p in d.glob(f"*/{requestlog.REPORT_FILENAME}"))
+        if inner and not (d / requestlog.REPORT_FILENAME).exists():  # the --log-dir, not a policy's
+            raise ValueError(f"{d} holds one log directory per policy: name them ("
+                             + ", ".join(str(d / name) for name in inner) + ")")
         rep = report.read_report(d / requestlog.REPORT_FILENAME)
         lines = requestlog.read(d / requestlog.FILENAME)
         if not lines:

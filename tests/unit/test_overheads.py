@@ -219,6 +219,13 @@ def test_logs_moved_off_their_checkout_calibrate_against_the_bundled_sample(tmp_
         cal.calibrate([_log_dir(tmp_path / "other", report=rep)])
 
 
+def test_calibrate_given_the_log_dir_names_its_policies_directories(tmp_path: Path):
+    (tmp_path / "logs").mkdir()
+    _log_dir(tmp_path / "logs" / "dilu")
+    with pytest.raises(ValueError, match=r"logs holds one log directory per policy: name them \(.*logs/dilu\)"):
+        cal.calibrate([tmp_path / "logs"])
+
+
 def test_calibrate_refuses_a_directory_given_twice(tmp_path: Path):
     d = _log_dir(tmp_path / "run")
     with pytest.raises(ValueError, match="given twice"):
