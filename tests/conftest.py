@@ -20,7 +20,7 @@ _SERIAL_MARKS = ("nats", "native", "slow")
 def pytest_collection_modifyitems(config, items):
     tests = Path(__file__).parent
     for item in items:
-        top = Path(item.fspath).relative_to(tests).parts[0]
+        top = item.path.relative_to(tests).parts[0]
         if top not in _PARALLEL_DIRS or any(item.get_closest_marker(m) for m in _SERIAL_MARKS):
             item.add_marker(pytest.mark.serial)
 

@@ -152,9 +152,11 @@ class SimConfig:
                 self.defrag_interval_s == 0 or DEFRAG_INTERVAL_MIN_S <= self.defrag_interval_s <= 86_400):
             raise ValueError(f"defrag_interval_s must be 0 or in [{DEFRAG_INTERVAL_MIN_S:g}, 86400] s, "
                              f"got {self.defrag_interval_s}")
-        for ms in (self.process_start_ms, *self.process_start_by_starting_ms):
-            if not (0 <= ms <= models.PROCESS_START_MAX_MS):
-                raise ValueError(f"process_start_ms must be in [0, {models.PROCESS_START_MAX_MS:g}] ms, got {ms}")
+        for name, values in (("process_start_ms", (self.process_start_ms,)),
+                             ("process_start_by_starting_ms", self.process_start_by_starting_ms)):
+            for ms in values:
+                if not (0 <= ms <= models.PROCESS_START_MAX_MS):
+                    raise ValueError(f"{name} must be in [0, {models.PROCESS_START_MAX_MS:g}] ms, got {ms}")
         if not 0.0 <= self.training_jobs <= 1.0:
             raise ValueError(f"training_jobs is a fraction of the GPUs (0..1), got {self.training_jobs}")
 

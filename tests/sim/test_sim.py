@@ -511,7 +511,7 @@ def test_a_launch_beside_others_starting_takes_the_tables_process_start():
     assert starts[:2] == pytest.approx([500.0, 3000.0])  # the first alone, the second beside it
     assert set(round(s) for s in starts) == {500, 3000}
     assert warm_up_ms(cfg, sim.work) == warm_up_ms(const, sim.work) + 2500.0  # the last initial one
-    with pytest.raises(ValueError, match="process_start_ms"):
+    with pytest.raises(ValueError, match="process_start_by_starting_ms must be in"):
         SimConfig(process_start_by_starting_ms=(400.0, -1.0))
 
 
