@@ -18,6 +18,7 @@ from dilu.loadgen.arrivals import SPEEDUP_MAX, SPEEDUP_MIN
 from dilu.loadgen.sim.calibrate import MIN_BATCHES, MIN_STARTS
 from dilu.services.common import models
 from dilu.services.common.cliopts import PARK_AFTER_S_TYPE, Finite, ZeroOrAtLeast, writable_dir, writable_output, write_output
+from dilu.services.common.interrupt import SIGNALS, Interrupt
 from dilu.services.common.policies import DEFRAG_INTERVAL_MIN_S, DEFRAG_INTERVAL_S, PARK_AFTER_S, POLICIES
 from dilu.services.horizontal_scaler.policy import HorizontalConfig
 from dilu.services.scheduler.bench import workloads_epilog
@@ -163,11 +164,11 @@ def sim(trace_dir, functions, hours, start_minute, speedup, nodes, gpus_per_node
 
     stopped = {"code": 130}
 
-    def on_term(_sig, _frame):  # SIGTERM ends the run as Ctrl-C does, with its own exit status
-        stopped["code"] = 143
-        raise KeyboardInterrupt
+    def on_term(signum, _frame):  # SIGTERM ends the run as Ctrl-C does, with its own exit status
+        stopped["code"] = 128 + signum
+        raise Interrupt
 
-    previous = signal.signal(signal.SIGTERM, on_term)
+    previous = {sig: signal.signal(sig, on_term) for sig in SIGNALS}
     try:
         cfg = SimConfig(trace_dir=trace_dir, functions=functions, hours=hours, nodes=nodes, gpus_per_node=gpus_per_node,
                         seed=seed, training_jobs=training_jobs, start_minute=start_minute,
@@ -187,7 +188,8 @@ def sim(trace_dir, functions, hours, start_minute, speedup, nodes, gpus_per_node
             _show(exc.partial, console, functions, hours, speedup, json_path, plots_dir)
         sys.exit(stopped["code"])
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
     _show(out, console, functions, hours, speedup, json_path, plots_dir)
 
 

@@ -27,6 +27,15 @@ SIGNALS = (signal.SIGINT, signal.SIGTERM)
 T = TypeVar("T")
 
 
+class Interrupt(KeyboardInterrupt):
+    """The KeyboardInterrupt a signal handler of ours raises (``except KeyboardInterrupt`` catches
+    it). Never a plain KeyboardInterrupt: CPython (3.11) remembers one that leaves code run by
+    ``exec`` (a dataclass's generated methods, typing, any import in progress) even when it is
+    caught later, and then ends the process by SIGINT, whatever status ``sys.exit`` gave: a
+    signal in the first second of a command exited -2 instead of 143 at random. The check is on
+    the exact type (``Python/pythonrun.c``, ``run_eval_code_obj``), so a subclass is not remembered."""
+
+
 class SignalExit:
     """Context manager: the first SIGINT or SIGTERM inside the block raises KeyboardInterrupt
     (or, under :meth:`cancelling`, cancels the event loop's main task), and the block then ends
@@ -47,7 +56,7 @@ class SignalExit:
     def _raise(self, signum: int, _frame) -> None:
         if self.signum is None:
             self.signum = signum
-            raise KeyboardInterrupt
+            raise Interrupt
 
     def __exit__(self, exc_type, exc, tb) -> bool:
         try:

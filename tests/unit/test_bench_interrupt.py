@@ -7,6 +7,8 @@ import asyncio
 import importlib
 import os
 import signal
+import subprocess
+import sys
 import time
 
 import click
@@ -33,6 +35,25 @@ def test_a_signal_in_plain_code_runs_the_cleanup_and_exits_with_its_status(sig, 
     assert cleaned == [True]
     assert capsys.readouterr().err == "interrupted\n"
     assert {s: signal.getsignal(s) for s in before} == before  # handlers given back
+
+
+STOP_IN_EXEC = """
+import os, signal, sys
+from dilu.services.common.interrupt import SignalExit
+with SignalExit():
+    exec(f"os.kill(os.getpid(), {sys.argv[1]})\\nwhile True: pass")
+"""
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_a_signal_inside_exec_still_exits_with_its_status(sig, tmp_path):
+    """A signal landing in code run by exec (an import, a dataclass being made: the first second
+    of every command) must not turn the exit into a death by SIGINT (-2): CPython does that for a
+    plain KeyboardInterrupt that left exec, even one caught later, when run with -m as dilu is."""
+    (tmp_path / "stop_in_exec.py").write_text(STOP_IN_EXEC)
+    run = subprocess.run([sys.executable, "-m", "stop_in_exec", str(int(sig))], cwd=tmp_path,
+                         capture_output=True, text=True, timeout=60)
+    assert (run.returncode, run.stderr) == (128 + sig, "interrupted\n")
 
 
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
