@@ -499,7 +499,8 @@ class Simulation:
 
     def _park(self, inst: Instance) -> bool:
         """Park a ready, idle instance: its placement and share are freed, it keeps its weights
-        in host memory (off every GPU). False when it is serving (then it stays)."""
+        in host memory and its CUDA context on its GPU (``Cluster.park``). False when it is
+        serving (then it stays)."""
         if inst.state != "ready" or inst.busy:
             return False
         now = self.loop.now
@@ -507,7 +508,7 @@ class Simulation:
         f, gpu = inst.fn, inst.gpu
         f.quota_ms += self._held_ms(inst, now)
         inst.quota_since, inst.grant = now, 0.0
-        self.cluster.remove(inst.iid)
+        self.cluster.park(inst.iid)
         self.live_req -= inst.request
         f.ready.remove(inst)
         self._leave_gpu(inst)
@@ -525,7 +526,7 @@ class Simulation:
         the same)."""
         now = self.loop.now
         f = inst.fn
-        slot = self.cluster.resume_target(f.demand, self.cluster.slot(inst.gpu.gid))
+        slot = self.cluster.resume_target(f.demand, self.cluster.slot(inst.gpu.gid), inst.iid)
         if slot is None:
             self.facts.resumes_refused += 1
             new = self._place(f)  # before the parked one goes: the function is not at zero
@@ -539,6 +540,7 @@ class Simulation:
             self._gone_parked(inst)
             return
         self._account()
+        self.cluster.unpark(inst.iid)
         self.cluster.assign(inst.iid, f.demand, [slot], check=False)
         self.live_req += inst.request
         gpu = self._gpu(self.cluster.gpu_id(slot), slot.node)
@@ -570,8 +572,9 @@ class Simulation:
                     self._fit(gpu, target, g.quota)
 
     def _gone_parked(self, inst: Instance) -> None:
-        """A parked instance is retired: it holds nothing on any GPU, only its process ends."""
+        """A parked instance is retired: its process ends, and the memory it kept is freed."""
         f = inst.fn
+        self.cluster.unpark(inst.iid)
         inst.state = "gone"
         del self.instances[inst.iid]
         del f.instances[inst.iid]

@@ -14,9 +14,10 @@ quotas in the data carry float artefacts such as 0.5900000000000001):
 - Σ request quotas ≤ 1 (requests are guaranteed),
 - Σ limit quotas ≤ γ (default 1.5, the oversubscription cap on bursts), a training instance
   counting its request there (:attr:`Demand.burst_quota`),
-- Σ memory ≤ that GPU's memory,
+- Σ memory ≤ that GPU's memory, counting what parked instances' processes keep there (their
+  CUDA context, ``models.PARKED_BYTES``: :meth:`Cluster.park`; their quotas are freed),
 - its number of instances < its ``max_instances`` (the MPS client limit, 48 on Volta and later;
-  0: no limit),
+  0: no limit; parked processes are not counted),
 - for a training instance, no other training instance on it: a training job is always busy, so
   two on one GPU contend all the time, which no grant resolves (a kernel-cycle stretch cannot
   tell which of them to squeeze); "training on 10 % of the GPUs" (``dilu sim --training-jobs``,
@@ -51,6 +52,8 @@ import bisect
 import copy
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
+
+from dilu.services.common.models import PARKED_BYTES
 
 EPS = 1e-6
 BUCKETS = 100  # free request quota buckets: bucket k holds GPUs with free in [k/100, (k+1)/100)
@@ -111,6 +114,12 @@ class Demand:
         """Inference that cannot use width above its request (limit = request): neighbours'
         widths above a GPU's SMs slow it and no grant makes up for it (see the module's Placement)."""
         return self.kind != "training" and self.limit_quota <= self.request_quota + EPS
+
+
+def parked_bytes(d: Demand) -> int:
+    """GPU memory (bytes) an instance of ``d`` keeps while parked: ``models.PARKED_BYTES`` (its
+    process's CUDA context), never more than it was placed with."""
+    return min(PARKED_BYTES, d.memory_bytes)
 
 
 ALLOCATIONS = ("dilu", "static-mps", "exclusive")
@@ -202,13 +211,16 @@ class GpuCapacity:
 
 class _Gpu:
     __slots__ = ("req", "lim", "mem", "residents", "training", "rigid", "fns", "peaks", "bucket", "multi",
-                 "node", "index", "cap", "max", "healthy", "reason", "alive", "open", "ok", "limit")
+                 "node", "index", "cap", "max", "healthy", "reason", "alive", "open", "ok", "limit", "held",
+                 "parked")
 
     def __init__(self, node: int, index: int, c: GpuCapacity) -> None:
         self.req = 0.0
         self.lim = 0.0
-        self.mem = 0
+        self.mem = 0  # bytes: residents' memory and ``held``
         self.residents: dict[str, Demand] = {}
+        self.held = 0  # bytes parked processes keep here (Cluster.park), in ``mem`` too
+        self.parked: dict[str, int] = {}  # parked instance -> the bytes it holds
         self.training = 0
         self.rigid = 0  # residents that are Demand.rigid
         self.fns: dict[str, int] = {}
@@ -290,6 +302,7 @@ class Cluster:
         self._open: dict[int, list[dict[int, None]]] = {}
         self._sizes: dict[int, int] = {}  # GPUs per node -> live nodes of that size
         self.instances: dict[str, tuple[Demand, tuple[int, ...]]] = {}
+        self.parked: dict[str, int] = {}  # parked instance -> the GPU whose memory its process holds
         self.active = 0
         same = [GpuCapacity(gpu_memory_bytes, max_gpu_instances)] * gpus_per_node
         for n in nodes:
@@ -384,6 +397,10 @@ class Cluster:
             self.remove(i)
         for g in gpus:
             s = self.gpus[g]
+            for i in s.parked:  # the process went with its GPU: nothing left to resume there
+                del self.parked[i]
+            s.parked.clear()
+            s.held = s.mem = 0
             self._class_drop(s.cap)
             node = self._nodes[s.node]
             del node.by_index[s.index]
@@ -453,13 +470,14 @@ class Cluster:
 
     # ------------------------------------------------------------------ feasibility and scoring
 
-    def fits(self, g: int, d: Demand) -> bool:
+    def fits(self, g: int, d: Demand, freed_bytes: int = 0) -> bool:
         """Whether GPU ``g`` can take one more slot of ``d``: alive and healthy, under its instance
-        limit, Σ request ≤ 1, Σ limit ≤ γ, memory, and no training beside training."""
+        limit, Σ request ≤ 1, Σ limit ≤ γ, memory (parked processes' included, less
+        ``freed_bytes``), and no training beside training."""
         s = self.gpus[g]
         return (s.ok and len(s.residents) < s.limit
                 and s.req + d.request_quota <= 1 + EPS and s.lim + d.burst_quota <= self.gamma + EPS
-                and s.mem + d.memory_bytes <= s.cap and not (s.training and d.kind == "training"))
+                and s.mem - freed_bytes + d.memory_bytes <= s.cap and not (s.training and d.kind == "training"))
 
     def score(self, g: int, d: Demand) -> float:
         """Lower is better: request and memory left over (best fit), adjusted by collocation
@@ -563,8 +581,8 @@ class Cluster:
         index = self._open[self.classes[k]]
         for count in range(n, len(index)):
             for nid in index[count]:
-                fit = [h for h in self._nodes[nid].open
-                       if self.gpus[h].cap >= d.memory_bytes and (exclude is None or h not in exclude)]
+                fit = [h for h in self._nodes[nid].open  # empty, but parked processes may hold memory
+                       if self.gpus[h].cap - self.gpus[h].mem >= d.memory_bytes and (exclude is None or h not in exclude)]
                 if len(fit) < n:  # only with exclude: this node's open GPUs are ruled out
                     continue
                 if len(fit) > n:
@@ -572,21 +590,65 @@ class Cluster:
                 return tuple(fit[:n])
         return None
 
-    def resume_target(self, d: Demand, left: Slot) -> Slot | None:
+    def resume_target(self, d: Demand, left: Slot, instance_id: str | None = None) -> Slot | None:
         """Where a parked instance of ``d`` resumes: the GPU it ``left``, when that can still take
-        it; None when it cannot (the instance is retired and a new one launched wherever
-        :meth:`place` finds room, a cold start). Only there: an instance's process is bound to its
-        GPU at launch (``CUDA_VISIBLE_DEVICES``, its MPS client, its control block), so resuming
-        on another would be a relaunch anyway. Raises KeyError for a dead node."""
-        return left if self.fits(self.gpu_id(left), d) else None
+        it (the memory parked ``instance_id`` holds there counts as its own); None when it cannot
+        (the instance is retired and a new one launched wherever :meth:`place` finds room, a cold
+        start). Only there: an instance's process is bound to its GPU at launch
+        (``CUDA_VISIBLE_DEVICES``, its MPS client, its control block), so resuming on another
+        would be a relaunch anyway. Raises KeyError for a dead node."""
+        g = self.gpu_id(left)
+        own = self.gpus[g].parked.get(instance_id, 0) if instance_id is not None else 0
+        return left if self.fits(g, d, freed_bytes=own) else None
+
+    def park(self, instance_id: str) -> Slot:
+        """Take a parked instance off its GPU: its quotas and memory are freed there, except
+        :func:`parked_bytes`, which its process keeps until it resumes or ends (:meth:`unpark`).
+        A GPU holding only parked processes is not active: it takes new instances in the memory
+        left. Returns its slot. Raises UnknownInstance; ValueError for a multi-GPU instance."""
+        if instance_id not in self.instances:
+            raise UnknownInstance(instance_id)
+        d, gpus = self.instances[instance_id]
+        if len(gpus) != 1:
+            raise ValueError(f"{instance_id}: a multi-GPU instance does not park")
+        self.remove(instance_id)
+        slot = self.slot(gpus[0])
+        self.hold(instance_id, slot, parked_bytes(d))
+        return slot
+
+    def hold(self, instance_id: str, slot: Slot, held_bytes: int) -> None:
+        """Count ``held_bytes`` of parked ``instance_id``'s process on the GPU at ``slot`` (rebuilding
+        state from a parked placement; :meth:`park` calls it). Raises KeyError for an unknown
+        node, IndexError for a GPU the node does not have, ValueError for an id placed or parked
+        already or negative bytes."""
+        g = self.gpu_id(slot)
+        if instance_id in self.instances or instance_id in self.parked or held_bytes < 0:
+            raise ValueError(f"{instance_id}: placed or parked already, or bad bytes {held_bytes}")
+        s = self.gpus[g]
+        s.parked[instance_id] = held_bytes
+        s.held += held_bytes
+        s.mem += held_bytes
+        self.parked[instance_id] = g
+
+    def unpark(self, instance_id: str) -> Slot | None:
+        """Release the memory parked ``instance_id`` holds (it resumes, or its process ended);
+        returns that GPU's slot, None when it held nothing (never parked here, or its GPU is gone)."""
+        g = self.parked.pop(instance_id, None)
+        if g is None:
+            return None
+        s = self.gpus[g]
+        held = s.parked.pop(instance_id)
+        s.held -= held
+        s.mem -= held
+        return self.slot(g)
 
     def place(self, instance_id: str, d: Demand, allow_new: bool = True) -> list[Slot]:
         """Choose GPUs for a new instance and apply it; returns its slots.
 
         Raises ValueError for an instance id already placed, NoCapacity when nothing can take it.
         """
-        if instance_id in self.instances:
-            raise ValueError(f"instance {instance_id} is already placed")
+        if instance_id in self.instances or instance_id in self.parked:
+            raise ValueError(f"instance {instance_id} is already placed (or parked)")
         gpus = self.choose(d, allow_new=allow_new)
         self._apply(instance_id, d, gpus)
         return [self.slot(g) for g in gpus]
@@ -598,8 +660,8 @@ class Cluster:
         unhealthy GPU or one at its instance limit) or the id exists. Raises KeyError for an
         unknown node, IndexError for a GPU the node does not have.
         """
-        if instance_id in self.instances:
-            raise ValueError(f"instance {instance_id} is already placed")
+        if instance_id in self.instances or instance_id in self.parked:
+            raise ValueError(f"instance {instance_id} is already placed (or parked: unpark it first)")
         gpus = tuple(self.gpu_id(s) for s in slots)
         if len(set(gpus)) != len(gpus) or len(gpus) != d.gpus:
             raise ValueError(f"{instance_id}: needs {d.gpus} distinct GPUs, got {slots}")
@@ -650,7 +712,7 @@ class Cluster:
                 s.mem -= d.memory_bytes
             else:  # reset exactly: no float residue on an empty GPU
                 s.req = s.lim = 0.0
-                s.mem = 0
+                s.mem = s.held
                 self.active -= 1
             self._reindex(g)
         return d, [self.slot(g) for g in gpus]
@@ -811,12 +873,14 @@ class Cluster:
         out = []
         for g, s in enumerate(self.gpus):
             if not s.alive:
-                if s.residents or s.bucket >= 0 or s.open:
+                if s.residents or s.parked or s.bucket >= 0 or s.open:
                     out.append(f"GPU {g}: dead but occupied or indexed")
                 continue
             req = sum(d.request_quota for d in s.residents.values())
             lim = sum(d.burst_quota for d in s.residents.values())
-            mem = sum(d.memory_bytes for d in s.residents.values())
+            mem = sum(d.memory_bytes for d in s.residents.values()) + sum(s.parked.values())
+            if s.held != sum(s.parked.values()) or any(self.parked.get(i) != g for i in s.parked):
+                out.append(f"GPU {g}: parked processes' memory drifted")
             if req > 1 + EPS or lim > self.gamma + EPS or mem > s.cap or (s.max and len(s.residents) > s.max):
                 out.append(f"GPU {g}: Σreq {req:.4f} Σlim {lim:.4f} mem {mem}/{s.cap} "
                            f"instances {len(s.residents)}/{s.max or '∞'}")
@@ -847,6 +911,8 @@ class Cluster:
             out.append("buckets list GPUs they should not")
         if self.active != sum(1 for s in self.gpus if s.residents):
             out.append("active GPU count drifted")
+        if len(self.parked) != sum(len(s.parked) for s in self.gpus):
+            out.append("parked instances listed on no GPU")
         return out
 
     def request_sum(self, slot: Slot) -> float:

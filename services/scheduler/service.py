@@ -32,13 +32,14 @@ bucket and launch or drain instances; PlacementDecided events are for informatio
   agent's InstanceRetired arrives (``dilu.v1.instance.retired.*``). The capacity stays reserved
   while the instance drains. An InstanceRetired from the placement's node with reason
   ``load-failed`` or ``gave-up`` (the agent will not launch it again) deletes the placement too,
-  draining or not. Without ``instance_id`` the victim is never a parked instance (it holds
-  nothing on a GPU, so retiring it frees no room).
+  draining or not. Without ``instance_id`` the victim is never a parked instance (it holds no
+  quota on a GPU, so retiring it frees too little room).
 - ``dilu.v1.scheduler.park`` (ParkRequest -> ParkReply): parking an idle inference instance sets
   ``parked`` on its placement (compare-and-set) and takes its demand off the GPU, so other
   instances may be placed there; the node agent sees the flag and has the process move its
-  weights to host memory. A parked placement stays in the table but is reserved nowhere: not in
-  the cluster, not an orphan, never moved by defragmentation. A resume re-seats it on the GPU it
+  weights to host memory. A parked placement stays in the table and holds only the memory its
+  process keeps on its GPU (its CUDA context, ``Cluster.park``): no quota, not an orphan, never
+  moved by defragmentation. A resume re-seats it on the GPU it
   left (its process is bound to that GPU at launch) when it still fits there, clearing
   ``parked``; otherwise a new instance of the function is placed wherever the policy finds room
   (``relaunched`` in the reply, a cold start) and the parked one is drained, or its entry
@@ -110,7 +111,7 @@ from ..common.nodes import nodes_bucket
 from ..common.functions import runs_on
 from .inventory import NodeChange, Roster, admission, inventory_age_s, orphans_due
 from .policy import (DEFRAG_GAIN_PER_GPU_S, Cluster, Demand, NoCapacity, Slot, allocation_batch, allocation_quotas,
-                     migration_cost_gpu_s)
+                     migration_cost_gpu_s, parked_bytes)
 
 PLACEMENTS = Counter("dilu_scheduler_placements", "Instances placed", ["function"])
 RETIREMENTS = Counter("dilu_scheduler_retirements", "Instances marked draining", ["function"])
@@ -149,7 +150,8 @@ class SchedulerService:
 
     ``placements`` holds every entry of the table, parked ones included; ``cluster`` holds only
     the demand that is on a GPU now, so parked instances (and orphans) are in the first and not
-    the second: every ``cluster.remove`` of a placement is guarded by membership."""
+    the second (a parked one is there only as the memory its process keeps, ``cluster.parked``):
+    every ``cluster.remove`` of a placement is guarded by membership."""
 
     name = "scheduler"
 
@@ -345,8 +347,8 @@ class SchedulerService:
 
     async def _drop_parked_draining(self) -> None:
         """Delete the draining parked placements whose node is gone (not in the roster, once the
-        scheduler has waited its TTL since start): no agent will report them retired, and being
-        on no GPU they were never displaced like the others. Hold the lock."""
+        scheduler has waited its TTL since start): no agent will report them retired, and holding
+        no quota they were never displaced like the others. Hold the lock."""
         gone = [i for i, (p, _) in self.placements.items() if p.parked and p.draining and p.node not in self.roster]
         for iid in gone:
             if iid not in self.placements:  # a conflict rebuilt the state meanwhile
@@ -379,6 +381,9 @@ class SchedulerService:
             for iid in [i for i in self.orphans if self.placements[i][0].node == change.node]:
                 if not self._seat(self.placements[iid][0]):  # seated: _seat took it off the orphans
                     displaced.append(iid)
+            for iid, (p, _) in self.placements.items():  # parked processes the node kept (an agent restart)
+                if p.parked and p.node == change.node and iid not in self.cluster.parked:
+                    self._seat(p)
         elif change.action == "update":
             displaced = self.cluster.update_node(change.node, change.gpus)
             bad = self.cluster.violations()
@@ -395,10 +400,15 @@ class SchedulerService:
 
     def _seat(self, p: Placement) -> bool:
         """Reserve a stored placement in the cluster; False (and an orphan entry) when its node or
-        GPU is not in the inventory. A parked placement is reserved nowhere (its demand is off the
-        GPU until it resumes, which checks its node then): True, and never an orphan."""
+        GPU is not in the inventory. A parked placement holds only the memory its process keeps
+        (``Cluster.hold``; nothing when its GPU is not known: its resume checks the node then):
+        True, and never an orphan."""
         if p.parked:
             self.orphans.pop(p.instance_id, None)
+            try:
+                self.cluster.hold(p.instance_id, Slot(p.node, p.gpu), parked_bytes(demand_of(p)))
+            except (KeyError, IndexError):
+                pass
             return True
         try:
             self.cluster.assign(p.instance_id, demand_of(p), [Slot(p.node, p.gpu)], check=False)
@@ -428,6 +438,7 @@ class SchedulerService:
         self.warm.discard(iid)
         if iid in self.cluster.instances:
             self.cluster.remove(iid)
+        self.cluster.unpark(iid)
         if p.draining:
             DISPLACED.labels("dropped-draining").inc()
             self.bus.log.info("draining instance dropped", instance=iid, function=p.function, reason=why)
@@ -465,7 +476,7 @@ class SchedulerService:
     async def rebuild(self) -> None:
         """Rebuild the cluster state from the inventories and the placement table (on start and
         after a conflict). Placements whose node or GPU is not in the inventory are kept as
-        orphans (see :meth:`sweep`); parked ones are kept and reserved nowhere (:meth:`_seat`);
+        orphans (see :meth:`sweep`); parked ones hold their process's memory only (:meth:`_seat`);
         entries that fail to decode are logged and skipped."""
         self.cluster = self._new_cluster()
         self.placements = {}
@@ -581,8 +592,8 @@ class SchedulerService:
 
     async def _forget(self, iid: str) -> bool:
         """Delete placement ``iid`` from the table (compare-and-set on its revision) and from the
-        state, giving back its capacity if it held any (a parked or orphaned one holds none).
-        False on a table conflict (state rebuilt). Hold the lock."""
+        state, giving back its capacity if it held any (an orphan holds none, a parked one the
+        memory its process kept). False on a table conflict (state rebuilt). Hold the lock."""
         _, rev = self.placements[iid]
         try:
             await self.kv.delete(iid, last=rev)
@@ -595,6 +606,7 @@ class SchedulerService:
         self.warm.discard(iid)
         if iid in self.cluster.instances:
             self.cluster.remove(iid)
+        self.cluster.unpark(iid)
         return True
 
     # ------------------------------------------------------------------ requests
@@ -676,7 +688,7 @@ class SchedulerService:
                                         f"no instance {req.instance_id!r} of function {req.function!r}")
                 victim = req.instance_id
             else:
-                # never a parked one: it holds no room on a GPU, and the policy knows it not
+                # never a parked one: it holds no quota on a GPU, and the policy knows it not
                 live = [i for i, (p, _) in self.placements.items()
                         if p.function == req.function and not p.draining and not p.parked]
                 if not live:
@@ -747,8 +759,8 @@ class SchedulerService:
         """Plan and apply one round of migrations; returns how many instances were moved.
 
         Only ready inference instances move: not one draining (it is leaving anyway), starting,
-        already being replaced, training (its progress would be lost), or parked (it is on no
-        GPU, and its process can resume only on its own). Each move places the
+        already being replaced, training (its progress would be lost), or parked (it holds no
+        quota, and its process can resume only on its own GPU). Each move places the
         replacement (``replaces`` set) and leaves the old instance serving; :meth:`_on_ready`
         drains it once the replacement is ready (make before break: no request waits for the
         launch). The horizontal scaler counts the pair as one instance.
@@ -807,8 +819,8 @@ class SchedulerService:
             return await self._park(req.instance_id)
 
     async def _park(self, iid: str) -> ParkReply:
-        """Mark ``iid`` parked and take its demand off its GPU, so others may be placed there.
-        Refused for a training instance (it is never idle: it works without requests) and for
+        """Mark ``iid`` parked and take its demand off its GPU, so others may be placed there, all
+        but the memory its process keeps (``Cluster.park``). Refused for a training instance (it is never idle: it works without requests) and for
         one in a migration (its pair's make-before-break needs it serving). Hold the lock."""
         p, _ = self.placements[iid]
         if p.parked:
@@ -822,7 +834,7 @@ class SchedulerService:
         if not await self._set_parked(iid, True):
             return self._refuse(ParkReply, "conflict", RETRY)
         if iid in self.cluster.instances:  # an orphan is in no GPU
-            self.cluster.remove(iid)
+            self.cluster.park(iid)
         self.orphans.pop(iid, None)  # parked: the sweep does not place it again, a resume will
         self.warm.discard(iid)  # it is ready again only after the resume's InstanceReady
         PARKS.labels("park").inc()
@@ -851,6 +863,7 @@ class SchedulerService:
             return await self._relaunch(iid)
         if not await self._set_parked(iid, False):
             return self._refuse(ParkReply, "conflict", RETRY)
+        self.cluster.unpark(iid)
         self.cluster.assign(iid, demand, [slot], check=False)  # resume_target checked it fits
         PARKS.labels("resume").inc()
         return ParkReply(ok=True)
@@ -859,7 +872,7 @@ class SchedulerService:
         """The GPU parked ``p`` left, when its node and GPU are still there and can take it back
         (the process is bound to that GPU at launch, so nowhere else); None otherwise."""
         try:
-            return self.cluster.resume_target(demand, Slot(p.node, p.gpu))
+            return self.cluster.resume_target(demand, Slot(p.node, p.gpu), p.instance_id)
         except (KeyError, IndexError):  # its node left, or the GPU is gone from its inventory
             return None
 

@@ -124,6 +124,7 @@ async def test_parking_frees_the_gpu_and_resuming_takes_it_back(nats_url):
         assert stored.parked and not stored.draining and (stored.node, stored.gpu) == (a.node, a.gpu)
         assert a.instance_id not in svc.cluster.instances and a.instance_id not in svc.warm
         assert a.instance_id not in svc.orphans
+        assert svc.cluster.slot(svc.cluster.parked[a.instance_id]) == Slot(a.node, a.gpu)  # its CUDA context stays
         assert (await park(nc, a)).ok, "parking again is harmless"
 
         # b fits where a was, and is the only demand there; then a cannot come back there
@@ -140,6 +141,7 @@ async def test_parking_frees_the_gpu_and_resuming_takes_it_back(nats_url):
         assert not stored.parked and not stored.draining and (stored.node, stored.gpu) == (a.node, a.gpu)
         assert svc.cluster.residents(Slot(a.node, a.gpu)) == [a.instance_id]
         assert svc.cluster.request_sum(Slot(a.node, a.gpu)) == pytest.approx(0.6)
+        assert svc.cluster.parked == {} and svc.cluster.violations() == []
         assert not (await place(nc, "b")).ok, "a's demand is back on the GPU"
         assert (await park(nc, a, resume=True)).ok, "resuming a live instance is harmless"
         await settle(nc)
@@ -185,7 +187,7 @@ async def test_a_resume_that_no_longer_fits_relaunches_elsewhere_and_drains_the_
         await retired(nc, rows[a.instance_id])
         await wait_for(lambda: a.instance_id not in svc.placements, "the parked one deleted once retired")
         assert a.instance_id not in await table(js)
-        assert svc.cluster.violations() == []
+        assert svc.cluster.violations() == [] and svc.cluster.parked == {}, "its process's memory freed"
     await nc.close()
 
 
@@ -308,7 +310,7 @@ async def test_a_restarted_scheduler_keeps_parked_demand_off_the_gpu_and_can_res
     async with running(svc2, nats_url):
         assert svc2.placements[a.instance_id][0].parked
         assert a.instance_id not in svc2.cluster.instances and a.instance_id not in svc2.orphans
-        assert svc2.cluster.active == 0
+        assert svc2.cluster.active == 0 and a.instance_id in svc2.cluster.parked  # its process's memory
         await deploy(nc, svc2, "a", request=0.6, limit=0.6)
         await deploy(nc, svc2, "b", request=0.6, limit=0.6)
         b = await place_one(nc, "b")

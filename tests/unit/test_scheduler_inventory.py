@@ -16,7 +16,7 @@ from dilu.services.scheduler.inventory import (
     orphans_due,
     stale_nodes,
 )
-from dilu.services.scheduler.policy import EPS, Cluster, Demand, GpuCapacity, NoCapacity, Slot
+from dilu.services.scheduler.policy import EPS, Cluster, Demand, GpuCapacity, NoCapacity, Slot, parked_bytes
 
 GiB = 2**30
 
@@ -283,12 +283,14 @@ capacities = st.lists(
 
 
 class MembershipMachine(RuleBasedStateMachine):
-    """Joins, leaves, health changes, placements, removals and defragmentation in any order keep
-    Σ requests ≤ 1, Σ limits ≤ γ, memory and instance counts within each GPU, and the indexes."""
+    """Joins, leaves, health changes, placements, removals, parks, resumes and defragmentation in
+    any order keep Σ requests ≤ 1, Σ limits ≤ γ, memory (parked processes' included) and instance
+    counts within each GPU, and the indexes."""
 
     def __init__(self) -> None:
         super().__init__()
         self.c = Cluster.empty(gamma=1.5, max_candidates=4)
+        self.demands: dict[str, Demand] = {}  # parked instance -> its demand
         self.n = 0
         self.names = 0
 
@@ -351,6 +353,28 @@ class MembershipMachine(RuleBasedStateMachine):
     def remove(self, data):
         self.c.remove(data.draw(st.sampled_from(sorted(self.c.instances))))
 
+    @precondition(lambda self: any(d.gpus == 1 for d, _ in self.c.instances.values()))
+    @rule(data=st.data())
+    def park(self, data):
+        iid = data.draw(st.sampled_from(sorted(i for i, (d, _) in self.c.instances.items() if d.gpus == 1)))
+        d, (g,) = self.c.instances[iid]
+        self.demands[iid] = d
+        before = self.c.gpus[g].mem
+        assert self.c.park(iid) == self.c.slot(g)
+        assert self.c.gpus[g].mem == before - d.memory_bytes + parked_bytes(d)  # its context stays
+
+    @precondition(lambda self: self.c.parked)
+    @rule(data=st.data())
+    def resume(self, data):
+        """Back on its own GPU when it fits there (its own context counted once), else its process
+        ends (a relaunch elsewhere is an ordinary placement)."""
+        iid = data.draw(st.sampled_from(sorted(self.c.parked)))
+        d, g = self.demands.pop(iid), self.c.parked[iid]
+        slot = self.c.resume_target(d, self.c.slot(g), iid)
+        assert self.c.unpark(iid) == self.c.slot(g) and iid not in self.c.parked
+        if slot is not None:
+            self.c.assign(iid, d, [slot])  # check=True: raises if resume_target let it over-pack
+
     @precondition(lambda self: self.c.instances)
     @rule()
     def defragment(self):
@@ -368,8 +392,9 @@ class MembershipMachine(RuleBasedStateMachine):
                 continue
             assert sum(d.request_quota for d in s.residents.values()) <= 1 + EPS
             assert sum(d.burst_quota for d in s.residents.values()) <= self.c.gamma + EPS  # training at its request
-            assert sum(d.memory_bytes for d in s.residents.values()) <= s.cap
+            assert sum(d.memory_bytes for d in s.residents.values()) + sum(s.parked.values()) <= s.cap
             assert not s.max or len(s.residents) <= s.max
+        assert set(self.c.parked) <= set(self.demands)  # a parked process gone with its GPU is dropped
 
 
 TestMembershipMachine = MembershipMachine.TestCase

@@ -11,7 +11,8 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from dilu.services.scheduler.bench import WORKLOADS_DIR, WorkloadError, bench_scheduler, parse_workload, replay, synthetic
-from dilu.services.scheduler.policy import Cluster, Demand, NoCapacity, Slot, UnknownInstance
+from dilu.services.common.models import PARKED_BYTES
+from dilu.services.scheduler.policy import Cluster, Demand, NoCapacity, Slot, UnknownInstance, parked_bytes
 
 GiB = 2**30
 
@@ -275,11 +276,48 @@ def test_a_parked_instance_resumes_where_it_left_or_nowhere():
     c = cluster(2, 2)
     d = inf("p", r=0.4)
     (left,) = c.place("p1", d)
-    c.remove("p1")  # parked: its placement freed
-    assert c.resume_target(d, left) == left  # its GPU still has room
+    assert c.park("p1") == left  # parked: its quotas freed
+    assert c.resume_target(d, left, "p1") == left  # its GPU still has room
     c.assign("x", inf("x", r=0.7), [left])  # its room taken while it was parked
-    assert c.resume_target(d, left) is None  # though the node's other GPU is empty
+    assert c.resume_target(d, left, "p1") is None  # though the node's other GPU is empty
     assert c.choose(d)  # a new instance is placed elsewhere
+    assert c.unpark("p1") == left and c.unpark("p1") is None  # its process ended: a relaunch
+
+
+def test_a_parked_process_keeps_its_cuda_context_on_its_gpu():
+    """Parking frees an instance's quotas and weights but not its process's CUDA context
+    (models.PARKED_BYTES): that memory is not offered to others until the process resumes or
+    ends, a resume counts it as its own, and a GPU holding only parked processes is not active."""
+    c = cluster(1, 1, mem_gib=40)
+    d = inf("p", r=0.4, mem_gib=8)
+    (left,) = c.place("p1", d)
+    assert c.park("p1") == left and c.active == 0 and c.request_sum(left) == 0
+    assert c.gpus[0].mem == PARKED_BYTES == parked_bytes(d)
+    fills = inf("big", r=0.5, mem_gib=40 - PARKED_BYTES / GiB)  # the memory that is left, exactly
+    assert c.fits(0, fills) and not c.fits(0, inf("big", r=0.5, mem_gib=40 - PARKED_BYTES / GiB + 0.01))
+    c.place("big", fills)
+    assert c.resume_target(d, left, "p1") is None  # 8 GiB do not fit beside it
+    c.remove("big")
+    c.place("mid", inf("mid", r=0.5, mem_gib=32))  # 32 + 8 = 40 GiB: fits only with its own context counted
+    assert c.resume_target(d, left, "p1") == left and c.resume_target(d, left) is None
+    with pytest.raises(ValueError, match="parked"):
+        c.assign("p1", d, [left])  # unpark first
+    c.unpark("p1")
+    c.assign("p1", d, [left])
+    assert c.gpus[0].mem == 40 * GiB and not c.violations()
+    c = cluster(1, 1)
+    tiny = inf("t", r=0.1, mem_gib=0.25)
+    c.place("t1", tiny)
+    c.park("t1")
+    assert c.parked == {"t1": 0} and c.gpus[0].held == tiny.memory_bytes  # never more than it was placed with
+
+
+def test_a_parked_process_goes_with_its_node():
+    c = cluster(2, 1)
+    (slot,) = c.place("p1", inf("p"))
+    c.park("p1")
+    assert c.remove_node(slot.node) == [] and c.parked == {}  # not displaced: no process to place again
+    assert c.unpark("p1") is None and not c.violations()
 
 
 def test_training_jobs_go_one_per_gpu_whatever_their_quota():
