@@ -17,7 +17,7 @@ quotas in the data carry float artefacts such as 0.5900000000000001):
 - Σ memory ≤ that GPU's memory, counting what parked instances' processes keep there (their
   CUDA context, ``models.PARKED_BYTES``: :meth:`Cluster.park`; their quotas are freed),
 - its number of instances < its ``max_instances`` (the MPS client limit, 48 on Volta and later;
-  0: no limit; parked processes are not counted),
+  0: no limit), parked processes included: each is still an MPS client,
 - for a training instance, no other training instance on it: a training job is always busy, so
   two on one GPU contend all the time, which no grant resolves (a kernel-cycle stretch cannot
   tell which of them to squeeze); "training on 10 % of the GPUs" (``dilu sim --training-jobs``,
@@ -114,6 +114,11 @@ class Demand:
         """Inference that cannot use width above its request (limit = request): neighbours'
         widths above a GPU's SMs slow it and no grant makes up for it (see the module's Placement)."""
         return self.kind != "training" and self.limit_quota <= self.request_quota + EPS
+
+
+def _clients(s: _Gpu) -> int:
+    """The MPS clients on a GPU: its residents and the parked processes it keeps."""
+    return len(s.residents) + len(s.parked)
 
 
 def parked_bytes(d: Demand) -> int:
@@ -470,14 +475,16 @@ class Cluster:
 
     # ------------------------------------------------------------------ feasibility and scoring
 
-    def fits(self, g: int, d: Demand, freed_bytes: int = 0) -> bool:
+    def fits(self, g: int, d: Demand, parked_id: str | None = None) -> bool:
         """Whether GPU ``g`` can take one more slot of ``d``: alive and healthy, under its instance
-        limit, Σ request ≤ 1, Σ limit ≤ γ, memory (parked processes' included, less
-        ``freed_bytes``), and no training beside training."""
+        limit, Σ request ≤ 1, Σ limit ≤ γ, memory, and no training beside training. Parked
+        processes count against the memory and the instance limit (each is still an MPS client),
+        but ``parked_id``'s, when it is parked here: that is the instance coming back."""
         s = self.gpus[g]
-        return (s.ok and len(s.residents) < s.limit
+        own = s.parked.get(parked_id, -1) if parked_id is not None else -1
+        return (s.ok and _clients(s) - (own >= 0) < s.limit
                 and s.req + d.request_quota <= 1 + EPS and s.lim + d.burst_quota <= self.gamma + EPS
-                and s.mem - freed_bytes + d.memory_bytes <= s.cap and not (s.training and d.kind == "training"))
+                and s.mem - max(own, 0) + d.memory_bytes <= s.cap and not (s.training and d.kind == "training"))
 
     def score(self, g: int, d: Demand) -> float:
         """Lower is better: request and memory left over (best fit), adjusted by collocation
@@ -499,6 +506,12 @@ class Cluster:
             if d.affinity and any(f in s.fns for f in d.affinity):
                 score -= 0.05
         return score
+
+    def _open_fits(self, g: int, d: Demand) -> bool:
+        """Whether empty GPU ``g`` holds ``d`` beside the parked processes it keeps (memory and
+        MPS clients); alive, healthy and the sums are given for an open GPU."""
+        s = self.gpus[g]
+        return s.cap - s.mem >= d.memory_bytes and len(s.parked) < s.limit
 
     def _bucket_of(self, s: _Gpu) -> int:
         return min(BUCKETS, max(0, int((1 - s.req + EPS) * BUCKETS)))
@@ -581,8 +594,7 @@ class Cluster:
         index = self._open[self.classes[k]]
         for count in range(n, len(index)):
             for nid in index[count]:
-                fit = [h for h in self._nodes[nid].open  # empty, but parked processes may hold memory
-                       if self.gpus[h].cap - self.gpus[h].mem >= d.memory_bytes and (exclude is None or h not in exclude)]
+                fit = [h for h in self._nodes[nid].open if self._open_fits(h, d) and (exclude is None or h not in exclude)]
                 if len(fit) < n:  # only with exclude: this node's open GPUs are ruled out
                     continue
                 if len(fit) > n:
@@ -597,9 +609,7 @@ class Cluster:
         start). Only there: an instance's process is bound to its GPU at launch
         (``CUDA_VISIBLE_DEVICES``, its MPS client, its control block), so resuming on another
         would be a relaunch anyway. Raises KeyError for a dead node."""
-        g = self.gpu_id(left)
-        own = self.gpus[g].parked.get(instance_id, 0) if instance_id is not None else 0
-        return left if self.fits(g, d, freed_bytes=own) else None
+        return left if self.fits(self.gpu_id(left), d, parked_id=instance_id) else None
 
     def park(self, instance_id: str) -> Slot:
         """Take a parked instance off its GPU: its quotas and memory are freed there, except
@@ -629,6 +639,7 @@ class Cluster:
         s.held += held_bytes
         s.mem += held_bytes
         self.parked[instance_id] = g
+        self._reindex(g)  # one more MPS client: it may now be at its instance limit
 
     def unpark(self, instance_id: str) -> Slot | None:
         """Release the memory parked ``instance_id`` holds (it resumes, or its process ended);
@@ -640,6 +651,8 @@ class Cluster:
         held = s.parked.pop(instance_id)
         s.held -= held
         s.mem -= held
+        if s.alive:
+            self._reindex(g)
         return self.slot(g)
 
     def place(self, instance_id: str, d: Demand, allow_new: bool = True) -> list[Slot]:
@@ -719,7 +732,7 @@ class Cluster:
 
     def _takes_more(self, s: _Gpu) -> bool:
         """Whether an active GPU belongs in the buckets (it may take another instance)."""
-        return s.ok and bool(s.residents) and len(s.residents) < s.limit
+        return s.ok and bool(s.residents) and _clients(s) < s.limit
 
     def _reindex(self, g: int) -> None:
         """Bring ``g``'s bucket and open-GPU entries in line with its state."""
@@ -728,7 +741,7 @@ class Cluster:
         if s.bucket >= 0:
             del self.buckets[s.cap][s.bucket][g]
             s.bucket = -1
-        if s.ok and s.residents and len(s.residents) < s.limit:  # it may take more
+        if s.ok and s.residents and _clients(s) < s.limit:  # it may take more
             s.bucket = self._bucket_of(s)
             self.buckets[s.cap][s.bucket][g] = None
         want_open = s.ok and not s.residents
@@ -769,7 +782,7 @@ class Cluster:
         for g in gpus:
             s = self.gpus[g]
             trained = s.training - (gone.kind == "training")
-            if (s.ok and len(s.residents) - 1 < s.limit
+            if (s.ok and _clients(s) - 1 < s.limit
                     and s.req - gone.request_quota + d.request_quota <= 1 + EPS
                     and s.lim - gone.burst_quota + d.burst_quota <= self.gamma + EPS
                     and s.mem - gone.memory_bytes + d.memory_bytes <= s.cap
@@ -881,9 +894,9 @@ class Cluster:
             mem = sum(d.memory_bytes for d in s.residents.values()) + sum(s.parked.values())
             if s.held != sum(s.parked.values()) or any(self.parked.get(i) != g for i in s.parked):
                 out.append(f"GPU {g}: parked processes' memory drifted")
-            if req > 1 + EPS or lim > self.gamma + EPS or mem > s.cap or (s.max and len(s.residents) > s.max):
+            if req > 1 + EPS or lim > self.gamma + EPS or mem > s.cap or (s.max and _clients(s) > s.max):
                 out.append(f"GPU {g}: Σreq {req:.4f} Σlim {lim:.4f} mem {mem}/{s.cap} "
-                           f"instances {len(s.residents)}/{s.max or '∞'}")
+                           f"instances {len(s.residents)} + {len(s.parked)} parked/{s.max or '∞'}")
             if sum(d.kind == "training" for d in s.residents.values()) > 1:
                 out.append(f"GPU {g}: two training instances")
             if abs(req - s.req) > 1e-6 or abs(lim - s.lim) > 1e-6 or mem != s.mem:

@@ -393,7 +393,7 @@ class MembershipMachine(RuleBasedStateMachine):
             assert sum(d.request_quota for d in s.residents.values()) <= 1 + EPS
             assert sum(d.burst_quota for d in s.residents.values()) <= self.c.gamma + EPS  # training at its request
             assert sum(d.memory_bytes for d in s.residents.values()) + sum(s.parked.values()) <= s.cap
-            assert not s.max or len(s.residents) <= s.max
+            assert not s.max or len(s.residents) + len(s.parked) <= s.max  # a parked process is an MPS client
         assert set(self.c.parked) <= set(self.demands)  # a parked process gone with its GPU is dropped
 
 

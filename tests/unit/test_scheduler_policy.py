@@ -312,6 +312,23 @@ def test_a_parked_process_keeps_its_cuda_context_on_its_gpu():
     assert c.parked == {"t1": 0} and c.gpus[0].held == tiny.memory_bytes  # never more than it was placed with
 
 
+def test_a_parked_process_is_still_an_mps_client():
+    """A GPU at its MPS client limit with one client parked takes nothing new, but the parked
+    one may come back; once its process ends there is room again."""
+    c = cluster(1, 1, max_gpu_instances=2)
+    (slot,) = c.place("p1", inf("p", r=0.2))
+    c.place("q1", inf("q", r=0.2))
+    c.park("p1")
+    assert not c.fits(0, inf("x", r=0.1)) and c.resume_target(inf("p", r=0.2), slot, "p1") == slot
+    with pytest.raises(NoCapacity):
+        c.place("x1", inf("x", r=0.1))
+    c.remove("q1")  # only the parked client left: the GPU is empty but keeps it
+    c.place("x1", inf("x", r=0.1))
+    assert not c.fits(0, inf("y", r=0.1)) and not c.violations()
+    c.unpark("p1")  # its process ended
+    assert c.fits(0, inf("y", r=0.1)) and not c.violations()
+
+
 def test_a_parked_process_goes_with_its_node():
     c = cluster(2, 1)
     (slot,) = c.place("p1", inf("p"))
