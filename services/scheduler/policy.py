@@ -594,7 +594,8 @@ class Cluster:
         index = self._open[self.classes[k]]
         for count in range(n, len(index)):
             for nid in index[count]:
-                fit = [h for h in self._nodes[nid].open if self._open_fits(h, d) and (exclude is None or h not in exclude)]
+                fit = [h for h in self._nodes[nid].open
+                       if self._open_fits(h, d) and (exclude is None or h not in exclude)]
                 if len(fit) < n:  # only with exclude: this node's open GPUs are ruled out
                     continue
                 if len(fit) > n:
@@ -604,7 +605,7 @@ class Cluster:
 
     def resume_target(self, d: Demand, left: Slot, instance_id: str | None = None) -> Slot | None:
         """Where a parked instance of ``d`` resumes: the GPU it ``left``, when that can still take
-        it (the memory parked ``instance_id`` holds there counts as its own); None when it cannot
+        it (what parked ``instance_id`` keeps there, memory and MPS client, counts as its own); None when it cannot
         (the instance is retired and a new one launched wherever :meth:`place` finds room, a cold
         start). Only there: an instance's process is bound to its GPU at launch
         (``CUDA_VISIBLE_DEVICES``, its MPS client, its control block), so resuming on another

@@ -381,7 +381,7 @@ class SchedulerService:
             for iid in [i for i in self.orphans if self.placements[i][0].node == change.node]:
                 if not self._seat(self.placements[iid][0]):  # seated: _seat took it off the orphans
                     displaced.append(iid)
-            for iid, (p, _) in self.placements.items():  # parked processes the node kept (an agent restart)
+            for iid, (p, _) in self.placements.items():  # parked processes it kept (an agent restarted)
                 if p.parked and p.node == change.node and iid not in self.cluster.parked:
                     self._seat(p)
         elif change.action == "update":

@@ -211,6 +211,22 @@ async def test_a_parked_instance_whose_node_left_is_relaunched_and_its_entry_del
     await nc.close()
 
 
+async def test_a_node_that_comes_back_still_holds_its_parked_processes_memory(nats_url):
+    """Its agent restarted and kept the parked process: the memory it keeps counts on its GPU again."""
+    nc = await nats.connect(nats_url)
+    svc = scheduler()
+    async with running(svc, nats_url):
+        await join(nc, svc, "node0", gpus=1)
+        a = await two_functions(nc, svc)
+        assert (await park(nc, a)).ok and a.instance_id in svc.cluster.parked
+        await leave(nc, svc, "node0")
+        assert svc.cluster.parked == {}, "its GPU went with the node"
+        await join(nc, svc, "node0", gpus=1)
+        assert svc.cluster.slot(svc.cluster.parked[a.instance_id]) == Slot("node0", 0)
+        assert svc.cluster.violations() == []
+    await nc.close()
+
+
 async def test_a_draining_parked_instance_on_a_gone_node_is_dropped_by_the_sweep(nats_url):
     """Retiring a parked instance marks it draining; if its node is gone for good nobody reports
     it retired, so the sweep deletes it (only once the scheduler waited its TTL since start)."""
