@@ -4,10 +4,17 @@ so ``dilu --help`` stays fast and a missing optional piece breaks only its own c
 from __future__ import annotations
 
 import importlib
+import os
+import sys
 
-import click
+from dilu.cli.early_stop import OutsideCommand
 
-from dilu.services.common.cliopts import flag_envvars, name_envvar
+if __name__ == "__main__" or os.path.basename(sys.argv[0]) == "dilu":  # the command line: before the imports below
+    OutsideCommand.install()
+
+import click  # noqa: E402
+
+from dilu.services.common.cliopts import flag_envvars, name_envvar  # noqa: E402
 
 # name -> "module:attribute" of a click command
 COMMANDS: dict[str, str] = {
@@ -47,10 +54,24 @@ class LazyGroup(click.Group):
     def list_commands(self, ctx):
         return sorted(set(super().list_commands(ctx)) | set(self._lazy))
 
+    def main(self, args=None, *rest, **kwargs):
+        command_line = args is None  # not a caller's (a test's CliRunner) in its own process
+        if command_line:
+            OutsideCommand.install()
+        try:
+            return super().main(args, *rest, **kwargs)
+        finally:
+            OutsideCommand.remove()
+            if command_line:  # the command has ended: a signal while Python exits stops it at once
+                OutsideCommand.install()
+
     def get_command(self, ctx, name):
         if name in self._lazy:
             module, attr = self._lazy[name].split(":")
-            return flag_envvars(getattr(importlib.import_module(module), attr))
+            command = flag_envvars(getattr(importlib.import_module(module), attr))
+            if not isinstance(command, click.Group):  # imported: from here on the command stops itself
+                OutsideCommand.remove()
+            return command
         return super().get_command(ctx, name)
 
     def invoke(self, ctx):

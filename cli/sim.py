@@ -82,7 +82,7 @@ def _opt(*decls, **kw):
            "scales to zero as Knative does and ignores it)")
 @_opt("--park-after-s", type=PARK_AFTER_S_TYPE, default=None,
       help="park an idle function's instances after this many trace seconds, every policy (their GPU share "
-           "and placement freed, weights kept in host memory and copied back at "
+           "and placement freed but for their CUDA context's memory, weights kept in host memory and copied back at "
            f"{models.RESUME_BANDWIDTH_BYTES_PER_S / 1e9:g} GB/s when a request comes); 0: never (default: as "
            f"each policy does live, dilu after {PARK_AFTER_S:g} s, the others never)")
 @_opt("--defrag-interval-s", type=ZeroOrAtLeast(DEFRAG_INTERVAL_MIN_S, 86_400), default=None,
@@ -115,34 +115,63 @@ def sim(trace_dir, functions, hours, start_minute, speedup, nodes, gpus_per_node
     not modelled (a grant takes effect at the vertical scaler's next tick, every 250 ms). Ctrl-C
     or SIGTERM stops it: the policies already finished are still reported (and written), and it
     exits with 130 (143)."""
-    from dilu.cli.demo import make_console
+    stopped = {"code": 0}
 
-    from dilu.loadgen.trace import TraceError
+    def on_signal(signum, _frame):  # SIGTERM ends the run as Ctrl-C does, with its own exit status
+        if not stopped["code"]:  # later signals would cut the report short
+            stopped["code"] = 128 + signum
+            raise Interrupt
 
-    console = make_console()  # the demo's width rule: 100 columns in a file or pipe unless COLUMNS says
-    if workload:
-        from dilu.loadgen.sim.workload import WorkloadError, simulate_workload
+    # from the first import to the report's last line: a stop at any moment is one line and 130 (143)
+    previous = {sig: signal.signal(sig, on_signal) for sig in SIGNALS}
+    try:
+        from dilu.cli.demo import make_console
 
-        ctx = click.get_current_context()
-        unused = [p.opts[0] for p in ctx.command.params
-                  if p.name not in _WORKLOAD_OPTIONS and ctx.get_parameter_source(p.name).name == "COMMANDLINE"]
-        if unused:
-            raise click.UsageError(f"--workload replays the placement policy alone; {', '.join(unused)} "
-                                   f"{'does' if len(unused) == 1 else 'do'} not apply to it")
-        if ctx.get_parameter_source("nodes").name == "DEFAULT":
-            nodes = 1000
-        try:
-            out = simulate_workload(workload, nodes=nodes, gpus_per_node=gpus_per_node)
-        except (WorkloadError, ValueError) as exc:
-            raise click.ClickException(str(exc)) from None
-        _print_workload(out, console)
-        if json_path:
-            write_output(json_path, json.dumps({"sim": out}, indent=2) + "\n")
-            console.print(f"written to {json_path}")
-        return
+        console = make_console()  # the demo's width rule: 100 columns in a file or pipe unless COLUMNS says
+        if workload:
+            _replay_workload(console, workload, nodes, gpus_per_node, json_path)
+            return
+        _simulate(console, stopped, trace_dir, functions, hours, nodes, gpus_per_node, seed, training_jobs,
+                  start_minute, speedup, keep_alive_s, park_after_s, defrag_interval_s, process_start_ms,
+                  overheads_path, overheads_seed, policies, json_path, plots_dir)
+    except KeyboardInterrupt:  # before the run started or after it ended: nothing to report
+        click.echo("interrupted", err=True)
+        sys.exit(stopped["code"] or 128 + signal.SIGINT)
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
+
+def _replay_workload(console, workload, nodes, gpus_per_node, json_path) -> None:
+    """:func:`sim` with ``--workload``: the placement policy alone over a scheduling workload."""
+    from dilu.loadgen.sim.workload import WorkloadError, simulate_workload
+
+    ctx = click.get_current_context()
+    unused = [p.opts[0] for p in ctx.command.params
+              if p.name not in _WORKLOAD_OPTIONS and ctx.get_parameter_source(p.name).name == "COMMANDLINE"]
+    if unused:
+        raise click.UsageError(f"--workload replays the placement policy alone; {', '.join(unused)} "
+                               f"{'does' if len(unused) == 1 else 'do'} not apply to it")
+    if ctx.get_parameter_source("nodes").name == "DEFAULT":
+        nodes = 1000
+    try:
+        out = simulate_workload(workload, nodes=nodes, gpus_per_node=gpus_per_node)
+    except (WorkloadError, ValueError) as exc:
+        raise click.ClickException(str(exc)) from None
+    _print_workload(out, console)
+    if json_path:
+        write_output(json_path, json.dumps({"sim": out}, indent=2) + "\n")
+        console.print(f"written to {json_path}")
+
+
+def _simulate(console, stopped, trace_dir, functions, hours, nodes, gpus_per_node, seed, training_jobs, start_minute,
+              speedup, keep_alive_s, park_after_s, defrag_interval_s, process_start_ms, overheads_path,
+              overheads_seed, policies, json_path, plots_dir) -> None:
+    """:func:`sim` after its workload branch: read the overheads, simulate, show. ``stopped["code"]``
+    is the exit status a signal set (0: none; a KeyboardInterrupt without one is Ctrl-C's)."""
     from dilu.loadgen.sim.overheads import Overheads, OverheadsError
     from dilu.loadgen.sim.run import Interrupted, SimConfig, simulate
+    from dilu.loadgen.trace import TraceError
 
     if overheads_seed is not None and not overheads_path:
         raise click.UsageError("--overheads-seed (DILU_OVERHEADS_SEED) seeds the draws of --overheads "
@@ -162,13 +191,6 @@ def sim(trace_dir, functions, hours, start_minute, speedup, nodes, gpus_per_node
         console.print(f"[dim]with the overheads of {overheads_path} (drawn with seed "
                       f"{seed if overheads_seed is None else overheads_seed}); {start}[/dim]", highlight=False)
 
-    stopped = {"code": 130}
-
-    def on_term(signum, _frame):  # SIGTERM ends the run as Ctrl-C does, with its own exit status
-        stopped["code"] = 128 + signum
-        raise Interrupt
-
-    previous = {sig: signal.signal(sig, on_term) for sig in SIGNALS}
     try:
         cfg = SimConfig(trace_dir=trace_dir, functions=functions, hours=hours, nodes=nodes, gpus_per_node=gpus_per_node,
                         seed=seed, training_jobs=training_jobs, start_minute=start_minute,
@@ -186,10 +208,7 @@ def sim(trace_dir, functions, hours, start_minute, speedup, nodes, gpus_per_node
         if done:
             exc.partial["sim"]["interrupted"] = {"during": exc.policy, "policies_asked": policies}
             _show(exc.partial, console, functions, hours, speedup, json_path, plots_dir)
-        sys.exit(stopped["code"])
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
+        sys.exit(stopped["code"] or 128 + signal.SIGINT)
     _show(out, console, functions, hours, speedup, json_path, plots_dir)
 
 
@@ -225,7 +244,7 @@ def _show(out: dict, console, functions, hours: float, speedup: float, json_path
     if span_h < hours * (1 - 1e-6):
         console.print(f"[yellow]--hours {hours:g}: the trace has only {span_h:g} hours from its start minute; "
                       f"simulated those[/yellow]", highlight=False)
-    report.render_compare({k: report.Report.from_dict(v) for k, v in out["policies"].items()}, console)
+    report.render_compare({k: report.Report.from_dict(v) for k, v in out["policies"].items()}, console, simulated=True)
     for name, s in out["sim"]["policies"].items():
         console.print(f"{name}: {s['events']:,} events in {s['wall_s']:.1f} s; peak {_count(s['peak_active_gpus'], 'active GPU')}, "
                       f"largest Σ limits on a GPU {s['max_limit_sum']:.2f}")
@@ -267,7 +286,7 @@ def _print_workload(out: dict, console) -> None:
         table.add_row(k, f"{v:.3f}" if isinstance(v, float) else str(v))
     console.print(table)
     if out["unplaced"]:
-        console.print(f"[yellow]{out['unplaced']:,} instances found no GPU with room on {out['nodes']} x "
+        console.print(f"[yellow]{_count(out['unplaced'], 'instance')} found no GPU with room on {out['nodes']} x "
                       f"{out['gpus_per_node']} GPUs: the peaks and the lower bound count the placed ones "
                       f"only[/yellow]", highlight=False)
 

@@ -510,7 +510,7 @@ LEGEND: dict[str, str] = {
     "scale-outs": "instances added by the horizontal scaler",
     "retirements": "instances removed by the horizontal scaler",
     "scale to zero": "times a function went to zero instances",
-    "parks": "instances parked: placement and GPU share freed, weights moved to host memory",
+    "parks": "instances parked: GPU share freed, weights moved to host memory (their CUDA context stays)",
     "resumes": "parked instances brought back on the GPU they left (weights copied back); one relaunched "
                "elsewhere because that GPU was full counts as a scale-out instead",
     "reaction p50/p99 ms": "vertical scaling's reaction, stretch detected -> new grant in force, ms "
@@ -523,6 +523,11 @@ LEGEND: dict[str, str] = {
     "–": "nothing to measure (no completed request, no llm function, no grant change, a ratio to 0)",
 }
 
+# What the seconds of LEGEND mean in a simulated run (dilu sim): simulated seconds, not wall time.
+SIMULATED_LEGEND: dict[str, str] = {
+    "goodput/s": "requests completed within SLO per simulated second of the run",
+    "wall s": "simulated seconds of the replay, draining included (the goodput denominator)",
+}
 # compare rows whose label is not itself a LEGEND key
 _COMPARE_KEYS = {
     "SLO violation rate": "SLO viol.", "latency p50 ms": "p50 ms", "latency p99 ms": "p99 ms",
@@ -842,14 +847,15 @@ def versus(first: float | None, other: float | None, *, rate: bool = False) -> s
     return f"{other / first:.2f}x"
 
 
-def render_compare(reports: Mapping[str, Report], console: Console) -> None:
+def render_compare(reports: Mapping[str, Report], console: Console, *, simulated: bool = False) -> None:
     """Print several policies' totals side by side, one column per policy (in the mapping's
     order), one row per figure, then for each policy after the first a column comparing it with
     the first (:func:`versus`: the ratio, or for rates the difference in percentage points), then
     a legend of the rows and columns; split by columns when wider than the console. The best
     value of a row is bold where lower or higher is plainly better. Token rows (TTFT, TPOT, token
     SLO violations) appear when some report has an llm function, an iterations/s row per training
-    job when some report has one. Raises ValueError on an empty mapping."""
+    job when some report has one; ``simulated``: the legend says simulated seconds
+    (:data:`SIMULATED_LEGEND`). Raises ValueError on an empty mapping."""
     if not reports:
         raise ValueError("nothing to compare")
     names = list(reports)
@@ -873,7 +879,8 @@ def render_compare(reports: Mapping[str, Report], console: Console) -> None:
         labels.append(label)
     for table in fitted_tables("Policies compared on the same replay", headers, rows, console.width):
         console.print(table)
-    entries = [(label, LEGEND[_compare_key(label)]) for label in labels]
+    meanings = {**LEGEND, **SIMULATED_LEGEND} if simulated else LEGEND
+    entries = [(label, meanings[_compare_key(label)]) for label in labels]
     entries += [(v, f"{p}'s figure / {first}'s (0.53x: {p} has 53 % of it); for a rate (%), the difference "
                     f"{p} - {first} in percentage points (pp)") for p, v in zip(names[1:], versus_names)]
     entries += [("bold", "the best value of a row, where lower or higher is plainly better"), ("–", LEGEND["–"])]

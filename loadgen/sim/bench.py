@@ -68,16 +68,17 @@ def run_bench(nodes: int = 1000, gpus_per_node: int = 4, hours: float = 8.0, fun
 def bench_sim(nodes, gpus_per_node, hours, functions, policy, seed, training_jobs, json_path):
     """Simulator speed: events/s, wall seconds and peak memory of a cluster-scale run (goal: 1000 x 4 GPUs x 8 h < 5 min).
     Ctrl-C or SIGTERM stops it with exit status 130 (143)."""
-    from dilu.loadgen.trace import TraceError
+    with SignalExit():  # first: the imports below take a moment
+        from dilu.loadgen.trace import TraceError
 
-    if functions != "all":
-        try:
-            functions = int(functions)
-        except ValueError:
-            raise click.BadParameter(f"expected a count or 'all', got {functions!r}", param_hint="--functions") from None
-        if functions < 1:
-            raise click.BadParameter(f"need at least 1 function, got {functions}", param_hint="--functions")
-    with SignalExit():
+        if functions != "all":
+            try:
+                functions = int(functions)
+            except ValueError:
+                raise click.BadParameter(f"expected a count or 'all', got {functions!r}",
+                                         param_hint="--functions") from None
+            if functions < 1:
+                raise click.BadParameter(f"need at least 1 function, got {functions}", param_hint="--functions")
         try:
             result = run_bench(nodes, gpus_per_node, hours, functions, policy, seed, training_jobs)
         except (TraceError, ValueError) as exc:

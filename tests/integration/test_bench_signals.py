@@ -132,6 +132,15 @@ def test_every_other_bench_exits_with_the_signal_status_and_one_line(args, sig):
     assert err.splitlines() == ["interrupted"]
 
 
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
+@pytest.mark.parametrize("args", [["sim", "--functions", "50", "--hours", "2"], ["bench", "sim"]], ids=["sim", "bench-sim"])
+def test_a_signal_as_the_command_starts_is_one_line_and_its_status(args, sig):
+    """Signalled as soon as it handles SIGTERM (the command line's stop, before its imports)."""
+    code, err, _ = _interrupt(args, sig, _catches_sigterm, None, settle_s=0.0)
+    assert code == 128 + sig, err[-3000:]
+    assert len(err.splitlines()) == 1 and err.startswith("interrupted"), err[-3000:]
+
+
 def _sharing(pid: int) -> bool:
     """True once a share cell runs: a dilu_launch test process with a run length (-t)."""
     return any("-t" in cmdline for cmdline in _children(pid, "dilu_launch").values())

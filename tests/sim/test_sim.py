@@ -45,6 +45,14 @@ def test_same_seed_same_json_other_seed_differs(tmp_path):
     assert json.loads(a)["policies"] != json.loads(c)["policies"]
 
 
+def test_the_legend_says_simulated_seconds(tmp_path):
+    r = CliRunner().invoke(main, ["sim", "--functions", "4", "--hours", "0.02", "--policies", "dilu,horizontal-only"],
+                           env={"COLUMNS": "200"})
+    text = " ".join(r.output.split())
+    assert r.exit_code == 0 and "simulated seconds of the replay" in text and "per simulated second" in text
+    assert "wall-clock" not in text
+
+
 def test_report_passes_check_report(tmp_path, check_report):
     data, _ = _run(["--functions", "8", "--hours", "0.05", "--policies",
                     "dilu,horizontal-only,static-mps,exclusive,dilu-published", "--training-jobs", "0.25"], tmp_path)

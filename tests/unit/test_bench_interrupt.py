@@ -57,6 +57,16 @@ def test_a_signal_inside_exec_still_exits_with_its_status(sig, tmp_path):
 
 
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_a_signal_while_the_command_line_imports_its_command_is_one_line_and_its_status(sig):
+    """Before a command can install its stop (dilu.cli.main and the command's module still
+    importing: NATS, numpy), Python would print a traceback (SIGINT) or end without a word
+    (SIGTERM); the command line's own stop is in force from the start of dilu.cli.main."""
+    start = f"import os, sys, time; sys.argv[0] = 'dilu'; import dilu.cli.main; os.kill(os.getpid(), {int(sig)}); time.sleep(30)"
+    run = subprocess.run([sys.executable, "-c", start], capture_output=True, text=True, timeout=60)
+    assert (run.returncode, run.stderr) == (128 + sig, "interrupted\n")
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
 def test_a_signal_cancels_the_event_loop_task_and_its_cleanup_awaits(sig, capsys):
     cleaned = []
 
