@@ -820,8 +820,9 @@ class SchedulerService:
 
     async def _park(self, iid: str) -> ParkReply:
         """Mark ``iid`` parked and take its demand off its GPU, so others may be placed there, all
-        but the memory its process keeps (``Cluster.park``). Refused for a training instance (it is never idle: it works without requests) and for
-        one in a migration (its pair's make-before-break needs it serving). Hold the lock."""
+        but the memory its process keeps (``Cluster.park``). Refused for a training instance (it
+        is never idle: it works without requests) and for one in a migration (its pair's
+        make-before-break needs it serving). Hold the lock."""
         p, _ = self.placements[iid]
         if p.parked:
             return ParkReply(ok=True)  # parked already: a repeated request
