@@ -63,7 +63,8 @@ def _opt(*decls, **kw):
 @_opt("--functions", default="16", show_default=True, callback=_functions, help="K busiest functions of the span, or 'all'")
 @_opt("--hours", type=Finite(min=0, min_open=True, max=24 * 14), default=1.0, show_default=True,
       help="hours of trace replayed (simulated time)")
-@_opt("--start-minute", type=int, default=None, help="trace minute to begin at (default: the first)")
+@_opt("--start-minute", type=click.IntRange(min=0), default=None,
+      help="trace minute to begin at, one the trace holds (default: the trace's first)")
 @_opt("--speedup", type=Finite(min=SPEEDUP_MIN, max=SPEEDUP_MAX), default=1.0, show_default=True,
       help="compress trace time as dilu demo --speedup does: the replay lasts hours / speedup and the "
            "horizontal windows shrink with it; cold starts do not (dilu demo's default is 10)")
