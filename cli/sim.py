@@ -8,8 +8,6 @@ command.
 from __future__ import annotations
 
 import json
-import signal
-import sys
 from pathlib import Path
 
 import click
@@ -18,7 +16,7 @@ from dilu.loadgen.arrivals import SPEEDUP_MAX, SPEEDUP_MIN
 from dilu.loadgen.sim.calibrate import MIN_BATCHES, MIN_STARTS
 from dilu.services.common import models
 from dilu.services.common.cliopts import PARK_AFTER_S_TYPE, Finite, ZeroOrAtLeast, writable_dir, writable_output, write_output
-from dilu.services.common.interrupt import SIGNALS, Interrupt
+from dilu.services.common.interrupt import Interrupt, SignalExit
 from dilu.services.common.policies import DEFRAG_INTERVAL_MIN_S, DEFRAG_INTERVAL_S, PARK_AFTER_S, POLICIES
 from dilu.services.horizontal_scaler.policy import HorizontalConfig
 from dilu.services.scheduler.bench import workloads_epilog
@@ -116,31 +114,16 @@ def sim(trace_dir, functions, hours, start_minute, speedup, nodes, gpus_per_node
     not modelled (a grant takes effect at the vertical scaler's next tick, every 250 ms). Ctrl-C
     or SIGTERM stops it: the policies already finished are still reported (and written), and it
     exits with 130 (143)."""
-    stopped = {"code": 0}
-
-    def on_signal(signum, _frame):  # SIGTERM ends the run as Ctrl-C does, with its own exit status
-        if not stopped["code"]:  # later signals would cut the report short
-            stopped["code"] = 128 + signum
-            raise Interrupt
-
-    # from the first import to the report's last line: a stop at any moment is one line and 130 (143)
-    previous = {sig: signal.signal(sig, on_signal) for sig in SIGNALS}
-    try:
+    with SignalExit() as stop:  # from the first import to the report's last line (its exit: 130, 143)
         from dilu.cli.demo import make_console
 
         console = make_console()  # the demo's width rule: 100 columns in a file or pipe unless COLUMNS says
         if workload:
             _replay_workload(console, workload, nodes, gpus_per_node, json_path)
             return
-        _simulate(console, stopped, trace_dir, functions, hours, nodes, gpus_per_node, seed, training_jobs,
+        _simulate(console, stop, trace_dir, functions, hours, nodes, gpus_per_node, seed, training_jobs,
                   start_minute, speedup, keep_alive_s, park_after_s, defrag_interval_s, process_start_ms,
                   overheads_path, overheads_seed, policies, json_path, plots_dir)
-    except KeyboardInterrupt:  # before the run started or after it ended: nothing to report
-        click.echo("interrupted", err=True)
-        sys.exit(stopped["code"] or 128 + signal.SIGINT)
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
 
 
 def _replay_workload(console, workload, nodes, gpus_per_node, json_path) -> None:
@@ -165,11 +148,11 @@ def _replay_workload(console, workload, nodes, gpus_per_node, json_path) -> None
         console.print(f"written to {json_path}")
 
 
-def _simulate(console, stopped, trace_dir, functions, hours, nodes, gpus_per_node, seed, training_jobs, start_minute,
+def _simulate(console, stop: SignalExit, trace_dir, functions, hours, nodes, gpus_per_node, seed, training_jobs, start_minute,
               speedup, keep_alive_s, park_after_s, defrag_interval_s, process_start_ms, overheads_path,
               overheads_seed, policies, json_path, plots_dir) -> None:
-    """:func:`sim` after its workload branch: read the overheads, simulate, show. ``stopped["code"]``
-    is the exit status a signal set (0: none; a KeyboardInterrupt without one is Ctrl-C's)."""
+    """:func:`sim` after its workload branch: read the overheads, simulate, show. Stopped (``stop``),
+    it reports the policies that finished and says so in ``stop``'s line."""
     from dilu.loadgen.sim.overheads import Overheads, OverheadsError
     from dilu.loadgen.sim.run import Interrupted, SimConfig, simulate
     from dilu.loadgen.trace import TraceError
@@ -205,11 +188,11 @@ def _simulate(console, stopped, trace_dir, functions, hours, nodes, gpus_per_nod
         raise click.ClickException(str(exc)) from None
     except Interrupted as exc:
         done = list(exc.partial["policies"])
-        click.echo(f"{exc}: {', '.join(done) + ' finished' if done else 'no policy finished'}", err=True)
+        stop.line = f"{exc}: {', '.join(done) + ' finished' if done else 'no policy finished'}"
         if done:
             exc.partial["sim"]["interrupted"] = {"during": exc.policy, "policies_asked": policies}
             _show(exc.partial, console, functions, hours, speedup, json_path, plots_dir)
-        sys.exit(stopped["code"] or 128 + signal.SIGINT)
+        raise Interrupt from None  # SignalExit: the line, and 128 + the signal (Ctrl-C's when none)
     _show(out, console, functions, hours, speedup, json_path, plots_dir)
 
 

@@ -39,13 +39,15 @@ class Interrupt(KeyboardInterrupt):
 class SignalExit:
     """Context manager: the first SIGINT or SIGTERM inside the block raises KeyboardInterrupt
     (or, under :meth:`cancelling`, cancels the event loop's main task), and the block then ends
-    the process with "interrupted" on stderr and exit status 128 + the signal's number, whatever
-    the block raised while stopping (a lost connection, a click error). Later signals are
-    ignored: they would cut the cleanup short, and that cleanup is what stops the nats-server
-    (at most 10 s, then SIGKILL). ``signum`` is the signal that stopped it (None: none did)."""
+    the process with ``line`` ("interrupted" unless the block says more) on stderr and exit
+    status 128 + the signal's number, whatever the block raised while stopping (a lost
+    connection, a click error). Later signals are ignored: they would cut the cleanup short, and
+    that cleanup is what stops the nats-server (at most 10 s, then SIGKILL). ``signum`` is the
+    signal that stopped it (None: none did)."""
 
     def __init__(self) -> None:
         self.signum: int | None = None
+        self.line = "interrupted"
         self._previous: dict[int, object] = {}
 
     def __enter__(self) -> "SignalExit":
@@ -60,13 +62,14 @@ class SignalExit:
 
     def __exit__(self, exc_type, exc, tb) -> bool:
         try:
-            if self.signum is None and exc_type is KeyboardInterrupt:  # raised by someone else's handler
+            if self.signum is None and exc_type is not None and issubclass(exc_type, KeyboardInterrupt):
+                # raised by someone else's handler, or by the block itself to stop
                 self.signum = signal.SIGINT
             if self.signum is None:
                 return False
             # whatever the block raised while it stopped (CancelledError, KeyboardInterrupt, a
             # connection closed under a request) is the signal's doing: one line, no traceback
-            click.echo("interrupted", err=True)
+            click.echo(self.line, err=True)
         finally:  # after the line: a second Ctrl-C must not turn it into click's "Aborted!"
             for sig, handler in self._previous.items():
                 signal.signal(sig, handler)

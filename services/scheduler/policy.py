@@ -216,16 +216,14 @@ class GpuCapacity:
 
 class _Gpu:
     __slots__ = ("req", "lim", "mem", "residents", "training", "rigid", "fns", "peaks", "bucket", "multi",
-                 "node", "index", "cap", "max", "healthy", "reason", "alive", "open", "ok", "limit", "held",
-                 "parked")
+                 "node", "index", "cap", "max", "healthy", "reason", "alive", "open", "ok", "limit", "parked")
 
     def __init__(self, node: int, index: int, c: GpuCapacity) -> None:
         self.req = 0.0
         self.lim = 0.0
-        self.mem = 0  # bytes: residents' memory and ``held``
+        self.mem = 0  # bytes: residents' memory and what parked processes keep here
         self.residents: dict[str, Demand] = {}
-        self.held = 0  # bytes parked processes keep here (Cluster.park), in ``mem`` too
-        self.parked: dict[str, int] = {}  # parked instance -> the bytes it holds
+        self.parked: dict[str, int] = {}  # parked instance -> the bytes its process keeps (Cluster.park)
         self.training = 0
         self.rigid = 0  # residents that are Demand.rigid
         self.fns: dict[str, int] = {}
@@ -405,7 +403,7 @@ class Cluster:
             for i in s.parked:  # the process went with its GPU: nothing left to resume there
                 del self.parked[i]
             s.parked.clear()
-            s.held = s.mem = 0
+            s.mem = 0
             self._class_drop(s.cap)
             node = self._nodes[s.node]
             del node.by_index[s.index]
@@ -507,12 +505,6 @@ class Cluster:
                 score -= 0.05
         return score
 
-    def _open_fits(self, g: int, d: Demand) -> bool:
-        """Whether empty GPU ``g`` holds ``d`` beside the parked processes it keeps (memory and
-        MPS clients); alive, healthy and the sums are given for an open GPU."""
-        s = self.gpus[g]
-        return s.cap - s.mem >= d.memory_bytes and len(s.parked) < s.limit
-
     def _bucket_of(self, s: _Gpu) -> int:
         return min(BUCKETS, max(0, int((1 - s.req + EPS) * BUCKETS)))
 
@@ -595,7 +587,7 @@ class Cluster:
         for count in range(n, len(index)):
             for nid in index[count]:
                 fit = [h for h in self._nodes[nid].open
-                       if self._open_fits(h, d) and (exclude is None or h not in exclude)]
+                       if self.fits(h, d) and (exclude is None or h not in exclude)]
                 if len(fit) < n:  # only with exclude: this node's open GPUs are ruled out
                     continue
                 if len(fit) > n:
@@ -637,7 +629,6 @@ class Cluster:
             raise ValueError(f"{instance_id}: placed or parked already, or bad bytes {held_bytes}")
         s = self.gpus[g]
         s.parked[instance_id] = held_bytes
-        s.held += held_bytes
         s.mem += held_bytes
         self.parked[instance_id] = g
         self._reindex(g)  # one more MPS client: it may now be at its instance limit
@@ -649,9 +640,7 @@ class Cluster:
         if g is None:
             return None
         s = self.gpus[g]
-        held = s.parked.pop(instance_id)
-        s.held -= held
-        s.mem -= held
+        s.mem -= s.parked.pop(instance_id)
         if s.alive:
             self._reindex(g)
         return self.slot(g)
@@ -726,7 +715,7 @@ class Cluster:
                 s.mem -= d.memory_bytes
             else:  # reset exactly: no float residue on an empty GPU
                 s.req = s.lim = 0.0
-                s.mem = s.held
+                s.mem = sum(s.parked.values())
                 self.active -= 1
             self._reindex(g)
         return d, [self.slot(g) for g in gpus]
@@ -893,7 +882,7 @@ class Cluster:
             req = sum(d.request_quota for d in s.residents.values())
             lim = sum(d.burst_quota for d in s.residents.values())
             mem = sum(d.memory_bytes for d in s.residents.values()) + sum(s.parked.values())
-            if s.held != sum(s.parked.values()) or any(self.parked.get(i) != g for i in s.parked):
+            if any(self.parked.get(i) != g for i in s.parked):
                 out.append(f"GPU {g}: parked processes' memory drifted")
             if req > 1 + EPS or lim > self.gamma + EPS or mem > s.cap or (s.max and _clients(s) > s.max):
                 out.append(f"GPU {g}: Σreq {req:.4f} Σlim {lim:.4f} mem {mem}/{s.cap} "

@@ -309,7 +309,7 @@ def test_a_parked_process_keeps_its_cuda_context_on_its_gpu():
     tiny = inf("t", r=0.1, mem_gib=0.25)
     c.place("t1", tiny)
     c.park("t1")
-    assert c.parked == {"t1": 0} and c.gpus[0].held == tiny.memory_bytes  # never more than it was placed with
+    assert c.parked == {"t1": 0} and c.gpus[0].mem == tiny.memory_bytes  # never more than it was placed with
 
 
 def test_a_parked_process_is_still_an_mps_client():
