@@ -34,7 +34,8 @@ from typing import Callable
 from prometheus_client.parser import text_string_to_metric_families
 
 from dilu.services.common.natsconn import ENV_CREDS, ENV_INBOX_PREFIX, NatsOptions
-from dilu.services.common.natsserver import EmbeddedNats, free_port
+from dilu.services.common.metrics import PID_HEADER
+from dilu.services.common.natsserver import EmbeddedNats, free_ports
 from dilu.services.common.permissions import SERVICE_ROLES, inbox_prefix
 from dilu.services.common.policies import POLICIES as _POLICY_MODES
 
@@ -168,8 +169,13 @@ class Cluster:
         if self.policy not in POLICIES:
             raise ValueError(f"unknown policy {self.policy!r}; choose from {', '.join(POLICIES)}")
         self.log_dir.mkdir(parents=True, exist_ok=True)
+        # every port chosen here at once, so no two of them repeat (free ports picked one by one
+        # can: about 1 cluster start in 700 drew a port twice, and the second service to bind it
+        # then exited while its twin answered its readiness check)
+        ports = iter(free_ports(len(self.service_names) + 2))
         if self.gateway and not self.gateway_port:
-            self.gateway_port = free_port()
+            self.gateway_port = next(ports)
+        nats_port = self.nats_port or next(ports)
         try:
             if not self.nats_url:
                 config = None
@@ -179,12 +185,12 @@ class Cluster:
                         self._tmp_creds = str(self.creds_root)
                     ensure_creds(self.creds_root, [self.node])
                     config = self.creds_root / AUTH_CONF
-                self.nats = EmbeddedNats(self.nats_port, store_dir=self.nats_store,
+                self.nats = EmbeddedNats(nats_port, store_dir=self.nats_store,
                                          log_path=self.log_dir / f"{NATS}.log", config=config).start()
             else:
                 check_reachable(self.nats_url)
             for name in self.service_names:
-                self._spawn(name)
+                self._spawn(name, next(ports))
             self.wait_ready(abort=abort)
         except BaseException:
             self.stop()
@@ -215,8 +221,7 @@ class Cluster:
             env[ENV_INBOX_PREFIX] = options.inbox_prefix or ""
         return env
 
-    def _spawn(self, name: str, port: int = 0) -> None:
-        port = port or free_port()
+    def _spawn(self, name: str, port: int) -> None:
         log_path = self.log_dir / f"{name}.log"
         cmd = [sys.executable, "-m", f"dilu.services.{name}", "--nats-url", self.url, "--metrics-port", str(port), *self._args(name)]
         with log_path.open("ab") as log:
@@ -265,7 +270,7 @@ class Cluster:
             except RuntimeError:
                 return False
         svc = self.services.get(name)
-        return bool(svc and svc.proc.poll() is None and _http_ok(f"http://127.0.0.1:{svc.metrics_port}/readyz"))
+        return bool(svc and svc.proc.poll() is None and _answers_ready(svc))
 
     def wait_ready(self, timeout_s: float = READY_TIMEOUT_S, abort: Callable[[], bool] | None = None) -> None:
         """Block until every service answers 200 on /readyz; RuntimeError names the laggard or
@@ -279,7 +284,7 @@ class Cluster:
                 svc = self.services[name]
                 if svc.proc.poll() is not None:
                     raise RuntimeError(self._exit_reason(name, svc.proc.returncode))
-                if _http_ok(f"http://127.0.0.1:{svc.metrics_port}/readyz"):
+                if _answers_ready(svc):
                     pending.discard(name)
             if pending and time.monotonic() > deadline:
                 raise RuntimeError(f"services not ready after {timeout_s:.0f} s: {', '.join(sorted(pending))}")
@@ -398,10 +403,12 @@ class Cluster:
         self.stop()
 
 
-def _http_ok(url: str) -> bool:
+def _answers_ready(svc: ServiceProc) -> bool:
+    """Whether ``svc``'s own process answers 200 on its /readyz. Another process that holds the
+    port (the service could not bind it and is exiting) does not count: its ``Dilu-Pid`` differs."""
     try:
-        with urllib.request.urlopen(url, timeout=0.5) as resp:
-            return resp.status == 200
+        with urllib.request.urlopen(f"http://127.0.0.1:{svc.metrics_port}/readyz", timeout=0.5) as resp:
+            return resp.status == 200 and resp.headers.get(PID_HEADER) == str(svc.proc.pid)
     except OSError:
         return False
 
