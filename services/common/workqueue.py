@@ -247,6 +247,20 @@ def _delivered(msg: Msg) -> int:
         return 1
 
 
+def _late_deliveries(psub: JetStreamContext.PullSubscription) -> list[Msg]:
+    """Requests delivered to ``psub`` after its last fetch returned (a pull request that the
+    server answered as the fetch timed out): nats-py keeps them in the subscription's queue.
+    They are ours already: JetStream counted the delivery, so handing them back would bring a
+    fresh request nearer :data:`MAX_DELIVERIES` without it having run."""
+    queue = getattr(getattr(psub, "_sub", None), "_pending_queue", None)
+    late: list[Msg] = []
+    while queue is not None and not queue.empty():
+        msg = queue.get_nowait()
+        if msg.reply and msg.reply.startswith("$JS.ACK."):
+            late.append(msg)
+    return late
+
+
 Process = Callable[[list[Request]], Awaitable[list["bytes | Exception"]]]
 OnDone = Callable[[Request, int], None]
 
@@ -323,7 +337,9 @@ class BatchPuller:
         return await self.js.pull_subscribe_bind(durable=name, stream=subj.INVOKE_STREAM)
 
     async def run(self, process: Process, stop: asyncio.Event) -> None:
-        """Serve until ``stop`` is set, then drain: finish the batch in hand, fetch nothing more.
+        """Serve until ``stop`` is set, then drain: finish the batch in hand and the requests
+        delivered after the last fetch (they are ours: a hand-back would count a delivery), fetch
+        nothing more.
 
         ``process(requests)`` returns one result per request, in order: reply bytes, or an
         Exception that becomes an error reply (so does anything else, e.g. a str). If ``process`` itself raises, every request of the
@@ -351,6 +367,8 @@ class BatchPuller:
                 if probing and all(_delivered(m) <= 1 for m in msgs):  # fresh: fill the batch
                     msgs += await self._top_up(psub, self.max_batch - len(msgs))
                 probing = await self._serve_batch(msgs, process)
+            if not self.nc.is_closed and (late := _late_deliveries(psub)):
+                await self._serve_batch(late, process)
         finally:
             await self._release(psub)
         self.log.info("drained", handled=self.handled, errors=self.errors, malformed=self.malformed)
@@ -365,15 +383,13 @@ class BatchPuller:
             return []
 
     async def _release(self, psub: JetStreamContext.PullSubscription) -> None:
-        """Hand back requests that reached us after the last fetch (nak: redeliver at once)."""
+        """Unsubscribe. Requests that still reached us after the last fetch (the drain serves
+        them; these came while it ran, or the run was cancelled) are handed back with a nak,
+        which JetStream counts as a delivery: rare, and bounded by the caller's ack wait."""
         if self.nc.is_closed:
             return
-        # nats-py keeps deliveries that arrived after a fetch returned in the subscription's queue.
-        queue = getattr(getattr(psub, "_sub", None), "_pending_queue", None)
-        while queue is not None and not queue.empty():
-            msg = queue.get_nowait()
-            if msg.reply and msg.reply.startswith("$JS.ACK."):
-                await msg.nak()
+        for msg in _late_deliveries(psub):
+            await msg.nak()
         try:
             await psub.unsubscribe()
             await settle(self.nc)

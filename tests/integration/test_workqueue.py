@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import json
 import time
 
 import nats
@@ -297,6 +298,51 @@ async def test_drain_fetches_nothing_more_and_leaves_the_rest_to_others(nc, js, 
     await run2
     assert collections.Counter(r.instance for r in results) == {"old": 4, "new": 6}
     assert set(handler.runs.values()) == {1} and len(handler.runs) == 10
+
+
+async def test_drain_serves_what_reached_it_after_its_last_fetch_without_a_redelivery(nc, js, client):
+    """Requests the server delivered after the instance's last fetch (a pull request answered as
+    the fetch timed out) are the instance's already: JetStream counted the delivery. Handed back,
+    each would come again as a redelivery (run alone, and given up unrun after a third such
+    hand-back); the drain answers them instead."""
+    await ensure_consumer(js, FN, ack_wait_s=5)
+    tasks = submit(client, 10)
+    await queued(js, 10)
+    handler = Handler(seconds=0.3)
+    stop = asyncio.Event()
+    retiring = puller(nc, js, "old", max_batch=2)
+    bound = retiring._bind
+    subs = []
+
+    async def bind():
+        subs.append(await bound())
+        return subs[-1]
+
+    retiring._bind = bind
+    run = asyncio.create_task(retiring.run(handler, stop))
+    await handler.started.wait()
+    # while the first batch runs: 3 more arrive on the instance's inbox outside any fetch
+    psub = subs[0]
+    await nc.publish(psub._nms, json.dumps({"batch": 3}).encode(), reply=psub._deliver)
+    await eventually(lambda: _queued_locally(psub, 3), what="3 late deliveries")
+    stop.set()
+    await run
+    assert retiring.handled == 5 and retiring.redelivered == 0
+    await consumer_settles(js, ack_pending=0, pending=5)
+
+    stop2 = asyncio.Event()
+    successor = puller(nc, js, "new", max_batch=5)
+    run2 = asyncio.create_task(successor.run(handler, stop2))
+    results = await asyncio.gather(*tasks)
+    stop2.set()
+    await run2
+    assert successor.redelivered == 0
+    assert collections.Counter(r.instance for r in results) == {"old": 5, "new": 5}
+    assert set(handler.runs.values()) == {1} and len(handler.runs) == 10
+
+
+async def _queued_locally(psub, n: int) -> bool:
+    return psub._sub._pending_queue.qsize() >= n
 
 
 # ----------------------------------------------------------------------------- errors and flags
