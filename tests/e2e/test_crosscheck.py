@@ -5,7 +5,7 @@ with the overheads ``dilu calibrate`` measured from the live run's own logs (pro
 request's way in and back, a batch's service beyond the simulated one); README, At cluster
 scale, the cross-check table. On this 30 s span they must agree within 30 % on active GPU·s (the
 last run: 82.2 live, 79.3 simulated): the start-up weighs more on 30 s than on the README's 60 s
-runs, where GPU·s agree within 9 % of the mean of repeated live runs. The SLO violation rate,
+runs, where GPU·s agree within 6 % of the mean of repeated live runs. The SLO violation rate,
 the cold-start requests and the launches are reported, not asserted (4.2 %, 8 and 28 live
 against 5.5 %, 4 and 25 simulated in that run). The live run is also the end-to-end check of a
 whole demo and of what it leaves for calibration: its report accounts for every request, every
