@@ -13,8 +13,10 @@
  * starts when its width fits beside the widths held by the other processes, otherwise it waits,
  * first come first served. Processes whose widths sum to <= 1 therefore run side by side (MPS
  * slices), and width-1 processes take turns kernel by kernel, as a GPU time-slices contexts
- * without MPS; either way, while the widths of the processes with work sum to W > 1 each one
- * progresses about W times slower (DESIGN.md section 7). Kernels of one process running at once
+ * without MPS, each progressing W times slower as DESIGN.md section 7 models it. Widths that sum
+ * to just above 1 take turns too: two busy processes of widths 0.7 and 0.4 each progress at
+ * about half speed, where MPS on a real GPU shares the SMs and slows each by W = 1.1 (the
+ * simulator's model): this device overstates that contention. Kernels of one process running at once
  * share its width. An event recorded on an idle stream just before a launch is stamped when that
  * launch gets the device (the stream's commands run together in its turn); one recorded behind
  * earlier work is stamped when that work ends. Start and end times are computed
