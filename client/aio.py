@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
+from pathlib import Path
 from collections.abc import Callable
 from typing import Any, Generic, TypeVar
 
@@ -305,18 +306,21 @@ class AsyncClient:
             optional_bucket=True)
 
     @classmethod
-    async def connect(cls, nats_url: NatsOptions | str = DEFAULT_NATS_URL, *, name: str = "dilu-client",
-                      connect_timeout_s: float = 2.0, connect_attempts: int = 2,
+    async def connect(cls, nats_url: NatsOptions | str | None = None, *, creds: Path | str | None = None,
+                      name: str = "dilu-client", connect_timeout_s: float = 2.0, connect_attempts: int = 2,
                       reconnect: bool = True) -> "AsyncClient":
         """Connect to NATS at ``nats_url`` (a URL, comma-separated URLs, or
-        :class:`~dilu.services.common.natsconn.NatsOptions` with credentials and TLS) and start
-        the client.
+        :class:`~dilu.services.common.natsconn.NatsOptions` with credentials and TLS; None: env
+        ``DILU_NATS_URL``, else ``nats://127.0.0.1:4222``) and start the client. ``creds``: a
+        credentials file (None: env ``DILU_NATS_CREDS``, as ``dilu`` reads it; ``dilu up`` prints
+        the operator's), for a server that admits Dilu's roles only.
 
         The first connection is tried ``connect_attempts`` times, each bounded by
         ``connect_timeout_s`` seconds, so an unreachable server fails within seconds; once
         connected, a lost connection is retried for ever (``reconnect``) or closes the client.
         Raises :class:`Unreachable` (one line naming the URL and the reason).
         """
+        nats_url = NatsOptions.from_environ(nats_url, creds)
         errors: list[Exception] = []
 
         async def quiet(exc: Exception) -> None:  # nats-py would print a traceback per attempt

@@ -20,7 +20,7 @@ from typing import Any, TypeVar
 
 from dilu.contracts.events import FunctionSpec
 
-from .aio import DEFAULT_NATS_URL, DEFAULT_TIMEOUT_S, AsyncClient, Reply, Stream
+from .aio import DEFAULT_TIMEOUT_S, AsyncClient, Reply, Stream
 
 T = TypeVar("T")
 
@@ -63,7 +63,7 @@ class Client:
     :class:`~dilu.client.errors.Unreachable` when NATS cannot be reached.
     """
 
-    def __init__(self, nats_url: str = DEFAULT_NATS_URL, **connect_options: Any) -> None:
+    def __init__(self, nats_url: str | None = None, **connect_options: Any) -> None:
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="dilu-client", daemon=True)
         self._thread.start()

@@ -21,7 +21,7 @@ from urllib.parse import urlsplit
 import click
 from click import _textwrap
 
-from .natsconn import (DEFAULT_URL, ENV_CREDS, ENV_REPLICAS, ENV_TLS_CA, ENV_TLS_CERT, ENV_TLS_KEY,
+from .natsconn import (DEFAULT_URL, ENV_CREDS, ENV_REPLICAS, ENV_URL, ENV_TLS_CA, ENV_TLS_CERT, ENV_TLS_KEY,
                        MAX_REPLICAS, CredentialsError, NatsOptions, creds_kwargs)
 
 ENV_PREFIX = "DILU"
@@ -121,7 +121,7 @@ def check_node(ctx, param, value: str) -> str:
 def nats_url_option(f):
     """``--nats-url`` (env DILU_NATS_URL), checked by :func:`check_nats_url`: one URL or a
     comma-separated list of cluster members."""
-    return click.option("--nats-url", default=DEFAULT_URL, show_default=True, callback=check_nats_urls, envvar="DILU_NATS_URL",
+    return click.option("--nats-url", default=DEFAULT_URL, show_default=True, callback=check_nats_urls, envvar=ENV_URL,
                         help="NATS server(s), comma-separated (one cluster member is enough)")(f)
 
 

@@ -27,6 +27,7 @@ import nats
 from nats.aio.client import Client as NATS
 
 DEFAULT_URL = "nats://127.0.0.1:4222"
+ENV_URL = "DILU_NATS_URL"
 ENV_CREDS = "DILU_NATS_CREDS"
 ENV_TLS_CA = "DILU_NATS_TLS_CA"
 ENV_TLS_CERT = "DILU_NATS_TLS_CERT"
@@ -83,6 +84,19 @@ class NatsOptions:
 
     def __str__(self) -> str:
         return self.url
+
+    @classmethod
+    def from_environ(cls, value: "NatsOptions | str | None" = None, creds: Path | str | None = None) -> "NatsOptions":
+        """Options of a library caller, as the command line reads them: ``value`` (a URL list or
+        options; None: env ``DILU_NATS_URL``, else :data:`DEFAULT_URL`) with ``creds`` (None: env
+        ``DILU_NATS_CREDS`` for a URL list, the options' own for options; empty: none)."""
+        if value is None:
+            value = os.environ.get(ENV_URL) or DEFAULT_URL
+        options = cls.of(value)
+        if creds is None and isinstance(value, NatsOptions):
+            return options
+        creds = os.environ.get(ENV_CREDS) if creds is None else creds
+        return replace(options, creds=Path(creds)) if creds else options
 
     def with_creds(self, creds: Path | str | None) -> "NatsOptions":
         """The same options with other credentials (e.g. an instance's, launched by its agent)."""

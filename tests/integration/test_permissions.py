@@ -342,3 +342,27 @@ def test_adding_a_node_keeps_the_first_nodes_key(tmp_path):
     first = {i.node: i.public_key for i in ensure_creds(tmp_path, ["n1"]) if i.role == "node-agent"}
     second = {i.node: i.public_key for i in ensure_creds(tmp_path, ["n1", "n2"]) if i.role == "node-agent"}
     assert second["n1"] == first["n1"] and second["n2"] != first["n1"]
+
+
+async def test_the_client_library_takes_credentials_as_dilu_does(secured, monkeypatch):
+    """``AsyncClient.connect`` (and ``Client``) on a server that admits Dilu's roles only: the
+    operator's file by ``creds=`` or by ``DILU_NATS_CREDS``, the URL by ``DILU_NATS_URL``, as the
+    command line reads them; none gives the one-line Unreachable naming the remedy."""
+    from dilu.client import AsyncClient, Client
+    from dilu.client.errors import Unreachable
+
+    root, url = secured
+    operator = role_creds(root, "operator")
+    monkeypatch.delenv("DILU_NATS_CREDS", raising=False)
+    with pytest.raises(Unreachable, match="DILU_NATS_CREDS"):
+        await AsyncClient.connect(url, connect_attempts=1)
+    c = await AsyncClient.connect(url, creds=operator)
+    assert await c.functions() == {}
+    await c.close()
+    monkeypatch.setenv("DILU_NATS_CREDS", str(operator))
+    monkeypatch.setenv("DILU_NATS_URL", url)
+    c = await AsyncClient.connect()
+    assert c.options.creds == operator and c.options.url == url
+    await c.close()
+    with Client() as blocking:
+        assert blocking.functions() == {}
