@@ -142,6 +142,10 @@ class _Consumers:
 
 
 _CONSUMER_PAGE = 256  # nats-server's page size for CONSUMER.LIST
+# How often an instance restored from the placement table, and not heard of since, is looked up
+# there again: the scheduler may delete such a placement without any process having run it (its
+# GPU gone from a node that came back smaller), and no InstanceRetired will ever say so.
+RECONCILE_S = 5.0
 
 
 class HorizontalScaler:
@@ -155,12 +159,13 @@ class HorizontalScaler:
 
     def __init__(self, config: HorizontalConfig | None = None, *, tick_s: float = 0.5, target: float = 0.0,
                  request_timeout_s: float = 5.0, telemetry_stale_s: float = 10.0,
-                 place_backoff_max_s: float = 10.0) -> None:
+                 place_backoff_max_s: float = 10.0, reconcile_s: float = RECONCILE_S) -> None:
         if tick_s <= 0 or request_timeout_s <= 0:
             raise ValueError("tick_s and request_timeout_s must be > 0")
         self.policy = horizontal_policy(config)
         self.tick_s, self.target, self.timeout = tick_s, target, request_timeout_s
         self.telemetry_stale_s, self.place_backoff_max_s = telemetry_stale_s, place_backoff_max_s
+        self.reconcile_s = reconcile_s
         self.bus: Bus | None = None
         self._gpus: dict[tuple[str, int], tuple[float, list[InstanceShare]]] = {}
         self._counts: dict[str, _Counts] = {}
@@ -178,6 +183,7 @@ class HorizontalScaler:
         self.state = FunctionStateStore()  # KV dilu-function-state, for dilu status and the gateway
         self._undeployed: set[str] = set()  # undeployed and not deployed since: late events ignored
         self._wakers: dict[str, object] = {}  # fn -> its invocation subscription while all parked
+        self._unconfirmed: dict[str, str] = {}  # instance -> function: restored, no sign of life yet
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -195,6 +201,10 @@ class HorizontalScaler:
         await self.state.open(bus.js, replicas=bus.options.replicas, log=bus.log)
         await self._rebuild()
         self._loop_task = asyncio.create_task(self._loop(), name="horizontal-scaler-tick")
+        if self._unconfirmed:
+            task = asyncio.create_task(self._reconcile_loop(), name="horizontal-scaler-reconcile")
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
 
     async def stop(self) -> None:
         for fn in list(self._wakers):
@@ -258,6 +268,7 @@ class HorizontalScaler:
             self._learn(fn)
 
     async def _on_launched(self, ev: InstanceLaunched, _msg) -> None:
+        self._unconfirmed.pop(ev.instance_id, None)
         self._known(ev.function)
         if ev.function not in self.policy.functions():  # undeployed: its instances are draining
             return
@@ -272,6 +283,7 @@ class HorizontalScaler:
         self.policy.instance_migrating(pl.function, pl.instance_id, pl.replaces, self._now())
 
     async def _on_ready(self, ev: InstanceReady, _msg) -> None:
+        self._unconfirmed.pop(ev.instance_id, None)
         self._known(ev.function)
         if ev.function not in self.policy.functions():
             return
@@ -281,6 +293,7 @@ class HorizontalScaler:
             self.state.placeable(ev.function, True)
 
     async def _on_retired(self, ev: InstanceRetired, _msg) -> None:
+        self._unconfirmed.pop(ev.instance_id, None)
         if ev.function not in self.policy.functions():
             return
         self.policy.instance_retired(ev.function, ev.instance_id)
@@ -304,6 +317,7 @@ class HorizontalScaler:
                   for t in ev.instances]
         self._gpus[(ev.node, ev.gpu)] = (self._now(), shares)
         for t in ev.instances:
+            self._unconfirmed.pop(t.instance_id, None)
             if t.function in self.policy.functions():
                 self.policy.set_busy(t.function, t.instance_id, t.busy_share)
 
@@ -342,10 +356,40 @@ class HorizontalScaler:
             pl = msgspec.json.decode(raw, type=Placement)
             if not pl.draining:
                 self._known(pl.function)
+                self._unconfirmed[pl.instance_id] = pl.function
                 if pl.parked:
                     self.policy.instance_parked(pl.function, pl.instance_id, self._now())
                 else:  # whether its code can park is not stored: it is not parked until it says so again
                     self.policy.instance_ready(pl.function, pl.instance_id, self._now(), parkable=False)
+
+    async def _reconcile_loop(self) -> None:
+        """Every ``reconcile_s`` (:data:`RECONCILE_S`), until none is left: forget each restored instance whose
+        placement is gone from the table before it showed any sign of life (launched, ready,
+        retired, or a row in a GPU's telemetry). Left counted, such a ghost would read as a ready
+        instance for ever: a scale-in could retire the function's only live one and never scale
+        out again."""
+        assert self.bus is not None
+        while self._unconfirmed:
+            await asyncio.sleep(self.reconcile_s)
+            try:
+                kv = await self.bus.js.key_value(subjects.PLACEMENT_BUCKET)
+            except Exception as exc:  # KV trouble: look again next time
+                self.bus.log.warning("could not read bucket", bucket=subjects.PLACEMENT_BUCKET, error=repr(exc))
+                continue
+            for iid, fn in list(self._unconfirmed.items()):
+                try:
+                    await kv.get(iid)
+                    continue
+                except (nats.js.errors.KeyNotFoundError, nats.js.errors.KeyDeletedError):
+                    pass
+                except Exception as exc:
+                    self.bus.log.warning("could not read a placement", instance=iid, error=repr(exc))
+                    continue
+                if self._unconfirmed.pop(iid, None) is None:  # a sign of life came meanwhile
+                    continue
+                if fn in self.policy.functions():
+                    self.policy.instance_retired(fn, iid)
+                self.bus.log.info("restored instance forgotten: its placement is gone", function=fn, instance=iid)
 
     async def _kv_values(self, bucket: str) -> list[bytes]:
         assert self.bus is not None

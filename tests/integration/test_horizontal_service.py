@@ -4,6 +4,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 
+import msgspec
 import nats
 import pytest
 from prometheus_client import REGISTRY
@@ -14,9 +15,11 @@ from dilu.contracts.events import (
     BurstWindowBreach,
     FunctionDeployed,
     FunctionSpec,
+    GpuTelemetry,
     InstanceLaunched,
     InstanceReady,
     InstanceRetired,
+    InstanceTelemetry,
     ParkReply,
     ParkRequest,
     Placement,
@@ -29,6 +32,7 @@ from dilu.contracts.events import (
     RetireRequest,
     ScaleDecision,
 )
+from dilu.services.common.jsresources import PLACEMENT_KV_CONFIG, ensure_kv
 from dilu.services.common.runner import serve
 from dilu.services.horizontal_scaler.policy import HorizontalConfig
 from dilu.services.horizontal_scaler.service import HorizontalScaler, consumer_name
@@ -416,3 +420,44 @@ def test_ticks_place_the_largest_instances_first():
             scaler._learn(name, profile=Profile(function=name, request_quota=0.1, limit_quota=limit, batch_size=1))
     # first-fit decreasing: by limit quota, then memory
     assert sorted(scaler.policy.functions(), key=scaler._size) == ["llm", "mid", "small", "unprofiled"]
+
+
+async def test_a_restored_instance_whose_placement_vanishes_unheard_of_is_forgotten(nats_url):
+    """At start the scaler counts each placement in the table as a running instance. The
+    scheduler can delete one that no process ever ran (its GPU gone from a node that came back
+    smaller) with no InstanceRetired to follow: the scaler looks such placements up again and
+    forgets the vanished one, while one that showed a sign of life (a telemetry row) stays even
+    once its entry is gone (its InstanceRetired will say when it ends)."""
+    nc = await nats.connect(nats_url)
+    js = nc.jetstream()
+    kv, _ = await ensure_kv(js, PLACEMENT_KV_CONFIG, replicas=None)
+    functions = await js.create_key_value(bucket=subjects.FUNCTIONS_BUCKET)
+    spec = FunctionSpec(name=FN, slo_ms=100.0, model="resnet152", min_instances=2)
+    await functions.put(subjects.token(FN), msgspec.json.encode(spec))
+
+    def placement(iid: str, gpu: int) -> bytes:
+        return msgspec.json.encode(Placement(instance_id=iid, function=FN, node="n1", gpu=gpu, request_quota=0.3,
+                                      limit_quota=0.5, width=0.5, memory_bytes=1 << 30))
+
+    await kv.put("ghost", placement("ghost", 2))
+    await kv.put("alive", placement("alive", 0))
+    scaler = HorizontalScaler(tick_s=60.0, reconcile_s=0.1)  # no tick meanwhile: only the bookkeeping
+    stop = asyncio.Event()
+    task = asyncio.create_task(serve(scaler, nats_url, shutdown=stop, install_signals=False))
+    while not scaler.ready():
+        await asyncio.sleep(0.02)
+    assert scaler.policy.instances(FN) == {"ghost": "ready", "alive": "ready"}
+    row = InstanceTelemetry(instance_id="alive", function=FN, quota=0.3, request_quota=0.3, limit_quota=0.5,
+                            width=0.5)
+    await nc.publish(subjects.telemetry_gpu("n1", 0), encode(GpuTelemetry(node="n1", gpu=0, window_ms=1000.0, instances=[row])))
+    await settle(nc)
+    await kv.delete("ghost")
+    await kv.delete("alive")
+    for _ in range(100):
+        if "ghost" not in scaler.policy.instances(FN):
+            break
+        await asyncio.sleep(0.05)
+    assert scaler.policy.instances(FN) == {"alive": "ready"}
+    stop.set()
+    await task
+    await nc.close()
