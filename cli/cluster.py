@@ -35,7 +35,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from dilu.services.common.natsconn import ENV_CREDS, ENV_INBOX_PREFIX, NatsOptions
 from dilu.services.common.metrics import PID_HEADER
-from dilu.services.common.natsserver import EmbeddedNats, free_ports
+from dilu.services.common.natsserver import MAX_PAYLOAD_BYTES, EmbeddedNats, free_ports
 from dilu.services.common.permissions import SERVICE_ROLES, inbox_prefix
 from dilu.services.common.policies import POLICIES as _POLICY_MODES
 
@@ -185,8 +185,8 @@ class Cluster:
                         self._tmp_creds = str(self.creds_root)
                     ensure_creds(self.creds_root, [self.node])
                     config = self.creds_root / AUTH_CONF
-                self.nats = EmbeddedNats(nats_port, store_dir=self.nats_store,
-                                         log_path=self.log_dir / f"{NATS}.log", config=config).start()
+                self.nats = EmbeddedNats(nats_port, store_dir=self.nats_store, log_path=self.log_dir / f"{NATS}.log",
+                                         config=config, max_payload_bytes=MAX_PAYLOAD_BYTES).start()
             else:
                 check_reachable(self.nats_url)
             for name in self.service_names:

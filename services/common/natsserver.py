@@ -8,6 +8,8 @@ the command-line flags (address, port, JetStream store) win over it. Used as a c
 """
 from __future__ import annotations
 
+import json
+import os
 import shutil
 import socket
 import subprocess
@@ -61,6 +63,12 @@ def port_in_use(port: int, host: str = "127.0.0.1") -> bool:
     return False
 
 
+# The largest message of the shipped NATS configurations (deploy/nats/*.conf, the Nomad job:
+# ``max_payload: 8MB``), which ``dilu up`` and the demo give their own server too; nats-server's
+# default is 1 MiB.
+MAX_PAYLOAD_BYTES = 8 << 20
+
+
 class EmbeddedNats:
     """Start ``nats-server -js`` on loopback; ``url`` is its client URL.
 
@@ -69,16 +77,20 @@ class EmbeddedNats:
     stderr) is appended there (None: discarded). ``startup_timeout_s``: longest wait for it to
     listen; :meth:`start` raises RuntimeError when it exits first, TimeoutError after that.
     ``config``: a nats-server configuration file to load (None: none; FileNotFoundError at
-    :meth:`start` when it is missing).
+    :meth:`start` when it is missing). ``max_payload_bytes``: the largest message (None:
+    nats-server's default, 1 MiB; set through a configuration file in the store directory
+    that includes ``config``).
     """
 
     def __init__(self, port: int = 0, startup_timeout_s: float = 15.0, *, store_dir: Path | str | None = None,
-                 log_path: Path | str | None = None, config: Path | str | None = None) -> None:
+                 log_path: Path | str | None = None, config: Path | str | None = None,
+                 max_payload_bytes: int | None = None) -> None:
         self.port = port or free_port()
         self.url = f"nats://127.0.0.1:{self.port}"
         self.store_dir = Path(store_dir) if store_dir is not None else None
         self.log_path = Path(log_path) if log_path is not None else None
         self.config = Path(config) if config is not None else None
+        self.max_payload_bytes = max_payload_bytes
         self._timeout = startup_timeout_s
         self._tmp: str | None = None
         self.proc: subprocess.Popen | None = None
@@ -92,10 +104,11 @@ class EmbeddedNats:
         else:
             # a restart after kill() keeps the temporary store: the server comes back with its streams
             store = self._tmp = self._tmp or tempfile.mkdtemp(prefix="dilu-nats-")
+        config = self._config(Path(store))
         out = self.log_path.open("ab") if self.log_path else subprocess.DEVNULL
         try:
             self.proc = subprocess.Popen(
-                [find_binary(), *(["-c", str(self.config)] if self.config else []),
+                [find_binary(), *(["-c", str(config)] if config else []),
                  "-a", "127.0.0.1", "-p", str(self.port), "-js", "-sd", store],
                 stdout=out,
                 stderr=subprocess.STDOUT,
@@ -118,6 +131,19 @@ class EmbeddedNats:
                 time.sleep(0.05)
         self.stop()
         raise TimeoutError(f"nats-server did not listen on port {self.port} within {self._timeout} s")
+
+    def _config(self, store: Path) -> Path | None:
+        """The configuration file to load: ``config`` itself, or with ``max_payload_bytes`` one
+        written in the store directory (``dilu-nats.conf``) that sets it and includes ``config``."""
+        if self.max_payload_bytes is None:
+            return self.config
+        lines = [f"max_payload: {int(self.max_payload_bytes)}"]
+        if self.config is not None:
+            # nats-server reads an include's path relative to the including file, even an absolute one
+            lines.append(f"include {json.dumps(os.path.relpath(self.config.resolve(), store.resolve()))}")
+        path = store / "dilu-nats.conf"
+        path.write_text("\n".join(lines) + "\n")
+        return path
 
     def stop(self) -> None:
         """Terminate the server (SIGKILL after 10 s); remove the store only if it was temporary."""

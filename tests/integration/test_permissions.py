@@ -366,3 +366,23 @@ async def test_the_client_library_takes_credentials_as_dilu_does(secured, monkey
     await c.close()
     with Client() as blocking:
         assert blocking.functions() == {}
+
+
+async def test_the_server_dilu_up_starts_carries_the_shipped_configs_max_payload(tmp_path):
+    """``dilu up``'s own server takes messages as large as the shipped NATS configurations do
+    (8 MiB, not nats-server's 1 MiB default), its authorization include still in force."""
+    from dilu.services.common.natsserver import MAX_PAYLOAD_BYTES
+
+    ensure_creds(tmp_path, ["n1"])
+    with EmbeddedNats(config=tmp_path / AUTH_CONF, max_payload_bytes=MAX_PAYLOAD_BYTES,
+                      store_dir=tmp_path / "store") as server:
+        nc = await connect(NatsOptions(servers=(server.url,), creds=role_creds(tmp_path, "operator")), name="op")
+        assert nc.max_payload == MAX_PAYLOAD_BYTES == 8 << 20
+        await nc.close()
+        with pytest.raises(nats.errors.Error, match="Authorization Violation"):
+            await nats.connect(server.url, allow_reconnect=False, max_reconnect_attempts=0, connect_timeout=WAIT_S,
+                               error_cb=_quiet)
+
+
+async def _quiet(_exc):
+    pass
