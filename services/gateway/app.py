@@ -11,7 +11,8 @@ Routes:
   (data: one output chunk as UTF-8 text, invalid bytes replaced; id: its number from 0), then one
   ``done`` event (JSON: request_id, instance, cold_start, chunks, ttft_ms, tpot_ms) or one
   ``error`` event (JSON problem details). A stream that fails before its first chunk answers with
-  the plain HTTP error instead.
+  the plain HTTP error instead. Another kind of function asked with ``?stream=1`` is a 400; its
+  ``Accept`` alone is a preference it answers plainly.
 - ``GET /v1/functions`` and ``GET /v1/functions/{name}``: deployed functions (public fields of
   their specs, :data:`PUBLIC_FIELDS`).
 - ``GET /metrics`` (Prometheus text), ``GET /healthz`` (200 while the process runs), ``GET
@@ -186,12 +187,17 @@ def check_name(name: str) -> str:
     return name
 
 
-def parse_timeout(value: str | None, limits: Limits) -> float:
-    """``Dilu-Timeout`` in seconds; raises a 400 Problem unless it is a number in (0, max]."""
-    if value is None:
+def parse_timeout(values: list[str], limits: Limits) -> float:
+    """``Dilu-Timeout`` (every value the request carries) in seconds; raises a 400 Problem
+    unless it is given at most once, as a decimal number in (0, max] (Python's ``float`` also
+    reads ``1_0`` as 10: digit separators are refused)."""
+    if not values:
         return limits.default_timeout_s
+    if len(values) > 1:
+        raise Problem("bad-request", f"{H_TIMEOUT} given {len(values)} times; give it once")
+    value = values[0]
     try:
-        timeout_s = float(value)
+        timeout_s = math.nan if "_" in value else float(value)
     except ValueError:
         timeout_s = math.nan
     if not (math.isfinite(timeout_s) and 0 < timeout_s <= limits.max_timeout_s):
@@ -200,16 +206,22 @@ def parse_timeout(value: str | None, limits: Limits) -> float:
     return timeout_s
 
 
-def wants_stream(request: Request) -> bool:
-    """``?stream=1|true|0|false`` decides; without it, an ``Accept`` naming text/event-stream."""
+def wants_stream(request: Request, name: str, kind: str) -> bool:
+    """Whether to answer a call of function ``name``, of ``kind``, with server-sent events: ``?stream=1|true``
+    asks for them (a 400 Problem for a function that does not stream), ``0|false`` declines;
+    without it, an ``Accept`` naming text/event-stream asks an ``llm`` function for them, and a
+    function of another kind answers plainly, as an HTTP server may when it cannot meet the
+    preference."""
     flag = request.query_params.get("stream")
     if flag is None:
-        return SSE in request.headers.get("accept", "")
-    if flag.lower() in ("1", "true"):
-        return True
+        return kind == "llm" and SSE in request.headers.get("accept", "")
     if flag.lower() in ("0", "false", ""):
         return False
-    raise Problem("bad-request", f"stream must be 1 or 0, got {flag!r}")
+    if flag.lower() not in ("1", "true"):
+        raise Problem("bad-request", f"stream must be 1 or 0, got {flag!r}")
+    if kind != "llm":
+        raise Problem("bad-request", f"{name!r} is an {kind} function; only llm functions stream", function=name)
+    return True
 
 
 async def read_body(request: Request, limit: int) -> bytes:
@@ -266,16 +278,13 @@ async def invoke(request: Request) -> Response:
 async def _invoke(backend: Backend, request: Request, name: str, call: _Call) -> Response:
     check_name(name)
     limits = backend.limits
-    timeout_s = parse_timeout(request.headers.get(H_TIMEOUT), limits)
-    stream = wants_stream(request)
+    timeout_s = parse_timeout(request.headers.getlist(H_TIMEOUT), limits)
     if backend.client is None:
         raise Problem("not-ready", "the gateway is not connected to Dilu yet", headers={"Retry-After": "1"})
     spec = await backend.lookup(name)
     if spec.kind == "training":
         raise Problem("bad-request", f"{name!r} is a training function; it takes no requests", function=name)
-    if stream and spec.kind != "llm":
-        raise Problem("bad-request", f"{name!r} is an {spec.kind} function; only llm functions stream",
-                      function=name)
+    stream = wants_stream(request, name, spec.kind)
     payload = await read_body(request, limits.max_body_bytes)
     if stream:
         return await _start_stream(backend, name, payload, timeout_s, call)

@@ -169,12 +169,20 @@ async def test_unknown_and_bad_names(env):
     assert fake.calls == []
 
 
-@pytest.mark.parametrize("value", ["0", "-1", "abc", "nan", "inf", "60.5", ""])
+@pytest.mark.parametrize("value", ["0", "-1", "abc", "nan", "inf", "60.5", "", "1_0"])
 async def test_bad_timeout_header_is_400(env, value):
     fake, _, http = env
     body = problem(await http.post("/v1/functions/echo:invoke", content=b"x", headers={"Dilu-Timeout": value}),
                    400, "bad-request")
     assert "Dilu-Timeout" in body["detail"]
+    assert fake.calls == []
+
+
+async def test_a_timeout_header_given_twice_is_400_whatever_the_first_says(env):
+    fake, _, http = env
+    body = problem(await http.post("/v1/functions/echo:invoke", content=b"x",
+                                   headers=[("Dilu-Timeout", "1"), ("Dilu-Timeout", "abc")]), 400, "bad-request")
+    assert "once" in body["detail"]
     assert fake.calls == []
 
 
@@ -237,12 +245,15 @@ async def test_stream_failing_before_its_first_chunk_is_a_plain_error(env):
     assert fake.streams[0].closed
 
 
-async def test_streaming_a_non_llm_function_is_400(env):
+async def test_streaming_a_non_llm_function_is_400_when_asked_and_plain_when_only_accepted(env):
     fake, _, http = env
-    body = problem(await http.post("/v1/functions/echo:invoke", content=b"x", headers={"Accept": "text/event-stream"}),
-                   400, "bad-request")
-    assert "llm" in body["detail"]
+    body = problem(await http.post("/v1/functions/echo:invoke?stream=1", content=b"x"), 400, "bad-request")
+    assert "llm" in body["detail"] and body["function"] == "echo"
     assert fake.calls == []
+    # an Accept naming server-sent events among others is a preference the function cannot meet
+    resp = await http.post("/v1/functions/echo:invoke", content=b"x",
+                           headers={"Accept": "application/json, text/event-stream;q=0.1"})
+    assert resp.status_code == 200 and resp.headers["content-type"] == "application/octet-stream"
 
 
 async def test_unknown_routes_and_methods_are_problems(env):
