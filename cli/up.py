@@ -267,7 +267,8 @@ def _serve(cluster: Cluster, opts: UpOptions, signals: StopSignals, resumed: boo
         name, code = died
         log = cluster.log_path(name)
         tail = cluster.log_tail(name)
-        raise click.ClickException(f"{name} exited with code {code} while up; everything stopped. "
+        how = f"{code} ({signal.Signals(-code).name})" if code < 0 and -code in signal.valid_signals() else str(code)
+        raise click.ClickException(f"{name} exited with code {how} while up; everything stopped. "
                                    f"End of {log}:\n{tail}")
     click.echo(f"stopped; the store is kept in {opts.store_dir}")
 

@@ -214,7 +214,7 @@ def test_a_service_that_dies_stops_the_rest_with_its_log(tmp_path, ups):
     os.kill(victim, signal.SIGKILL)
     rest = up.rest(STOP_BOUND_S)
     assert up.proc.returncode == 1, rest
-    assert "profiler exited with code -9" in rest and str(tmp_path / "elsewhere" / "profiler.log") in rest
+    assert "profiler exited with code -9 (SIGKILL)" in rest and str(tmp_path / "elsewhere" / "profiler.log") in rest
     assert alive(up.pids) == [], f"left running: {alive(up.pids)}"
     assert (tmp_path / "elsewhere" / "scheduler.log").exists()
 
