@@ -14,8 +14,8 @@
  *   DILU_FAKE_GPU_TIMELINES     comma-separated timeline names of devices 0..COUNT-1 (the fake
  *                               NVML reads utilisation and per-process memory from them)
  *
- * The segment /dilu-gpu-<timeline> (struct gpu_shm) is one emulated GPU: the kernels running and
- * waiting, a ring of completed kernels, and the device memory each process holds.
+ * The segment /dilu-gpu-<timeline> (struct gpu_shm) is one emulated GPU: the kernels running, a
+ * ring of completed kernels, and the device memory each process holds.
  */
 #ifndef DILU_FAKE_GPU_H
 #define DILU_FAKE_GPU_H
@@ -86,7 +86,7 @@ static inline void dilu_fake_uuid_str(int index, char *buf, size_t len)
 /* ------------------------------------------------------------------ the shared device segment */
 
 #define GPU_MAGIC 0x3155504745464c44ULL /* "DLFEGPU1" */
-#define GPU_VERSION 3u
+#define GPU_VERSION 4u
 #define GPU_SLOTS 4096
 #define GPU_RING (1u << 19)
 
@@ -101,9 +101,8 @@ struct gpu_rec { /* one completed kernel; seq = index + 1 once complete (written
     uint64_t func;
 };
 
-struct gpu_slot { /* one kernel, waiting for width or running */
+struct gpu_slot { /* one kernel, running or done and not yet collected */
     uint32_t used, done;
-    uint32_t waiting, skip;
     uint32_t pid, width_ppm;
     uint64_t gen;
     uint64_t ctx, stream, func;

@@ -8,17 +8,13 @@
  * device shared by every process that names the same emulated GPU (env DILU_FAKE_GPU): a POSIX
  * shared-memory segment holds the set of running kernels and a ring of completed-kernel records
  * (pid, context, stream, start and end in CLOCK_MONOTONIC ns, width). The segment advances a
- * virtual clock under a process-shared robust mutex. Contention: a process holds its width
- * (CUDA_MPS_ACTIVE_THREAD_PERCENTAGE, default 100 %) while it has kernels running; a kernel
- * starts when its width fits beside the widths held by the other processes, otherwise it waits,
- * first come first served. Processes whose widths sum to <= 1 therefore run side by side (MPS
- * slices), and width-1 processes take turns kernel by kernel, as a GPU time-slices contexts
- * without MPS, each progressing W times slower as DESIGN.md section 7 models it. Widths that sum
- * to just above 1 take turns too: two busy processes of widths 0.7 and 0.4 each progress at
- * about half speed, where MPS on a real GPU shares the SMs and slows each by W = 1.1 (the
- * simulator's model): this device overstates that contention. Kernels of one process running at once
- * share its width. An event recorded on an idle stream just before a launch is stamped when that
- * launch gets the device (the stream's commands run together in its turn); one recorded behind
+ * virtual clock under a process-shared robust mutex. Contention is processor sharing, as MPS
+ * shares the SMs (DESIGN.md section 7): a process holds its width (CUDA_MPS_ACTIVE_THREAD_PERCENTAGE,
+ * default 100 %) while it has kernels running, every kernel starts at once, and while the widths
+ * held sum to W > 1 each progresses W times slower. Processes whose widths sum to <= 1 therefore
+ * run side by side (MPS slices); two busy width-1 processes each progress at half speed, and two
+ * of widths 0.7 and 0.4 at 1 / 1.1. Kernels of one process running at once share its width. An
+ * event recorded just before a launch is stamped when that launch starts; one recorded behind
  * earlier work is stamped when that work ends. Start and end times are computed
  * exactly on that clock, so tests read shares from the timeline, not from sleeps; the worker
  * also sleeps (real time) until the computed end so callers see real latency.
@@ -201,92 +197,38 @@ static void gpu_record(struct gpu_slot *s)
 
 static int pid_alive(uint32_t pid) { return kill((pid_t)pid, 0) == 0 || errno != ESRCH; }
 
-static int running(const struct gpu_slot *s) { return s->used && !s->done && !s->waiting; }
+static int running(const struct gpu_slot *s) { return s->used && !s->done; }
 
-/* Progress rate of running slot i (solo-ns per ns): kernels of one process running at once share
- * its width, so each gets 1 / (its process's running kernels). Admission (below) keeps the widths
- * of the processes running at once within the device, so nothing else slows a kernel down. */
+/* Progress rate of running slot i (solo-ns per ns), processor sharing as MPS shares the SMs
+ * (DESIGN.md section 7): a process holds its width while it has kernels running, and when the
+ * widths held sum to W > 1 every kernel progresses W times slower; kernels of one process running
+ * at once share its width, so each also gets 1 / (its process's running kernels). */
 static void gpu_rates(double *rate)
 {
     struct gpu_shm *g = g_gpu;
     uint32_t hw = g->slot_hw;
+    uint64_t held = 0; /* ppm, each running process counted once */
     for (uint32_t i = 0; i < hw; i++) {
         rate[i] = 0.0;
         if (!running(&g->slots[i]))
             continue;
-        uint32_t same = 0;
+        uint32_t same = 0, first = 1;
         for (uint32_t j = 0; j < hw; j++)
-            same += running(&g->slots[j]) && g->slots[j].pid == g->slots[i].pid;
-        rate[i] = 1.0 / same;
-    }
-}
-
-/* May a kernel of `pid` with `width_ppm` start now? Yes when its process already runs (its
- * width is held), or when its width fits beside the widths of the processes running. */
-static int gpu_fits(uint32_t pid, uint32_t width_ppm, int *same_running)
-{
-    struct gpu_shm *g = g_gpu;
-    uint64_t held = 0;
-    uint32_t hw = g->slot_hw;
-    *same_running = 0;
-    for (uint32_t i = 0; i < hw; i++) {
-        const struct gpu_slot *s = &g->slots[i];
-        if (!running(s))
-            continue;
-        if (s->pid == pid) {
-            *same_running = 1;
-            return 1;
-        }
-        int first = 1; /* count each process once */
-        for (uint32_t j = 0; j < i; j++)
-            if (running(&g->slots[j]) && g->slots[j].pid == s->pid) {
-                first = 0;
-                break;
+            if (running(&g->slots[j]) && g->slots[j].pid == g->slots[i].pid) {
+                same++;
+                first &= j >= i;
             }
+        rate[i] = 1.0 / same;
         if (first)
-            held += s->width_ppm;
+            held += g->slots[i].width_ppm;
     }
-    return held + width_ppm <= 1000000u;
-}
-
-/* Starts waiting kernels at virtual time t, first come first served: a kernel whose width does
- * not fit blocks the ones behind it (so a wide kernel is not starved), except kernels of a
- * process already running, which hold their width anyway. */
-static void gpu_admit(uint64_t t)
-{
-    struct gpu_shm *g = g_gpu;
-    uint32_t hw = g->slot_hw;
-    int blocked = 0;
-    for (;;) {
-        int best = -1;
-        for (uint32_t i = 0; i < hw; i++) {
-            const struct gpu_slot *s = &g->slots[i];
-            if (s->used && s->waiting && !s->skip && (best < 0 || s->gen < g->slots[best].gen))
-                best = (int)i;
-        }
-        if (best < 0)
-            break;
-        struct gpu_slot *s = &g->slots[best];
-        int same;
-        int fits = gpu_fits(s->pid, s->width_ppm, &same);
-        if (!fits && !blocked && !pid_alive(s->pid)) {
-            s->used = 0; /* its process died waiting: it must not hold the line */
-            continue;
-        }
-        if (fits && (same || !blocked)) {
-            s->waiting = 0;
-            s->start_ns = t;
-        } else {
-            blocked = 1;
-            s->skip = 1; /* looked at in this pass */
-        }
-    }
+    double slow = held > 1000000u ? (double)held / 1e6 : 1.0;
     for (uint32_t i = 0; i < hw; i++)
-        g->slots[i].skip = 0;
+        rate[i] /= slow;
 }
 
-/* Advances the virtual clock to t (never backwards), completing kernels exactly on the way and
- * starting waiting ones as width frees up. */
+/* Advances the virtual clock to t (never backwards), completing kernels exactly on the way (each
+ * completion changes the rates of the rest). */
 static void gpu_advance(uint64_t t)
 {
     struct gpu_shm *g = g_gpu;
@@ -322,8 +264,6 @@ static void gpu_advance(uint64_t t)
             }
         }
         g->sim_now += step;
-        if (completes)
-            gpu_admit(g->sim_now);
     }
 }
 
@@ -333,7 +273,7 @@ static int gpu_alloc(void)
     for (uint32_t i = 0; i < GPU_SLOTS; i++) {
         struct gpu_slot *s = &g->slots[i];
         /* a slot whose owner died is never collected: reclaim it (and let waiters in) */
-        if (s->used && (s->done || s->waiting) && !pid_alive(s->pid))
+        if (s->used && s->done && !pid_alive(s->pid))
             s->used = 0;
         if (!s->used) {
             if (i >= g->slot_hw)
@@ -369,10 +309,9 @@ static uint64_t gpu_run(uint64_t desired, double dur_ns, uint64_t ctx, uint64_t 
     }
     struct gpu_slot *s = &g_gpu->slots[idx];
     uint64_t gen = ++g_gpu->slot_gen;
-    *s = (struct gpu_slot){.used = 1, .waiting = 1, .pid = g_pid, .width_ppm = g_width_ppm,
-                           .gen = gen, .ctx = ctx, .stream = stream, .func = func,
+    *s = (struct gpu_slot){.used = 1, .pid = g_pid, .width_ppm = g_width_ppm, .gen = gen, .ctx = ctx,
+                           .stream = stream, .func = func, .start_ns = g_gpu->sim_now,
                            .remaining_ns = dur_ns > 1.0 ? dur_ns : 1.0};
-    gpu_admit(g_gpu->sim_now);
     for (;;) {
         if (s->gen != gen) { /* reclaimed (cannot happen while we live) */
             gpu_unlock();
@@ -387,19 +326,14 @@ static uint64_t gpu_run(uint64_t desired, double dur_ns, uint64_t ctx, uint64_t 
             return end;
         }
         gpu_rates(rate);
-        /* running: until its own end; waiting: until the next end of any kernel */
-        double wait = INFINITY;
-        for (uint32_t i = 0; i < g_gpu->slot_hw; i++)
-            if (rate[i] > 0.0 && (s->waiting || (int)i == idx))
-                wait = fmin(wait, g_gpu->slots[i].remaining_ns / rate[i]);
-        uint64_t projected = g_gpu->sim_now + (wait == INFINITY ? 1000000ull : (uint64_t)ceil(wait));
+        /* until its end at the present rates; a kernel starting or ending meanwhile moves it */
+        double wait = s->remaining_ns / rate[idx];
+        uint64_t projected = g_gpu->sim_now + (uint64_t)ceil(wait);
         gpu_unlock();
         sleep_until(projected);
         gpu_lock();
         uint64_t t = now_ns();
         gpu_advance(t < projected ? t : projected);
-        if (s->waiting)
-            gpu_admit(g_gpu->sim_now);
     }
 }
 

@@ -363,7 +363,7 @@ static unsigned int util_percent(const struct gpu_shm *g)
         hw = GPU_SLOTS;
     for (uint32_t i = 0; i < hw; i++) { /* running now (a dead process's kernel is not) */
         const struct gpu_slot *s = &g->slots[i];
-        if (ld32(&s->used) && !ld32(&s->done) && !ld32(&s->waiting) && pid_alive(ld32(&s->pid)))
+        if (ld32(&s->used) && !ld32(&s->done) && pid_alive(ld32(&s->pid)))
             span_add(&v, &n, &cap, ld64(&s->start_ns), t1, t0, t1);
     }
     const struct gpu_rec *ring = (const struct gpu_rec *)((const char *)g + g->ring_offset);

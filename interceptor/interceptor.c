@@ -541,7 +541,7 @@ static void learn(struct cost *c, double us)
     c->us = least;
 }
 
-/* Collects finished timing samples: EWMA per key, true-up of the tokens. Under the lock. */
+/* Collects finished timing samples: the estimate per key (learn), true-up of the tokens. Under the lock. */
 static void poll_samples(uint64_t now)
 {
     if (!S.npending || now < S.next_poll_ns)

@@ -20,7 +20,7 @@ import numpy as np
 
 SHM_DIR = Path("/dev/shm")
 GPU_MAGIC = 0x3155504745464C44
-GPU_VERSION = 3
+GPU_VERSION = 4
 _HEADER = struct.Struct("<QIIQQQQQ")  # magic, version, sms, ring_offset, ring_cap, rec_size, head, sim_now
 RECORD = np.dtype([("seq", "<u8"), ("pid", "<u4"), ("width_ppm", "<u4"), ("ctx", "<u8"),
                    ("stream", "<u8"), ("start_ns", "<u8"), ("end_ns", "<u8"), ("func", "<u8")])
