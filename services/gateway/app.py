@@ -404,6 +404,17 @@ async def list_functions(request: Request) -> Response:
     return JSONResponse({"functions": [_public(s) for s in sorted(specs, key=lambda s: s.name)]})
 
 
+async def function_resource(request: Request) -> Response:
+    """``/v1/functions/{name}``: GET describes a function. Any other method on a name with an
+    action (``x:invokes``) is a 404, since no such route exists; on a plain name a 405."""
+    name = request.path_params["name"]
+    if request.method in ("GET", "HEAD"):
+        return await get_function(request)
+    if ":" in name:
+        raise HTTPException(404, f"no action {':' + name.partition(':')[2]!r} (the one action is :invoke)")
+    raise HTTPException(405, headers={"Allow": "GET"})
+
+
 async def get_function(request: Request) -> Response:
     backend: Backend = request.app.state.backend
     name = request.path_params["name"]
@@ -448,7 +459,7 @@ def build_app(backend: Backend) -> Starlette:
         routes=[
             Route("/v1/functions/{name}:invoke", invoke, methods=["POST"]),
             Route("/v1/functions", list_functions, methods=["GET"]),
-            Route("/v1/functions/{name}", get_function, methods=["GET"]),
+            Route("/v1/functions/{name}", function_resource, methods=["GET", "POST", "PUT", "PATCH", "DELETE"]),
             Route("/metrics", metrics, methods=["GET"]),
             Route("/healthz", healthz, methods=["GET"]),
             Route("/readyz", readyz, methods=["GET"]),

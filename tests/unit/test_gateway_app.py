@@ -265,6 +265,12 @@ async def test_unknown_routes_and_methods_are_problems(env):
     resp = await http.delete("/v1/functions")
     problem(resp, 405, "method-not-allowed")
     assert "GET" in resp.headers["allow"]
+    # an action that does not exist is no route at all (a 404, not a 405)
+    body = problem(await http.post("/v1/functions/echo:invokes", content=b"x"), 404, "not-found")
+    assert "':invokes'" in body["detail"] and ":invoke)" in body["detail"]
+    resp = await http.delete("/v1/functions/echo")
+    problem(resp, 405, "method-not-allowed")
+    assert resp.headers["allow"] == "GET"
 
 
 async def test_function_listing_hides_operator_fields(env):
