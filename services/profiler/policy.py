@@ -311,7 +311,9 @@ class InferenceSearch(_Machine):
 
     ``max_trials`` (optional) caps phase 1; phase 2 adds at most ⌈log2(batches + 1)⌉ +
     ⌈log2(SM steps)⌉ trials, fewer when earlier measurements already imply the answer under the
-    monotone model (more quota or a smaller batch never raises latency).
+    monotone model (more quota or a smaller batch never raises latency). ``budget_of_slo``
+    (fraction 0..1, default 1) says what part of the function's SLO ``slo_ms`` is, so that an
+    error names both (ProfileSearch passes its queueing budget).
 
     Raises NoFeasibleSetting from :meth:`result` when no measured setting met the SLO.
     """
@@ -324,6 +326,7 @@ class InferenceSearch(_Machine):
         *,
         stop_threshold: float = 0.15,
         max_trials: int | None = None,
+        budget_of_slo: float = 1.0,
     ) -> None:
         super().__init__()
         if not grid_batches or min(grid_batches) < 1:
@@ -335,6 +338,7 @@ class InferenceSearch(_Machine):
         self.axes = _axes(grid_quotas)
         self.batches = tuple(sorted({int(b) for b in grid_batches}))
         self.slo_ms = float(slo_ms)
+        self.budget_of_slo = budget_of_slo  # slo_ms is this part of the function's SLO (messages only)
         self.stop_threshold = stop_threshold
         self.max_trials = max_trials
         self._dims = tuple(len(a) for a in self.axes) + (len(self.batches),)
@@ -503,8 +507,12 @@ class InferenceSearch(_Machine):
         """The chosen profile. Raises NoFeasibleSetting when nothing met the SLO, RuntimeError
         when called before :meth:`next_trial` returned None."""
         if self._best is None and self._phase == "grow" and self.next_trial() is None:
+            target = f"the SLO of {self.slo_ms:.3g} ms"
+            if self.budget_of_slo < 1:
+                target = (f"a batch latency of {self.slo_ms:.3g} ms ({self.budget_of_slo:.0%} of "
+                          f"the SLO of {self.slo_ms / self.budget_of_slo:.3g} ms)")
             raise NoFeasibleSetting(
-                f"no setting met the SLO of {self.slo_ms:.3g} ms in {self.trials} trials "
+                f"no setting met {target} in {self.trials} trials "
                 f"(not even batch {self.batches[0]} on the full GPU)"
             )
         if self._phase != "done":
@@ -582,7 +590,7 @@ class ProfileSearch:
                                         batch=max(int(b) for b in grid_batches))
         else:
             self._main = InferenceSearch(grid_batches, grid_quotas, slo_ms * queueing_budget,
-                                         stop_threshold=stop_threshold)
+                                         stop_threshold=stop_threshold, budget_of_slo=queueing_budget)
         self._stage: _Machine | None = self._main
         self._knee: KneeSearch | None = None
         self._at_limit: Trial | None = None

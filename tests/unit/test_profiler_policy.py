@@ -16,6 +16,7 @@ from dilu.services.profiler.policy import (
     InferenceSearch,
     Measurement,
     NoFeasibleSetting,
+    ProfileSearch,
     SearchProtocolError,
     TrainingSearch,
     Trial,
@@ -179,6 +180,16 @@ def test_inference_without_any_feasible_setting_raises_clear_error():
         s.record(t, Measurement(latency_ms=10.0, throughput_rps=1.0))
     assert Trial((1.0,), 1) in proposed, "the full GPU at batch 1 is tried before giving up"
     with pytest.raises(NoFeasibleSetting, match="SLO"):
+        s.result()
+
+
+def test_an_infeasible_slo_is_named_as_given_beside_the_batch_budget():
+    """ProfileSearch searches batches within half the SLO: the error names the SLO the user wrote
+    (0.001 ms), not only the half of it the search used."""
+    s = ProfileSearch("inference", [1, 2], [0.5, 1.0], slo_ms=0.001)
+    while (t := s.next_trial()) is not None:
+        s.record(t, Measurement(latency_ms=10.0, throughput_rps=1.0))
+    with pytest.raises(NoFeasibleSetting, match=r"0.0005 ms \(50% of the SLO of 0.001 ms\)"):
         s.result()
 
 
