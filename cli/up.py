@@ -38,7 +38,7 @@ HOST = "127.0.0.1"  # everything listens on loopback: a local cluster
 
 
 class Refused(click.ClickException):
-    """``dilu up`` cannot start here (a port taken, the data directory in use); exit status 2,
+    """``dilu up`` cannot start here (a port taken, the data directory in use or not writable); exit status 2,
     as the services exit when they cannot start."""
 
     exit_code = 2
@@ -119,14 +119,14 @@ class DataDirLock:
 
 def _directory(path: Path, what: str) -> Path:
     """Create ``path`` (and parents) and check that files can be created in it (a write, since
-    root passes every access check). Raises click.ClickException naming ``what``."""
+    root passes every access check). Raises :class:`Refused` (exit 2, bad input) naming ``what``."""
     try:
         path.mkdir(parents=True, exist_ok=True)
         probe = path / f".dilu-write-check-{os.getpid()}"
         probe.touch()
         probe.unlink()
     except OSError as exc:
-        raise click.ClickException(f"{what} {path} is not a writable directory: {exc.strerror or exc}") from None
+        raise Refused(f"{what} {path} is not a writable directory: {exc.strerror or exc}") from None
     return path
 
 

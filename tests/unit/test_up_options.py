@@ -69,9 +69,9 @@ def test_options_come_from_dilu_environment_variables(tmp_path):
 def test_data_dir_that_cannot_be_created_or_written(tmp_path):
     blocker = tmp_path / "a-file"
     blocker.write_text("")
-    out = one_line_error(up("--data-dir", str(blocker / "dilu")), 1)
+    out = one_line_error(up("--data-dir", str(blocker / "dilu")), 2)
     assert "--data-dir" in out and "not a writable directory" in out
-    out = one_line_error(up("--data-dir", str(tmp_path / "ok"), "--log-dir", str(blocker)), 1)
+    out = one_line_error(up("--data-dir", str(tmp_path / "ok"), "--log-dir", str(blocker)), 2)
     assert "--log-dir" in out and "not a writable directory" in out
 
 
@@ -81,7 +81,7 @@ def test_read_only_data_dir(tmp_path):
     ro.mkdir()
     ro.chmod(0o500)
     try:
-        out = one_line_error(up("--data-dir", str(ro)), 1)
+        out = one_line_error(up("--data-dir", str(ro)), 2)
         assert "not a writable directory" in out
     finally:
         ro.chmod(0o700)
