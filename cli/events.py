@@ -23,7 +23,8 @@ from dilu.contracts.codec import MalformedEvent, SkippedEvent, decode_counted
 from dilu.contracts.events import Event
 from dilu.services.common.bus import settle
 from dilu.services.common.cliopts import ENV_PREFIX, nats_options
-from dilu.services.common.natsconn import CredentialsError, NatsOptions, connect, connect_failure
+from dilu.services.common.natsconn import (CredentialsError, NatsOptions, connect, connect_failure,
+                                          is_permissions_violation)
 
 from .functions import UNREACHABLE, USAGE, Failed
 
@@ -141,7 +142,7 @@ async def _tail(nats: NatsOptions, patterns: list[str], tail: Tail, limit: int) 
         if connected and str(exc) not in warned:
             warned.add(str(exc))
             click.echo(f"NATS: {type(exc).__name__}: {exc}", err=True)
-        if connected and "permissions violation" in str(exc).lower():
+        if connected and is_permissions_violation(exc):
             refused.append(str(exc))  # a subscription these credentials may not make: waiting is pointless
             done.set()
 

@@ -4,7 +4,7 @@ cluster, through the client library (:mod:`dilu.client`).
 Every option can also come from ``DILU_<OPTION>`` (``--nats-url`` -> ``DILU_NATS_URL``). Errors
 are one line on stderr; the exit codes are those of :data:`dilu.client.errors.EXIT_CODES`
 (1 the function or the deploy failed, 2 bad input or not deployed, 3 timeout, 4 no capacity,
-5 NATS unreachable). ``--json`` puts the machine-readable result on stdout.
+5 NATS unreachable, 6 NATS refused these credentials). ``--json`` puts the machine-readable result on stdout.
 """
 from __future__ import annotations
 
@@ -35,11 +35,20 @@ USAGE, UNREACHABLE = 2, 5
 
 
 class Failed(click.ClickException):
-    """One line on stderr (``Error: ...``) and the given exit code."""
+    """One line on stderr (``Error: ...``) and the given exit code; under ``--json`` the line is
+    ``{"error": message, "exit_code": code}`` on stdout instead, where a script reads results."""
 
     def __init__(self, message: str, code: int = 1) -> None:
         super().__init__(message)
         self.exit_code = code
+        ctx = click.get_current_context(silent=True)  # raised inside the command: its options are known
+        self.as_json = bool(ctx is not None and ctx.params.get("as_json"))
+
+    def show(self, file: Any = None) -> None:
+        if self.as_json:
+            _print_json({"error": self.message, "exit_code": self.exit_code})
+        else:
+            super().show(file)
 
 
 def json_option(f):
@@ -99,6 +108,7 @@ def _bytes(n: int) -> str:
 @click.argument("spec_file", type=click.Path(dir_okay=False, path_type=Path))
 @nats_options
 @click.option("--timeout", "timeout_s", type=Finite(min=1), default=150.0, metavar="S", show_default=True,
+              envvar="DILU_DEPLOY_TIMEOUT",  # not DILU_TIMEOUT: that one is invoke's, and far shorter
               help="seconds to wait for the profile")
 @click.option("--wait-ready", "wait_ready_s", type=Finite(min=0), default=60.0, metavar="S", show_default=True,
               help="seconds to wait for the first instance (still starting after it is no error)")
@@ -221,6 +231,7 @@ def invoke(name: str, data: str, timeout_s: float, stream: bool, nats: NatsOptio
       3  no reply within --timeout
       4  no capacity: the request was refused, or the function cannot be placed now
       5  NATS unreachable
+      6  NATS refused these credentials what the command needs (another role's)
     """
     payload = read_data(data)
     sink = sys.stdout.buffer

@@ -33,6 +33,7 @@ _EXPORTS = {
     "DeployError": "errors",
     "BadRequest": "errors",
     "Unreachable": "errors",
+    "NotPermitted": "errors",
     "deploy": "admin",
     "undeploy": "admin",
     "status": "admin",

@@ -33,7 +33,8 @@ from dilu.contracts.events import FunctionDeployed, FunctionSpec, FunctionState
 from dilu.services.common import logging as dlog
 from dilu.services.common.invoke import InvokeClient, InvokeResult, cancel_swallowed, cancels_now
 from dilu.services.common.kvkeys import kv_keys
-from dilu.services.common.natsconn import DEFAULT_URL, CredentialsError, NatsOptions, connect, connect_failure
+from dilu.services.common.natsconn import (DEFAULT_URL, CredentialsError, NatsOptions, connect, connect_failure,
+                                          is_permissions_violation)
 
 from .errors import (
     BadRequest,
@@ -41,6 +42,7 @@ from .errors import (
     InvocationTimeout,
     NoCapacity,
     NotDeployed,
+    NotPermitted,
     Unreachable,
 )
 
@@ -318,14 +320,20 @@ class AsyncClient:
         The first connection is tried ``connect_attempts`` times, each bounded by
         ``connect_timeout_s`` seconds, so an unreachable server fails within seconds; once
         connected, a lost connection is retried for ever (``reconnect``) or closes the client.
-        Raises :class:`Unreachable` (one line naming the URL and the reason).
+        Raises :class:`Unreachable` (one line naming the URL and the reason), or
+        :class:`NotPermitted` as soon as the server refuses what starting the client asks
+        (credentials of another role: the refusal comes only to the error callback, and the
+        request it refused would otherwise wait out its timeout).
         """
         nats_url = NatsOptions.from_environ(nats_url, creds)
         errors: list[Exception] = []
+        refused: asyncio.Future[str] = asyncio.get_running_loop().create_future()
 
         async def quiet(exc: Exception) -> None:  # nats-py would print a traceback per attempt
             errors.append(exc)
             log.debug("NATS connection error", url=nats_url, error=repr(exc))
+            if is_permissions_violation(exc) and not refused.done():
+                refused.set_result(str(exc))
 
         try:
             # (nats-py reads max_reconnect_attempts 0 as "no limit": one attempt is allow_reconnect off)
@@ -343,9 +351,17 @@ class AsyncClient:
         nc.options["allow_reconnect"] = reconnect
         nc.options["max_reconnect_attempts"] = -1
         client = cls(nc, owns_connection=True, options=NatsOptions.of(nats_url))
+        starting = asyncio.ensure_future(client.start())
         try:
-            await client.start()
+            await asyncio.wait({starting, refused}, return_when=asyncio.FIRST_COMPLETED)
+            if not starting.done():
+                starting.cancel()
+                await asyncio.gather(starting, return_exceptions=True)
+                raise NotPermitted(f"NATS at {nats_url} refused these credentials ({refused.result()}): "
+                                   "they are another role's; use the operator's or a caller's")
+            starting.result()
         except BaseException:
+            starting.cancel()
             await nc.close()
             raise
         return client

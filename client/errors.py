@@ -3,7 +3,7 @@ saying what happened, so a script can ``except DiluError as e: print(e)``.
 
 The command line maps them onto exit codes (:data:`EXIT_CODES`): 1 the function (or a deploy)
 failed, 2 bad input or a function that is not deployed, 3 no reply in time, 4 no capacity,
-5 NATS unreachable.
+5 NATS unreachable, 6 NATS refused what these credentials asked.
 """
 from __future__ import annotations
 
@@ -46,6 +46,11 @@ class Unreachable(DiluError):
     """NATS could not be reached (or the connection was lost for good)."""
 
 
+class NotPermitted(DiluError):
+    """NATS refused what these credentials asked (a permissions violation): credentials of
+    another role, e.g. an integrator's where a caller's or the operator's are needed."""
+
+
 EXIT_CODES: dict[type[DiluError], int] = {
     FunctionError: 1,
     DeployError: 1,
@@ -54,6 +59,7 @@ EXIT_CODES: dict[type[DiluError], int] = {
     InvocationTimeout: 3,
     NoCapacity: 4,
     Unreachable: 5,
+    NotPermitted: 6,
 }
 
 

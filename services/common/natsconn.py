@@ -25,6 +25,7 @@ from typing import Any
 
 import nats
 from nats.aio.client import Client as NATS
+from nats.protocol.parser import PERMISSIONS_ERR
 
 DEFAULT_URL = "nats://127.0.0.1:4222"
 ENV_URL = "DILU_NATS_URL"
@@ -168,6 +169,12 @@ def creds_kwargs(path: Path) -> dict[str, Any]:
     if inbox:
         kwargs["inbox_prefix"] = inbox.group(1).decode()
     return kwargs
+
+
+def is_permissions_violation(exc: BaseException) -> bool:
+    """Whether ``exc`` (as nats-py hands it to the error callback) is the server refusing a
+    publish or subscription these credentials may not make ("Permissions Violation for ...")."""
+    return PERMISSIONS_ERR in str(exc).lower()
 
 
 def connect_failure(cause: BaseException, connect_timeout_s: float) -> str:

@@ -125,6 +125,12 @@ async def test_invoke_exit_codes(nc, nats_url, tmp_path):
     assert one_line_error(r, 1) == "Error: ValueError: bad pixels"
     r = await dilu("invoke", "echo", "--data", "hang", "--timeout", "0.5", "--nats-url", nats_url)
     assert "within 0.5 s" in one_line_error(r, 3)
+    # under --json the error is a result on stdout, with the same exit code
+    for args, code in ((("ghost",), 2), (("echo", "--data", "hang", "--timeout", "0.5"), 3)):
+        r = await dilu("invoke", *args, "--json", "--nats-url", nats_url)
+        assert r.exit_code == code and r.stderr == "", (r.stdout, r.stderr)
+        out = json.loads(r.stdout)
+        assert out["exit_code"] == code and ("not deployed" in out["error"] or "0.5 s" in out["error"])
     r = await dilu("invoke", "echo", "--data", f"@{tmp_path / 'nope'}", "--nats-url", nats_url)
     assert "--data: cannot read" in one_line_error(r, 2)
     r = await dilu("invoke", "echo", "--timeout", "-1", "--nats-url", nats_url)

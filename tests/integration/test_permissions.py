@@ -338,6 +338,29 @@ def test_dilu_events_tail_on_a_forbidden_subject_ends_at_once_with_the_reason(se
     assert "permissions violation" in res.output.lower() and "event subjects only" in res.output
 
 
+def test_a_command_run_with_another_roles_credentials_says_so_not_unreachable(secured):
+    """`dilu status` with the integrator's credentials: the server refuses the client's first
+    subscription, and the command ends with that reason and exit 6, not after the KV watch's
+    timeout as "NATS unreachable" (exit 5)."""
+    from click.testing import CliRunner
+
+    from dilu.cli.functions import status
+    root, url = secured
+    res = CliRunner().invoke(status, ["--nats-url", url, "--creds", str(role_creds(root, "integrator", None, NODES))])
+    assert res.exit_code == 6, res.output
+    assert "refused these credentials" in res.output and "permissions violation" in res.output.lower()
+
+
+async def test_the_client_library_refuses_another_roles_credentials_with_not_permitted(secured):
+    from dilu.client import AsyncClient, NotPermitted
+    root, url = secured
+    with pytest.raises(NotPermitted, match="another role"):
+        await AsyncClient.connect(url, creds=role_creds(root, "integrator", None, NODES))
+    # the operator's are fine on the same server
+    client = await AsyncClient.connect(url, creds=role_creds(root, "operator", None, NODES))
+    await client.close()
+
+
 def test_adding_a_node_keeps_the_first_nodes_key(tmp_path):
     first = {i.node: i.public_key for i in ensure_creds(tmp_path, ["n1"]) if i.role == "node-agent"}
     second = {i.node: i.public_key for i in ensure_creds(tmp_path, ["n1", "n2"]) if i.role == "node-agent"}
