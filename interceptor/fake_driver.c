@@ -693,7 +693,7 @@ static void *worker(void *arg)
                 op->ev->time_ns = desired;
                 op->ev->recorded = 1;
                 op->ev->pending--;
-            } else { /* recorded on an idle stream: waits for its turn with the next launch */
+            } else { /* recorded on an idle stream: stamped with the next launch's start */
                 op->ev->time_ns = desired;
                 deferred[ndeferred++] = op->ev;
             }

@@ -27,7 +27,7 @@ def test_cycles_are_counted_and_stretch_under_contention(agent, gpu):
     assert alone.cycles >= 20
     assert alone.baseline_cycle_us == pytest.approx(2000, rel=0.15)
     assert statistics.median(r.last_cycle_us for r in reads) <= 1.4 * alone.baseline_cycle_us
-    # a saturating width-1 neighbour: our kernels now take turns with its kernels
+    # a saturating width-1 neighbour: our kernels now share the SMs with its kernels
     rival = agent.block(request_quota=1.0)
     other = spawn(launch_env(rival.path, gpu), "-k", "k_200", "-t", "1.2")
     # One cycle is one sample, and on a loaded host the rival can be off the CPU for a cycle:
