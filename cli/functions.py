@@ -23,7 +23,7 @@ from rich.markup import escape
 
 from dilu.client import admin
 from dilu.client.aio import AsyncClient, Reply
-from dilu.client.errors import DiluError, exit_code
+from dilu.client.errors import DiluError, NotPermitted, exit_code
 from dilu.client.spec import NAME_RE, NAME_RULE, SpecError, load_spec
 from dilu.services.common.cliopts import ENV_PREFIX, Finite, nats_options
 from dilu.services.common.natsconn import NatsOptions
@@ -32,6 +32,7 @@ T = TypeVar("T")
 CONTEXT = {"auto_envvar_prefix": ENV_PREFIX}  # --nats-url <- DILU_NATS_URL, as for the services
 EPILOG = "Every option can also be set as DILU_<OPTION>, e.g. DILU_NATS_URL."
 USAGE, UNREACHABLE = 2, 5
+ROLES_NEEDED = "deploy, undeploy and status need the operator's credentials, invoke a caller's or the operator's"
 
 
 class Failed(click.ClickException):
@@ -62,18 +63,19 @@ def run(options: NatsOptions, work: Callable[[AsyncClient], Awaitable[T]]) -> T:
     async def main() -> T:
         client = await AsyncClient.connect(options, name="dilu-cli", connect_attempts=1, reconnect=False)
         try:
-            return await work(client)
+            return await client.unless_refused(work(client))
         finally:
             await client.close()
 
     try:
         return asyncio.run(main())
+    except NotPermitted as exc:
+        raise Failed(f"{exc}; {ROLES_NEEDED}", exit_code(exc)) from None
     except DiluError as exc:
         raise Failed(str(exc), exit_code(exc)) from None
     except (nats.errors.Error, OSError) as exc:  # e.g. the connection lost mid-call, JetStream off
-        hint = (" (a request these credentials may not make goes unanswered: deploy, undeploy and status need the "
-                "operator's, invoke a caller's or the operator's)" if options.creds and isinstance(exc, TimeoutError)
-                else "")
+        hint = (f" (a request these credentials may not make goes unanswered: {ROLES_NEEDED})"
+                if options.creds and isinstance(exc, TimeoutError) else "")
         raise Failed(f"NATS at {options.url}: {type(exc).__name__}: {exc}{hint}", UNREACHABLE) from None
 
 
@@ -231,7 +233,7 @@ def invoke(name: str, data: str, timeout_s: float, stream: bool, nats: NatsOptio
       3  no reply within --timeout
       4  no capacity: the request was refused, or the function cannot be placed now
       5  NATS unreachable
-      6  NATS refused these credentials what the command needs (another role's)
+      6  NATS refused these credentials: they are another role's (see --creds)
     """
     payload = read_data(data)
     sink = sys.stdout.buffer

@@ -18,7 +18,7 @@ import asyncio
 import time
 import uuid
 from pathlib import Path
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any, Generic, TypeVar
 
 import msgspec
@@ -47,6 +47,12 @@ from .errors import (
 )
 
 DEFAULT_NATS_URL = DEFAULT_URL
+
+
+def not_permitted(url: object, violation: str) -> NotPermitted:
+    """The error for a request the server refused these credentials (``violation``: its text)."""
+    return NotPermitted(f"NATS at {url} refused these credentials ({violation}): they are another role's")
+
 DEFAULT_TIMEOUT_S = 30.0
 WATCH_RETRY_S = 5.0  # how often a cache whose bucket does not exist yet tries to watch it again
 _KV_DELETES = ("DEL", "PURGE")
@@ -54,6 +60,7 @@ _MALFORMED_PREFIX = "malformed request"  # the instance's answer to a request it
 
 log = dlog.get("client")
 V = TypeVar("V")
+T = TypeVar("T")
 
 
 class Reply(msgspec.Struct, frozen=True, kw_only=True):
@@ -301,6 +308,9 @@ class AsyncClient:
         self.options = options
         self.js: JetStreamContext = nc.jetstream()
         self._owns = owns_connection
+        # the server's first permissions violation on this connection (set by connect's error
+        # callback): a request it refused goes unanswered, so a caller may race its work with it
+        self.refused: asyncio.Future[str] = asyncio.get_running_loop().create_future()
         self._invoker = InvokeClient(nc, self.js)
         self._specs: KvCache[FunctionSpec] = KvCache(self.js, subjects.FUNCTIONS_BUCKET, decode_spec)
         self._states: KvCache[FunctionState] = KvCache(  # written by the horizontal scaler, if one runs
@@ -346,25 +356,42 @@ class AsyncClient:
         except (OSError, asyncio.TimeoutError, nats.errors.Error) as exc:
             cause = errors[-1] if errors else exc  # nats-py's own error only says "no servers"
             reason = connect_failure(cause, connect_timeout_s)
+            if "authorization violation" in str(cause).lower():  # reached, and it said no (nats-py's text)
+                raise NotPermitted(f"NATS at {nats_url} refused the connection: {reason}") from None
             raise Unreachable(f"cannot reach NATS at {nats_url}: {reason}") from None
         # the limits above were for the first connection; a live client rides out outages
         nc.options["allow_reconnect"] = reconnect
         nc.options["max_reconnect_attempts"] = -1
         client = cls(nc, owns_connection=True, options=NatsOptions.of(nats_url))
+        refused.add_done_callback(lambda f: client.refused.done() or client.refused.set_result(f.result()))
         starting = asyncio.ensure_future(client.start())
         try:
             await asyncio.wait({starting, refused}, return_when=asyncio.FIRST_COMPLETED)
             if not starting.done():
-                starting.cancel()
-                await asyncio.gather(starting, return_exceptions=True)
-                raise NotPermitted(f"NATS at {nats_url} refused these credentials ({refused.result()}): "
-                                   "they are another role's; use the operator's or a caller's")
+                raise not_permitted(nats_url, refused.result())
             starting.result()
         except BaseException:
-            starting.cancel()
+            # close first: the connection fails what is pending, where cancelling the start
+            # would leave nats-py a cancelled PONG future to trip over (a traceback on stderr)
             await nc.close()
+            await asyncio.wait({starting}, timeout=1.0)
+            starting.cancel()
             raise
         return client
+
+    async def unless_refused(self, work: Awaitable[T]) -> T:
+        """Run ``work``, or raise :class:`NotPermitted` as soon as the server refuses one of its
+        requests (a permissions violation), since the refused request would only time out."""
+        task = asyncio.ensure_future(work)
+        try:
+            await asyncio.wait({task, self.refused}, return_when=asyncio.FIRST_COMPLETED)
+            if not task.done():
+                raise not_permitted(self.options.url if self.options else "?", self.refused.result())
+            return task.result()
+        finally:
+            if not task.done():
+                task.cancel()
+                await asyncio.wait({task}, timeout=1.0)
 
     @classmethod
     async def attach(cls, nc: NATS) -> "AsyncClient":

@@ -410,6 +410,8 @@ async def function_resource(request: Request) -> Response:
     name = request.path_params["name"]
     if request.method in ("GET", "HEAD"):
         return await get_function(request)
+    if name.endswith(":invoke"):  # the invoke route, asked with another method
+        raise HTTPException(405, headers={"Allow": "POST"})
     if ":" in name:
         raise HTTPException(404, f"no action {':' + name.partition(':')[2]!r} (the one action is :invoke)")
     raise HTTPException(405, headers={"Allow": "GET"})

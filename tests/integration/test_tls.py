@@ -6,6 +6,7 @@ a client without a certificate, or one that does not trust the CA, is refused wi
 """
 from __future__ import annotations
 
+import json
 import os
 import socket
 import subprocess
@@ -129,12 +130,12 @@ def test_dilu_status_over_tls_and_clear_refusals(tls_url, pki):
         "no TLS at all": [],
     }
     for case, args in refusals.items():
-        proc = dilu_status(tls_url, *args)
-        lines = proc.stderr.strip().splitlines()
+        proc = dilu_status(tls_url, *args)  # under --json the error is the result on stdout
         assert proc.returncode != 0, case
-        assert len(lines) == 1 and "Traceback" not in proc.stderr, (case, proc.stderr)
-        assert tls_url in lines[0], (case, lines[0])
-        assert proc.stdout == "", case
+        assert proc.stderr == "", (case, proc.stderr)
+        error = json.loads(proc.stdout)
+        assert error["exit_code"] == proc.returncode and tls_url in error["error"], (case, error)
+        assert "\n" not in error["error"], (case, error)
 
 
 def test_bad_tls_files_are_one_line(tls_url, pki, tmp_path):

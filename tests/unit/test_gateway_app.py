@@ -271,6 +271,9 @@ async def test_unknown_routes_and_methods_are_problems(env):
     resp = await http.delete("/v1/functions/echo")
     problem(resp, 405, "method-not-allowed")
     assert resp.headers["allow"] == "GET"
+    resp = await http.put("/v1/functions/echo:invoke", content=b"x")  # the route exists: a 405
+    problem(resp, 405, "method-not-allowed")
+    assert resp.headers["allow"] == "POST"
 
 
 async def test_function_listing_hides_operator_fields(env):
