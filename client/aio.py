@@ -104,6 +104,9 @@ def raise_for(function: str, result: InvokeResult, timeout_s: float) -> None:
         raise FunctionError(result.error)
     if result.status == "timeout":
         closed = f" ({result.error})" if "closed" in result.error else ""
+        if result.chunks:  # a stream that started: its end is what did not come
+            raise InvocationTimeout(f"reply from {function!r} incomplete within {timeout_s:g} s: "
+                                    f"{result.chunks} chunks, then no final reply{closed}")
         raise InvocationTimeout(f"no reply from {function!r} within {timeout_s:g} s{closed}")
     raise NoCapacity(f"request to {function!r} was not accepted: {result.error}")
 

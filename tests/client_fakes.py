@@ -145,7 +145,8 @@ class FakeInstance:
         reply; ``stream:a,b,c`` -> chunks a, b, c then the final reply ``abc``; ``restream:...``
         -> the first two chunks, then (as a redelivered request would) every chunk again from
         0, plus a stray chunk out of order, then the final reply; ``chunkfail:a,b`` -> chunks
-        then an error; anything else -> ``echo:<payload>``."""
+        then an error; ``chunkhang:a,b`` -> chunks, then no final reply; anything else ->
+        ``echo:<payload>``."""
         data = msg.data
         self.served.append(data)
         kind, _, arg = data.partition(b":")
@@ -163,6 +164,8 @@ class FakeInstance:
             await self._chunks(msg, [b"STRAY"], start=len(parts) + 5)
             await self._chunks(msg, parts)
             await self._send(msg, b"".join(parts), "ok", **{subjects.H_CHUNK: str(len(parts))})
+        elif kind == b"chunkhang":
+            await self._chunks(msg, parts)
         elif kind == b"chunkfail":
             await self._chunks(msg, parts)
             await self._send(msg, b"", "error", **{subjects.H_ERROR: "RuntimeError: generation broke"})

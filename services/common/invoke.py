@@ -66,7 +66,8 @@ class InvokeResult(msgspec.Struct, frozen=True, kw_only=True):
     ``done_ns - scheduled_ns``. ``cold_start``: the request was stored before the answering
     instance became ready. ``enqueued_ns``: when JetStream stored it (0 if unknown).
     ``payload``: the handler's reply bytes (``ok`` only; for a streamed reply the whole output).
-    ``chunks``: streamed chunks received in order (0 for a plain reply); ``first_chunk_ns`` /
+    ``chunks``: streamed chunks received in order (0 for a plain reply; for a ``timeout``, those
+    that came before it); ``first_chunk_ns`` /
     ``last_chunk_ns``: Unix epoch ns at which the first / last of them arrived (0: none), so
     TTFT = ``first_chunk_ns - scheduled_ns`` and TPOT = ``(last - first) / (chunks - 1)``.
     ``started_ns`` / ``replied_ns``: Unix epoch ns at which the answering instance began the batch
@@ -259,12 +260,12 @@ class InvokeClient:
         except asyncio.TimeoutError:
             if fut.done():  # the reply won the race against the timer
                 return fut.result()
-            self._waiting.pop(request_id, None)
+            taken = self._waiting.pop(request_id, None) or _Pending(fut)
             self._remember(request_id, answered=False)
             self.stats.timeout += 1
-            return InvokeResult(
-                request_id=request_id, status="timeout", done_ns=time.time_ns(), error=f"no reply within {timeout_s} s"
-            )
+            return InvokeResult(  # with the chunks taken so far: a stream cut short, not silence
+                request_id=request_id, status="timeout", done_ns=time.time_ns(), error=f"no reply within {timeout_s} s",
+                chunks=taken.chunks, first_chunk_ns=taken.first_chunk_ns, last_chunk_ns=taken.last_chunk_ns)
 
     async def _store(self, subject: str, payload: bytes, headers: dict, budget_s: float) -> None:
         """Publish into the stream until JetStream acknowledges storing it: attempts of at most

@@ -114,6 +114,10 @@ async def test_invoke_stream_writes_each_chunk(nc, nats_url):
     r = await dilu("invoke", "chat", "--stream", "--json", "--data", "restream:a,b,c", "--nats-url", nats_url)
     out = json.loads(r.stdout)
     assert out["payload"] == "abc" and out["chunks"] == 3 and out["ttft_ms"] > 0
+    # a stream cut short by the timeout: its chunks were written, its end is what did not come
+    r = await dilu("invoke", "chat", "--stream", "--timeout", "0.5", "--data", "chunkhang:x,y", "--nats-url", nats_url)
+    assert r.stdout_bytes == b"xy"
+    assert "incomplete within 0.5 s: 2 chunks, then no final reply" in one_line_error(r, 3)
     await inst.stop()
 
 
