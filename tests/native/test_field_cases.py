@@ -40,7 +40,10 @@ def test_steadiness_does_not_depend_on_device_size(agent):
             timeline.unlink_gpu(name)
 
 
-@pytest.mark.xfail(strict=True, reason=(
+# Not strict: in some runs the two tenants' kernels interleave so that the 0.3 tenant times one
+# unstretched and the ratio lands in the goal; in most it does not. The mark records the goal
+# until the interceptor meters SM-time under persistent contention.
+@pytest.mark.xfail(strict=False, reason=(
     "the emulated GPU shares SMs as MPS does, so the 0.3 tenant's kernels nearly always overlap the "
     "0.7 tenant's and run up to 2x long; the least of its last 8 timings is still stretched "
     "(1.3-1.6 ms for a 1 ms kernel), it is charged that, and the ratio comes out 3.2-3.7 "
