@@ -34,7 +34,7 @@ from dilu.services.common import logging as dlog
 from dilu.services.common.invoke import InvokeClient, InvokeResult, cancel_swallowed, cancels_now
 from dilu.services.common.kvkeys import kv_keys
 from dilu.services.common.natsconn import (DEFAULT_URL, CredentialsError, NatsOptions, connect, connect_failure,
-                                          is_permissions_violation)
+                                          is_authorization_violation, is_permissions_violation)
 
 from .errors import (
     BadRequest,
@@ -359,14 +359,14 @@ class AsyncClient:
         except (OSError, asyncio.TimeoutError, nats.errors.Error) as exc:
             cause = errors[-1] if errors else exc  # nats-py's own error only says "no servers"
             reason = connect_failure(cause, connect_timeout_s)
-            if "authorization violation" in str(cause).lower():  # reached, and it said no (nats-py's text)
+            if is_authorization_violation(cause):  # reached, and it said no
                 raise NotPermitted(f"NATS at {nats_url} refused the connection: {reason}") from None
             raise Unreachable(f"cannot reach NATS at {nats_url}: {reason}") from None
         # the limits above were for the first connection; a live client rides out outages
         nc.options["allow_reconnect"] = reconnect
         nc.options["max_reconnect_attempts"] = -1
         client = cls(nc, owns_connection=True, options=NatsOptions.of(nats_url))
-        refused.add_done_callback(lambda f: client.refused.done() or client.refused.set_result(f.result()))
+        client.refused = refused  # the one the error callback sets
         starting = asyncio.ensure_future(client.start())
         try:
             await asyncio.wait({starting, refused}, return_when=asyncio.FIRST_COMPLETED)

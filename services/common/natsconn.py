@@ -25,7 +25,7 @@ from typing import Any
 
 import nats
 from nats.aio.client import Client as NATS
-from nats.protocol.parser import PERMISSIONS_ERR
+from nats.protocol.parser import AUTHORIZATION_VIOLATION, PERMISSIONS_ERR
 
 DEFAULT_URL = "nats://127.0.0.1:4222"
 ENV_URL = "DILU_NATS_URL"
@@ -177,6 +177,11 @@ def is_permissions_violation(exc: BaseException) -> bool:
     return PERMISSIONS_ERR in str(exc).lower()
 
 
+def is_authorization_violation(exc: BaseException) -> bool:
+    """Whether ``exc`` is the server refusing the connection itself (no or unknown credentials)."""
+    return AUTHORIZATION_VIOLATION in str(exc).lower()
+
+
 def connect_failure(cause: BaseException, connect_timeout_s: float) -> str:
     """One line saying why a first connection failed (``cause``: the last error nats-py reported),
     with the fix where there is an obvious one."""
@@ -185,7 +190,7 @@ def connect_failure(cause: BaseException, connect_timeout_s: float) -> str:
     if isinstance(cause, TimeoutError):  # asyncio.TimeoutError is TimeoutError on 3.11
         return f"no answer within {connect_timeout_s:g} s"
     reason = str(cause) or type(cause).__name__
-    if "authorization violation" in reason.lower():
+    if is_authorization_violation(cause):
         reason += " (the server admits Dilu's roles only: --creds FILE or DILU_NATS_CREDS)"
     return reason
 
