@@ -32,6 +32,8 @@ MAX_MEMORY_BYTES = 2**50  # the events' Bytes bound (1 PiB)
 DEFAULT_MAX_BATCH = 8
 DEFAULT_MAX_INSTANCES = 8
 MAX_INSTANCES_LIMIT = 1024  # instances of one function: more is a typo, not a plan
+MAX_DURATION_MS = 3_600_000.0  # slo_ms, ttft_ms, tpot_ms, cold_start_ms: over an hour is a typo, not a plan
+MAX_KEEP_ALIVE_S = 7 * 86_400.0  # a week: longer is what min_instances is for
 
 
 class SpecError(ValueError):
@@ -150,11 +152,11 @@ class _Checker:
         if not math.isfinite(value):
             self.fail(field, f"{value} is not a finite number")
         if gt is not None and not value > gt:
-            self.fail(field, f"must be > {gt:g}, got {value:g}")
+            self.fail(field, f"must be > {gt:.15g}, got {value:g}")
         if ge is not None and not value >= ge:
-            self.fail(field, f"must be >= {ge:g}, got {value:g}")
+            self.fail(field, f"must be >= {ge:.15g}, got {value:g}")
         if le is not None and not value <= le:
-            self.fail(field, f"must be <= {le:g}, got {value:g}")
+            self.fail(field, f"must be <= {le:.15g}, got {value:g}")
         return float(value)
 
     def integer(self, field: str, value: int, lo: int, hi: int | None = None) -> int:
@@ -222,7 +224,7 @@ def parse_spec(text: str | bytes, *, source: str = "function.toml", base_dir: st
         min_instances=min_instances,
         max_instances=max_instances,
         initial_scale=initial_scale,
-        keep_alive_s=c.number("keep_alive_s", raw.keep_alive_s, ge=0),
+        keep_alive_s=c.number("keep_alive_s", raw.keep_alive_s, ge=0, le=MAX_KEEP_ALIVE_S),
         cold_start_ms=_cold_start(c, raw, model),
         profile=_profile(c, raw, max_batch),
         config=_config(c, raw),
@@ -264,13 +266,13 @@ def _objectives(c: _Checker, raw: SpecFile) -> tuple[float, float, float]:
     if raw.kind == "inference":
         if not _given(raw.slo_ms):
             c.fail("slo_ms", "required for inference functions (latency objective of one request, ms)")
-        return c.number("slo_ms", raw.slo_ms, gt=0), 0.0, 0.0
+        return c.number("slo_ms", raw.slo_ms, gt=0, le=MAX_DURATION_MS), 0.0, 0.0
     values = {}
     for field in ("ttft_ms", "tpot_ms"):
         if not _given(getattr(raw, field)):
             c.fail(field, "required for llm functions (time to first token / per output token, ms)")
-        values[field] = c.number(field, getattr(raw, field), gt=0)
-    slo = c.number("slo_ms", raw.slo_ms, gt=0) if _given(raw.slo_ms) else 0.0
+        values[field] = c.number(field, getattr(raw, field), gt=0, le=MAX_DURATION_MS)
+    slo = c.number("slo_ms", raw.slo_ms, gt=0, le=MAX_DURATION_MS) if _given(raw.slo_ms) else 0.0
     slo = functions.request_slo_ms("llm", slo_ms=slo, **values)
     return slo, values["ttft_ms"], values["tpot_ms"]
 
@@ -295,7 +297,7 @@ def _scale(c: _Checker, raw: SpecFile) -> tuple[int, int, int]:
 
 def _cold_start(c: _Checker, raw: SpecFile, model: str) -> float:
     if _given(raw.cold_start_ms):
-        return c.number("cold_start_ms", raw.cold_start_ms, ge=0)
+        return c.number("cold_start_ms", raw.cold_start_ms, ge=0, le=MAX_DURATION_MS)
     return models.cold_start_ms(model) if model else 0.0
 
 

@@ -164,6 +164,8 @@ def test_inference_needs_a_positive_finite_slo():
     assert error(base).startswith("function.toml: slo_ms: required for inference")
     for bad in ("0", "-5", "nan", "inf"):
         assert error(f'slo_ms = {bad}\n' + base).startswith("function.toml: slo_ms: ")
+    assert error('slo_ms = 1e308\n' + base) == "function.toml: slo_ms: must be <= 3600000, got 1e+308"
+    assert parse('slo_ms = 3600000\n' + base).spec.slo_ms == 3_600_000
 
 
 def test_llm_needs_ttft_and_tpot_and_derives_its_slo():
@@ -171,6 +173,7 @@ def test_llm_needs_ttft_and_tpot_and_derives_its_slo():
     assert error("tpot_ms = 50\n" + base).startswith("function.toml: ttft_ms: required for llm")
     assert error("ttft_ms = 500\n" + base).startswith("function.toml: tpot_ms: required for llm")
     assert error("ttft_ms = 500\ntpot_ms = 0\n" + base).startswith("function.toml: tpot_ms: must be > 0")
+    assert error("ttft_ms = 1e308\ntpot_ms = 50\n" + base).startswith("function.toml: ttft_ms: must be <= 3600000")
     s = parse("ttft_ms = 500\ntpot_ms = 50\n" + base).spec
     assert s.slo_ms == functions.request_slo_ms("llm", ttft_ms=500, tpot_ms=50) and (s.ttft_ms, s.tpot_ms) == (500, 50)
     assert parse("ttft_ms = 500\ntpot_ms = 50\nslo_ms = 9000\n" + base).spec.slo_ms == 9000
@@ -195,6 +198,7 @@ def test_training_has_no_objectives_and_defaults_to_one_instance_and_its_priorit
     ("min_instances = 2000", "min_instances"),
     ("initial_scale = -2", "initial_scale"), ("initial_scale = 9", "initial_scale"),
     ("keep_alive_s = -1", "keep_alive_s"), ("cold_start_ms = -1", "cold_start_ms"),
+    ("keep_alive_s = 604801", "keep_alive_s"), ("cold_start_ms = 3600001", "cold_start_ms"),
 ])
 def test_bounds_of_counts_and_times(line, field):
     assert error(line + "\n" + EMULATED).startswith(f"function.toml: {field}: must be")
