@@ -25,7 +25,7 @@ from dilu.client import admin
 from dilu.client.aio import AsyncClient, Reply
 from dilu.client.errors import DiluError, NotPermitted, exit_code
 from dilu.client.spec import NAME_RE, NAME_RULE, SpecError, load_spec
-from dilu.services.common.cliopts import ENV_PREFIX, Finite, nats_options
+from dilu.services.common.cliopts import ENV_PREFIX, Finite, echo_json_error, nats_options
 from dilu.services.common.natsconn import NatsOptions
 
 T = TypeVar("T")
@@ -47,7 +47,7 @@ class Failed(click.ClickException):
 
     def show(self, file: Any = None) -> None:
         if self.as_json:
-            _print_json({"error": self.message, "exit_code": self.exit_code})
+            echo_json_error(self.message, self.exit_code)
         else:
             super().show(file)
 
@@ -118,7 +118,17 @@ def _bytes(n: int) -> str:
 def deploy(spec_file: Path, nats: NatsOptions, timeout_s: float, wait_ready_s: float, as_json: bool) -> None:
     """Deploy the function described by SPEC_FILE (function.toml): ship its code folder, have
     the scheduler admit it and the profiler profile it, store it, and wait for its first
-    instance. Redeploying a name replaces its spec."""
+    instance. Redeploying a name replaces its spec.
+
+    \b
+    Exit codes:
+      0  deployed (an instance still starting after --wait-ready is no error)
+      1  the deploy failed: profiling, the first instance's start, a service not answering
+      2  bad input: the spec file or an option
+      4  no capacity: no GPU of the cluster can take one instance
+      5  NATS unreachable
+      6  NATS refused these credentials: deploy needs the operator's (see --creds)
+    """
     try:
         loaded = load_spec(spec_file)
     except SpecError as exc:

@@ -14,7 +14,7 @@ if __name__ == "__main__" or os.path.basename(sys.argv[0]) == "dilu":  # the com
 
 import click  # noqa: E402
 
-from dilu.services.common.cliopts import flag_envvars, name_envvar  # noqa: E402
+from dilu.services.common.cliopts import JsonUsageError, asks_json, flag_envvars, name_envvar  # noqa: E402
 
 # name -> "module:attribute" of a click command
 COMMANDS: dict[str, str] = {
@@ -56,6 +56,7 @@ class LazyGroup(click.Group):
 
     def main(self, args=None, *rest, **kwargs):
         command_line = args is None  # not a caller's (a test's CliRunner) in its own process
+        self._argv = list(sys.argv[1:] if args is None else args)  # for asks_json
         if command_line:
             OutsideCommand.install()
         try:
@@ -77,8 +78,11 @@ class LazyGroup(click.Group):
     def invoke(self, ctx):
         try:
             return super().invoke(ctx)
-        except click.BadParameter as exc:  # a subcommand's: both its parsing and its body run in here
-            name_envvar(exc)
+        except click.UsageError as exc:  # a subcommand's: both its parsing and its body run in here
+            if isinstance(exc, click.BadParameter):
+                name_envvar(exc)
+            if asks_json(exc.ctx, getattr(self, "_argv", [])):
+                raise JsonUsageError(exc.format_message(), exc.ctx) from None
             raise
 
 

@@ -31,6 +31,7 @@ _EXPORTS = {
     "InvocationTimeout": "errors",
     "NoCapacity": "errors",
     "DeployError": "errors",
+    "NotAdmitted": "errors",
     "BadRequest": "errors",
     "Unreachable": "errors",
     "NotPermitted": "errors",

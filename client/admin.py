@@ -32,7 +32,7 @@ from dilu.services.common.jsresources import ensure_kv
 from dilu.services.common.nodes import read_inventories
 
 from .aio import AsyncClient, decode_spec, read_bucket
-from .errors import DeployError, NotDeployed
+from .errors import DeployError, NotAdmitted, NotDeployed
 from .spec import LoadedSpec
 
 # Same configuration as the other buckets of records the services keep (dilu-placement,
@@ -251,7 +251,8 @@ async def deploy(target: NATS | AsyncClient, loaded: LoadedSpec | ev.FunctionSpe
     ``timeout_s`` bounds the profiling answer (seconds; admission gets at most
     :data:`ADMIT_TIMEOUT_S`). ``on_step(text)`` is told each step as it starts (for progress
     output). ``loaded`` is not modified. Raises :class:`DeployError` with the reason (bad code
-    folder, refused admission, failed profiling, a service not answering). The stream, bucket
+    folder, failed profiling, a service not answering; :class:`NotAdmitted`, a DeployError, for
+    a refused admission). The stream, bucket
     and object store it creates get the replicas ``target`` connected with (an AsyncClient's
     ``options.replicas``; one for a bare connection); existing ones are used as they are.
     """
@@ -274,7 +275,7 @@ async def deploy(target: NATS | AsyncClient, loaded: LoadedSpec | ev.FunctionSpe
     admit = await _ask(nc, subjects.SCHEDULER_ADMIT, ev.AdmitRequest(spec=spec), ev.AdmitReply, who="scheduler",
                        timeout_s=min(ADMIT_TIMEOUT_S, timeout_s))
     if not admit.ok:
-        raise DeployError(admit.error or f"{spec.name} cannot be placed: refused by the scheduler")
+        raise NotAdmitted(admit.error or f"{spec.name} cannot be placed: refused by the scheduler")
     step("profiling (operator profile)" if spec.profile else "profiling")
     prof = await _ask(nc, subjects.PROFILER_PROFILE, ev.ProfileRequest(spec=spec), ev.ProfileReply, who="profiler",
                       timeout_s=timeout_s)

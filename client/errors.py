@@ -2,7 +2,8 @@
 saying what happened, so a script can ``except DiluError as e: print(e)``.
 
 The command line maps them onto exit codes (:data:`EXIT_CODES`): 1 the function (or a deploy)
-failed, 2 bad input or a function that is not deployed, 3 no reply in time, 4 no capacity,
+failed, 2 bad input or a function that is not deployed, 3 no reply in time, 4 no capacity (a
+deploy no GPU can take too),
 5 NATS unreachable, 6 NATS refused what these credentials asked.
 """
 from __future__ import annotations
@@ -38,6 +39,11 @@ class DeployError(DiluError):
     """A deploy (or undeploy) failed; the message is the reason the platform gave."""
 
 
+class NotAdmitted(DeployError):
+    """The scheduler refused a deploy: no GPU of the cluster can take one instance of the
+    function (memory, quota); the message is its reason. Exit code 4, as for no capacity."""
+
+
 class BadRequest(DiluError):
     """The request was malformed or refused as such (by the client or an instance)."""
 
@@ -51,7 +57,8 @@ class NotPermitted(DiluError):
     another role, e.g. an integrator's where a caller's or the operator's are needed."""
 
 
-EXIT_CODES: dict[type[DiluError], int] = {
+EXIT_CODES: dict[type[DiluError], int] = {  # in order: the first class that matches decides
+    NotAdmitted: 4,
     FunctionError: 1,
     DeployError: 1,
     BadRequest: 2,

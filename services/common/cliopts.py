@@ -19,6 +19,7 @@ from pathlib import Path
 from urllib.parse import urlsplit
 
 import click
+import msgspec
 from click import _textwrap
 
 from .natsconn import (DEFAULT_URL, ENV_CREDS, ENV_REPLICAS, ENV_URL, ENV_TLS_CA, ENV_TLS_CERT, ENV_TLS_KEY,
@@ -329,6 +330,28 @@ def flag_envvars(command: click.Command) -> click.Command:
         if param.metavar is None and not param.is_flag and unit in ("s", "ms"):
             param.metavar = unit.upper()
     return command
+
+
+def echo_json_error(message: str, exit_code: int) -> None:
+    """The one shape of an error under ``--json``: ``{"error": message, "exit_code": code}`` on
+    stdout (where a script reads the command's result), two-space indented as results are."""
+    click.echo(msgspec.json.format(msgspec.json.encode({"error": message, "exit_code": exit_code}), indent=2).decode())
+
+
+class JsonUsageError(click.UsageError):
+    """A usage error (a bad option value, a missing file) of a command run with ``--json``:
+    shown by :func:`echo_json_error`, with click's exit code (2), not as click's usage text."""
+
+    def show(self, file=None) -> None:
+        echo_json_error(self.format_message(), self.exit_code)
+
+
+def asks_json(ctx: click.Context | None, argv: list[str]) -> bool:
+    """Whether the command of ``ctx`` prints its result as JSON (it has an ``as_json`` flag) and
+    ``--json`` is on the command line ``argv``; the option may not be parsed yet when a usage
+    error stops the parse, so the words are read, not ``ctx.params``."""
+    return (ctx is not None and any(p.name == "as_json" for p in ctx.command.params)
+            and "--json" in argv)
 
 
 def name_envvar(exc: click.BadParameter) -> None:

@@ -85,7 +85,7 @@ async def test_deploy_refused_by_the_scheduler_says_why(nc, nats_url, tmp_path):
     fakes = await FakeServices(nc, admit_error="no GPU has 90 GB of memory").start()
     (tmp_path / "f.toml").write_text(spec_toml("big"))
     r = await dilu("deploy", str(tmp_path / "f.toml"), "--nats-url", nats_url)
-    assert "function 'big' cannot be placed: no GPU has 90 GB of memory" in one_line_error(r, 1)
+    assert "function 'big' cannot be placed: no GPU has 90 GB of memory" in one_line_error(r, 4)  # no capacity
     await fakes.stop()
 
 

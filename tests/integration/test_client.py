@@ -18,6 +18,7 @@ from dilu.client.errors import (
     FunctionError,
     InvocationTimeout,
     NoCapacity,
+    NotAdmitted,
     NotDeployed,
     Unreachable,
 )
@@ -130,8 +131,8 @@ async def test_deploy_names_the_service_that_does_not_answer(nc, missing, messag
 
 async def test_refused_admission_reaches_the_deployer_before_profiling(nc):
     fakes = await FakeServices(nc, admit_error="no node has a GPU with 80 GB free").start()
-    with pytest.raises(DeployError, match="^function .echo. cannot be placed: no node has a GPU with 80 GB free$"):
-        await admin.deploy(nc, loaded())
+    with pytest.raises(NotAdmitted, match="^function .echo. cannot be placed: no node has a GPU with 80 GB free$"):
+        await admin.deploy(nc, loaded())  # a DeployError too
     assert fakes.profiled == [] and fakes.deployed == []
     await fakes.stop()
 

@@ -1,0 +1,44 @@
+"""Under --json every error is {"error", "exit_code"} on stdout, a bad option's too (click's
+usage errors: a value out of range, a missing file, an unknown option, a missing argument);
+without --json they stay click's usage text on stderr. Exit 2 either way."""
+from __future__ import annotations
+
+import json
+
+import pytest
+from click.testing import CliRunner
+
+from dilu.cli.main import main
+
+
+@pytest.mark.parametrize("args, says", [
+    (["invoke", "x", "--timeout", "-1"], "Invalid value for '--timeout'"),
+    (["status", "--creds", "/nonexistent/user.creds"], "Invalid value for '--creds'"),
+    (["invoke", "x", "--bogus"], "No such option '--bogus'"),
+    (["invoke"], "Missing argument 'NAME'"),
+    (["undeploy", "a/b"], "is not a function name"),
+])
+def test_a_usage_error_under_json_is_a_json_result(args, says):
+    res = CliRunner().invoke(main, args + ["--json"], prog_name="dilu")
+    assert res.exit_code == 2, res.output
+    out = json.loads(res.stdout)
+    assert out["exit_code"] == 2 and says in out["error"], out
+    plain = CliRunner().invoke(main, args, prog_name="dilu")
+    assert plain.exit_code == 2 and plain.stdout == "" and "Usage: dilu" in plain.stderr
+    assert says in plain.stderr
+
+
+def test_a_bad_value_from_the_environment_names_its_variable_under_json_too():
+    res = CliRunner().invoke(main, ["invoke", "x", "--json"], env={"DILU_TIMEOUT": "soon"}, prog_name="dilu")
+    assert res.exit_code == 2 and "(from DILU_TIMEOUT)" in json.loads(res.stdout)["error"]
+
+
+def test_an_option_named_json_that_takes_a_path_keeps_clicks_usage_text():
+    """`dilu sim --json PATH` writes a file: its usage errors are not JSON results."""
+    res = CliRunner().invoke(main, ["sim", "--hours", "-1", "--json", "x.json"], prog_name="dilu")
+    assert res.exit_code == 2 and res.stdout == "" and "Usage: dilu sim" in res.stderr
+
+
+def test_deploy_help_lists_its_exit_codes():
+    out = CliRunner().invoke(main, ["deploy", "--help"]).output
+    assert "Exit codes:" in out and "4  no capacity: no GPU of the cluster can take one instance" in out
