@@ -18,6 +18,12 @@ quotas in the data carry float artefacts such as 0.5900000000000001):
   CUDA context, ``models.PARKED_BYTES``: :meth:`Cluster.park`; their quotas are freed),
 - its number of instances < its ``max_instances`` (the MPS client limit, 48 on Volta and later;
   0: no limit), parked processes included: each is still an MPS client,
+- for a *rigid* instance (inference whose limit is its request: the profiler found no latency
+  gain above it, e.g. BERT-base), and for any instance beside a rigid resident, Σ limits ≤ 1
+  (:func:`rigid_fits`): the widths busy at once on a GPU slow each instance by their sum when it
+  exceeds 1 (DESIGN.md section 7), a slowdown a wider grant makes up for an elastic instance but
+  not for a rigid one. A parked instance resuming on the GPU it left is exempt: its resume, a
+  weight copy, slowed by its neighbours' widths still beats a cold start elsewhere,
 - for a training instance, no other training instance on it: a training job is always busy, so
   two on one GPU contend all the time, which no grant resolves (a kernel-cycle stretch cannot
   tell which of them to squeeze); "training on 10 % of the GPUs" (``dilu sim --training-jobs``,
@@ -27,12 +33,7 @@ quotas in the data carry float artefacts such as 0.5900000000000001):
 Placement: among feasible GPUs that already host instances, best fit (least request quota and
 memory left over, memory relative to that GPU's size), with small preferences for complementary
 collocation (training beside inference; functions whose load peaks at different hours) and
-affinity, and against two replicas of one function on a GPU (their bursts coincide), and a
-contention term for *rigid* instances (inference whose limit is its request: the profiler found
-no latency gain above it, e.g. BERT-base): the widths busy at once on a GPU slow each instance
-by their sum when it exceeds 1 (DESIGN.md section 7), a slowdown a wider grant makes up for an
-elastic instance but not for a rigid one, so a rigid instance goes where Σ limits stays lowest
-above 1, and others keep off rigid residents' GPUs alike (weight ``CONTENTION_WEIGHT``). A new GPU is
+affinity, and against two replicas of one function on a GPU (their bursts coincide). A new GPU is
 opened only when nothing fits; it is taken on the node with the fewest empty GPUs (of enough
 memory) left, so whole nodes stay free for multi-GPU training, and among that node's empty GPUs
 the smallest that holds the instance, so large GPUs stay free for what only they can take. A
@@ -58,11 +59,6 @@ from dilu.services.common.models import PARKED_BYTES
 EPS = 1e-6
 BUCKETS = 100  # free request quota buckets: bucket k holds GPUs with free in [k/100, (k+1)/100)
 UNLIMITED = 1 << 62  # instance limit of a GPU with no MPS client limit
-# Score per unit of Σ limits above 1 a rigid instance runs under (or a placement adds beside
-# rigid residents), on the scale of the best-fit term (request left over, also a GPU fraction):
-# 0.2 more oversubscription (up to 1.2x slower while all are busy, DESIGN.md section 7) outweighs
-# 0.2 less room left over. Chosen, not fitted; the README's simulated figures are measured with it.
-CONTENTION_WEIGHT = 1.0
 
 
 class NoCapacity(RuntimeError):
@@ -114,6 +110,13 @@ class Demand:
         """Inference that cannot use width above its request (limit = request): neighbours'
         widths above a GPU's SMs slow it and no grant makes up for it (see the module's Placement)."""
         return self.kind != "training" and self.limit_quota <= self.request_quota + EPS
+
+
+def rigid_fits(rigid_residents: int, d: Demand, limits: float) -> bool:
+    """Whether ``d`` may join a GPU with ``rigid_residents`` rigid instances whose Σ burst quotas
+    would then be ``limits`` (0..γ): a rigid instance runs only where they stay ≤ 1, so no
+    neighbour's width slows it (see the module's feasibility list)."""
+    return limits <= 1 + EPS or not (d.rigid or rigid_residents)
 
 
 def _clients(s: _Gpu) -> int:
@@ -475,23 +478,23 @@ class Cluster:
 
     def fits(self, g: int, d: Demand, parked_id: str | None = None) -> bool:
         """Whether GPU ``g`` can take one more slot of ``d``: alive and healthy, under its instance
-        limit, Σ request ≤ 1, Σ limit ≤ γ, memory, and no training beside training. Parked
-        processes count against the memory and the instance limit (each is still an MPS client),
-        but ``parked_id``'s, when it is parked here: that is the instance coming back."""
+        limit, Σ request ≤ 1, Σ limit ≤ γ, memory, no training beside training, and Σ limits ≤ 1
+        where a rigid instance is (:func:`rigid_fits`). Parked processes count against the memory
+        and the instance limit (each is still an MPS client), but ``parked_id``'s, when it is
+        parked here: that is the instance coming back, and it comes back beside whatever widths
+        are there (a resume slowed by them still beats a cold start elsewhere)."""
         s = self.gpus[g]
         own = s.parked.get(parked_id, -1) if parked_id is not None else -1
         return (s.ok and _clients(s) - (own >= 0) < s.limit
                 and s.req + d.request_quota <= 1 + EPS and s.lim + d.burst_quota <= self.gamma + EPS
-                and s.mem - max(own, 0) + d.memory_bytes <= s.cap and not (s.training and d.kind == "training"))
+                and s.mem - max(own, 0) + d.memory_bytes <= s.cap and not (s.training and d.kind == "training")
+                and (own >= 0 or rigid_fits(s.rigid, d, s.lim + d.burst_quota)))
 
     def score(self, g: int, d: Demand) -> float:
         """Lower is better: request and memory left over (best fit), adjusted by collocation
-        preferences and rigid instances' contention (see the module's Placement)."""
+        preferences (see the module's Placement)."""
         s = self.gpus[g]
         score = (1 - s.req - d.request_quota) + 0.5 * (s.cap - s.mem - d.memory_bytes) / (s.cap or 1)
-        over = s.lim + d.burst_quota - 1
-        if (d.rigid or s.rigid) and over > EPS:  # float residue at Σ limits = 1 is no contention
-            score += CONTENTION_WEIGHT * (over if d.rigid else over - max(0.0, s.lim - 1))
         if s.residents:
             has_inference = s.training < len(s.residents)
             if (has_inference and d.kind == "training") or (s.training and d.kind != "training"):
@@ -516,7 +519,7 @@ class Cluster:
         start = max(0, int((d.request_quota - EPS) * BUCKETS))
         req, lim, mem = d.request_quota, d.burst_quota, d.memory_bytes
         one, cap_lim = 1 + EPS, self.gamma + EPS
-        training = d.kind == "training"
+        training, rigid = d.kind == "training", d.rigid
         gpus = self.gpus
         tables = self._tables[bisect.bisect_left(self.classes, mem):]  # memory classes large enough
         for k in range(start, BUCKETS + 1):
@@ -524,7 +527,8 @@ class Cluster:
                 for g in buckets[k]:
                     s = gpus[g]
                     if (s.req + req <= one and s.lim + lim <= cap_lim and s.mem + mem <= s.cap
-                            and not (training and s.training) and (exclude is None or g not in exclude)):
+                            and not (training and s.training) and (s.lim + lim <= one or not (rigid or s.rigid))
+                            and (exclude is None or g not in exclude)):
                         yield g
                         found += 1
                         if found >= self.max_candidates:
@@ -776,7 +780,8 @@ class Cluster:
                     and s.req - gone.request_quota + d.request_quota <= 1 + EPS
                     and s.lim - gone.burst_quota + d.burst_quota <= self.gamma + EPS
                     and s.mem - gone.memory_bytes + d.memory_bytes <= s.cap
-                    and not (trained and d.kind == "training")):
+                    and not (trained and d.kind == "training")
+                    and rigid_fits(s.rigid - gone.rigid, d, s.lim - gone.burst_quota + d.burst_quota)):
                 return True
         return False
 

@@ -76,24 +76,45 @@ def test_replicas_of_one_function_spread_and_peaks_complement():
     assert c.place("c", inf("x", r=0.3, peak_hour=9)) == [Slot("n0", 1)]
 
 
-def test_a_rigid_instance_keeps_off_oversubscribed_widths_and_others_keep_off_it():
+def test_a_rigid_instance_never_runs_beside_oversubscribed_widths():
     """An instance whose limit is its request (no gain from width, e.g. BERT-base) is slowed by
-    neighbours' widths above 1 and no grant makes up for it: it takes the GPU where Σ limits
-    stays at 1 over the better fit at 1.4, and an elastic instance that would oversubscribe a
-    rigid one's GPU goes elsewhere; elastic beside elastic stays best fit."""
+    neighbours' widths above 1 and no grant makes up for it: it takes only a GPU where Σ limits
+    stays ≤ 1, opening a new one rather than the better fit at 1.4, and no instance may push a
+    rigid resident's GPU above 1; elastic beside elastic stays best fit up to γ."""
     c = cluster(1, 4)
     crowded, calm = [Slot("n0", 0)], [Slot("n0", 1)]
     c.assign("e1", inf("e1", r=0.3, lim=0.65), crowded)
     c.assign("e2", inf("e2", r=0.3, lim=0.65), crowded)  # Σ request 0.6, Σ limits 1.3
     c.assign("r1", inf("r1", r=0.3), calm)  # Σ request 0.3, Σ limits 0.3
+    assert not c.fits(0, inf("bert", r=0.1)) and c.fits(0, inf("resnet", r=0.1, lim=0.2))
     assert c.place("rigid", inf("bert", r=0.1)) == calm
     assert c.place("elastic", inf("resnet", r=0.1, lim=0.2)) == crowded  # best fit: no rigid one there
-    c2 = cluster(1, 4)
-    shared, other = [Slot("n0", 0)], [Slot("n0", 1)]
-    c2.assign("r", inf("bert", r=0.5), shared)
-    c2.assign("e", inf("e", r=0.2, lim=0.6), shared)  # Σ request 0.7, Σ limits 1.1
-    c2.assign("o", inf("o", r=0.6, lim=0.6), other)  # Σ request 0.6, Σ limits 0.6
-    assert c2.place("new", inf("gpt", r=0.2, lim=0.4)) == other  # beside the rigid one: Σ limits 1.5
+    assert c.place("wide", inf("gpt", r=0.1, lim=0.7)) != calm  # Σ limits 1.1 beside two rigid ones
+    assert c.place("rigid2", inf("bert", r=0.6)) == calm  # Σ limits 0.4 + 0.6 = 1: still calm
+    assert c.place("rigid3", inf("bert", r=0.1)) not in (crowded, calm)  # a new GPU, not Σ 1.1
+    c2 = cluster(1, 2)
+    c2.assign("r", inf("bert", r=0.5), [Slot("n0", 0)])
+    c2.assign("e", inf("e", r=0.2, lim=0.5), [Slot("n0", 0)])  # Σ request 0.7, Σ limits 1.0
+    assert c2.place("new", inf("gpt", r=0.2, lim=0.4)) == [Slot("n0", 1)]  # beside it: Σ limits 1.4
+    assert c2.frees_room("r", inf("x", r=0.4, lim=0.9))  # with the rigid one gone: Σ limits 1.4 ≤ γ
+    assert not c2.frees_room("e", inf("y", r=0.2, lim=0.6))  # Σ limits 1.1 beside the rigid one
+    assert c2.frees_room("e", inf("y", r=0.2, lim=0.5))
+    c2.assign("w", inf("w", r=0.2, lim=0.6), [Slot("n0", 1)])  # Σ request 0.4, Σ limits 1.0
+    with pytest.raises(NoCapacity):
+        c2.place("third", inf("bert", r=0.1), allow_new=False)  # both GPUs would pass Σ limits 1
+    assert not c2.violations()
+
+
+def test_a_parked_rigid_instance_resumes_beside_widths_a_new_one_may_not_join():
+    """A resume (a weight copy) slowed by its neighbours' widths beats a cold start elsewhere, so
+    the instance coming back is exempt from the rigid rule; a new instance is not."""
+    c = cluster(1, 2)
+    bert, left = inf("bert", r=0.1), Slot("n0", 0)
+    c.assign("b1", bert, [left])
+    c.park("b1")
+    c.assign("e", inf("e", r=0.3, lim=1.0), [left])  # placed while b1 is parked: Σ limits 1.0
+    assert not c.fits(0, bert) and c.fits(0, bert, parked_id="b1")
+    assert c.resume_target(bert, left, "b1") == left and c.resume_target(bert, left) is None
 
 
 def test_multi_gpu_training_takes_distinct_gpus_of_one_node():
