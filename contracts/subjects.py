@@ -113,6 +113,9 @@ NODE_TTL_S = 15.0
 H_REQUEST_ID = "Dilu-Request-Id"
 H_SCHEDULED_NS = "Dilu-Scheduled-Ns"  # the request's intended send time, Unix epoch ns
 H_REPLY_TO = "Dilu-Reply-To"  # the caller's inbox (msg.reply is JetStream's ack subject)
+# request: when its caller stops waiting (its timeout), Unix epoch ns; an instance that takes it
+# later skips it unanswered (no one would read the reply). Absent or 0: no deadline.
+H_DEADLINE_NS = "Dilu-Deadline-Ns"
 H_STATUS = "Dilu-Status"  # reply: ok | error
 H_ERROR = "Dilu-Error"
 H_COLD_START = "Dilu-Cold-Start"  # reply: "1" when the request waited for an instance launch

@@ -224,6 +224,7 @@ class InvokeClient:
             subj.H_REQUEST_ID: request_id,
             subj.H_SCHEDULED_NS: str(scheduled_ns),
             subj.H_REPLY_TO: reply_to,
+            subj.H_DEADLINE_NS: str(time.time_ns() + int(timeout_s * 1e9)),  # then nobody reads the reply
             # a retried publish is stored once; the reply subject is unique to this call, while a
             # request id is the caller's and two callers may use the same one
             "Nats-Msg-Id": reply_to,

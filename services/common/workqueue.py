@@ -181,7 +181,8 @@ class Request:
     request is answered, before the ``on_done`` hook sees it. ``chunks``: streamed chunks sent
     to the caller so far (:meth:`BatchPuller.send_chunk`). ``started_ns``: when the batch holding
     it was handed to the handler, Unix epoch ns, and ``batch`` how many requests it held (0, 0
-    until then); both go back in the reply.
+    until then); both go back in the reply. ``deadline_ns``: when its caller stops waiting, Unix
+    epoch ns (``Dilu-Deadline-Ns``; 0: none).
     """
 
     request_id: str
@@ -190,6 +191,7 @@ class Request:
     payload: bytes
     reply_to: str
     delivered: int = 1
+    deadline_ns: int = 0
     status: str = ""
     error: str = ""
     chunks: int = 0
@@ -225,10 +227,7 @@ def parse_request(msg: Msg) -> Request:
     missing = [h for h in (subj.H_REQUEST_ID, subj.H_REPLY_TO, subj.H_SCHEDULED_NS) if not headers.get(h)]
     if missing:
         raise MalformedRequest(f"missing header(s) {', '.join(missing)}")
-    try:
-        scheduled_ns = int(headers[subj.H_SCHEDULED_NS])
-    except ValueError:
-        raise MalformedRequest(f"{subj.H_SCHEDULED_NS} is not an integer: {headers[subj.H_SCHEDULED_NS]!r}") from None
+    scheduled_ns = _integer(headers, subj.H_SCHEDULED_NS)
     return Request(
         request_id=headers[subj.H_REQUEST_ID],
         scheduled_ns=scheduled_ns,
@@ -236,7 +235,15 @@ def parse_request(msg: Msg) -> Request:
         payload=msg.data,
         reply_to=headers[subj.H_REPLY_TO],
         delivered=msg.metadata.num_delivered,
+        deadline_ns=_integer(headers, subj.H_DEADLINE_NS) if headers.get(subj.H_DEADLINE_NS) else 0,
     )
+
+
+def _integer(headers: dict, name: str) -> int:
+    try:
+        return int(headers[name])
+    except ValueError:
+        raise MalformedRequest(f"{name} is not an integer: {headers[name]!r}") from None
 
 
 def _delivered(msg: Msg) -> int:
@@ -288,9 +295,14 @@ class BatchPuller:
     whose delivery count reaches :data:`MAX_DELIVERIES` is answered with an error and terminated
     without running.
 
+    Expired requests: one fetched after its caller's deadline (``Dilu-Deadline-Ns``: the caller
+    has reported a timeout and reads no reply) is acknowledged without running or answering, so
+    a backlog its callers gave up on costs the instance nothing.
+
     Counters: ``batches``, ``handled`` (answered and acked), ``errors`` (answered with an
     error), ``malformed`` (rejected), ``redelivered`` (requests seen with delivery count > 1),
-    ``poisoned`` (given up after :data:`MAX_DELIVERIES`, answered and terminated).
+    ``poisoned`` (given up after :data:`MAX_DELIVERIES`, answered and terminated), ``expired``
+    (skipped past their deadline).
     """
 
     def __init__(
@@ -321,6 +333,7 @@ class BatchPuller:
         self.stream = stream
         self.log = log.bind(function=function, instance=instance_id)
         self.batches = self.handled = self.errors = self.malformed = self.redelivered = self.poisoned = 0
+        self.expired = 0
 
     async def _bind(self) -> JetStreamContext.PullSubscription:
         """Bind to the function's consumer (creating it with defaults if absent)."""
@@ -371,7 +384,8 @@ class BatchPuller:
                 await self._serve_batch(late, process)
         finally:
             await self._release(psub)
-        self.log.info("drained", handled=self.handled, errors=self.errors, malformed=self.malformed)
+        self.log.info("drained", handled=self.handled, errors=self.errors, malformed=self.malformed,
+                      expired=self.expired)
 
     async def _top_up(self, psub: JetStreamContext.PullSubscription, n: int) -> list[Msg]:
         """Up to ``n`` more requests that are queued now (no waiting for new ones)."""
@@ -410,6 +424,9 @@ class BatchPuller:
                 req = parse_request(msg)
             except (MalformedRequest, ValueError, nats.errors.Error) as exc:
                 await self._reject(msg, str(exc))
+                continue
+            if req.deadline_ns and time.time_ns() > req.deadline_ns:
+                await self._expire(req, msg)
                 continue
             if req.delivered <= 1:
                 fresh.append((req, msg))
@@ -494,6 +511,17 @@ class BatchPuller:
         reason = RuntimeError(f"request was delivered {req.delivered} times; "
                               "each earlier time its instance ended before answering")
         await self._answer(req, msg, reason, terminate=True)
+
+    async def _expire(self, req: Request, msg: Msg) -> None:
+        """A request past its caller's deadline: acknowledged, neither run nor answered."""
+        self.expired += 1
+        REQUESTS.labels(self.function, "expired").inc()
+        self.log.debug("request expired before it ran", request_id=req.request_id,
+                       late_ms=(time.time_ns() - req.deadline_ns) / 1e6)
+        try:
+            await msg.ack()
+        except Exception as exc:  # redelivered after the ack wait, and skipped again
+            self.log.warning("ack of an expired request failed", request_id=req.request_id, error=repr(exc))
 
     async def _answer(self, req: Request, msg: Msg, result: bytes | Exception, *, terminate: bool = False) -> None:
         if not isinstance(result, (Exception, bytes, bytearray, memoryview)):

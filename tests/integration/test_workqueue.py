@@ -418,6 +418,33 @@ async def test_malformed_request_is_answered_terminated_and_counted(nc, js, clie
     assert await backlog(js, FN) == 0  # terminated, never redelivered
 
 
+async def test_a_request_its_caller_gave_up_on_is_skipped_not_run(nc, js, client):
+    """A request fetched after its caller's timeout (Dilu-Deadline-Ns) is acknowledged without
+    running: the caller already reported a timeout and reads no reply. One still in time runs.
+    A deadline that is not an integer is a malformed request."""
+    await ensure_consumer(js, FN)
+    [gone] = submit(client, 1, timeout_s=0.2, prefix="gone")
+    assert (await gone).status == "timeout"  # no instance yet: the caller gives up
+    [kept] = submit(client, 1, prefix="kept")
+    inbox = nc.new_inbox()
+    replies: asyncio.Queue = asyncio.Queue()
+    await nc.subscribe(inbox, cb=replies.put)
+    await js.publish(subj.invoke(FN), b"x", headers={
+        subj.H_REPLY_TO: inbox, subj.H_REQUEST_ID: "bad", subj.H_SCHEDULED_NS: str(time.time_ns()),
+        subj.H_DEADLINE_NS: "later"})
+    await queued(js, 3)
+    stop, handler = asyncio.Event(), Handler()
+    p = puller(nc, js, "i1", max_batch=10)
+    run = asyncio.create_task(p.run(handler, stop))
+    assert (await kept).status == "ok"
+    bad = await asyncio.wait_for(replies.get(), 5)
+    stop.set()
+    await run
+    assert handler.runs == {"kept0": 1} and (p.expired, p.handled, p.malformed) == (1, 1, 1)
+    assert "Dilu-Deadline-Ns is not an integer" in bad.headers[subj.H_ERROR]
+    await consumer_settles(js, ack_pending=0, pending=0)  # the expired one is acknowledged, not left
+
+
 async def test_cold_start_flag_and_latency_hook(nc, js, client):
     await ensure_consumer(js, FN)
     [early] = submit(client, 1, prefix="early")
