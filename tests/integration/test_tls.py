@@ -139,18 +139,19 @@ def test_dilu_status_over_tls_and_clear_refusals(tls_url, pki):
 
 
 def test_bad_tls_files_are_one_line(tls_url, pki, tmp_path):
-    missing = dilu_status(tls_url, "--tls-ca", str(tmp_path / "missing.pem"))
-    assert missing.returncode == 2 and "Traceback" not in missing.stderr  # click's usage error
-    assert [ln for ln in missing.stderr.splitlines() if ln.startswith("Error:")] == [
-        f"Error: Invalid value for '--tls-ca': File '{tmp_path / 'missing.pem'}' does not exist."]
+    missing = dilu_status(tls_url, "--tls-ca", str(tmp_path / "missing.pem"))  # a usage error, under --json
+    assert missing.returncode == 2 and missing.stderr == "", missing.stderr
+    assert json.loads(missing.stdout) == {
+        "error": f"Invalid value for '--tls-ca': File '{tmp_path / 'missing.pem'}' does not exist.", "exit_code": 2}
     garbage = tmp_path / "garbage.pem"
     garbage.write_text("not a certificate\n")
     for args in (["--tls-ca", str(garbage)], ["--tls-ca", str(pki["ca"]), "--tls-cert", str(garbage),
                                              "--tls-key", str(pki["client-key"])]):
         proc = dilu_status(tls_url, *args)  # refused on the command line, before any connection
-        errors = [ln for ln in proc.stderr.splitlines() if ln.startswith("Error:")]
-        assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
-        assert len(errors) == 1 and "cannot load the TLS files" in errors[0], proc.stderr
+        assert proc.returncode == 2 and proc.stderr == "", proc.stderr
+        error = json.loads(proc.stdout)
+        assert error["exit_code"] == 2 and "cannot load the TLS files" in error["error"], error
+        assert "\n" not in error["error"], error
 
 
 def test_benches_take_the_tls_options(tls_url, pki):

@@ -22,7 +22,7 @@ KERNEL_NS = 1_000_000  # k_1000
 @pytest.mark.parametrize("wa,wb", [(0.7, 0.4), (0.6, 0.6), (1.0, 1.0), (0.5, 0.5), (0.3, 0.6)])
 def test_each_busy_process_progresses_w_times_slower(agent, gpu, wa, wb):
     """Widths 0.7 + 0.4 each progress at 1 / 1.1 of solo speed (a device where they took turns
-    gave about 0.5), 0.6 + 0.6 at 1 / 1.2, 1 + 1 at 1 / 2, and widths that fit at 1; +- 0.06."""
+    gave about 0.5), 0.6 + 0.6 at 1 / 1.2, 1 + 1 at 1 / 2, and widths that fit at 1; -0.10 / +0.04."""
     procs = []
     for w in (wa, wb):
         cb = agent.block(request_quota=w, width=w)
@@ -35,4 +35,7 @@ def test_each_busy_process_progresses_w_times_slower(agent, gpu, wa, wb):
     assert t1 - t0 > SEC // 2, spans
     expected = 1.0 / max(1.0, wa + wb)
     rates = [timeline.kernels_completed(recs, o["pid"], t0, t1) * KERNEL_NS / (t1 - t0) for o in outs]
-    assert rates == [pytest.approx(expected, abs=0.06)] * 2, (rates, expected)
+    # Host lateness only ever lowers a rate: paced to its width, a process is at most a burst
+    # (2 ms) ahead, so a launching thread descheduled longer leaves its queue empty (0.93 seen
+    # for 0.3 + 0.6 on a loaded 2-core host). Hence more room below than above.
+    assert all(expected - 0.10 <= r <= expected + 0.04 for r in rates), (rates, expected)
