@@ -23,9 +23,10 @@ from rich.markup import escape
 
 from dilu.client import admin
 from dilu.client.aio import AsyncClient, Reply
-from dilu.client.errors import DiluError, NotPermitted, exit_code
+from dilu.client.errors import DiluError, NoCapacity, NotPermitted, exit_code
 from dilu.client.spec import NAME_RE, NAME_RULE, SpecError, load_spec
 from dilu.services.common.cliopts import ENV_PREFIX, Finite, echo_json_error, nats_options
+from dilu.services.common.invoke import MAX_TIMEOUT_S
 from dilu.services.common.natsconn import NatsOptions
 
 T = TypeVar("T")
@@ -109,11 +110,11 @@ def _bytes(n: int) -> str:
 @click.command(context_settings=CONTEXT, epilog=EPILOG)
 @click.argument("spec_file", type=click.Path(dir_okay=False, path_type=Path))
 @nats_options
-@click.option("--timeout", "timeout_s", type=Finite(min=1), default=150.0, metavar="S", show_default=True,
-              envvar="DILU_DEPLOY_TIMEOUT",  # not DILU_TIMEOUT: that one is invoke's, and far shorter
+@click.option("--timeout", "timeout_s", type=Finite(min=1, max=MAX_TIMEOUT_S), default=150.0, metavar="S",
+              show_default=True, envvar="DILU_DEPLOY_TIMEOUT",  # not DILU_TIMEOUT: that one is invoke's, and far shorter
               help="seconds to wait for the profile")
-@click.option("--wait-ready", "wait_ready_s", type=Finite(min=0), default=60.0, metavar="S", show_default=True,
-              help="seconds to wait for the first instance (still starting after it is no error)")
+@click.option("--wait-ready", "wait_ready_s", type=Finite(min=0, max=MAX_TIMEOUT_S), default=60.0, metavar="S",
+              show_default=True, help="seconds to wait for the first instance (still starting after it is no error)")
 @json_option
 def deploy(spec_file: Path, nats: NatsOptions, timeout_s: float, wait_ready_s: float, as_json: bool) -> None:
     """Deploy the function described by SPEC_FILE (function.toml): ship its code folder, have
@@ -125,7 +126,8 @@ def deploy(spec_file: Path, nats: NatsOptions, timeout_s: float, wait_ready_s: f
       0  deployed (an instance still starting after --wait-ready is no error)
       1  the deploy failed: profiling, the first instance's start, a service not answering
       2  bad input: the spec file or an option
-      4  no capacity: no GPU of the cluster can take one instance
+      4  no capacity: no GPU of the cluster can take one instance (refused before
+         it is stored), or none can now (stored: it is placed once one has room)
       5  NATS unreachable
       6  NATS refused these credentials: deploy needs the operator's (see --creds)
     """
@@ -136,6 +138,9 @@ def deploy(spec_file: Path, nats: NatsOptions, timeout_s: float, wait_ready_s: f
     progress = None if as_json else (lambda text: _err().print(f"[dim]… {text}[/dim]"))
     result = run(nats, lambda c: admin.deploy(c, loaded, timeout_s=timeout_s, wait_ready_s=wait_ready_s,
                                                   on_step=progress))
+    if result.unplaceable:  # deployed, but no instance can run now: a capacity error to a script
+        raise Failed(f"{result.spec.name} is deployed, but no GPU can take an instance now: {result.unplaceable} "
+                     "(it is placed once one has room; see dilu status)", exit_code(NoCapacity("")))
     if as_json:
         _print_json(result)
         return
@@ -179,7 +184,7 @@ def _function_name(_ctx, _param, value: str) -> str:
 @click.command(context_settings=CONTEXT, epilog=EPILOG)
 @click.argument("name", callback=_function_name)
 @nats_options
-@click.option("--wait", "wait_s", type=Finite(min=0), default=30.0, metavar="S", show_default=True,
+@click.option("--wait", "wait_s", type=Finite(min=0, max=MAX_TIMEOUT_S), default=30.0, metavar="S", show_default=True,
               help="seconds to wait for its instances to drain before removing its queue")
 @json_option
 def undeploy(name: str, nats: NatsOptions, wait_s: float, as_json: bool) -> None:
@@ -224,8 +229,8 @@ def _reply_json(reply: Reply) -> dict:
 @click.argument("name", callback=_function_name)
 @click.option("--data", default="", show_default=False, metavar="@FILE|-|TEXT",
               help="the request: @FILE (its bytes), - (stdin) or the text itself [default: empty]")
-@click.option("--timeout", "timeout_s", type=Finite(min=0.001), default=30.0, metavar="S", show_default=True,
-              help="seconds to wait for the reply")
+@click.option("--timeout", "timeout_s", type=Finite(min=0.001, max=MAX_TIMEOUT_S), default=30.0, metavar="S",
+              show_default=True, help="seconds to wait for the reply")
 @click.option("--stream", is_flag=True, help="write each chunk of a streamed (llm) reply as it arrives")
 @nats_options
 @json_option

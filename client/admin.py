@@ -62,7 +62,9 @@ class DeployResult(msgspec.Struct, kw_only=True):
     ``profile``: the profiler's answer (quotas and batch size); ``ready``: the instance that
     became ready within the wait, or None (none asked for, still starting, or
     ``existing_instances`` already run a redeployed function); ``waited_s``: time spent waiting
-    for it.
+    for it; ``unplaceable``: when none became ready, why the scheduler refuses the function's
+    instances now (the horizontal scaler's state: e.g. no GPU with room; it is placed once one
+    has room), else empty.
     """
 
     spec: ev.FunctionSpec
@@ -71,6 +73,7 @@ class DeployResult(msgspec.Struct, kw_only=True):
     code: str = ""
     existing_instances: int = 0
     waited_s: float = 0.0
+    unplaceable: str = ""
 
 
 class UndeployResult(msgspec.Struct, kw_only=True):
@@ -301,8 +304,20 @@ async def deploy(target: NATS | AsyncClient, loaded: LoadedSpec | ev.FunctionSpe
     finally:
         if watch:
             await watch.stop()
+    unplaceable = await _unplaceable(js, spec.name) if watch and ready is None else ""
     return DeployResult(spec=spec, profile=prof.profile, ready=ready, code=spec.code,
-                        existing_instances=len(running), waited_s=round(waited, 3))
+                        existing_instances=len(running), waited_s=round(waited, 3), unplaceable=unplaceable)
+
+
+async def _unplaceable(js, name: str) -> str:
+    """Why ``name``'s instances cannot be placed now, from the horizontal scaler's state in KV
+    ``dilu-function-state`` (empty: placeable, or no state written)."""
+    try:
+        kv = await js.key_value(subjects.FUNCTION_STATE_BUCKET)
+        state = msgspec.json.decode((await kv.get(subjects.token(name))).value, type=ev.FunctionState)
+    except (nats.js.errors.NotFoundError, msgspec.DecodeError, msgspec.ValidationError, TypeError):
+        return ""
+    return (state.reason or "refused by the scheduler") if not state.placeable and state.ready == 0 else ""
 
 
 async def undeploy(target: NATS | AsyncClient, name: str, *, wait_s: float = 30.0) -> UndeployResult:

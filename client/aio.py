@@ -31,7 +31,7 @@ from nats.js import JetStreamContext
 from dilu.contracts import subjects
 from dilu.contracts.events import FunctionDeployed, FunctionSpec, FunctionState
 from dilu.services.common import logging as dlog
-from dilu.services.common.invoke import InvokeClient, InvokeResult, cancel_swallowed, cancels_now
+from dilu.services.common.invoke import MAX_TIMEOUT_S, InvokeClient, InvokeResult, cancel_swallowed, cancels_now
 from dilu.services.common.kvkeys import kv_keys
 from dilu.services.common.natsconn import (DEFAULT_URL, CredentialsError, NatsOptions, connect, connect_failure,
                                           is_authorization_violation, is_permissions_violation)
@@ -519,6 +519,6 @@ def _payload(payload: Any) -> bytes:
 
 
 def _timeout(timeout_s: float) -> float:
-    if not (timeout_s > 0) or timeout_s == float("inf"):
-        raise BadRequest(f"timeout_s must be a positive number of seconds, got {timeout_s!r}")
+    if not (0 < timeout_s <= MAX_TIMEOUT_S):
+        raise BadRequest(f"timeout_s must be a number of seconds in (0, {MAX_TIMEOUT_S:g}], got {timeout_s!r}")
     return float(timeout_s)

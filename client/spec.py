@@ -24,6 +24,7 @@ from msgspec import UNSET, UnsetType
 
 from dilu.contracts.events import FunctionKind, FunctionSpec, PriorityClass, Profile
 from dilu.services.common import functions, models
+from dilu.services.common.invoke import MAX_TIMEOUT_S
 
 NAME_RE = re.compile(r"[A-Za-z0-9_-]{1,63}")
 NAME_RULE = "1..63 characters of A-Z a-z 0-9 _ -"  # NAME_RE in words, for every message about a name
@@ -32,7 +33,7 @@ MAX_MEMORY_BYTES = 2**50  # the events' Bytes bound (1 PiB)
 DEFAULT_MAX_BATCH = 8
 DEFAULT_MAX_INSTANCES = 8
 MAX_INSTANCES_LIMIT = 1024  # instances of one function: more is a typo, not a plan
-MAX_DURATION_MS = 3_600_000.0  # slo_ms, ttft_ms, tpot_ms, cold_start_ms: over an hour is a typo, not a plan
+MAX_DURATION_MS = MAX_TIMEOUT_S * 1000.0  # slo_ms, ttft_ms, tpot_ms, cold_start_ms: no caller waits longer
 MAX_KEEP_ALIVE_S = 7 * 86_400.0  # a week: longer is what min_instances is for
 
 
@@ -68,7 +69,7 @@ class SpecFile(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
 
     name: str
     entry: str = ""
-    code: str = "."
+    code: str | UnsetType = UNSET  # with an entry: "." (the spec's own folder)
     kind: FunctionKind = "inference"
     priority: PriorityClass | UnsetType = UNSET
     slo_ms: float | UnsetType = UNSET
@@ -319,13 +320,19 @@ def _config(c: _Checker, raw: SpecFile) -> dict[str, str]:
 
 
 def _code_dir(c: _Checker, raw: SpecFile, base_dir: str | os.PathLike | None) -> Path | None:
-    if not raw.entry or not raw.code:
-        return None  # emulated-only (no user code runs) or an entry importable everywhere
+    if not raw.entry:
+        if _given(raw.code) and raw.code:  # a folder that would silently not be shipped
+            c.fail("code", "a code folder is shipped only with an entry (module:Class) to run from it; "
+                           "this function is emulated-only")
+        return None  # emulated-only: no user code runs
+    code = raw.code if _given(raw.code) else "."
+    if not code:
+        return None  # the entry is importable on every node as it is
     try:
-        folder = (Path(base_dir or ".") / raw.code).resolve()
+        folder = (Path(base_dir or ".") / code).resolve()
         is_dir = folder.is_dir()
     except (OSError, ValueError) as exc:  # e.g. a NUL in the path, a name too long
-        c.fail("code", f"{raw.code!r} is not a usable folder path: {exc}")
+        c.fail("code", f"{code!r} is not a usable folder path: {exc}")
     if not is_dir:
         c.fail("code", f"folder {str(folder)!r} does not exist or is not a folder")
     return folder

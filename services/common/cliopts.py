@@ -348,10 +348,19 @@ class JsonUsageError(click.UsageError):
 
 def asks_json(ctx: click.Context | None, argv: list[str]) -> bool:
     """Whether the command of ``ctx`` prints its result as JSON (it has an ``as_json`` flag) and
-    ``--json`` is on the command line ``argv``; the option may not be parsed yet when a usage
-    error stops the parse, so the words are read, not ``ctx.params``."""
-    return (ctx is not None and any(p.name == "as_json" for p in ctx.command.params)
-            and "--json" in argv)
+    ``--json`` is on the command line ``argv`` or its variable (``DILU_JSON``) is true; the option
+    may not be parsed yet when a usage error stops the parse, so the words and the environment
+    are read, not ``ctx.params``."""
+    flag = next((p for p in ctx.command.params if p.name == "as_json"), None) if ctx is not None else None
+    if flag is None:
+        return False
+    if any(a == "--json" or a.startswith("--json=") for a in argv):
+        return True
+    value = flag.resolve_envvar_value(ctx)
+    try:
+        return bool(value) and bool(click.BOOL.convert(value, flag, ctx))
+    except click.BadParameter:  # a bad DILU_JSON is the usage error itself: click's text
+        return False
 
 
 def name_envvar(exc: click.BadParameter) -> None:

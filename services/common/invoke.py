@@ -51,6 +51,9 @@ _REMEMBER_DONE = 200_000
 # stream stores the request once (JetStream deduplicates ids within its duplicate window, 2 min by
 # default) until the call's publish budget is spent.
 PUBLISH_ATTEMPT_S = 1.0
+# The longest a caller may wait for one reply, s (an hour): the client library, the CLI and the
+# gateway's cap all stop here, and a spec's objectives (slo_ms, ttft_ms, ...) may not exceed it.
+MAX_TIMEOUT_S = 3600.0
 _RETRY_PUBLISH = (nats.errors.TimeoutError, nats.js.errors.NoStreamResponseError, nats.js.errors.ServiceUnavailableError)
 
 

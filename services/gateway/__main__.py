@@ -6,6 +6,7 @@ import sys
 import click
 
 from dilu.services.common.cliopts import Finite, log_level_option, metrics_port_option, nats_options, service_main
+from dilu.services.common.invoke import MAX_TIMEOUT_S
 from dilu.services.common.runner import StartFailed, run
 
 from .app import MIB, Limits
@@ -21,7 +22,7 @@ from .service import HTTP_KEEP_ALIVE_S, Gateway
               help="largest request payload, bytes (larger: 413); keep it within NATS's max_payload")
 @click.option("--default-timeout-s", type=Finite(0.001, 900), default=30.0, show_default=True,
               help="reply timeout of a request without a Dilu-Timeout header, s")
-@click.option("--max-timeout-s", type=Finite(0.001, 3600), default=900.0, show_default=True,
+@click.option("--max-timeout-s", type=Finite(0.001, MAX_TIMEOUT_S), default=900.0, show_default=True,
               help="largest Dilu-Timeout accepted, s (larger: 400)")
 @click.option("--drain-s", type=Finite(0, 15), default=10.0, show_default=True,
               help="on stop, how long in-flight requests may still finish, s (then 503)")

@@ -89,6 +89,21 @@ async def test_deploy_refused_by_the_scheduler_says_why(nc, nats_url, tmp_path):
     await fakes.stop()
 
 
+async def test_a_deploy_no_gpu_can_take_now_is_no_capacity_not_still_starting(nc, nats_url, tmp_path):
+    """Admitted (some GPU could hold it when empty) but refused placement now: after the wait,
+    the horizontal scaler's state says why, and the deploy says so with exit 4 (no capacity)
+    rather than "still starting" with exit 0. The function stays deployed."""
+    fakes = await FakeServices(nc, ready=False).start()  # no instance ever becomes ready
+    await put_state(nc.jetstream(), ev.FunctionState(function="full", placeable=False, reason="no GPU has room"))
+    (tmp_path / "f.toml").write_text(spec_toml("full"))
+    r = await dilu("deploy", str(tmp_path / "f.toml"), "--wait-ready", "0.5", "--nats-url", nats_url)
+    line = one_line_error(r, 4)
+    assert "full is deployed, but no GPU can take an instance now: no GPU has room" in line, line
+    r = await dilu("deploy", str(tmp_path / "f.toml"), "--wait-ready", "0.5", "--json", "--nats-url", nats_url)
+    assert r.exit_code == 4 and msgspec.json.decode(r.stdout)["exit_code"] == 4
+    await fakes.stop()
+
+
 # ---------------------------------------------------------------- invoke
 
 

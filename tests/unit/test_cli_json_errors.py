@@ -13,6 +13,8 @@ from dilu.cli.main import main
 
 @pytest.mark.parametrize("args, says", [
     (["invoke", "x", "--timeout", "-1"], "Invalid value for '--timeout'"),
+    (["invoke", "x", "--timeout", "1e308"], "1e+308 is not in the range 0.001<=x<=3600"),
+    (["deploy", "f.toml", "--wait-ready", "1e308"], "Invalid value for '--wait-ready'"),
     (["status", "--creds", "/nonexistent/user.creds"], "Invalid value for '--creds'"),
     (["invoke", "x", "--bogus"], "No such option '--bogus'"),
     (["invoke"], "Missing argument 'NAME'"),
@@ -26,6 +28,13 @@ def test_a_usage_error_under_json_is_a_json_result(args, says):
     plain = CliRunner().invoke(main, args, prog_name="dilu")
     assert plain.exit_code == 2 and plain.stdout == "" and "Usage: dilu" in plain.stderr
     assert says in plain.stderr
+
+
+def test_json_from_its_variable_makes_a_usage_error_json_too():
+    res = CliRunner().invoke(main, ["invoke", "x", "--timeout", "abc"], env={"DILU_JSON": "1"}, prog_name="dilu")
+    assert res.exit_code == 2 and json.loads(res.stdout)["exit_code"] == 2
+    res = CliRunner().invoke(main, ["invoke", "x", "--timeout", "abc"], env={"DILU_JSON": "0"}, prog_name="dilu")
+    assert res.exit_code == 2 and res.stdout == "" and "Usage: dilu invoke" in res.stderr
 
 
 def test_a_bad_value_from_the_environment_names_its_variable_under_json_too():

@@ -84,6 +84,16 @@ def test_code_is_relative_to_the_spec_file_and_must_be_a_folder(tmp_path):
     assert parse(text.replace('"src"', '""'), base_dir=tmp_path).code_dir is None  # importable as it is
 
 
+def test_a_code_folder_without_an_entry_is_refused_not_ignored(tmp_path):
+    """An emulated-only function runs no code of its own: a code folder given with it would
+    silently not be shipped, so it is an error; the default (the spec's folder) applies only with an entry."""
+    text = 'name = "f"\ncode = "/nonexistent"\nslo_ms = 1\n[emulation]\nmodel = "bert_base"\n'
+    assert error(text, base_dir=tmp_path).startswith("function.toml: code: a code folder is shipped only with an entry")
+    assert parse(text.replace('"/nonexistent"', '""'), base_dir=tmp_path).code_dir is None
+    with_entry = 'name = "f"\nentry = "m:C"\nslo_ms = 1\nmemory_bytes = 1\n'
+    assert parse(with_entry, base_dir=tmp_path).code_dir == tmp_path.resolve()  # the default: the spec's folder
+
+
 def test_missing_or_unreadable_files_are_spec_errors(tmp_path):
     with pytest.raises(SpecError, match="nope.toml: cannot read the spec file"):
         load_spec(tmp_path / "nope.toml")
