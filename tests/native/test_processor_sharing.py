@@ -22,7 +22,7 @@ KERNEL_NS = 1_000_000  # k_1000
 @pytest.mark.parametrize("wa,wb", [(0.7, 0.4), (0.6, 0.6), (1.0, 1.0), (0.5, 0.5), (0.3, 0.6)])
 def test_each_busy_process_progresses_w_times_slower(agent, gpu, wa, wb):
     """Widths 0.7 + 0.4 each progress at 1 / 1.1 of solo speed (a device where they took turns
-    gave about 0.5), 0.6 + 0.6 at 1 / 1.2, 1 + 1 at 1 / 2, and widths that fit at 1; -0.10 / +0.04."""
+    gave about 0.5), 0.6 + 0.6 at 1 / 1.2, 1 + 1 at 1 / 2, and widths that fit at 1; -0.15 / +0.04."""
     procs = []
     for w in (wa, wb):
         cb = agent.block(request_quota=w, width=w)
@@ -36,6 +36,9 @@ def test_each_busy_process_progresses_w_times_slower(agent, gpu, wa, wb):
     expected = 1.0 / max(1.0, wa + wb)
     rates = [timeline.kernels_completed(recs, o["pid"], t0, t1) * KERNEL_NS / (t1 - t0) for o in outs]
     # Host lateness only ever lowers a rate: paced to its width, a process is at most a burst
-    # (2 ms) ahead, so a launching thread descheduled longer leaves its queue empty (0.93 seen
-    # for 0.3 + 0.6 on a loaded 2-core host). Hence more room below than above.
-    assert all(expected - 0.10 <= r <= expected + 0.04 for r in rates), (rates, expected)
+    # (2 ms) ahead, so a launching thread descheduled longer leaves its queue empty, and a device
+    # worker that wakes late starts its next kernel late (0.93 seen for 0.3 + 0.6 and 0.89 for
+    # 0.5 + 0.5 in full suite runs on a 2-core host). Hence more room below than above; the
+    # device this guards against (turn-taking once widths sum above 1) gave 0.5 for 0.7 + 0.4
+    # and 0.6 + 0.6, below 0.76 and 0.68.
+    assert all(expected - 0.15 <= r <= expected + 0.04 for r in rates), (rates, expected)
