@@ -23,7 +23,7 @@ from rich.markup import escape
 
 from dilu.client import admin
 from dilu.client.aio import AsyncClient, Reply
-from dilu.client.errors import DiluError, NoCapacity, NotPermitted, exit_code
+from dilu.client.errors import EXIT_CODES, DiluError, NoCapacity, NotPermitted, exit_code
 from dilu.client.spec import NAME_RE, NAME_RULE, SpecError, load_spec
 from dilu.services.common.cliopts import ENV_PREFIX, Finite, echo_json_error, nats_options
 from dilu.services.common.invoke import MAX_TIMEOUT_S
@@ -140,7 +140,7 @@ def deploy(spec_file: Path, nats: NatsOptions, timeout_s: float, wait_ready_s: f
                                                   on_step=progress))
     if result.unplaceable:  # deployed, but no instance can run now: a capacity error to a script
         raise Failed(f"{result.spec.name} is deployed, but no GPU can take an instance now: {result.unplaceable} "
-                     "(it is placed once one has room; see dilu status)", exit_code(NoCapacity("")))
+                     "(it is placed once one has room; see dilu status)", EXIT_CODES[NoCapacity])
     if as_json:
         _print_json(result)
         return

@@ -354,7 +354,7 @@ def asks_json(ctx: click.Context | None, argv: list[str]) -> bool:
     flag = next((p for p in ctx.command.params if p.name == "as_json"), None) if ctx is not None else None
     if flag is None:
         return False
-    if any(a == "--json" or a.startswith("--json=") for a in argv):
+    if "--json" in argv:
         return True
     value = flag.resolve_envvar_value(ctx)
     try:

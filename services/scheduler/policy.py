@@ -108,7 +108,7 @@ class Demand:
     @property
     def rigid(self) -> bool:
         """Inference that cannot use width above its request (limit = request): neighbours'
-        widths above a GPU's SMs slow it and no grant makes up for it (see the module's Placement)."""
+        widths above a GPU's SMs slow it and no grant makes up for it (see the module's feasibility list)."""
         return self.kind != "training" and self.limit_quota <= self.request_quota + EPS
 
 
