@@ -188,16 +188,19 @@ def _function_name(_ctx, _param, value: str) -> str:
               help="seconds to wait for its instances to drain before removing its queue")
 @json_option
 def undeploy(name: str, nats: NatsOptions, wait_s: float, as_json: bool) -> None:
-    """Remove function NAME: its instances drain and stop, then its queue of requests goes."""
+    """Remove function NAME: its instances drain and stop, the callers of requests still queued
+    get a 'not deployed' error at once (exit 2 from dilu invoke, 404 from the gateway), then its
+    queue goes."""
     result = run(nats, lambda c: admin.undeploy(c, name, wait_s=wait_s))
+    answered = (f"; {result.answered} queued request(s) answered 'not deployed'" if result.answered else "")
     if as_json:
         _print_json(result)
     elif result.cleaned:
         queue = "" if result.kind == "training" else ", its request queue removed"
-        _out().print(f"undeployed [bold]{name}[/bold]: no instance left{queue}")
+        _out().print(f"undeployed [bold]{name}[/bold]: no instance left{queue}{answered}")
     else:
         _out().print(f"undeployed [bold]{name}[/bold]: {result.remaining_instances} instance(s) still draining "
-                     "(its queue stays until they are gone; run undeploy again later to remove it)")
+                     f"(its queue stays until they are gone; run undeploy again later to remove it){answered}")
 
 
 # ---------------------------------------------------------------------------- invoke

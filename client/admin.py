@@ -27,6 +27,7 @@ from nats.js.api import KeyValueConfig
 from dilu.contracts import MalformedEvent, cloudevents, decode, encode, subjects
 from dilu.contracts import events as ev
 from dilu.services.common import bundle, workqueue
+from dilu.services.common import logging as dlog
 from dilu.services.common.bus import settle
 from dilu.services.common.jsresources import ensure_kv
 from dilu.services.common.nodes import read_inventories
@@ -34,6 +35,8 @@ from dilu.services.common.nodes import read_inventories
 from .aio import AsyncClient, decode_spec, read_bucket
 from .errors import DeployError, NotAdmitted, NotDeployed
 from .spec import LoadedSpec
+
+log = dlog.get("client.admin")
 
 # Same configuration as the other buckets of records the services keep (dilu-placement,
 # dilu-profiles): a short history for inspection. The services only read this one.
@@ -79,12 +82,14 @@ class DeployResult(msgspec.Struct, kw_only=True):
 class UndeployResult(msgspec.Struct, kw_only=True):
     """What :func:`undeploy` did. ``remaining_instances``: placements of the function still in
     the table when the wait ended (draining); ``cleaned``: its consumer and queued requests were
-    removed (only once no instance remains, since instances pull from that consumer)."""
+    removed (only once no instance remains, since instances pull from that consumer);
+    ``answered``: queued requests answered with the undeployed error (:func:`undeploy`)."""
 
     name: str
     kind: str = "inference"
     remaining_instances: int = 0
     cleaned: bool = False
+    answered: int = 0
 
 
 class InstanceStatus(msgspec.Struct, kw_only=True):
@@ -322,9 +327,12 @@ async def _unplaceable(js, name: str) -> str:
 
 async def undeploy(target: NATS | AsyncClient, name: str, *, wait_s: float = 30.0) -> UndeployResult:
     """Remove function ``name``: delete its key from ``dilu-functions`` and publish
-    ``FunctionUndeployed`` (the scheduler drains its instances); wait up to ``wait_s`` seconds
-    until no placement of it remains, then delete its consumer and purge its queued requests
-    (left in place while instances remain, as they still pull from it).
+    ``FunctionUndeployed`` (the scheduler drains its instances); answer the requests still queued
+    for it with the error :data:`subjects.ERROR_UNDEPLOYED` (their callers get NotDeployed at once
+    instead of waiting out their timeouts; the instances finish the batches they hold); wait up to
+    ``wait_s`` seconds until no placement of it remains, then answer what came meanwhile, delete its
+    consumer and purge its queue (left in place while instances remain, as they still pull from it).
+    Credentials without the right to answer (an operator's issued before it had it) only purge.
 
     Raises :class:`NotDeployed` when it is not deployed.
     """
@@ -343,11 +351,13 @@ async def undeploy(target: NATS | AsyncClient, name: str, *, wait_s: float = 30.
     await kv.delete(key)
     await publish_event(nc, subjects.function_undeployed(name), ev.FunctionUndeployed(name=name))
     await settle(nc)
+    answered = await _answer_queued(nc, js, name) if kind != "training" else 0
     deadline = time.monotonic() + wait_s
     while (remaining := len(await placements(js, name))) and time.monotonic() < deadline:
         await asyncio.sleep(min(UNDEPLOY_POLL_S, max(0.0, deadline - time.monotonic())))
     if remaining:
-        return UndeployResult(name=name, kind=kind, remaining_instances=remaining)
+        return UndeployResult(name=name, kind=kind, remaining_instances=remaining, answered=answered)
+    answered += await _answer_queued(nc, js, name) if kind != "training" else 0
     try:
         await js.delete_consumer(subjects.INVOKE_STREAM, workqueue.consumer_name(name))
     except nats.js.errors.NotFoundError:  # a training function has no queue
@@ -356,7 +366,19 @@ async def undeploy(target: NATS | AsyncClient, name: str, *, wait_s: float = 30.
         await js.purge_stream(subjects.INVOKE_STREAM, subject=subjects.invoke(name))
     except nats.js.errors.NotFoundError:  # no invocation stream at all
         pass
-    return UndeployResult(name=name, kind=kind, cleaned=True)
+    return UndeployResult(name=name, kind=kind, cleaned=True, answered=answered)
+
+
+async def _answer_queued(nc: NATS, js, name: str) -> int:
+    """:func:`workqueue.answer_queued` with the undeployed error; 0 where there is no queue or
+    these credentials may not pull from it (the purge still removes the requests)."""
+    try:
+        return await workqueue.answer_queued(nc, js, name, subjects.ERROR_UNDEPLOYED)
+    except workqueue.ConsumerMissing:
+        return 0
+    except (nats.errors.Error, asyncio.TimeoutError) as exc:
+        log.warning("queued requests not answered", function=name, error=repr(exc))
+        return 0
 
 
 async def _grants(nc: NATS, instance_ids: set[str], listen_s: float) -> dict[str, float]:

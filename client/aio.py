@@ -95,10 +95,13 @@ def reply_from(result: InvokeResult, scheduled_ns: int) -> Reply:
 def raise_for(function: str, result: InvokeResult, timeout_s: float) -> None:
     """Raise the client error a failed invocation result stands for (nothing for ``ok``):
     FunctionError (the function's message), BadRequest (an instance refused it as malformed),
-    InvocationTimeout, NoCapacity (refused or dropped before any instance saw it)."""
+    NotDeployed (the function was undeployed while the request was queued), InvocationTimeout,
+    NoCapacity (refused or dropped before any instance saw it)."""
     if result.status == "ok":
         return
     if result.status == "error":
+        if result.error.startswith(subjects.ERROR_UNDEPLOYED):
+            raise NotDeployed(function, "undeployed while the request was queued")
         if result.error.startswith(_MALFORMED_PREFIX):
             raise BadRequest(f"{function}: {result.error}")
         raise FunctionError(result.error)

@@ -14,10 +14,11 @@ class DiluError(Exception):
 
 
 class NotDeployed(DiluError):
-    """``function`` is not deployed (no key in KV ``dilu-functions``)."""
+    """``function`` is not deployed (no key in KV ``dilu-functions``); ``why``: more to say, e.g.
+    that it was undeployed while a request waited in its queue."""
 
-    def __init__(self, function: str) -> None:
-        super().__init__(f"function {function!r} is not deployed")
+    def __init__(self, function: str, why: str = "") -> None:
+        super().__init__(f"function {function!r} is not deployed" + (f" ({why})" if why else ""))
         self.function = function
 
 

@@ -134,7 +134,8 @@ def invoke_queue(access: str) -> list[str]:
     ``publish`` (callers: the stream's info; the invocations themselves are ``dilu.v1.invoke.>``),
     ``watch`` (the horizontal scaler: consumers' backlog), ``pull`` (instances: fetch and
     acknowledge through the functions' durable consumers, creating a missing one) or ``manage``
-    (the operator: create, delete, purge). Never a consumer deletion for anyone but the operator."""
+    (the operator: create, delete, purge, and pull and acknowledge, to answer the requests of a
+    function it undeploys). Never a consumer deletion for anyone but the operator."""
     api, stream = JS_API, sj.INVOKE_STREAM
     rights = [f"{api}.STREAM.INFO.{stream}"]
     if access in ("watch", "pull", "manage"):
@@ -142,7 +143,7 @@ def invoke_queue(access: str) -> list[str]:
     if access in ("pull", "manage"):
         rights += [f"{api}.STREAM.CREATE.{stream}", f"{api}.CONSUMER.CREATE.{stream}.>",
                    f"{api}.CONSUMER.DURABLE.CREATE.{stream}.*"]
-    if access == "pull":
+    if access in ("pull", "manage"):
         rights += [f"{api}.CONSUMER.MSG.NEXT.{stream}.*", f"{JS_ACK}.{stream}.>"]
     if access == "manage":
         rights += [f"{api}.CONSUMER.DELETE.{stream}.*", f"{api}.STREAM.PURGE.{stream}"]
@@ -169,14 +170,17 @@ class Permissions:
 def permissions(role: str, node: str | None = None, *, caller: str | None = None,
                 callers: tuple[str, ...] = ()) -> Permissions:
     """The permissions of ``role`` (of ``node`` for a node-scoped role; ``caller``: a named
-    caller's own user, with its own inbox). ``callers``: the named callers instances may answer
-    (the instance role only). Raises RoleError."""
+    caller's own user, with its own inbox). ``callers``: the named callers instances (and the
+    operator's undeploy) may answer (the instance and operator roles only). Raises RoleError."""
     _check(role, node)
     p = sj.PREFIX
     pub: list[str] = []
     sub: list[str] = []
     responds = False
     reply_roles = ("caller", "gateway", "operator")  # whose invocations instances answer
+    # the inboxes of every invocation's caller: instances answer there, and so does the operator's
+    # undeploy for requests still queued (it may deploy code that answers anyone, so it gains no trust)
+    answers = [f"{inbox_prefix(r)}.>" for r in reply_roles] + [f"{inbox_prefix('caller', caller=c)}.>" for c in callers]
     if role == "node-agent":
         pub += [pattern(ev.GpuTelemetry, node), pattern(ev.KernelCycleStretch, node),
                 *(instance_pattern(s, node) for s in ("launched", "ready", "retired", "parked")),
@@ -218,8 +222,7 @@ def permissions(role: str, node: str | None = None, *, caller: str | None = None
         if role == "gateway":
             sub += [pattern(ev.FunctionDeployed), pattern(ev.FunctionUndeployed)]
     elif role == "instance":
-        pub += [f"{inbox_prefix(r)}.>" for r in reply_roles]
-        pub += [f"{inbox_prefix('caller', caller=c)}.>" for c in callers]
+        pub += answers
         pub += [pattern(ev.FunctionStats)] + invoke_queue("pull")
         # the code store's chunks are read by a subscription that looks its stream up by subject
         pub += kv_read(sj.FUNCTIONS_BUCKET) + _read(obj_stream(sj.CODE_BUCKET)) + [f"{JS_API}.STREAM.NAMES"]
@@ -230,7 +233,7 @@ def permissions(role: str, node: str | None = None, *, caller: str | None = None
         pub += kv_read(sj.PLACEMENT_BUCKET) + kv_read(sj.PROFILES_BUCKET) + kv_read(sj.NODES_BUCKET)
         code = obj_stream(sj.CODE_BUCKET)
         pub += _read(code) + _create(code) + [f"{OBJ_PREFIX}.{sj.CODE_BUCKET}.>", f"{JS_API}.STREAM.PURGE.{code}"]
-        pub += invoke_queue("manage") + [f"{JS_API}.STREAM.NAMES"]
+        pub += invoke_queue("manage") + [f"{JS_API}.STREAM.NAMES"] + answers
         sub += [instance_pattern("ready"), instance_pattern("retired"), f"{p}.telemetry.gpu.>"]
     elif role == "integrator":
         sub += list(sj.SUBJECT_EVENTS)

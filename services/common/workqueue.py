@@ -171,6 +171,52 @@ async def backlog(js: JetStreamContext, function: str) -> int:
     return int(info.num_pending or 0) + int(info.num_ack_pending or 0)
 
 
+async def answer_queued(nc: NATS, js: JetStreamContext, function: str, error: str, *,
+                        budget_s: float = 10.0, fetch_max: int = 256) -> int:
+    """Answer every request of ``function`` still waiting in its queue (not delivered to an
+    instance) with an error reply ``error`` (``Dilu-Status: error``) and terminate it, so that its
+    caller learns now rather than at its timeout; returns how many were answered. A request past
+    its caller's deadline, or without a reply inbox, is terminated unanswered. Pulls through the
+    function's durable consumer, as an instance does (JetStream hands each request to one puller,
+    so one an instance takes meanwhile is served, not answered here), until none is pending or
+    ``budget_s`` seconds have passed.
+
+    Raises :class:`ConsumerMissing` when the function has no consumer, or a NATS error (e.g. a
+    permissions violation for credentials without the right to pull)."""
+    name = consumer_name(function)
+    try:
+        psub = await js.pull_subscribe_bind(durable=name, stream=subj.INVOKE_STREAM)
+    except nats.js.errors.NotFoundError:
+        raise ConsumerMissing(f"no consumer {name!r} for function {function!r}") from None
+    answered = 0
+    stop = time.monotonic() + budget_s
+    try:
+        while time.monotonic() < stop:
+            info = await js.consumer_info(subj.INVOKE_STREAM, name)
+            if not info.num_pending:
+                break
+            try:
+                msgs = await psub.fetch(min(fetch_max, int(info.num_pending)),
+                                        timeout=min(1.0, max(0.05, stop - time.monotonic())))
+            except asyncio.TimeoutError:  # taken by an instance meanwhile
+                break
+            for msg in msgs:
+                headers = msg.headers or {}
+                reply_to, deadline = headers.get(subj.H_REPLY_TO), headers.get(subj.H_DEADLINE_NS, "")
+                if reply_to and not (deadline.isdigit() and 0 < int(deadline) < time.time_ns()):
+                    await nc.publish(reply_to, b"", headers={subj.H_REQUEST_ID: headers.get(subj.H_REQUEST_ID, ""),
+                                                            subj.H_STATUS: "error", subj.H_ERROR: _header_value(error)})
+                    answered += 1
+                await msg.term()
+    finally:
+        try:
+            await psub.unsubscribe()
+            await settle(nc)
+        except Exception as exc:  # the answers went; a stale subscription harms nothing
+            log.warning("unsubscribe failed", function=function, error=repr(exc))
+    return answered
+
+
 @dataclass(slots=True)
 class Request:
     """One invocation as an instance sees it.

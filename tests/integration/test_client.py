@@ -343,6 +343,28 @@ async def test_undeploy_waits_for_the_instances_then_removes_the_queue(nc, servi
         await admin.undeploy(nc, "echo")
 
 
+async def test_undeploy_answers_queued_callers_at_once_not_at_their_timeout(nc, services, client):
+    """A caller whose request waits in the queue when the function is undeployed gets NotDeployed
+    from the undeploy, long before its own timeout; a request past its caller's deadline is
+    dropped unanswered (nobody reads it)."""
+    await admin.deploy(nc, loaded(extra="initial_scale = 0"))  # no instance: the requests wait
+    call = asyncio.create_task(client.invoke("echo", b"waiting", timeout_s=600))
+    gone = await nc.subscribe("expired-inbox")
+    await nc.jetstream().publish(subjects.invoke("echo"), b"late", headers={
+        subjects.H_REQUEST_ID: "late", subjects.H_REPLY_TO: "expired-inbox", subjects.H_SCHEDULED_NS: "1",
+        subjects.H_DEADLINE_NS: str(time.time_ns() - 1)})
+
+    async def both_queued():
+        return await workqueue.backlog(nc.jetstream(), "echo") == 2
+    await wait_for(both_queued)
+    result = await admin.undeploy(nc, "echo", wait_s=5)
+    assert result.answered == 1 and result.cleaned
+    with pytest.raises(NotDeployed, match="undeployed while the request was queued"):
+        await asyncio.wait_for(call, 5)  # answered by the undeploy: the 600 s timeout never comes into it
+    with pytest.raises(asyncio.TimeoutError):
+        await gone.next_msg(timeout=0.3)
+
+
 async def test_undeploy_leaves_the_queue_while_instances_drain(nc):
     fakes = await FakeServices(nc, drain_delay_s=30).start()
     await admin.deploy(nc, loaded(extra="initial_scale = 1"), wait_ready_s=10)

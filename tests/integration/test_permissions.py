@@ -20,7 +20,7 @@ from dilu.services.common.natsserver import EmbeddedNats
 from dilu.services.common import bundle
 from dilu.contracts import events as ev
 from dilu.services.common.permissions import NODE_SCOPED, ROLES, inbox_prefix, pattern, permissions
-from dilu.services.common.workqueue import consumer_name, ensure_consumer, ensure_stream
+from dilu.services.common.workqueue import answer_queued, consumer_name, ensure_consumer, ensure_stream
 from dilu.services.common.bus import settle
 
 pytestmark = pytest.mark.nats
@@ -325,6 +325,24 @@ async def test_named_callers_read_only_their_own_replies(secured):
             await other.refused(alices)
         await alice.nc.subscribe(f"{inbox_prefix('caller')}.>")
         await alice.refused(f"{inbox_prefix('caller')}.>")
+
+
+async def test_the_operator_answers_a_named_callers_queued_request_when_undeploying(secured):
+    """Undeploy answers what is still queued: the operator may pull from a function's consumer and
+    reply to any caller's inbox, a named caller's included (as an instance may)."""
+    async with as_role(secured, "operator") as op, as_role(secured, "caller", caller="alice") as alice:
+        await ensure_stream(op.js)
+        await ensure_consumer(op.js, "leaving")
+        client = InvokeClient(alice.nc, alice.js)
+        await client.start()
+        call = asyncio.ensure_future(client.invoke("leaving", b"hi", request_id="a2", scheduled_ns=time.time_ns(),
+                                                   timeout_s=WAIT_S * 4))
+        while not (await op.js.consumer_info(sj.INVOKE_STREAM, consumer_name("leaving"))).num_pending:
+            await asyncio.sleep(0.05)
+        assert await answer_queued(op.nc, op.js, "leaving", sj.ERROR_UNDEPLOYED) == 1
+        result = await call
+        assert result.status == "error" and result.error == sj.ERROR_UNDEPLOYED
+        await client.close()
 
 
 def test_dilu_events_tail_on_a_forbidden_subject_ends_at_once_with_the_reason(secured):
