@@ -14,7 +14,7 @@ if __name__ == "__main__" or os.path.basename(sys.argv[0]) == "dilu":  # the com
 
 import click  # noqa: E402
 
-from dilu.services.common.cliopts import JsonUsageError, asks_json, flag_envvars, name_envvar  # noqa: E402
+from dilu.services.common.cliopts import JsonUsageError, OneLineUsageError, asks_json, flag_envvars, name_envvar  # noqa: E402
 
 # name -> "module:attribute" of a click command
 COMMANDS: dict[str, str] = {
@@ -78,12 +78,14 @@ class LazyGroup(click.Group):
     def invoke(self, ctx):
         try:
             return super().invoke(ctx)
+        except (JsonUsageError, OneLineUsageError):  # a nested group's (dilu bench), already shaped
+            raise
         except click.UsageError as exc:  # a subcommand's: both its parsing and its body run in here
             if isinstance(exc, click.BadParameter):
                 name_envvar(exc)
             if asks_json(exc.ctx, getattr(self, "_argv", [])):
                 raise JsonUsageError(exc.format_message(), exc.ctx) from None
-            raise
+            raise OneLineUsageError(exc.format_message(), exc.ctx) from None
 
 
 @click.group(cls=LazyGroup, lazy=COMMANDS)

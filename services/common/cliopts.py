@@ -346,6 +346,15 @@ class JsonUsageError(click.UsageError):
         echo_json_error(self.format_message(), self.exit_code)
 
 
+class OneLineUsageError(click.UsageError):
+    """A usage error shown as one line on stderr, ``Error: <what> (see 'dilu invoke --help')``,
+    in place of click's usage text, hint and blank line around the same message; exit code 2."""
+
+    def show(self, file=None) -> None:
+        where = f" (see '{self.ctx.command_path} --help')" if self.ctx is not None else ""
+        click.echo(f"Error: {self.format_message()}{where}", file=file, err=file is None)
+
+
 def asks_json(ctx: click.Context | None, argv: list[str]) -> bool:
     """Whether the command of ``ctx`` prints its result as JSON (it has an ``as_json`` flag) and
     ``--json`` is on the command line ``argv`` or its variable (``DILU_JSON``) is true; the option

@@ -26,15 +26,16 @@ def test_a_usage_error_under_json_is_a_json_result(args, says):
     out = json.loads(res.stdout)
     assert out["exit_code"] == 2 and says in out["error"], out
     plain = CliRunner().invoke(main, args, prog_name="dilu")
-    assert plain.exit_code == 2 and plain.stdout == "" and "Usage: dilu" in plain.stderr
-    assert says in plain.stderr
+    assert plain.exit_code == 2 and plain.stdout == "" and plain.stderr.count("\n") == 1, plain.stderr
+    assert plain.stderr.startswith("Error: ") and says in plain.stderr and "--help')" in plain.stderr
 
 
 def test_json_from_its_variable_makes_a_usage_error_json_too():
     res = CliRunner().invoke(main, ["invoke", "x", "--timeout", "abc"], env={"DILU_JSON": "1"}, prog_name="dilu")
     assert res.exit_code == 2 and json.loads(res.stdout)["exit_code"] == 2
     res = CliRunner().invoke(main, ["invoke", "x", "--timeout", "abc"], env={"DILU_JSON": "0"}, prog_name="dilu")
-    assert res.exit_code == 2 and res.stdout == "" and "Usage: dilu invoke" in res.stderr
+    assert res.exit_code == 2 and res.stdout == "" and res.stderr.startswith("Error: ")
+    assert res.stderr.strip().endswith("(see 'dilu invoke --help')"), res.stderr
 
 
 def test_a_bad_value_from_the_environment_names_its_variable_under_json_too():
@@ -42,10 +43,17 @@ def test_a_bad_value_from_the_environment_names_its_variable_under_json_too():
     assert res.exit_code == 2 and "(from DILU_TIMEOUT)" in json.loads(res.stdout)["error"]
 
 
-def test_an_option_named_json_that_takes_a_path_keeps_clicks_usage_text():
+def test_an_option_named_json_that_takes_a_path_keeps_the_one_line_usage_error():
     """`dilu sim --json PATH` writes a file: its usage errors are not JSON results."""
     res = CliRunner().invoke(main, ["sim", "--hours", "-1", "--json", "x.json"], prog_name="dilu")
-    assert res.exit_code == 2 and res.stdout == "" and "Usage: dilu sim" in res.stderr
+    assert res.exit_code == 2 and res.stdout == "" and res.stderr.count("\n") == 1
+    assert res.stderr.startswith("Error: Invalid value for '--hours'") and "dilu sim --help" in res.stderr
+
+
+@pytest.mark.parametrize("args", [["nosuch"], ["bench", "nosuch"], ["bench", "sim", "--hours", "-1"]])
+def test_a_usage_error_of_a_group_or_a_nested_command_is_one_line_too(args):
+    res = CliRunner().invoke(main, args, prog_name="dilu")
+    assert res.exit_code == 2 and res.stderr.count("\n") == 1 and res.stderr.startswith("Error: "), res.stderr
 
 
 def test_deploy_help_lists_its_exit_codes():
