@@ -69,9 +69,11 @@ def test_options_come_from_dilu_environment_variables(tmp_path):
 def test_data_dir_that_cannot_be_created_or_written(tmp_path):
     blocker = tmp_path / "a-file"
     blocker.write_text("")
-    out = one_line_error(up("--data-dir", str(blocker / "dilu")), 2)
+    # free ports: the default ones may be taken by a dilu up running on this machine
+    ports = [f"--{name}-port={port}" for name, port in zip(("nats", "gateway"), free_ports(2))]
+    out = one_line_error(up("--data-dir", str(blocker / "dilu"), *ports), 2)
     assert "--data-dir" in out and "not a writable directory" in out
-    out = one_line_error(up("--data-dir", str(tmp_path / "ok"), "--log-dir", str(blocker)), 2)
+    out = one_line_error(up("--data-dir", str(tmp_path / "ok"), "--log-dir", str(blocker), *ports), 2)
     assert "--log-dir" in out and "not a writable directory" in out
 
 
