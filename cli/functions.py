@@ -188,11 +188,12 @@ def _function_name(_ctx, _param, value: str) -> str:
               help="seconds to wait for its instances to drain before removing its queue")
 @json_option
 def undeploy(name: str, nats: NatsOptions, wait_s: float, as_json: bool) -> None:
-    """Remove function NAME: its instances drain and stop, the callers of requests still queued
-    get a 'not deployed' error at once (exit 2 from dilu invoke, 404 from the gateway), then its
-    queue goes."""
+    """Remove function NAME: its instances drain and stop, then its queue goes. Callers of
+    requests still queued get a 'not deployed' error at once (exit 2 from dilu invoke, 404 from
+    the gateway); those whose requests an instance held when its drain ran out (--wait), once
+    it is gone."""
     result = run(nats, lambda c: admin.undeploy(c, name, wait_s=wait_s))
-    answered = (f"; {result.answered} queued request(s) answered 'not deployed'" if result.answered else "")
+    answered = (f"; {result.answered} request(s) answered 'not deployed'" if result.answered else "")
     if as_json:
         _print_json(result)
     elif result.cleaned:

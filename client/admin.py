@@ -330,8 +330,9 @@ async def undeploy(target: NATS | AsyncClient, name: str, *, wait_s: float = 30.
     ``FunctionUndeployed`` (the scheduler drains its instances); answer the requests still queued
     for it with the error :data:`subjects.ERROR_UNDEPLOYED` (their callers get NotDeployed at once
     instead of waiting out their timeouts; the instances finish the batches they hold); wait up to
-    ``wait_s`` seconds until no placement of it remains, then answer what came meanwhile, delete its
-    consumer and purge its queue (left in place while instances remain, as they still pull from it).
+    ``wait_s`` seconds until no placement of it remains, then delete its consumer, answer every
+    request still stored for it (come meanwhile, or held by an instance the drain's end stopped)
+    and purge its queue (left in place while instances remain, as they still pull from it).
     Credentials without the right to answer (an operator's issued before it had it) only purge.
 
     Raises :class:`NotDeployed` when it is not deployed.
@@ -357,11 +358,12 @@ async def undeploy(target: NATS | AsyncClient, name: str, *, wait_s: float = 30.
         await asyncio.sleep(min(UNDEPLOY_POLL_S, max(0.0, deadline - time.monotonic())))
     if remaining:
         return UndeployResult(name=name, kind=kind, remaining_instances=remaining, answered=answered)
-    answered += await _answer_queued(nc, js, name) if kind != "training" else 0
     try:
         await js.delete_consumer(subjects.INVOKE_STREAM, workqueue.consumer_name(name))
     except nats.js.errors.NotFoundError:  # a training function has no queue
         pass
+    # what came meanwhile, and what an instance held when the drain's end stopped it
+    answered += await _answer_queued(nc, js, name, orphans=True) if kind != "training" else 0
     try:
         await js.purge_stream(subjects.INVOKE_STREAM, subject=subjects.invoke(name))
     except nats.js.errors.NotFoundError:  # no invocation stream at all
@@ -369,11 +371,11 @@ async def undeploy(target: NATS | AsyncClient, name: str, *, wait_s: float = 30.
     return UndeployResult(name=name, kind=kind, cleaned=True, answered=answered)
 
 
-async def _answer_queued(nc: NATS, js, name: str) -> int:
+async def _answer_queued(nc: NATS, js, name: str, orphans: bool = False) -> int:
     """:func:`workqueue.answer_queued` with the undeployed error; 0 where there is no queue or
     these credentials may not pull from it (the purge still removes the requests)."""
     try:
-        return await workqueue.answer_queued(nc, js, name, subjects.ERROR_UNDEPLOYED)
+        return await workqueue.answer_queued(nc, js, name, subjects.ERROR_UNDEPLOYED, orphans=orphans)
     except workqueue.ConsumerMissing:
         return 0
     except (nats.errors.Error, asyncio.TimeoutError) as exc:

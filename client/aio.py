@@ -95,13 +95,13 @@ def reply_from(result: InvokeResult, scheduled_ns: int) -> Reply:
 def raise_for(function: str, result: InvokeResult, timeout_s: float) -> None:
     """Raise the client error a failed invocation result stands for (nothing for ``ok``):
     FunctionError (the function's message), BadRequest (an instance refused it as malformed),
-    NotDeployed (the function was undeployed while the request was queued), InvocationTimeout,
+    NotDeployed (the function was undeployed before answering it), InvocationTimeout,
     NoCapacity (refused or dropped before any instance saw it)."""
     if result.status == "ok":
         return
     if result.status == "error":
         if result.error.startswith(subjects.ERROR_UNDEPLOYED):
-            raise NotDeployed(function, "undeployed while the request was queued")
+            raise NotDeployed(function, "undeployed before the request was answered")
         if result.error.startswith(_MALFORMED_PREFIX):
             raise BadRequest(f"{function}: {result.error}")
         raise FunctionError(result.error)

@@ -134,10 +134,10 @@ H_BATCH = "Dilu-Batch"
 # whose payload is the whole output and whose H_CHUNK holds the number of chunks sent.
 H_CHUNK = "Dilu-Chunk"
 STATUS_CHUNK = "chunk"
-# The error reply (H_ERROR) of a request still queued when its function was undeployed: ``dilu
-# undeploy`` answers each so its caller learns at once, not at its timeout; the client library
-# raises NotDeployed for it (the gateway: 404 not-deployed).
-ERROR_UNDEPLOYED = "function undeployed before an instance ran the request"
+# The error reply (H_ERROR) of a request its function was undeployed before answering (queued, or
+# held by an instance the drain stopped): ``dilu undeploy`` answers each so its caller learns then,
+# not at its timeout; the client library raises NotDeployed for it (the gateway: 404 not-deployed).
+ERROR_UNDEPLOYED = "function undeployed before the request was answered"
 
 # subject pattern (with '*' for ids) -> the one event type it carries
 SUBJECT_EVENTS: dict[str, type[ev.Event]] = {

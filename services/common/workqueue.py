@@ -171,33 +171,40 @@ async def backlog(js: JetStreamContext, function: str) -> int:
     return int(info.num_pending or 0) + int(info.num_ack_pending or 0)
 
 
-async def answer_queued(nc: NATS, js: JetStreamContext, function: str, error: str, *,
+async def answer_queued(nc: NATS, js: JetStreamContext, function: str, error: str, *, orphans: bool = False,
                         budget_s: float = 10.0, fetch_max: int = 256) -> int:
-    """Answer every request of ``function`` still waiting in its queue (not delivered to an
-    instance) with an error reply ``error`` (``Dilu-Status: error``) and terminate it, so that its
-    caller learns now rather than at its timeout; returns how many were answered. A request past
-    its caller's deadline, or without a reply inbox, is terminated unanswered. Pulls through the
-    function's durable consumer, as an instance does (JetStream hands each request to one puller,
-    so one an instance takes meanwhile is served, not answered here), until none is pending or
-    ``budget_s`` seconds have passed.
+    """Answer requests of ``function`` nobody will serve with an error reply ``error``
+    (``Dilu-Status: error``) and remove them, so that their callers learn now rather than at
+    their timeouts; returns how many were answered. A request past its caller's deadline, or
+    without a reply inbox, is removed unanswered. Stops when none is left or after ``budget_s``
+    seconds.
 
-    Raises :class:`ConsumerMissing` when the function has no consumer, or a NATS error (e.g. a
-    permissions violation for credentials without the right to pull)."""
-    name = consumer_name(function)
-    try:
-        psub = await js.pull_subscribe_bind(durable=name, stream=subj.INVOKE_STREAM)
-    except nats.js.errors.NotFoundError:
-        raise ConsumerMissing(f"no consumer {name!r} for function {function!r}") from None
+    - By default, the requests waiting in the queue (not delivered to an instance), pulled through
+      the function's durable consumer as an instance pulls (JetStream hands each request to one
+      puller, so one an instance takes meanwhile is served, not answered here). Raises
+      :class:`ConsumerMissing` when the function has no consumer.
+    - ``orphans``: every request still stored for the function, those delivered to an instance
+      that ended before acknowledging them too (e.g. killed at the end of a drain). Only once no
+      instance is left and the function's consumer is deleted: it pulls through an ephemeral
+      consumer of its own (a work-queue stream allows one per subject), deleted at the end.
+
+    Raises a NATS error, e.g. a permissions violation for credentials without the right to pull."""
+    if orphans:
+        psub = await js.pull_subscribe(subj.invoke(function), stream=subj.INVOKE_STREAM)
+    else:
+        try:
+            psub = await js.pull_subscribe_bind(durable=consumer_name(function), stream=subj.INVOKE_STREAM)
+        except nats.js.errors.NotFoundError:
+            raise ConsumerMissing(f"no consumer {consumer_name(function)!r} for function {function!r}") from None
     answered = 0
     stop = time.monotonic() + budget_s
     try:
         while time.monotonic() < stop:
-            info = await js.consumer_info(subj.INVOKE_STREAM, name)
-            if not info.num_pending:
+            pending = int((await psub.consumer_info()).num_pending or 0)
+            if not pending:
                 break
             try:
-                msgs = await psub.fetch(min(fetch_max, int(info.num_pending)),
-                                        timeout=min(1.0, max(0.05, stop - time.monotonic())))
+                msgs = await psub.fetch(min(fetch_max, pending), timeout=min(1.0, max(0.05, stop - time.monotonic())))
             except asyncio.TimeoutError:  # taken by an instance meanwhile
                 break
             for msg in msgs:
@@ -207,14 +214,23 @@ async def answer_queued(nc: NATS, js: JetStreamContext, function: str, error: st
                     await nc.publish(reply_to, b"", headers={subj.H_REQUEST_ID: headers.get(subj.H_REQUEST_ID, ""),
                                                             subj.H_STATUS: "error", subj.H_ERROR: _header_value(error)})
                     answered += 1
-                await msg.term()
+                await (msg.ack() if orphans else msg.term())
     finally:
-        try:
-            await psub.unsubscribe()
-            await settle(nc)
-        except Exception as exc:  # the answers went; a stale subscription harms nothing
-            log.warning("unsubscribe failed", function=function, error=repr(exc))
+        await _close_puller(nc, js, psub, function, delete=orphans)
     return answered
+
+
+async def _close_puller(nc: NATS, js: JetStreamContext, psub, function: str, *, delete: bool) -> None:
+    """Unsubscribe ``psub`` (and ``delete`` its consumer: an ephemeral one would block the
+    function's durable consumer on a redeploy until the server expires it)."""
+    try:
+        name = (await psub.consumer_info()).name if delete else ""
+        await psub.unsubscribe()
+        if name:
+            await js.delete_consumer(subj.INVOKE_STREAM, name)
+        await settle(nc)
+    except Exception as exc:  # the answers went; the purge that follows removes what is left
+        log.warning("could not close the puller", function=function, error=repr(exc))
 
 
 @dataclass(slots=True)

@@ -359,10 +359,31 @@ async def test_undeploy_answers_queued_callers_at_once_not_at_their_timeout(nc, 
     await wait_for(both_queued)
     result = await admin.undeploy(nc, "echo", wait_s=5)
     assert result.answered == 1 and result.cleaned
-    with pytest.raises(NotDeployed, match="undeployed while the request was queued"):
+    with pytest.raises(NotDeployed, match="undeployed before the request was answered"):
         await asyncio.wait_for(call, 5)  # answered by the undeploy: the 600 s timeout never comes into it
     with pytest.raises(asyncio.TimeoutError):
         await gone.next_msg(timeout=0.3)
+
+
+async def test_undeploy_answers_a_request_its_drained_instance_held_unanswered(nc, services, client):
+    """A request an instance took and never answered (the drain's end killed it mid-request) is
+    answered by the undeploy once no instance is left, not left to its caller's timeout."""
+    await admin.deploy(nc, loaded(extra="initial_scale = 1"), wait_ready_s=10)
+    call = asyncio.create_task(client.invoke("echo", b"long", timeout_s=600))
+    held = await nc.jetstream().pull_subscribe_bind(durable=workqueue.consumer_name("echo"),
+                                                    stream=subjects.INVOKE_STREAM)
+    (msg,) = await held.fetch(1, timeout=5)  # taken, never acknowledged: its instance is gone
+    result = await admin.undeploy(nc, "echo", wait_s=10)
+    assert result.cleaned and result.answered == 1
+    with pytest.raises(NotDeployed, match="undeployed before the request was answered"):
+        await asyncio.wait_for(call, 5)
+    assert (await nc.jetstream().stream_info(subjects.INVOKE_STREAM)).state.messages == 0
+    assert not [c async for c in _consumers(nc)]  # the ephemeral puller is gone too
+
+
+async def _consumers(nc):
+    for info in await nc.jetstream().consumers_info(subjects.INVOKE_STREAM):
+        yield info.name
 
 
 async def test_undeploy_leaves_the_queue_while_instances_drain(nc):
