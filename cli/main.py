@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib
 import os
+import signal
 import sys
 
 from dilu.cli.early_stop import OutsideCommand
@@ -80,6 +81,11 @@ class LazyGroup(click.Group):
             return super().invoke(ctx)
         except (JsonUsageError, OneLineUsageError):  # a nested group's (dilu bench), already shaped
             raise
+        except BrokenPipeError:  # the reader of stdout left (dilu status | head -1): quietly, and not as a
+            # failure of the command (exit 1 says a function or a deploy failed), but as a Unix tool
+            # that SIGPIPE ended: 128 + 13; stdout goes to /dev/null so the exit's flush stays quiet
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+            raise SystemExit(128 + signal.SIGPIPE) from None
         except click.UsageError as exc:  # a subcommand's: both its parsing and its body run in here
             if isinstance(exc, click.BadParameter):
                 name_envvar(exc)

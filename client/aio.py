@@ -317,6 +317,9 @@ class AsyncClient:
         # the server's first permissions violation on this connection (set by connect's error
         # callback): a request it refused goes unanswered, so a caller may race its work with it
         self.refused: asyncio.Future[str] = asyncio.get_running_loop().create_future()
+        # set when a client that does not reconnect (connect's ``reconnect=False``, the CLI's)
+        # loses its connection: what it waits for can no longer come
+        self.lost: asyncio.Future[str] = asyncio.get_running_loop().create_future()
         self._invoker = InvokeClient(nc, self.js)
         self._specs: KvCache[FunctionSpec] = KvCache(self.js, subjects.FUNCTIONS_BUCKET, decode_spec)
         self._states: KvCache[FunctionState] = KvCache(  # written by the horizontal scaler, if one runs
@@ -351,12 +354,20 @@ class AsyncClient:
             if is_permissions_violation(exc) and not refused.done():
                 refused.set_result(str(exc))
 
+        lost: asyncio.Future[str] = asyncio.get_running_loop().create_future()
+        made: list[NATS] = []  # the connection, once made: a failed first attempt is not a loss
+
+        async def on_disconnect() -> None:  # only while it does not reconnect: then it is for good
+            if made and not made[0].options.get("allow_reconnect", True) and not lost.done():
+                cause = errors[-1] if errors else None
+                lost.set_result(connect_failure(cause, connect_timeout_s) if cause else "the server closed it")
+
         try:
             # (nats-py reads max_reconnect_attempts 0 as "no limit": one attempt is allow_reconnect off)
             nc = await connect(nats_url, name=name, connect_timeout=connect_timeout_s,
                                allow_reconnect=connect_attempts > 1,
                                max_reconnect_attempts=max(1, connect_attempts - 1), reconnect_time_wait=0.5,
-                               error_cb=quiet)
+                               error_cb=quiet, disconnected_cb=on_disconnect)
         except CredentialsError as exc:
             raise Unreachable(str(exc)) from None
         except (OSError, asyncio.TimeoutError, nats.errors.Error) as exc:
@@ -368,8 +379,10 @@ class AsyncClient:
         # the limits above were for the first connection; a live client rides out outages
         nc.options["allow_reconnect"] = reconnect
         nc.options["max_reconnect_attempts"] = -1
+        made.append(nc)
         client = cls(nc, owns_connection=True, options=NatsOptions.of(nats_url))
         client.refused = refused  # the one the error callback sets
+        client.lost = lost
         starting = asyncio.ensure_future(client.start())
         try:
             await asyncio.wait({starting, refused}, return_when=asyncio.FIRST_COMPLETED)
@@ -387,12 +400,16 @@ class AsyncClient:
 
     async def unless_refused(self, work: Awaitable[T]) -> T:
         """Run ``work``, or raise :class:`NotPermitted` as soon as the server refuses one of its
-        requests (a permissions violation), since the refused request would only time out."""
+        requests (a permissions violation), since the refused request would only time out, or
+        :class:`Unreachable` as soon as a client that does not reconnect loses its connection."""
         task = asyncio.ensure_future(work)
+        url = self.options.url if self.options else "?"
         try:
-            await asyncio.wait({task, self.refused}, return_when=asyncio.FIRST_COMPLETED)
+            await asyncio.wait({task, self.refused, self.lost}, return_when=asyncio.FIRST_COMPLETED)
+            if not task.done() and self.refused.done():
+                raise not_permitted(url, self.refused.result())
             if not task.done():
-                raise not_permitted(self.options.url if self.options else "?", self.refused.result())
+                raise Unreachable(f"lost the connection to NATS at {url}: {self.lost.result()}")
             return task.result()
         finally:
             if not task.done():

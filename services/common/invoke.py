@@ -390,7 +390,9 @@ class InvokeClient:
         if self._sub is not None:
             try:
                 await self._sub.unsubscribe()
-            except Exception as exc:  # connection already gone: nothing more can arrive anyway
+            except nats.errors.ConnectionClosedError:  # the connection is gone: nothing more can arrive
+                pass
+            except Exception as exc:
                 self.log.warning("unsubscribe failed", error=repr(exc))
         closed = 0
         for request_id, pending in list(self._waiting.items()):
