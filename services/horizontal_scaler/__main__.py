@@ -47,8 +47,6 @@ WINDOW_MAX_S = 86_400
               help="at most this many times the ready instances per decision (Knative's max-scale-up-rate)")
 @click.option("--scale-down-delay-s", type=Finite(0, WINDOW_MAX_S), default=HorizontalConfig.scale_down_delay_s, show_default=True,
               help="no scale-in to a non-zero count this long after a scale-out (Knative's scale-down-delay)")
-@click.option("--busy-target", type=Finite(0, 1), default=HorizontalConfig.busy_target, show_default=True,
-              help="lazy: no scale-in that leaves the ready instances busier than this on average (0: off)")
 @click.option("--park-after-s", type=Finite(0, WINDOW_MAX_S), default=PARK_AFTER_S, show_default=True,
               help="park an idle function's instances after this long within its keep-alive: their GPU share "
                    "and device memory are given back, their weights wait in host memory (0: never; the "
@@ -57,7 +55,7 @@ WINDOW_MAX_S = 86_400
 @log_level_option
 def main(nats, mode, initial_scale, tick_ms, stable_window_s, panic_window_pct, panic_threshold, keep_alive_s,
          scale_to_zero_grace_s, idle_bin_s,
-         target, headroom_min, lazy_max_hold_s, max_scale_up_rate, scale_down_delay_s, busy_target, park_after_s, metrics_port,
+         target, headroom_min, lazy_max_hold_s, max_scale_up_rate, scale_down_delay_s, park_after_s, metrics_port,
          log_level):
     """Run the horizontal scaler: backlog, burst windows and headroom in, placements and retirements out."""
     config = HorizontalConfig(mode=mode, initial_scale=initial_scale, stable_window_s=stable_window_s, panic_window_pct=panic_window_pct,
@@ -65,8 +63,7 @@ def main(nats, mode, initial_scale, tick_ms, stable_window_s, panic_window_pct, 
                               scale_to_zero_grace_s=scale_to_zero_grace_s, idle_bin_s=idle_bin_s,
                               headroom_min=headroom_min,
                               lazy_max_hold_s=lazy_max_hold_s, max_scale_up_rate=max_scale_up_rate,
-                              scale_down_delay_s=scale_down_delay_s, busy_target=busy_target,
-                              park_after_s=park_after_s)
+                              scale_down_delay_s=scale_down_delay_s, park_after_s=park_after_s)
     scaler = HorizontalScaler(config, tick_s=tick_ms / 1000.0, target=target)
     run(scaler, nats, metrics_port=metrics_port, log_level=log_level)
 

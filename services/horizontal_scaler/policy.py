@@ -29,14 +29,6 @@ pending plus in flight: the concurrency Knative measures at its queue proxy) and
   request's to the burst's by the least :func:`burst_reach` of its ready instances (0 on a GPU
   whose requests sum to 1, where the instance never rises above its request), and a scale-in
   retires the instance that can rise least first.
-  A scale-in never leaves the ready instances busier than ``busy_target`` (70 %) on average:
-  Σ busy shares (the fraction of the last telemetry window each had a kernel on its GPU) over
-  the count kept. The stable window reads a function at two instances as lightly loaded (2 in
-  flight against a target of 8), but one instance must then carry both instances' busy time
-  (0.65 + 0.65 = 1.3): its queue grows past the target within seconds, the panic window scales
-  out again, and each 1 -> 2 -> 1 flap costs a launch and a burst of late requests (BERT-base
-  at 82 requests/s in the live replay of seed 1 flapped every 12-15 s). In-flight counts alone
-  cannot see the knee of a queue; utilisation can (the Kubernetes HPA scales on it).
   A scale-out also waits while the function still has vertical headroom
   (Σ limit − Σ quota of its instances, realisable on their GPUs; see :func:`vertical_headroom`)
   of at least ``headroom_min``: the vertical scaler absorbs the burst in milliseconds. If the
@@ -129,9 +121,6 @@ class HorizontalConfig:
     max_scale_up_rate: float = 1000.0
     max_scale_down_rate: float = 2.0
     scale_down_delay_s: float = 0.0  # Knative's default; > 0 damps 1 -> 2 -> 1 flapping
-    # lazy: no scale-in leaving the ready instances busier than this on average (0: off); Knative's
-    # container-concurrency-target-percentage default, the share of capacity it aims to use
-    busy_target: float = 0.7
     tolerance: float = 0.1
     headroom_min: float = 0.05
     lazy_max_hold_s: float = 0.0  # 0: one panic window
@@ -159,8 +148,6 @@ class HorizontalConfig:
             raise ValueError("panic threshold and max scale rates must be > 1")
         if not self.scale_to_zero_grace_s >= 0:
             raise ValueError(f"scale_to_zero_grace_s must be >= 0, got {self.scale_to_zero_grace_s}")
-        if not (math.isfinite(self.busy_target) and 0 <= self.busy_target <= 1):
-            raise ValueError(f"busy_target must be in [0, 1], got {self.busy_target}")
         if not (math.isfinite(self.park_after_s) and self.park_after_s >= 0):
             raise ValueError(f"park_after_s must be finite and >= 0, got {self.park_after_s}")
 
@@ -711,7 +698,6 @@ class HorizontalPolicy:
         desired = min(max(desired, f.params.min_instances), f.params.max_instances)
         desired, reason = self._lazy(f, now_s, cur, ready, desired, headroom, reason)
         desired, reason = self._scale_down_delay(f, now_s, cur, desired, reason)
-        desired, reason = self._busy_floor(f, cur, desired, reason)
         desired, reason = self._after_restore(f, now_s, cur, desired, reason)
         d.desired, d.reason = desired, reason
         d.breach = self._breach(f, now_s, ready, stable_avg, panic_avg, least)
@@ -881,20 +867,6 @@ class HorizontalPolicy:
         if 0 < desired < cur and since < self.config.scale_down_delay_s:
             return cur, f"scale-down delay: last scale-out {since:.1f} s ago (wants {desired})"
         return desired, reason
-
-    def _busy_floor(self, f: _Function, cur: int, desired: int, reason: str) -> tuple[int, str]:
-        """Lazy mode: no scale-in to a non-zero count that would leave the ready instances busier
-        than ``busy_target`` on average (Σ of their last busy shares over the count kept; see
-        Lazy in the module docstring). Scale to zero is the keep-alive's business."""
-        target = self.config.busy_target
-        if self.config.mode != "lazy" or target <= 0 or not 0 < desired < cur:
-            return desired, reason
-        busy = sum(i.busy_share for i in f.instances.values() if i.state == "ready")
-        floor = min(cur, math.ceil(busy / target - _EPS))
-        if floor <= desired:
-            return desired, reason
-        return floor, (f"busy {busy:.2f}: {desired} instance(s) would each be over {target:.0%} busy "
-                       f"(the windows want {desired})")
 
     def _act(self, f: _Function, d: Decision, backing_off: bool = False,
              reach: Mapping[str, float] | None = None) -> None:

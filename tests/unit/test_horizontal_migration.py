@@ -66,7 +66,7 @@ def test_retiring_the_old_instance_cancels_its_replacement():
     for i in ("a", "b"):
         p.instance_ready(FN, i, 0.0)
     p.set_busy(FN, "a", 0.0)
-    p.set_busy(FN, "b", 0.5)  # carries the load alone within the lazy busy target (70 %)
+    p.set_busy(FN, "b", 0.9)
     p.instance_migrating(FN, "a2", "a", 1.0)
     d = None
     for t in (1.5, 2.0, 2.5, 3.0, 3.5, 4.0, 4.5, 5.0, 5.5, 6.0, 6.5, 7.0, 7.5, 8.0):  # load for one instance
