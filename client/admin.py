@@ -83,7 +83,8 @@ class UndeployResult(msgspec.Struct, kw_only=True):
     """What :func:`undeploy` did. ``remaining_instances``: placements of the function still in
     the table when the wait ended (draining); ``cleaned``: its consumer and queued requests were
     removed (only once no instance remains, since instances pull from that consumer);
-    ``answered``: queued requests answered with the undeployed error (:func:`undeploy`)."""
+    ``answered``: requests answered with the undeployed error, queued or held by an instance its
+    drain stopped (:func:`undeploy`)."""
 
     name: str
     kind: str = "inference"

@@ -301,16 +301,21 @@ async def test_a_caller_cannot_touch_the_functions_consumers(secured):
         assert (await op.js.consumer_info(sj.INVOKE_STREAM, consumer_name("victim"))).name == consumer_name("victim")
 
 
+async def queued_call(op, caller, function: str, request_id: str, *, timeout_s: float):
+    """The operator makes ``function``'s queue; ``caller`` invokes it: (its client, the call)."""
+    await ensure_stream(op.js)
+    await ensure_consumer(op.js, function)
+    client = InvokeClient(caller.nc, caller.js)
+    await client.start()
+    return client, asyncio.ensure_future(client.invoke(function, b"hi", request_id=request_id,
+                                                       scheduled_ns=time.time_ns(), timeout_s=timeout_s))
+
+
 async def test_named_callers_read_only_their_own_replies(secured):
     async with (as_role(secured, "operator") as op, as_role(secured, "caller", caller="alice") as alice,
                 as_role(secured, "caller", caller="bob") as bob, as_role(secured, "caller") as anyone,
                 as_role(secured, "instance") as inst):
-        await ensure_stream(op.js)
-        await ensure_consumer(op.js, "named")
-        client = InvokeClient(alice.nc, alice.js)
-        await client.start()
-        call = asyncio.ensure_future(client.invoke("named", b"hi", request_id="a1", scheduled_ns=time.time_ns(),
-                                                   timeout_s=WAIT_S * 2))
+        client, call = await queued_call(op, alice, "named", "a1", timeout_s=WAIT_S * 2)
         psub = await inst.js.pull_subscribe_bind(durable=consumer_name("named"), stream=sj.INVOKE_STREAM)
         (msg,) = await psub.fetch(1, timeout=WAIT_S)
         assert msg.headers[sj.H_REPLY_TO].startswith(inbox_prefix("caller", caller="alice") + ".")
@@ -331,12 +336,7 @@ async def test_the_operator_answers_a_named_callers_queued_request_when_undeploy
     """Undeploy answers what is still queued: the operator may pull from a function's consumer and
     reply to any caller's inbox, a named caller's included (as an instance may)."""
     async with as_role(secured, "operator") as op, as_role(secured, "caller", caller="alice") as alice:
-        await ensure_stream(op.js)
-        await ensure_consumer(op.js, "leaving")
-        client = InvokeClient(alice.nc, alice.js)
-        await client.start()
-        call = asyncio.ensure_future(client.invoke("leaving", b"hi", request_id="a2", scheduled_ns=time.time_ns(),
-                                                   timeout_s=WAIT_S * 4))
+        client, call = await queued_call(op, alice, "leaving", "a2", timeout_s=WAIT_S * 4)
         while not (await op.js.consumer_info(sj.INVOKE_STREAM, consumer_name("leaving"))).num_pending:
             await asyncio.sleep(0.05)
         assert await answer_queued(op.nc, op.js, "leaving", sj.ERROR_UNDEPLOYED) == 1
