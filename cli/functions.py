@@ -153,7 +153,7 @@ def _print_deployed(r: admin.DeployResult, wait_ready_s: float) -> None:
     if s.kind == "llm":
         objective += f" (TTFT {s.ttft_ms:g} ms, TPOT {s.tpot_ms:g} ms)"
     out.print(f"deployed [bold]{s.name}[/bold] ({s.kind}, {objective}, {_bytes(s.memory_bytes)} per instance)"
-              + (f", code {r.code[:19]}…" if r.code else ""))
+              + (f", code {r.code[:19]}…" if r.code else ""), soft_wrap=True)  # one line: never "code" / "sha256-…"
     if p is not None:
         out.print(f"profile ({p.backend}): request quota {p.request_quota:.2f}, limit quota {p.limit_quota:.2f}, "
                   f"batch {p.batch_size}" + (f", {p.throughput_rps:.1f} req/s at the request" if p.throughput_rps else ""))
