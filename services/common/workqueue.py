@@ -208,11 +208,12 @@ async def answer_queued(nc: NATS, js: JetStreamContext, function: str, error: st
             except asyncio.TimeoutError:  # taken by an instance meanwhile
                 break
             for msg in msgs:
-                headers = msg.headers or {}
-                reply_to, deadline = headers.get(subj.H_REPLY_TO), headers.get(subj.H_DEADLINE_NS, "")
-                if reply_to and not (deadline.isdigit() and 0 < int(deadline) < time.time_ns()):
-                    await nc.publish(reply_to, b"", headers={subj.H_REQUEST_ID: headers.get(subj.H_REQUEST_ID, ""),
-                                                            subj.H_STATUS: "error", subj.H_ERROR: _header_value(error)})
+                try:
+                    req: Request | None = parse_request(msg)
+                except (MalformedRequest, ValueError, nats.errors.Error):  # no caller it could be answered to
+                    req = None
+                if req is not None and not req.expired(time.time_ns()):
+                    await nc.publish(req.reply_to, b"", headers=error_headers(req.request_id, error))
                     answered += 1
                 await (msg.ack() if orphans else msg.term())
     finally:
@@ -260,6 +261,10 @@ class Request:
     started_ns: int = 0
     batch: int = 0
 
+    def expired(self, now_ns: int) -> bool:
+        """Whether its caller had stopped waiting (``deadline_ns`` passed) at ``now_ns``."""
+        return 0 < self.deadline_ns < now_ns
+
 
 class MalformedRequest(ValueError):
     """An invocation message without the headers the data plane needs."""
@@ -268,6 +273,15 @@ class MalformedRequest(ValueError):
 def _header_value(text: str) -> str:
     """A header value on one line (a newline would corrupt the NATS header block)."""
     return " ".join(str(text).split())[:_MAX_HEADER_CHARS]
+
+
+def error_headers(request_id: str, error: str, instance: str = "") -> dict[str, str]:
+    """The headers of an error reply to request ``request_id`` that ran no handler (malformed,
+    or its function undeployed): ``Dilu-Status: error`` and ``error`` on one line."""
+    headers = {subj.H_REQUEST_ID: request_id, subj.H_STATUS: "error", subj.H_ERROR: _header_value(error)}
+    if instance:
+        headers[subj.H_INSTANCE] = instance
+    return headers
 
 
 def enqueued_ns_of(msg: Msg) -> int:
@@ -487,7 +501,7 @@ class BatchPuller:
             except (MalformedRequest, ValueError, nats.errors.Error) as exc:
                 await self._reject(msg, str(exc))
                 continue
-            if req.deadline_ns and time.time_ns() > req.deadline_ns:
+            if req.expired(time.time_ns()):
                 await self._expire(req, msg)
                 continue
             if req.delivered <= 1:
@@ -635,16 +649,8 @@ class BatchPuller:
         self.log.warning("malformed request rejected", reason=reason, request_id=headers.get(subj.H_REQUEST_ID, ""))
         try:
             if headers.get(subj.H_REPLY_TO):
-                await self.nc.publish(
-                    headers[subj.H_REPLY_TO],
-                    b"",
-                    headers={
-                        subj.H_REQUEST_ID: headers.get(subj.H_REQUEST_ID, ""),
-                        subj.H_STATUS: "error",
-                        subj.H_ERROR: _header_value(f"malformed request: {reason}"),
-                        subj.H_INSTANCE: self.instance_id,
-                    },
-                )
+                await self.nc.publish(headers[subj.H_REPLY_TO], b"", headers=error_headers(
+                    headers.get(subj.H_REQUEST_ID, ""), f"malformed request: {reason}", self.instance_id))
             await msg.term()
         except Exception as exc:
             self.log.warning("reject failed", error=repr(exc))
