@@ -86,11 +86,13 @@ class Driver:
         self._check("cuMemGetInfo_v2", self._lib.cuMemGetInfo_v2(ctypes.byref(free), ctypes.byref(total)))
         return free.value, total.value
 
-    def launch(self, fn: int, duration_us: float, stream: int | None = None) -> None:
-        """Queues one launch of ``fn`` lasting ``duration_us`` µs on ``stream`` (None: default).
-        Returns at once unless the interceptor throttles it. Raises CudaError."""
+    def launch(self, fn: int, duration_us: float, stream: int | None = None, grid: int = 1) -> None:
+        """Queues one launch of ``fn`` over ``grid`` blocks (gridDimX, >= 1) lasting ``duration_us``
+        µs on ``stream`` (None: default). Returns at once unless the interceptor throttles it.
+        The fake driver's duration is the parameter alone; the grid is what a real launch of more
+        work would change, and the interceptor keys its cost estimate on it. Raises CudaError."""
         self._dur.value = duration_us  # read by the driver during the call
-        code = self._launch(fn, 1, 1, 1, 1, 1, 1, 0, stream, self._params, None)
+        code = self._launch(fn, max(1, int(grid)), 1, 1, 1, 1, 1, 0, stream, self._params, None)
         if code:
             raise CudaError("cuLaunchKernel", code)
 

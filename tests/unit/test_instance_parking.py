@@ -35,7 +35,7 @@ class MemoryDriver:
     def function(self, name):
         return name
 
-    def launch(self, fn, duration_us, stream=None):
+    def launch(self, fn, duration_us, stream=None, grid=1):
         pass
 
     def synchronize(self):

@@ -244,10 +244,12 @@ async def test_training_loop_stops_on_stop_after_the_step_in_progress():
 class RecordingDriver:
     def __init__(self):
         self.launched_us: list[float] = []
+        self.grids: list[int] = []
         self.syncs = 0
 
-    def launch(self, fn, duration_us, stream=None):
+    def launch(self, fn, duration_us, stream=None, grid=1):
         self.launched_us.append(duration_us)
+        self.grids.append(grid)
 
     def synchronize(self):
         self.syncs += 1
@@ -290,6 +292,9 @@ def test_emulated_generate_prefills_then_decodes_each_request_to_its_length():
     assert step_ms[0] == pytest.approx(2 * 6.74e9 * 128 / 156e12 / 0.5 * 1000)
     # decode steps at the surface's per-token latency of the requests still generating
     assert step_ms[1:] == pytest.approx([models.step_latency_ms("llama2", b, 0.5) for b in (2, 2, 1, 1)])
+    # each step's grid follows its work (the interceptor's cost key): 128 prompt tokens are one
+    # tile, then the requests still generating
+    assert m.driver.grids[::k] == [1, 2, 2, 1, 1]
 
 
 def test_emulated_training_iteration_is_forward_plus_twice_backward():
@@ -297,6 +302,15 @@ def test_emulated_training_iteration_is_forward_plus_twice_backward():
     emulated.train_step(m)
     assert len(m.driver.launched_us) == 3 * m.spec.kernels_per_step
     assert sum(m.driver.launched_us) / 1000.0 == pytest.approx(3 * models.latency_ms("resnet152", 8, 0.4))
+    assert set(m.driver.grids) == {8}
+
+
+def test_an_emulated_batch_launches_over_a_grid_of_its_size():
+    m = emulated_model("bert_base")
+    for b in (1, 4, 2):
+        emulated.run_batch(m, b)
+    k = m.spec.kernels_per_step
+    assert m.driver.grids == [1] * k + [4] * k + [2] * k
 
 
 def test_emulated_runtime_adapts_the_handler():

@@ -5,6 +5,9 @@ width w lasts L(b, w), interpolated by :func:`dilu.services.common.models.latenc
 replayed as ``kernels_per_step`` kernels per step (one step for encoders and CNNs; 32 decode steps
 for LLaMA2, whose surface gives the latency of one generated token), launched through the CUDA
 driver API under the interceptor, so token pacing and contention act on them as on a real model.
+A launch's grid grows with the work it does (:func:`grid_blocks`), as a real kernel's does: the
+interceptor keys its cost estimate on the kernel *and* its geometry, so a batch of 4 is metered
+as a batch of 4, not as the batch of 1 that last taught the key its cost.
 
 By the function's kind:
 
@@ -63,6 +66,11 @@ FLOPS_PER_PARAM_TOKEN = 2.0
 # C ~ 6N per token for training = 2N forward + 4N backward), so an iteration lasts 3 x the
 # forward latency L(b, w) of the measured surface.
 TRAIN_PASSES = 3
+
+# A prefill's grid counts tiles of this many prompt tokens: the M dimension of its GEMMs, tiled as
+# 128-row blocks (CUTLASS's default threadblock tile for fp16 tensor-core GEMMs is 128 x 128).
+# Tiles, not tokens, so a model has a bounded number of launch geometries.
+PREFILL_TILE_TOKENS = 128
 
 
 @dataclass
@@ -129,13 +137,22 @@ def resume(model: EmulatedModel) -> None:
     time.sleep(models.resume_ms(model.load_ms) / 1000.0)
 
 
-def _replay(m: EmulatedModel, total_ms: float, passes: int = 1) -> None:
-    """Launch ``passes`` x the model's kernels, each pass lasting ``total_ms / passes`` (at the
-    instance's width, on the fake driver), then wait for them."""
+def grid_blocks(rows: int) -> int:
+    """The grid (gridDimX, >= 1) of a launch over ``rows`` independent rows of work: the batch of
+    an encoder, CNN or training step, the requests of a decode step, the prompt tiles of a prefill.
+    One block per row: the geometry, hence the interceptor's cost key, changes with the work."""
+    return max(1, int(rows))
+
+
+def _replay(m: EmulatedModel, total_ms: float, passes: int = 1, rows: int = 1) -> None:
+    """Launch ``passes`` x the model's kernels over ``rows`` rows of work (:func:`grid_blocks`),
+    each pass lasting ``total_ms / passes`` (at the instance's width, on the fake driver), then
+    wait for them."""
     per_kernel_us = total_ms * 1000.0 / passes / len(m.kernels)
+    grid = grid_blocks(rows)
     for _ in range(passes):
         for k in m.kernels:
-            m.driver.launch(k, per_kernel_us)
+            m.driver.launch(k, per_kernel_us, grid=grid)
     m.driver.synchronize()
 
 
@@ -149,10 +166,11 @@ def run_batch(m: EmulatedModel, batch: int, width: float | None = None, max_step
     step_ms = models.step_latency_ms(m.spec.name, batch, w)
     per_kernel_us = step_ms * 1000.0 / len(m.kernels)
     steps = m.spec.steps_per_request if max_steps is None else max(1, min(max_steps, m.spec.steps_per_request))
+    grid = grid_blocks(batch)
     t0 = time.perf_counter()
     for _ in range(steps):
         for k in m.kernels:
-            m.driver.launch(k, per_kernel_us)
+            m.driver.launch(k, per_kernel_us, grid=grid)
     m.driver.synchronize()
     return (time.perf_counter() - t0) * 1000.0 * m.spec.steps_per_request / steps
 
@@ -209,12 +227,13 @@ def generate(model: EmulatedModel, batch: list[bytes]) -> Iterator[list[bytes | 
     then once per decode step, one chunk per request (``None`` once a request has its N tokens),
     until every request is done: ``1 + max(N)`` steps in all."""
     parsed = [parse_llm_payload(p) for p in batch]
-    _replay(model, prefill_ms(model.spec.name, sum(p for p, _ in parsed), model.width))
+    prompt = sum(p for p, _ in parsed)
+    _replay(model, prefill_ms(model.spec.name, prompt, model.width), rows=-(-prompt // PREFILL_TILE_TOKENS))
     yield [None] * len(batch)
     wanted = [n for _, n in parsed]
     for i in range(max(wanted)):
         active = sum(1 for n in wanted if n > i)
-        _replay(model, models.step_latency_ms(model.spec.name, active, model.width))
+        _replay(model, models.step_latency_ms(model.spec.name, active, model.width), rows=active)
         yield [token_chunk(i) if n > i else None for n in wanted]
 
 
@@ -229,4 +248,5 @@ def iteration_ms(model: str, batch: int, width: float) -> float:
 def train_step(model: EmulatedModel) -> None:
     """One training iteration of a batch of ``model.batch_size`` at the instance's width: the
     forward pass then the backward pass (twice the forward), replayed as kernels."""
-    _replay(model, iteration_ms(model.spec.name, model.batch_size, model.width), passes=TRAIN_PASSES)
+    _replay(model, iteration_ms(model.spec.name, model.batch_size, model.width), passes=TRAIN_PASSES,
+            rows=model.batch_size)
