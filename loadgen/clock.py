@@ -32,8 +32,10 @@ class MonotonicClock:
         return time.monotonic_ns()
 
     async def sleep_until(self, deadline_ns: int) -> None:
-        delay = deadline_ns - time.monotonic_ns()
-        if delay > 0:
+        # The loop's timers run on its own clock, which uvloop caches at ms resolution, so one
+        # sleep may end up to about a millisecond before the deadline on this clock: sleep the
+        # rest again (a send must never leave before its scheduled time).
+        while (delay := deadline_ns - time.monotonic_ns()) > 0:
             await asyncio.sleep(delay / 1e9)
 
 

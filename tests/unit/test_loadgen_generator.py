@@ -253,3 +253,21 @@ def test_a_misbehaving_invoke_is_a_counted_failure_never_a_lost_request():
     result = run_virtual(main)
     assert [(r.id, r.status) for r in result.records] == [("r0", "error"), ("r1", "error"), ("r2", "error")]
     assert "NoneType" in result.records[0].detail and "bad payload" in result.records[2].detail
+
+
+async def test_the_real_clock_never_returns_before_the_deadline_when_a_sleep_ends_early(monkeypatch):
+    """uvloop's timers run on a cached ms clock, so a sleep can end up to ~1 ms early on
+    ``time.monotonic_ns``: the clock sleeps the rest instead of letting a send leave early."""
+    from dilu.loadgen import clock as clock_mod
+
+    real_sleep, asked = asyncio.sleep, []
+
+    async def early_sleep(delay_s):  # wakes 1 ms early, as a cached loop clock can
+        asked.append(delay_s)
+        await real_sleep(max(0.0, delay_s - 0.001))
+
+    monkeypatch.setattr(clock_mod.asyncio, "sleep", early_sleep)
+    c = clock_mod.MonotonicClock()
+    deadline = c.now_ns() + 3_000_000
+    await c.sleep_until(deadline)
+    assert c.now_ns() >= deadline and len(asked) >= 2
