@@ -77,6 +77,19 @@ def invoke(fn: str) -> str:
     return f"{PREFIX}.invoke.{token(fn)}"
 
 
+def cancel(fn: str) -> str:
+    """Data plane: a caller gave up on one of its ``fn`` requests (cancelled, timed out, or its
+    client closed). The payload is that call's ``Dilu-Reply-To``: unique to the call and known
+    only to its caller and the instances (a request id is the caller's own and may repeat). Core
+    NATS, best effort: the instances of ``fn`` running then skip the request if it is still queued
+    and stop streaming to it if it runs; one started later does not hear of it, and the request's
+    ``Dilu-Deadline-Ns`` still ends it there."""
+    return f"{PREFIX}.cancel.{token(fn)}"
+
+
+CANCEL_SUBJECTS = f"{PREFIX}.cancel.>"
+
+
 def node_inventory(node: str) -> str:
     """A node agent's :class:`~dilu.contracts.events.NodeInventory` (also kept in KV ``dilu-nodes``)."""
     return f"{PREFIX}.node.inventory.{token(node)}"

@@ -15,6 +15,10 @@ Streamed replies (``llm`` functions): before its final reply an instance may sen
 the final reply does. Only the next expected sequence number is taken, so a redelivered request
 that restreams from 0 adds nothing until it passes the chunks already received. Pass
 ``on_chunk`` to :meth:`InvokeClient.invoke` to receive each chunk as it arrives.
+
+A call that ends without its reply (cancelled by its caller, timed out, or still waiting when
+the client closes) is withdrawn: its reply subject goes to ``subjects.cancel(fn)``, so the
+function's instances skip it if it is still queued and stop streaming to it if it runs.
 """
 from __future__ import annotations
 
@@ -111,6 +115,8 @@ class _Pending:
 
     fut: asyncio.Future
     on_chunk: OnChunk | None = None
+    function: str = ""
+    reply_to: str = ""
     chunks: int = 0  # also the next expected chunk sequence number
     first_chunk_ns: int = 0
     last_chunk_ns: int = 0
@@ -149,6 +155,7 @@ class InvokeStats(msgspec.Struct, kw_only=True):
     unknown_replies: int = 0  # a reply naming no request of this client
     closed_outstanding: int = 0  # requests still waiting when the client closed (counted as timeout)
     cancelled: int = 0  # calls cancelled by their caller before a reply (counted as timeout)
+    withdrawn: int = 0  # calls ended without their reply whose instances were told (subjects.cancel)
     chunks: int = 0  # streamed chunks taken (in order, first time)
     ignored_chunks: int = 0  # chunks out of order, repeated by a restream, or for no waiting request
 
@@ -177,6 +184,7 @@ class InvokeClient:
         self._seq = itertools.count()
         self._waiting: dict[str, _Pending] = {}
         self._done: OrderedDict[str, bool] = OrderedDict()  # id -> True answered / False timed out
+        self._withdrawing: set[asyncio.Future] = set()  # withdrawals not yet handed to the connection
         self._sub = None
 
     async def start(self, *, ensure: bool = True) -> None:
@@ -221,8 +229,8 @@ class InvokeClient:
         if request_id in self._waiting:
             return self._finish_dropped(request_id, "request id already in flight")
         fut: asyncio.Future[InvokeResult] = asyncio.get_running_loop().create_future()
-        self._waiting[request_id] = _Pending(fut, on_chunk)
         reply_to = f"{self.inbox_prefix}.{next(self._seq)}"
+        self._waiting[request_id] = _Pending(fut, on_chunk, function, reply_to)
         headers = {
             subj.H_REQUEST_ID: request_id,
             subj.H_SCHEDULED_NS: str(scheduled_ns),
@@ -244,11 +252,13 @@ class InvokeClient:
             self._forget_cancelled(request_id)
             raise
         except Exception as exc:  # not stored: no instance will ever see it
-            self._waiting.pop(request_id, None)
+            pending = self._waiting.pop(request_id, None)
             self._remember(request_id, answered=False)  # it may have been stored after all
             if isinstance(exc, asyncio.TimeoutError) and time.monotonic() >= deadline:
                 # the call's own time ran out while storing: that is the caller's timeout
                 self.stats.timeout += 1
+                if pending is not None:
+                    self._withdraw(pending)
                 return InvokeResult(request_id=request_id, status="timeout", done_ns=time.time_ns(),
                                     error=f"no reply within {timeout_s} s (the request was not stored yet)")
             return self._finish_dropped(request_id, f"publish failed: {type(exc).__name__}: {exc}")
@@ -267,6 +277,7 @@ class InvokeClient:
             taken = self._waiting.pop(request_id, None) or _Pending(fut)
             self._remember(request_id, answered=False)
             self.stats.timeout += 1
+            self._withdraw(taken)  # a stream still running stops (a queued request expires anyway)
             return InvokeResult(  # with the chunks taken so far: a stream cut short, not silence
                 request_id=request_id, status="timeout", done_ns=time.time_ns(), error=f"no reply within {timeout_s} s",
                 chunks=taken.chunks, first_chunk_ns=taken.first_chunk_ns, last_chunk_ns=taken.last_chunk_ns)
@@ -300,11 +311,26 @@ class InvokeClient:
                 await publish_once()
 
     def _forget_cancelled(self, request_id: str) -> None:
-        """The caller gave up (cancelled): stop waiting, so a late reply is counted, not routed."""
-        if self._waiting.pop(request_id, None) is not None:
+        """The caller gave up (cancelled): stop waiting, so a late reply is counted, not routed,
+        and tell the function's instances (:meth:`_withdraw`)."""
+        if (pending := self._waiting.pop(request_id, None)) is not None:
             self._remember(request_id, answered=False)
             self.stats.cancelled += 1
             self.stats.timeout += 1
+            self._withdraw(pending)
+
+    def _withdraw(self, pending: _Pending) -> None:
+        """Publish the call's reply subject to ``subjects.cancel(fn)`` without waiting (the
+        caller may be cancelling): best effort, a lost message only leaves the request to its
+        deadline. Nothing is sent for a call without a reply subject or once the connection
+        is closed."""
+        if not pending.reply_to or self.nc.is_closed:
+            return
+        self.stats.withdrawn += 1
+        sending = asyncio.ensure_future(self.nc.publish(subj.cancel(pending.function), pending.reply_to.encode()))
+        self._withdrawing.add(sending)
+        sending.add_done_callback(self._withdrawing.discard)
+        sending.add_done_callback(_retrieve)
 
     def _finish_dropped(self, request_id: str, reason: str) -> InvokeResult:
         self.stats.dropped += 1
@@ -401,6 +427,7 @@ class InvokeClient:
                 continue
             closed += 1
             self._remember(request_id, answered=False)
+            self._withdraw(pending)
             fut.set_result(
                 InvokeResult(
                     request_id=request_id, status="timeout", done_ns=time.time_ns(), error="client closed before a reply"
@@ -409,4 +436,10 @@ class InvokeClient:
         self._waiting.clear()
         self.stats.closed_outstanding += closed
         self.stats.timeout += closed
+        if self._withdrawing and not self.nc.is_closed:  # the withdrawals leave before the connection does
+            try:
+                await asyncio.wait(set(self._withdrawing), timeout=1)
+                await self.nc.flush(timeout=1)
+            except Exception as exc:  # noqa: BLE001 - best effort: the deadlines still end them
+                self.log.debug("withdrawals not flushed", error=repr(exc))
         return closed

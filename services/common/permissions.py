@@ -217,7 +217,7 @@ def permissions(role: str, node: str | None = None, *, caller: str | None = None
                 pattern(ev.PlacementDecided),
                 sj.INVOKE_SUBJECTS]  # a parked function's requests wake it (as Knative's activator)
     elif role in ("gateway", "caller"):
-        pub += [sj.INVOKE_SUBJECTS] + invoke_queue("publish")
+        pub += [sj.INVOKE_SUBJECTS, sj.CANCEL_SUBJECTS] + invoke_queue("publish")  # cancel: withdraw a call
         pub += kv_read(sj.FUNCTIONS_BUCKET) + kv_read(sj.FUNCTION_STATE_BUCKET)
         if role == "gateway":
             sub += [pattern(ev.FunctionDeployed), pattern(ev.FunctionUndeployed)]
@@ -226,9 +226,10 @@ def permissions(role: str, node: str | None = None, *, caller: str | None = None
         pub += [pattern(ev.FunctionStats)] + invoke_queue("pull")
         # the code store's chunks are read by a subscription that looks its stream up by subject
         pub += kv_read(sj.FUNCTIONS_BUCKET) + _read(obj_stream(sj.CODE_BUCKET)) + [f"{JS_API}.STREAM.NAMES"]
+        sub += [sj.CANCEL_SUBJECTS]  # callers withdrawing requests
     elif role == "operator":
         pub += [pattern(ev.FunctionDeployed), pattern(ev.FunctionUndeployed),
-                sj.SCHEDULER_ADMIT, sj.PROFILER_PROFILE, sj.INVOKE_SUBJECTS]
+                sj.SCHEDULER_ADMIT, sj.PROFILER_PROFILE, sj.INVOKE_SUBJECTS, sj.CANCEL_SUBJECTS]
         pub += kv_write(sj.FUNCTIONS_BUCKET) + kv_read(sj.FUNCTION_STATE_BUCKET, create=True)
         pub += kv_read(sj.PLACEMENT_BUCKET) + kv_read(sj.PROFILES_BUCKET) + kv_read(sj.NODES_BUCKET)
         code = obj_stream(sj.CODE_BUCKET)

@@ -321,7 +321,8 @@ class Instance:
     async def generate(self, batch: list[Request]) -> list[bytes | Exception]:
         """One llm batch: chunks to their callers as ``generate`` yields them; ttft (from the
         scheduled send time to the first chunk sent) and tpot (mean gap between chunks) per
-        request into the stats period."""
+        request into the stats period. Generation stops once every caller of the batch has
+        withdrawn its request (``BatchPuller.withdrawn``)."""
         self.cb.queue_depth = len(batch)
         self.cb.flush()
         first_ns = [0] * len(batch)
@@ -335,8 +336,11 @@ class Instance:
             last_ns[i] = now
             count[i] += 1
 
-        outputs = await runtime.run_generate(self.rt, [r.payload for r in batch], on_chunk)
+        outputs = await runtime.run_generate(self.rt, [r.payload for r in batch], on_chunk,
+                                             stop=lambda: all(self.puller.withdrawn(r) for r in batch))
         for i, (req, out) in enumerate(zip(batch, outputs)):
+            if isinstance(out, runtime.Withdrawn):  # nobody to tell
+                continue
             if isinstance(out, Exception):
                 self.log.warning("request failed", request_id=req.request_id, error=repr(out))
             elif count[i]:

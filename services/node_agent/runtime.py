@@ -351,14 +351,18 @@ OnChunk = Callable[[int, bytes], Awaitable[None]]
 _DONE = object()
 
 
-async def run_generate(rt: FunctionRuntime, payloads: list[bytes], on_chunk: OnChunk) -> list[bytes | Exception]:
+async def run_generate(rt: FunctionRuntime, payloads: list[bytes], on_chunk: OnChunk,
+                       stop: Callable[[], bool] = lambda: False) -> list[bytes | Exception]:
     """Run ``rt.generate(payloads)`` step by step in a worker thread, awaiting
     ``on_chunk(index, chunk)`` for each chunk as its step comes (so chunks of one request reach
     ``on_chunk`` in order); returns each request's output, its chunks joined.
 
     A request whose chunk is neither bytes nor None fails alone (TypeError; it gets no more
     chunks). If ``generate`` raises, or yields a step whose length is not the batch's, every
-    request still without a result gets that error. Never raises for the function's errors.
+    request still without a result gets that error. ``stop()`` is asked before each step: once
+    it is true (every caller of the batch withdrew) the generator is closed, no step more runs,
+    and every request without a result gets :class:`Withdrawn`. Never raises for the function's
+    errors.
     """
     n = len(payloads)
     outputs: list[list[bytes]] = [[] for _ in range(n)]
@@ -366,6 +370,9 @@ async def run_generate(rt: FunctionRuntime, payloads: list[bytes], on_chunk: OnC
     try:
         steps = await asyncio.to_thread(rt.generate, payloads)
         while True:
+            if stop():
+                await asyncio.to_thread(_close, steps)
+                raise Withdrawn("every caller of the batch withdrew its request")
             step = await asyncio.to_thread(next, steps, _DONE)
             if step is _DONE:
                 break
@@ -384,6 +391,18 @@ async def run_generate(rt: FunctionRuntime, payloads: list[bytes], on_chunk: OnC
     except Exception as exc:  # the batch's requests that have no result yet fail with it
         failed = [f if f is not None else exc for f in failed]
     return [failed[i] if failed[i] is not None else b"".join(outputs[i]) for i in range(n)]
+
+
+class Withdrawn(Exception):
+    """An llm batch stopped because every caller withdrew its request (never sent to anyone)."""
+
+
+def _close(steps: Iterator) -> None:
+    """Close a generator (its ``finally`` blocks run: the function frees what the batch held);
+    a plain iterator has nothing to close."""
+    close = getattr(steps, "close", None)
+    if callable(close):
+        close()
 
 
 async def train_loop(rt: FunctionRuntime, stop: asyncio.Event, on_iteration: Callable[[], None] = lambda: None) -> int:

@@ -52,6 +52,7 @@ class Instance:
     def __init__(self, nc, js) -> None:
         self.nc, self.js = nc, js
         self.arrived: asyncio.Queue[bytes] = asyncio.Queue()
+        self.hung: list[str] = []  # reply subjects of the "hang" streams
         self.release = asyncio.Event()
         self.stop = asyncio.Event()
         self.tasks: set[asyncio.Task] = set()
@@ -93,6 +94,7 @@ class Instance:
         elif fn == "boom":
             await self._send(msg, "error", **{subj.H_ERROR: "ValueError: bad input"})
         elif fn == "chat" and msg.data == b"hang":
+            self.hung.append(msg.headers[subj.H_REPLY_TO])
             await self._send(msg, subj.STATUS_CHUNK, b"first", **{subj.H_CHUNK: "0"})
             return  # never finished
         elif fn == "chat":
@@ -204,6 +206,21 @@ async def test_llm_streams_as_server_sent_events(nats_url, instance):
         # without asking for a stream, an llm function answers with its whole output
         resp = await http.post("/v1/functions/chat:invoke", content=b"a b")
         assert resp.status_code == 200 and resp.content == b"a b"
+
+
+async def test_a_stream_whose_http_client_goes_away_is_withdrawn(nats_url, instance):
+    """The caller closes its connection after the first chunk: the gateway withdraws the call on
+    dilu.v1.cancel.<fn>, so the instance can stop generating."""
+    withdrawn = await instance.nc.subscribe(subj.cancel("chat"))
+    await instance.nc.flush()
+    gw = gateway()
+    async with running(gw, nats_url), httpx.AsyncClient(base_url=f"http://127.0.0.1:{gw.port}", timeout=30) as http:
+        async with http.stream("POST", "/v1/functions/chat:invoke?stream=1", content=b"hang") as resp:
+            async for line in resp.aiter_lines():
+                if line.startswith("data"):
+                    break  # the first chunk came; the caller leaves
+        msg = await withdrawn.next_msg(timeout=10)
+    assert msg.data.decode() == instance.hung[0]
 
 
 async def test_functions_deployed_and_undeployed_while_running(nats_url, instance):

@@ -181,3 +181,73 @@ async def test_close_counts_every_outstanding_request(nc, js):
     assert [r.status for r in results] == ["timeout"] * 3
     assert all("closed" in r.error for r in results)
     assert client.stats.closed_outstanding == 3 and client.outstanding == 0 and balanced(client)
+
+
+async def pending(js) -> int:
+    return (await js.consumer_info(subj.INVOKE_STREAM, consumer_name(FN))).num_pending
+
+
+async def test_a_cancelled_call_is_withdrawn_and_its_queued_request_never_runs(nc, js):
+    """A caller cancels while its request waits behind another: the instance skips it unanswered."""
+    client = InvokeClient(nc, js)
+    await client.start()
+    stop, release, ran = asyncio.Event(), asyncio.Event(), []
+
+    async def slow(batch):
+        ran.extend(r.request_id for r in batch)
+        await release.wait()
+        return [b"done"] * len(batch)
+
+    puller = BatchPuller(nc, js, FN, instance_id="i1", max_batch=1, ready_ns=0, fetch_timeout_s=0.2)
+    run = asyncio.create_task(puller.run(slow, stop))
+    first = asyncio.create_task(invoke(client, "a"))
+    while ran != ["a"]:
+        await asyncio.sleep(0.01)
+    second = asyncio.create_task(invoke(client, "b"))
+    while await pending(js) != 1:  # stored, queued behind "a"
+        await asyncio.sleep(0.01)
+    second.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await second
+    await settle(nc)
+    release.set()
+    assert (await first).status == "ok"
+    while await pending(js) or puller.cancelled == 0:
+        await asyncio.sleep(0.01)
+    for junk in (b"", b"two words"):  # no reply subject: counted, withdraws nothing
+        await nc.publish(subj.cancel(FN), junk)
+    await settle(nc)
+    stop.set()
+    await run
+    assert ran == ["a"] and puller.cancelled == 1 and puller.handled == 1 and puller.malformed == 2
+    assert client.stats.withdrawn == 1 and client.stats.cancelled == 1 and client.stats.late_replies == 0
+    await client.close()
+
+
+async def test_a_withdrawal_of_a_running_request_stops_its_chunks_and_its_reply(nc, js):
+    """The caller gives up (its timeout) while its request runs: no more chunks, no reply."""
+    client = InvokeClient(nc, js)
+    await client.start()
+    stop, sent = asyncio.Event(), []
+    puller = BatchPuller(nc, js, FN, instance_id="i1", max_batch=1, ready_ns=0, fetch_timeout_s=0.2, stream=True)
+
+    async def stream(batch):
+        (req,) = batch
+        for i in range(40):  # 2 s of chunks; the caller waits 0.5 s
+            await puller.send_chunk(req, b"t%d " % i)
+            sent.append(puller.withdrawn(req))
+            await asyncio.sleep(0.05)
+        return [b"all"]
+
+    run = asyncio.create_task(puller.run(stream, stop))
+    result = await invoke(client, "r1", timeout_s=0.5)
+    assert result.status == "timeout" and 0 < result.chunks < 40
+    while len(sent) < 40:
+        await asyncio.sleep(0.05)
+    stop.set()
+    await run
+    assert sent[0] is False and sent[-1] is True  # heard while it ran
+    assert puller.cancelled == 1 and puller.handled == 0
+    await settle(nc)
+    assert client.stats.ignored_chunks == 0 and client.stats.late_replies == 0  # nothing came after
+    await client.close()

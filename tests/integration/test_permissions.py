@@ -245,6 +245,22 @@ async def test_the_data_plane_caller_operator_instance(secured):
             await inst.refused(subject)
 
 
+async def test_a_withdrawal_goes_from_any_caller_to_the_instances_and_no_one_else(secured):
+    """Callers, the gateway and the operator withdraw calls on ``dilu.v1.cancel.<fn>``;
+    instances hear them; a caller cannot listen there (the payloads are others' reply subjects)."""
+    async with (as_role(secured, "caller") as caller, as_role(secured, "gateway") as gw,
+                as_role(secured, "operator") as op, as_role(secured, "instance") as inst):
+        sub = await inst.nc.subscribe(sj.CANCEL_SUBJECTS)
+        await settle(inst.nc)
+        for sender in (caller, gw, op):
+            assert await delivered(sender, sj.cancel("echo"), sub) == sj.cancel("echo")
+        for listener in (caller, gw):
+            await listener.nc.subscribe(sj.CANCEL_SUBJECTS)
+            await listener.refused(sj.CANCEL_SUBJECTS)
+        await inst.nc.publish(sj.cancel("echo"), b"x")  # an instance withdraws nothing
+        await inst.refused(sj.cancel("echo"))
+
+
 async def test_a_trial_request_from_the_profiler_reaches_its_node_only(secured):
     async with (as_role(secured, "profiler") as prof, as_role(secured, "node-agent", "n1") as agent,
                 as_role(secured, "horizontal-scaler") as hs):

@@ -19,6 +19,7 @@ from dilu.contracts import encode, subjects
 from dilu.contracts import events as ev
 from dilu.interceptor import native, timeline
 from dilu.services.common import models
+from dilu.services.common.invoke import InvokeClient
 from dilu.services.common.workqueue import ensure_consumer, ensure_stream
 from dilu.services.node_agent.handlers import emulated
 from dilu.services.common.bus import settle
@@ -89,6 +90,41 @@ async def test_emulated_llm_streams_a_prefill_then_one_replay_per_token(nats_url
         proc.send_signal(signal.SIGTERM)
         assert await asyncio.wait_for(proc.wait(), 30) == 0
         await nc.drain()
+
+
+async def test_an_llm_caller_that_gives_up_frees_the_gpu_at_its_next_step(nats_url, gpu):
+    """A caller cancels a 1024-token generation after its first token: the instance stops at the
+    next decode step, sends nothing more, and serves the next request."""
+    nc, js = await put_spec(nats_url, ev.FunctionSpec(name="chat", model="llama2", kind="llm", ttft_ms=500.0,
+                                                      tpot_ms=100.0, max_batch=4, cold_start_ms=1.0))
+    env = native.emulated_gpu_env(dict(os.environ), gpu_name=gpu)
+    proc = await launch(nats_url, "c1", "chat", env)
+    client = InvokeClient(nc, js)
+    await client.start()
+    try:
+        first = asyncio.Event()
+        call = asyncio.create_task(client.invoke(
+            "chat", b'{"prompt_tokens": 16, "max_new_tokens": 1024}', request_id="long", scheduled_ns=time.time_ns(),
+            timeout_s=60, on_chunk=lambda _: first.set()))
+        await asyncio.wait_for(first.wait(), 30)
+        call.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await call
+        after = await client.invoke("chat", b'{"max_new_tokens": 2}', request_id="next",
+                                    scheduled_ns=time.time_ns(), timeout_s=30)
+        assert after.status == "ok" and after.chunks == 2
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        assert await asyncio.wait_for(proc.wait(), 30) == 0
+    await settle(nc)
+    assert client.stats.withdrawn == 1 and client.stats.late_replies == 0 and client.stats.ignored_chunks == 0
+    await client.close()
+    await nc.drain()
+    k = models.spec("llama2").kernels_per_step
+    replays = timeline.kernels_completed(timeline.read_array(gpu), proc.pid, 0, 2**63 - 1) / k
+    # the long one's prefill and a few decode steps (the withdrawal's way over the bus), then the
+    # short one's 1 + 2: far from its 1 + 1024
+    assert replays < 1 + 40 + 3, replays
 
 
 async def test_emulated_training_iterations_follow_the_token_grant(nats_url, gpu, agent):

@@ -417,7 +417,7 @@ def test_nomad_rendered_nats_config_is_valid(tmp_path):
 
 def test_operations_guide_lists_every_subject_and_service():
     text = (ROOT / "docs" / "operations.md").read_text()
-    for pattern in [*subjects.SUBJECT_EVENTS, subjects.INVOKE_SUBJECTS]:
+    for pattern in [*subjects.SUBJECT_EVENTS, subjects.INVOKE_SUBJECTS, subjects.CANCEL_SUBJECTS]:
         assert f"`{pattern}`" in text, f"docs/operations.md does not list {pattern}"
     for pkg in SERVICES:
         assert f"dilu.services.{pkg}" in text

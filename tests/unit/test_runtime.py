@@ -221,6 +221,29 @@ async def test_an_error_mid_stream_fails_the_requests_after_their_chunks():
     assert all(isinstance(o, ValueError) for o in out)
 
 
+async def test_generation_stops_once_every_caller_withdrew_and_frees_what_it_held():
+    class Endless(runtime.FunctionRuntime):
+        made = 0
+        closed = False
+
+        def generate(self, batch):
+            try:
+                while True:
+                    self.made += 1
+                    yield [b"t"] * len(batch)
+            finally:  # the function's clean-up runs: its KV cache, say, is freed
+                self.closed = True
+
+    rt, sent = Endless(), []
+
+    async def on_chunk(i, chunk):
+        sent.append(i)
+
+    out = await runtime.run_generate(rt, [b"", b""], on_chunk, stop=lambda: len(sent) >= 6)
+    assert rt.made == 3 and rt.closed and len(sent) == 6  # no step after stop() said so
+    assert all(isinstance(o, runtime.Withdrawn) for o in out)
+
+
 async def test_training_loop_stops_on_stop_after_the_step_in_progress():
     stop = asyncio.Event()
 
