@@ -4,10 +4,10 @@ and ``dilu sim --speedup`` replay the same requests under the same policy object
 with the overheads ``dilu calibrate`` measured from the live run's own logs (process start, a
 request's way in and back, a batch's service beyond the simulated one); README, At cluster
 scale, the cross-check table. On this 30 s span they must agree within 30 % on active GPU·s (the
-last run: 82.2 live, 79.3 simulated): the start-up weighs more on 30 s than on the README's 60 s
-runs, where GPU·s agree within 6 % of the mean of repeated live runs. The SLO violation rate,
-the cold-start requests and the launches are reported, not asserted (4.2 %, 8 and 28 live
-against 5.5 %, 4 and 25 simulated in that run). The live run is also the end-to-end check of a
+last run: 105.1 live, 94.5 simulated): the start-up weighs more on 30 s than on the README's 60 s
+runs, where GPU·s agree within 15 % of the mean of repeated live runs (6 % in five rows of six).
+The SLO violation rate, the cold-start requests and the launches are reported, not asserted
+(2.2 %, 5 and 34 live against 0.7 %, 3 and 24 simulated in that run). The live run is also the end-to-end check of a
 whole demo and of what it leaves for calibration: its report accounts for every request, every
 answer carried the instance's times into ``requests.jsonl``, and it leaves no process behind."""
 import json
