@@ -530,12 +530,22 @@ def _run_or_explain(main):
         raise click.ClickException(str(exc)) from None
 
 
+class PipeConsole(Console):
+    """A rich Console whose reader leaving (a closed stdout: ``dilu status | head -1``) raises
+    BrokenPipeError, which the command line ends with 141 as SIGPIPE ends a Unix tool; rich's
+    own ``on_broken_pipe`` exits 1, the code of a failed function or deploy."""
+
+    def on_broken_pipe(self) -> None:
+        self.quiet = True
+        raise BrokenPipeError("the reader of the output left")
+
+
 def make_console(**options) -> Console:
     """A terminal's own width; REPORT_WIDTH columns when writing to a file or pipe, unless
     COLUMNS says otherwise (the report's tables split to fit either); never under
     REPORT_MIN_WIDTH. ``options``: further keyword arguments of :class:`rich.console.Console`
-    (e.g. ``highlight=False``)."""
-    console = Console(**options)
+    (e.g. ``highlight=False``). A closed stdout raises BrokenPipeError (:class:`PipeConsole`)."""
+    console = PipeConsole(**options)
     if not console.is_terminal and not os.environ.get("COLUMNS", "").strip().isdigit():
         console.width = REPORT_WIDTH
     console.width = max(console.width, REPORT_MIN_WIDTH)

@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import signal
 import sys
+import threading
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any, TypeVar
@@ -57,19 +59,41 @@ def json_option(f):
     return click.option("--json", "as_json", is_flag=True, help="print the result as JSON on stdout")(f)
 
 
+class ReaderLeft(Exception):
+    """The reader of stdout left while a command wrote to it (a closed pipe)."""
+
+
 def run(options: NatsOptions, work: Callable[[AsyncClient], Awaitable[T]]) -> T:
     """Connect (failing within seconds when NATS is unreachable), run ``work(client)``, close;
-    every error becomes a one-line :class:`Failed` with its exit code."""
+    every error becomes a one-line :class:`Failed` with its exit code. SIGTERM ends the work as
+    Ctrl-C does (a call in flight is withdrawn, the client closes) and exits 143 (128 + 15);
+    :class:`ReaderLeft` from ``work`` comes out as BrokenPipeError (the command line's 141)."""
+    terminated = asyncio.Event()
 
     async def main() -> T:
-        client = await AsyncClient.connect(options, name="dilu-cli", connect_attempts=1, reconnect=False)
+        task = asyncio.current_task()
+        loop = asyncio.get_running_loop()
+        watching = threading.current_thread() is threading.main_thread()  # signals reach only that one
+        if watching:
+            loop.add_signal_handler(signal.SIGTERM, lambda: (terminated.set(), task.cancel()))
         try:
-            return await client.unless_refused(work(client))
+            client = await AsyncClient.connect(options, name="dilu-cli", connect_attempts=1, reconnect=False)
+            try:
+                return await client.unless_refused(work(client))
+            finally:
+                await client.close()
         finally:
-            await client.close()
+            if watching:
+                loop.remove_signal_handler(signal.SIGTERM)
 
     try:
         return asyncio.run(main())
+    except asyncio.CancelledError:
+        if terminated.is_set():
+            raise SystemExit(128 + signal.SIGTERM) from None
+        raise
+    except ReaderLeft:
+        raise BrokenPipeError from None
     except NotPermitted as exc:
         raise Failed(f"{exc}; {ROLES_NEEDED}", exit_code(exc)) from None
     except DiluError as exc:
@@ -89,7 +113,9 @@ def _out() -> Console:
 
 
 def _err() -> Console:
-    return Console(stderr=True, highlight=False)
+    from dilu.cli.demo import PipeConsole
+
+    return PipeConsole(stderr=True, highlight=False)
 
 
 def _print_json(obj: Any) -> None:
@@ -253,6 +279,8 @@ def invoke(name: str, data: str, timeout_s: float, stream: bool, nats: NatsOptio
       4  no capacity: the request was refused, or the function cannot be placed now
       5  NATS unreachable
       6  NATS refused these credentials: they are another role's (see --creds)
+      130, 143  stopped by Ctrl-C or SIGTERM: the call is withdrawn, so the instance drops it
+      141  the reader of stdout left (a closed pipe): the call is withdrawn too
     """
     payload = read_data(data)
     sink = sys.stdout.buffer
@@ -262,8 +290,11 @@ def invoke(name: str, data: str, timeout_s: float, stream: bool, nats: NatsOptio
             return await c.invoke(name, payload, timeout_s=timeout_s)
         async with c.stream(name, payload, timeout_s=timeout_s) as s:
             async for chunk in s:
-                sink.write(chunk)
-                sink.flush()
+                try:
+                    sink.write(chunk)
+                    sink.flush()
+                except BrokenPipeError:  # the reader left: the stream ends (and is withdrawn)
+                    raise ReaderLeft from None
             return s.reply
 
     reply = run(nats, call)

@@ -86,6 +86,9 @@ class LazyGroup(click.Group):
             # that SIGPIPE ended: 128 + 13; stdout goes to /dev/null so the exit's flush stays quiet
             os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
             raise SystemExit(128 + signal.SIGPIPE) from None
+        except KeyboardInterrupt:  # Ctrl-C the command did not take itself: 128 + SIGINT, as a shell
+            # reports it (click's own "Aborted!" and exit 1 would read as a failed function or deploy)
+            raise SystemExit(128 + signal.SIGINT) from None
         except click.UsageError as exc:  # a subcommand's: both its parsing and its body run in here
             if isinstance(exc, click.BadParameter):
                 name_envvar(exc)

@@ -18,6 +18,9 @@ Routes:
 - ``GET /metrics`` (Prometheus text), ``GET /healthz`` (200 while the process runs), ``GET
   /readyz`` (200 while the backend is ready, else 503).
 
+A caller that disconnects before its reply (streaming or not) has its call withdrawn
+(``subjects.cancel``), so the instance drops it.
+
 Every error is an RFC 9457 problem (``application/problem+json``: type, title, status, detail,
 plus ``function`` and ``request_id`` where known); :data:`PROBLEMS` lists the types.
 """
@@ -289,13 +292,37 @@ async def _invoke(backend: Backend, request: Request, name: str, call: _Call) ->
     if stream:
         return await _start_stream(backend, name, payload, timeout_s, call)
     try:
-        reply = await backend.guard(_bounded(backend.client.invoke(name, payload, timeout_s=timeout_s), timeout_s))
+        reply = await _unless_gone(request, backend.guard(_bounded(backend.client.invoke(name, payload,
+                                                                                      timeout_s=timeout_s), timeout_s)))
     except NotDeployed:
         backend.forget(name)
         raise
     headers = {subjects.H_REQUEST_ID: reply.request_id, subjects.H_INSTANCE: reply.instance,
                subjects.H_COLD_START: "1" if reply.cold_start else "0"}
     return Response(reply.payload, media_type="application/octet-stream", headers=headers)
+
+
+async def _unless_gone(request: Request, aw: Awaitable) -> Any:
+    """``aw``, cancelled (so the call is withdrawn and its instance drops it) if the HTTP client
+    disconnects first, which raises ClientDisconnect. The body has been read: the next ASGI
+    message is the disconnect."""
+    call = asyncio.ensure_future(aw)
+    gone = asyncio.ensure_future(_disconnected(request))
+    try:
+        await asyncio.wait({call, gone}, return_when=asyncio.FIRST_COMPLETED)
+        if not call.done():
+            raise ClientDisconnect()
+        return call.result()
+    finally:
+        for task in (call, gone):
+            task.cancel()
+        await asyncio.wait({call, gone})
+
+
+async def _disconnected(request: Request) -> None:
+    """Returns once the HTTP client has gone (``http.disconnect``)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
 
 
 async def _bounded(aw: Awaitable, timeout_s: float) -> Any:

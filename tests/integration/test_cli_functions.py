@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import signal
+import sys
 import time
 
 import msgspec
@@ -21,6 +23,7 @@ from dilu.client import admin
 from dilu.client.spec import parse_spec
 from dilu.contracts import encode, subjects
 from dilu.contracts import events as ev
+from dilu.services.common import workqueue
 from dilu.services.common.natsserver import free_port
 from dilu.services.common.nodes import nodes_bucket
 
@@ -208,3 +211,39 @@ async def test_undeploy_reports_and_an_unknown_name_is_exit_2(nats_url, services
     assert r.exit_code == 0 and "undeployed echo: no instance left, its request queue removed" in r.stdout
     r = await dilu("undeploy", "echo", "--nats-url", nats_url)
     assert "'echo' is not deployed" in one_line_error(r, 2)
+
+
+# ---------------------------------------------------------------- signals and pipes, as a shell runs dilu
+
+
+DILU = [sys.executable, "-m", "dilu.cli.main"]
+
+
+@pytest.mark.parametrize("sig,code", [(signal.SIGTERM, 143), (signal.SIGINT, 130)])
+async def test_a_signal_ends_an_invoke_with_128_plus_it_and_withdraws_its_call(nc, nats_url, sig, code):
+    """Ctrl-C, ``timeout`` and ``kill``: the call is withdrawn (the instance would drop it) and the
+    command exits 128 + the signal, as a shell reports it: not 1 (a failed function), and not
+    killed mid-call with nothing said to the platform."""
+    fakes = await FakeServices(nc, ready=False).start()
+    await admin.deploy(nc, parse_spec(spec_toml("idle", extra="initial_scale = 0")))
+    await fakes.stop()
+    withdrawn = await nc.subscribe(subjects.cancel("idle"))
+    await nc.flush()
+    proc = await asyncio.create_subprocess_exec(*DILU, "invoke", "idle", "--data", "x", "--timeout", "60",
+                                                "--nats-url", nats_url, stderr=asyncio.subprocess.PIPE)
+    js = nc.jetstream()
+    while (await js.consumer_info(subjects.INVOKE_STREAM, workqueue.consumer_name("idle"))).num_pending == 0:
+        await asyncio.sleep(0.05)  # stored: the call is waiting for its reply
+    proc.send_signal(sig)
+    assert await asyncio.wait_for(proc.wait(), 10) == code
+    msg = await withdrawn.next_msg(timeout=5)
+    assert msg.data.decode().startswith("_INBOX")
+    assert b"Traceback" not in await proc.stderr.read()
+
+
+async def test_a_closed_stdout_ends_status_with_141_quietly(nats_url):
+    proc = await asyncio.create_subprocess_exec(*DILU, "status", "--listen", "0", "--nats-url", nats_url,
+                                                stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+    proc._transport.get_pipe_transport(1).close()  # the reader left before the first line
+    err = await proc.stderr.read()
+    assert await asyncio.wait_for(proc.wait(), 30) == 141 and err == b"", err[-2000:]

@@ -223,6 +223,20 @@ async def test_a_stream_whose_http_client_goes_away_is_withdrawn(nats_url, insta
     assert msg.data.decode() == instance.hung[0]
 
 
+async def test_a_plain_call_whose_http_client_goes_away_is_withdrawn(nats_url, instance):
+    """Without a stream too: the caller gives up (its own HTTP timeout) before the reply, and the
+    gateway withdraws the call instead of waiting out Dilu-Timeout for nobody."""
+    withdrawn = await instance.nc.subscribe(subj.cancel("slow"))
+    await instance.nc.flush()
+    gw = gateway()
+    async with running(gw, nats_url), httpx.AsyncClient(base_url=f"http://127.0.0.1:{gw.port}") as http:
+        with pytest.raises(httpx.ReadTimeout):
+            await http.post("/v1/functions/slow:invoke", content=b"hold", headers={"Dilu-Timeout": "30"}, timeout=1.0)
+        assert await instance.arrived.get() == b"hold"
+        msg = await withdrawn.next_msg(timeout=10)
+        assert msg.data.decode().startswith("_INBOX")
+
+
 async def test_functions_deployed_and_undeployed_while_running(nats_url, instance):
     gw = gateway()
     async with running(gw, nats_url), httpx.AsyncClient(base_url=f"http://127.0.0.1:{gw.port}", timeout=30) as http:
