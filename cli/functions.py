@@ -224,10 +224,11 @@ def undeploy(name: str, nats: NatsOptions, wait_s: float, as_json: bool) -> None
         _print_json(result)
     elif result.cleaned:
         queue = "" if result.kind == "training" else ", its request queue removed"
-        _out().print(f"undeployed [bold]{name}[/bold]: no instance left{queue}{answered}")
-    else:
+        _out().print(f"undeployed [bold]{name}[/bold]: no instance left{queue}{answered}", soft_wrap=True)
+    else:  # soft_wrap: one line in a pipe, never "'not" / "deployed'"
         _out().print(f"undeployed [bold]{name}[/bold]: {result.remaining_instances} instance(s) still draining "
-                     f"(its queue stays until they are gone; run undeploy again later to remove it){answered}")
+                     f"(its queue stays until they are gone; run undeploy again later to remove it){answered}",
+                     soft_wrap=True)
 
 
 # ---------------------------------------------------------------------------- invoke

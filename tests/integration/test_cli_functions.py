@@ -205,12 +205,13 @@ async def test_status_shows_nodes_functions_and_instances(nc, nats_url, services
 
 
 async def test_undeploy_reports_and_an_unknown_name_is_exit_2(nats_url, services, tmp_path):
-    (tmp_path / "f.toml").write_text(spec_toml("echo", extra="initial_scale = 1"))
+    name = "echo-" + "x" * 50  # its line is longer than any console is wide: still one line
+    (tmp_path / "f.toml").write_text(spec_toml(name, extra="initial_scale = 1"))
     assert (await dilu("deploy", str(tmp_path / "f.toml"), "--nats-url", nats_url)).exit_code == 0
-    r = await dilu("undeploy", "echo", "--nats-url", nats_url)
-    assert r.exit_code == 0 and "undeployed echo: no instance left, its request queue removed" in r.stdout
-    r = await dilu("undeploy", "echo", "--nats-url", nats_url)
-    assert "'echo' is not deployed" in one_line_error(r, 2)
+    r = await dilu("undeploy", name, "--nats-url", nats_url)
+    assert r.exit_code == 0 and r.stdout == f"undeployed {name}: no instance left, its request queue removed\n"
+    r = await dilu("undeploy", name, "--nats-url", nats_url)
+    assert f"'{name}' is not deployed" in one_line_error(r, 2)
 
 
 # ---------------------------------------------------------------- signals and pipes, as a shell runs dilu
