@@ -15,6 +15,7 @@ import keyword
 import math
 import os
 import re
+import typing
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -114,6 +115,18 @@ def _tables() -> dict[str, type[msgspec.Struct]]:
     return {"": SpecFile, "emulation": EmulationTable, "profile": ProfileTable}
 
 
+def _field_type(path: str) -> object:
+    """The annotated type of the spec file's key at ``path`` (``kind``, ``emulation.model``),
+    None where there is none."""
+    *table, key = path.split(".") if path else [""]
+    struct = _tables().get(".".join(table))
+    if struct is None:
+        return None
+    hints = typing.get_type_hints(struct, include_extras=False)
+    by_name = {f.encode_name: f.name for f in msgspec.structs.fields(struct)}
+    return hints.get(by_name.get(key, key))
+
+
 def _validation_message(source: str, exc: msgspec.ValidationError) -> str:
     """msgspec's ``Expected `float`, got `str` - at `$.slo_ms``` -> ``<file>: slo_ms: Expected number, got str``."""
     m = _AT.match(str(exc))
@@ -131,6 +144,13 @@ def _validation_message(source: str, exc: msgspec.ValidationError) -> str:
     if missing:
         field = f"{path}.{missing.group(1)}" if path else missing.group(1)
         return f"{source}: {field}: required"
+    enum = re.match(r"Invalid enum value (.+)", msg, re.DOTALL)
+    if enum:
+        field_type = _field_type(path)
+        options = (field_type,) if typing.get_origin(field_type) is typing.Literal else typing.get_args(field_type)
+        allowed = [v for t in options if typing.get_origin(t) is typing.Literal for v in typing.get_args(t)]
+        if allowed:
+            return f"{source}: {path}: {enum.group(1)} is not one of {', '.join(map(str, allowed))}"
     msg = msg.replace(" | null", "")
     for typ, word in _TYPE_WORDS:
         msg = msg.replace(typ, word)

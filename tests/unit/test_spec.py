@@ -106,8 +106,8 @@ def test_missing_or_unreadable_files_are_spec_errors(tmp_path):
      "function.toml: max_batch: Expected integer, got number"),
     ('name = "f"\nmemory_bytes = true\nslo_ms = 1\nentry = "m:C"', "function.toml: memory_bytes: Expected integer, got bool"),
     ('slo_ms = 1', "function.toml: name: required"),
-    ('name = "f"\nkind = "batch"\nslo_ms = 1', "function.toml: kind: Invalid enum value 'batch'"),
-    ('name = "f"\npriority = "urgent"\nslo_ms = 1', "function.toml: priority: Invalid enum value 'urgent'"),
+    ('name = "f"\nkind = "batch"\nslo_ms = 1', "function.toml: kind: 'batch' is not one of inference, llm, training"),
+    ('name = "f"\npriority = "urgent"\nslo_ms = 1', "function.toml: priority: 'urgent' is not one of latency-sensitive, training, best-effort"),
     ('name = "f"\nemulation = 3', "function.toml: emulation: Expected table, got int"),
 ])
 def test_type_errors_name_the_field(text, expected):
