@@ -64,7 +64,7 @@ class Finite(click.FloatRange):
     def convert(self, value, param, ctx):
         v = super().convert(value, param, ctx)
         if not math.isfinite(v):
-            self.fail(f"{value!r} is not a finite number", param, ctx)
+            self.fail(f"{value!r} is not a finite number.", param, ctx)
         return v
 
 
