@@ -134,7 +134,7 @@ def _bytes(n: int) -> str:
 
 
 @click.command(context_settings=CONTEXT, epilog=EPILOG)
-@click.argument("spec_file", type=click.Path(dir_okay=False, path_type=Path))
+@click.argument("spec_file", type=click.Path(path_type=Path))
 @nats_options
 @click.option("--timeout", "timeout_s", type=Finite(min=1, max=MAX_TIMEOUT_S), default=150.0, metavar="S",
               show_default=True, envvar="DILU_DEPLOY_TIMEOUT",  # not DILU_TIMEOUT: that one is invoke's, and far shorter
@@ -143,9 +143,9 @@ def _bytes(n: int) -> str:
               show_default=True, help="seconds to wait for the first instance (still starting after it is no error)")
 @json_option
 def deploy(spec_file: Path, nats: NatsOptions, timeout_s: float, wait_ready_s: float, as_json: bool) -> None:
-    """Deploy the function described by SPEC_FILE (function.toml): ship its code folder, have
-    the scheduler admit it and the profiler profile it, store it, and wait for its first
-    instance. Redeploying a name replaces its spec.
+    """Deploy the function described by SPEC_FILE (function.toml, or a folder holding one): ship
+    its code folder, have the scheduler admit it and the profiler profile it, store it, and wait
+    for its first instance. Redeploying a name replaces its spec.
 
     \b
     Exit codes:

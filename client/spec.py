@@ -255,11 +255,17 @@ def parse_spec(text: str | bytes, *, source: str = "function.toml", base_dir: st
     return LoadedSpec(spec=spec, code_dir=_code_dir(c, raw, base_dir))
 
 
+SPEC_FILE_NAME = "function.toml"  # the spec file a function's folder holds (examples/*/function.toml)
+
+
 def load_spec(path: str | os.PathLike) -> LoadedSpec:
-    """Read and check the spec file at ``path`` (see :func:`parse_spec`); ``code`` resolves
-    relative to the file's folder. Raises :class:`SpecError` (also for a missing or unreadable
-    file)."""
+    """Read and check the spec file at ``path``, or the ``function.toml`` of the folder ``path``
+    (see :func:`parse_spec`); ``code`` resolves relative to the file's folder. Raises
+    :class:`SpecError` (also for a missing or unreadable file)."""
     p = Path(path)
+    if p.is_dir():
+        p = p / SPEC_FILE_NAME
+        path = p
     try:
         text = p.read_bytes()
     except OSError as exc:

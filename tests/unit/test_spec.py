@@ -97,6 +97,14 @@ def test_a_code_folder_without_an_entry_is_refused_not_ignored(tmp_path):
 def test_missing_or_unreadable_files_are_spec_errors(tmp_path):
     with pytest.raises(SpecError, match="nope.toml: cannot read the spec file"):
         load_spec(tmp_path / "nope.toml")
+    with pytest.raises(SpecError, match="function.toml: cannot read the spec file"):
+        load_spec(tmp_path)  # a folder without one
+
+
+def test_a_functions_folder_stands_for_its_function_toml(tmp_path):
+    (tmp_path / "function.toml").write_text(FULL)
+    loaded = load_spec(tmp_path)
+    assert loaded.spec.name == "image-classifier" and loaded.code_dir == tmp_path.resolve()
 
 
 @pytest.mark.parametrize("text, expected", [
