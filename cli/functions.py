@@ -88,10 +88,12 @@ def run(options: NatsOptions, work: Callable[[AsyncClient], Awaitable[T]]) -> T:
 
     try:
         return asyncio.run(main())
-    except asyncio.CancelledError:
+    except asyncio.CancelledError:  # nothing but a signal cancels the main task
         if terminated.is_set():
             raise SystemExit(128 + signal.SIGTERM) from None
-        raise
+        # Ctrl-C: asyncio.run raises KeyboardInterrupt only when the task's cancel count is back
+        # at 0, and a cancel nats-py swallowed on the way leaves it above (cancel_swallowed)
+        raise KeyboardInterrupt from None
     except ReaderLeft:
         raise BrokenPipeError from None
     except NotPermitted as exc:
