@@ -221,6 +221,14 @@ async def test_undeploy_reports_and_an_unknown_name_is_exit_2(nats_url, services
 DILU = [sys.executable, "-m", "dilu.cli.main"]
 
 
+def _default_signals() -> None:
+    """In the child, before exec: SIGINT and SIGTERM as a shell's foreground command has them. An
+    ignored disposition is inherited through exec, and a test run started in the background (or
+    a test before this one) may have left SIGINT ignored in this process."""
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, signal.SIG_DFL)
+
+
 @pytest.mark.parametrize("sig,code", [(signal.SIGTERM, 143), (signal.SIGINT, 130)])
 async def test_a_signal_ends_an_invoke_with_128_plus_it_and_withdraws_its_call(nc, nats_url, sig, code):
     """Ctrl-C, ``timeout`` and ``kill``: the call is withdrawn (the instance would drop it) and the
@@ -232,7 +240,8 @@ async def test_a_signal_ends_an_invoke_with_128_plus_it_and_withdraws_its_call(n
     withdrawn = await nc.subscribe(subjects.cancel("idle"))
     await nc.flush()
     proc = await asyncio.create_subprocess_exec(*DILU, "invoke", "idle", "--data", "x", "--timeout", "60",
-                                                "--nats-url", nats_url, stderr=asyncio.subprocess.PIPE)
+                                                "--nats-url", nats_url, stderr=asyncio.subprocess.PIPE,
+                                                preexec_fn=_default_signals)
     js = nc.jetstream()
     while (await js.consumer_info(subjects.INVOKE_STREAM, workqueue.consumer_name("idle"))).num_pending == 0:
         await asyncio.sleep(0.05)  # stored: the call is waiting for its reply
