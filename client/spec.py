@@ -203,7 +203,10 @@ def _given(value: Any) -> bool:
     return value is not UNSET
 
 
-def parse_spec(text: str | bytes, *, source: str = "function.toml", base_dir: str | os.PathLike | None = None) -> LoadedSpec:
+SPEC_FILE_NAME = "function.toml"  # the spec file a function's folder holds (examples/*/function.toml)
+
+
+def parse_spec(text: str | bytes, *, source: str = SPEC_FILE_NAME, base_dir: str | os.PathLike | None = None) -> LoadedSpec:
     """Check the TOML ``text`` of a spec file and build its :class:`LoadedSpec`.
 
     ``source`` names the file in errors; ``base_dir``: the folder ``code`` is relative to (the
@@ -255,22 +258,16 @@ def parse_spec(text: str | bytes, *, source: str = "function.toml", base_dir: st
     return LoadedSpec(spec=spec, code_dir=_code_dir(c, raw, base_dir))
 
 
-SPEC_FILE_NAME = "function.toml"  # the spec file a function's folder holds (examples/*/function.toml)
-
-
 def load_spec(path: str | os.PathLike) -> LoadedSpec:
     """Read and check the spec file at ``path``, or the ``function.toml`` of the folder ``path``
     (see :func:`parse_spec`); ``code`` resolves relative to the file's folder. Raises
     :class:`SpecError` (also for a missing or unreadable file)."""
-    p = Path(path)
-    if p.is_dir():
-        p = p / SPEC_FILE_NAME
-        path = p
+    p = Path(path) / SPEC_FILE_NAME if Path(path).is_dir() else Path(path)
     try:
         text = p.read_bytes()
     except OSError as exc:
-        raise SpecError(f"{path}: cannot read the spec file: {exc.strerror or exc}") from None
-    return parse_spec(text, source=str(path), base_dir=p.resolve().parent)
+        raise SpecError(f"{p}: cannot read the spec file: {exc.strerror or exc}") from None
+    return parse_spec(text, source=str(p), base_dir=p.resolve().parent)
 
 
 def _model(c: _Checker, raw: SpecFile) -> str:
