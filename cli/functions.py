@@ -26,7 +26,7 @@ from rich.markup import escape
 from dilu.client import admin
 from dilu.client.aio import AsyncClient, Reply
 from dilu.client.errors import EXIT_CODES, DiluError, NoCapacity, NotPermitted, exit_code
-from dilu.client.spec import NAME_RE, NAME_RULE, SpecError, load_spec
+from dilu.client.spec import SpecError, load_spec, name_problem
 from dilu.services.common.cliopts import ENV_PREFIX, Finite, echo_json_error, nats_options
 from dilu.services.common.invoke import MAX_TIMEOUT_S
 from dilu.services.common.natsconn import NatsOptions
@@ -203,9 +203,9 @@ def _print_deployed(r: admin.DeployResult, wait_ready_s: float) -> None:
 def _function_name(_ctx, _param, value: str) -> str:
     """NAME as a function name (``client.spec.NAME_RE``); a bad one is a usage error (exit 2), as
     the gateway's 400, instead of "not deployed" from the cluster."""
-    if not NAME_RE.fullmatch(value):
-        shown = value if len(value) <= 40 else value[:40] + "..."
-        raise click.BadParameter(f"{shown!r} is not a function name ({NAME_RULE})")
+    why = name_problem(value)
+    if why:
+        raise click.BadParameter(why)
     return value
 
 

@@ -29,6 +29,8 @@ from dilu.services.common.invoke import MAX_TIMEOUT_S
 
 NAME_RE = re.compile(r"[A-Za-z0-9_-]{1,63}")
 NAME_RULE = "1..63 characters of A-Z a-z 0-9 _ -"  # NAME_RE in words, for every message about a name
+NAME_SHOWN = 40  # characters of a bad name a message repeats: enough to recognise it, never a wall of text
+
 MAX_BATCH_LIMIT = 1024
 MAX_MEMORY_BYTES = 2**50  # the events' Bytes bound (1 PiB)
 DEFAULT_MAX_BATCH = 8
@@ -36,6 +38,15 @@ DEFAULT_MAX_INSTANCES = 8
 MAX_INSTANCES_LIMIT = 1024  # instances of one function: more is a typo, not a plan
 MAX_DURATION_MS = MAX_TIMEOUT_S * 1000.0  # slo_ms, ttft_ms, tpot_ms, cold_start_ms: no caller waits longer
 MAX_KEEP_ALIVE_S = 7 * 86_400.0  # a week: longer is what min_instances is for
+
+
+def name_problem(name: str) -> str | None:
+    """Why ``name`` is not a function name (``NAME_RE``), in one line that shows at most its first
+    ``NAME_SHOWN`` characters; None when it is one."""
+    if NAME_RE.fullmatch(name):
+        return None
+    shown = name if len(name) <= NAME_SHOWN else name[:NAME_SHOWN] + "..."
+    return f"{shown!r} is not a function name ({NAME_RULE})"
 
 
 class SpecError(ValueError):
@@ -221,8 +232,9 @@ def parse_spec(text: str | bytes, *, source: str = SPEC_FILE_NAME, base_dir: str
     except RecursionError:  # arrays or tables nested past the parser's recursion limit
         raise SpecError(f"{source}: not valid TOML: nested too deeply") from None
     c = _Checker(source)
-    if not NAME_RE.fullmatch(raw.name):
-        c.fail("name", f"{raw.name!r} is not {NAME_RULE}")
+    why = name_problem(raw.name)
+    if why:
+        c.fail("name", why)
     model = _model(c, raw)
     if raw.entry:
         why = check_entry(raw.entry)

@@ -45,7 +45,7 @@ from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.routing import Route
 
 from dilu.client import BadRequest, DiluError, FunctionError, InvocationTimeout, NoCapacity, NotDeployed
-from dilu.client.spec import NAME_RE, NAME_RULE
+from dilu.client.spec import name_problem
 from dilu.contracts import subjects
 from dilu.contracts.events import FunctionSpec
 from dilu.services.common import logging as dlog
@@ -185,8 +185,9 @@ def problem_of(exc: BaseException, function: str) -> Problem:
 
 
 def check_name(name: str) -> str:
-    if not NAME_RE.fullmatch(name):
-        raise Problem("bad-request", f"{name!r} is not a function name ({NAME_RULE})")
+    why = name_problem(name)
+    if why:
+        raise Problem("bad-request", why)
     return name
 
 

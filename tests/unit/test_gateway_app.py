@@ -165,6 +165,8 @@ async def test_unknown_and_bad_names(env):
     problem(await http.post("/v1/functions/nope:invoke", content=b"x"), 404, "not-deployed")
     problem(await http.post("/v1/functions/bad.name:invoke", content=b"x"), 400, "bad-request")
     problem(await http.post("/v1/functions/" + "a" * 64 + ":invoke", content=b"x"), 400, "bad-request")
+    long = problem(await http.post("/v1/functions/" + "a" * 5000 + ":invoke", content=b"x"), 400, "bad-request")
+    assert "a" * 40 + "..." in long["detail"] and len(long["detail"]) < 120  # the name is cut, not repeated whole
     problem(await http.post("/v1/functions/trainer:invoke", content=b"x"), 400, "bad-request")
     assert fake.calls == []
 

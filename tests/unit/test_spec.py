@@ -244,3 +244,14 @@ def test_config_values_are_strings_and_errors_name_the_key():
     assert parse(EMULATED + '[config]\na = "1"\nb = "x"\n').spec.config == {"a": "1", "b": "x"}
     msg = error(EMULATED + "[config]\nthreshold = 0.5\n")
     assert msg.startswith("function.toml: config.threshold: values are strings, got float")
+
+
+def test_a_long_bad_name_is_shown_cut_in_every_message():
+    """One rule words a bad name for the spec loader, the CLI and the gateway: its first 40
+    characters, then '...'."""
+    from dilu.client.spec import NAME_SHOWN, name_problem
+
+    assert name_problem("a" * 63) is None
+    why = name_problem("a" * 5000)
+    assert why == f"'{'a' * NAME_SHOWN}...' is not a function name (1..63 characters of A-Z a-z 0-9 _ -)"
+    assert name_problem("a.b") == "'a.b' is not a function name (1..63 characters of A-Z a-z 0-9 _ -)"
