@@ -179,7 +179,8 @@ class FunctionParams:
     the config's); ``keep_alive_s``: a fixed keep-alive window chosen by the function's owner
     (0: the idle-time histogram and the config's fallback decide); ``resume_ms``: time to bring a
     parked instance back (:func:`models.resume_ms`) and ``slo_ms`` its SLO, both ms (0: unknown,
-    then it is never parked)."""
+    then it is never parked); ``training``: a training job, which takes no requests and runs its
+    ``min_instances``."""
 
     target: float = 1.0
     min_instances: int = 0
@@ -191,6 +192,7 @@ class FunctionParams:
     keep_alive_s: float = 0.0
     resume_ms: float = 0.0
     slo_ms: float = 0.0
+    training: bool = False
 
     @property
     def parkable(self) -> bool:
@@ -767,7 +769,8 @@ class HorizontalPolicy:
         it), and with requests stored and no instance start one (holding at zero would strand
         them). Never more: an unknown backlog is not a large one."""
         want = max(d.current, f.params.min_instances)
-        d.reason = "backlog unknown: holding the current count"
+        d.reason = (f"training job (it takes no requests): its min_instances, {f.params.min_instances}"
+                    if f.params.training else "backlog unknown: holding the current count")
         if f.fresh and want < self.initial_scale(f.name):
             want = self.initial_scale(f.name)
             d.reason = f"backlog unknown: initial scale {want}"
@@ -1021,9 +1024,9 @@ def function_params(spec: FunctionSpec | None, profile: Profile | None, old: Fun
     sets the in-flight ``target`` (:func:`concurrency_target` of its batch and batch latency
     within ``slo_ms``, the function's SLO in ms, 0 when unknown) and ``instance_rps``, and, when
     it was measured at the limit quota (``limit_latency_ms`` > 0; older profiles lack it),
-    ``burst_target``/``burst_rps`` at its burst batch. What neither gives keeps ``old``'s value
-    (defaults without one: target 1, bounds 0..8, initial scale -1). ``spec``'s cold start gives
-    ``resume_ms`` (:func:`models.resume_ms`; a spec without one, a user's function, its memory
+    ``burst_target``/``burst_rps`` at its burst batch; ``spec``'s kind sets ``training``. What
+    neither gives keeps ``old``'s value (defaults without one: target 1, bounds 0..8, initial
+    scale -1). ``spec``'s cold start gives ``resume_ms`` (:func:`models.resume_ms`; a spec without one, a user's function, its memory
     reservation at ``RESUME_BANDWIDTH_BYTES_PER_S``: more than its weights, so an upper bound)
     and ``slo_ms`` is kept for :attr:`FunctionParams.parkable`. ``fixed_target`` > 0 (an
     operator's) replaces every target and drops the burst target. Raises ValueError (from
@@ -1033,7 +1036,9 @@ def function_params(spec: FunctionSpec | None, profile: Profile | None, old: Fun
     lo, hi = (old.min_instances, old.max_instances) if old else (0, 8)
     initial, keep_alive = (old.initial_scale, old.keep_alive_s) if old else (-1, 0.0)
     resume = old.resume_ms if old else 0.0
+    training = old.training if old else False
     if spec is not None:
+        training = spec.kind == "training"
         lo, hi = spec.min_instances, max(1, spec.max_instances, spec.min_instances)
         initial, keep_alive = spec.initial_scale, max(0.0, spec.keep_alive_s)
         # a user's function declares no cold start: its reservation bounds what a resume copies
@@ -1053,7 +1058,7 @@ def function_params(spec: FunctionSpec | None, profile: Profile | None, old: Fun
         target, burst_target = fixed_target, 0.0
     return FunctionParams(target=target, min_instances=lo, max_instances=hi, instance_rps=rps,
                           burst_target=burst_target, burst_rps=burst_rps, initial_scale=initial,
-                          keep_alive_s=keep_alive, resume_ms=resume,
+                          keep_alive_s=keep_alive, resume_ms=resume, training=training,
                           slo_ms=slo_ms if slo_ms > 0 else (old.slo_ms if old else 0.0))
 
 

@@ -46,6 +46,26 @@ def test_spec_sets_bounds_and_keeps_profile_sizing():
     assert p.target == old.target and p.instance_rps == old.instance_rps
 
 
+def test_a_training_job_is_held_at_its_min_instances_and_says_so():
+    """A training job has no request backlog: its decision names it a training job, not a backlog
+    that could not be read (what ``dilu status`` shows as its last decision)."""
+    from dilu.services.horizontal_scaler.policy import HorizontalConfig, HorizontalPolicy
+
+    spec = FunctionSpec(name="t", kind="training", min_instances=1, max_instances=1)
+    params = function_params(spec, None, None)
+    assert params.training and function_params(None, prof(), params).training  # kept without a spec
+    pol = HorizontalPolicy(HorizontalConfig(mode="lazy"))
+    pol.add_function("t", params)
+    pol.record("t", 1.0, None)
+    d = pol.decide("t", 1.0)
+    assert d.place == 1 and d.reason == "training job (it takes no requests): its min_instances, 1"
+    inference = FunctionParams(min_instances=1)
+    pol.add_function("i", inference)
+    pol.instance_starting("i", "i0", 1.0)
+    pol.record("i", 1.5, None)
+    assert pol.decide("i", 1.5).reason.startswith("backlog unknown")
+
+
 def test_fixed_target_overrides_every_target():
     p = function_params(None, prof(limit_latency_ms=25.0, limit_throughput_rps=320.0), None, slo_ms=100.0,
                         fixed_target=3.0)
