@@ -257,15 +257,18 @@ def test_a_misbehaving_invoke_is_a_counted_failure_never_a_lost_request():
 
 async def test_the_real_clock_never_returns_before_the_deadline_when_a_sleep_ends_early(monkeypatch):
     """uvloop's timers run on a cached ms clock, so a sleep can end up to ~1 ms early on
-    ``time.monotonic_ns``: the clock sleeps the rest instead of letting a send leave early."""
+    ``time.monotonic_ns``: the clock sleeps the rest instead of letting a send leave early.
+    The monotonic clock is faked too, so the early wake is exact however loaded the host is."""
     from dilu.loadgen import clock as clock_mod
 
-    real_sleep, asked = asyncio.sleep, []
+    now, asked = [1_000_000_000], []
 
-    async def early_sleep(delay_s):  # wakes 1 ms early, as a cached loop clock can
+    async def early_sleep(delay_s):  # wakes up to 1 ms early, as a cached loop clock can (time still moves on)
         asked.append(delay_s)
-        await real_sleep(max(0.0, delay_s - 0.001))
+        ns = round(delay_s * 1e9)
+        now[0] += max(ns - 1_000_000, ns // 2 + 1)
 
+    monkeypatch.setattr(clock_mod.time, "monotonic_ns", lambda: now[0])
     monkeypatch.setattr(clock_mod.asyncio, "sleep", early_sleep)
     c = clock_mod.MonotonicClock()
     deadline = c.now_ns() + 3_000_000
