@@ -8,6 +8,9 @@
  *   DILU_FAKE_GPU_NAME          model name (default "NVIDIA A100-SXM4-40GB")
  *   DILU_FAKE_GPU_MEMORY_BYTES  device memory per GPU (default 40 GiB)
  *   DILU_FAKE_GPU_SMS           multiprocessor count (default 108, an A100)
+ *   DILU_FAKE_CONTEXT_BYTES     device memory a process's CUDA context takes, charged at its first
+ *                               context and held until it exits (default 0: not modelled; the
+ *                               emulated node sets models.CONTEXT_BYTES, measured on an H200)
  *   DILU_FAKE_GPU_UUID_SEED     string the UUIDs derive from (default "dilu"; the agent uses its
  *                               node name, so two emulated nodes never share a UUID)
  *   DILU_FAKE_GPU               shared-memory name of the device timeline a process runs on
@@ -45,6 +48,11 @@ static inline int dilu_fake_first_index(void) { return (int)dilu_fake_env_ll("DI
 static inline uint64_t dilu_fake_memory_bytes(void)
 {
     return (uint64_t)dilu_fake_env_ll("DILU_FAKE_GPU_MEMORY_BYTES", (long long)DILU_FAKE_DEFAULT_MEMORY_BYTES);
+}
+static inline uint64_t dilu_fake_context_bytes(void)
+{
+    long long v = dilu_fake_env_ll("DILU_FAKE_CONTEXT_BYTES", 0);
+    return v > 0 ? (uint64_t)v : 0;
 }
 static inline int dilu_fake_sms(void)
 {

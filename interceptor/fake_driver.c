@@ -47,6 +47,9 @@
  * cuArray3DCreate_v2 (width x height x depth x channels x channel bytes), their frees
  * (cuMemFree(_v2), cuMemFreeAsync(+_ptsz), cuMemRelease, cuArrayDestroy), cuMemGetInfo(_v2).
  * The legacy cuMemAlloc / cuMemFree / cuMemGetInfo take 32-bit values, as the real driver's do.
+ * A process's first context (cuCtxCreate*, cuDevicePrimaryCtxRetain) also charges
+ * DILU_FAKE_CONTEXT_BYTES (default 0), held until the process ends; past the total it fails with
+ * CUDA_ERROR_OUT_OF_MEMORY, as a real context creation does (ctx_charge).
  * Queue depth: DILU_FAKE_QUEUE_DEPTH ops per stream (default 1024); a launch into a full stream
  * waits, as with a real driver's push buffer. DILU_FAKE_NULL_LAUNCH=1 makes launches return at
  * once without running (to measure what a caller of the driver adds per launch).
@@ -344,6 +347,8 @@ static uint64_t gpu_run(uint64_t desired, double dur_ns, uint64_t ctx, uint64_t 
  * counts alone against DILU_FAKE_GPU_MEMORY_BYTES. */
 static pthread_mutex_t g_mem_mu = PTHREAD_MUTEX_INITIALIZER; /* guards everything below */
 static uint64_t g_local_used;
+static pthread_mutex_t g_ctx_mu = PTHREAD_MUTEX_INITIALIZER; /* guards g_ctx_charged (ctx_charge) */
+static int g_ctx_charged; /* this process's context memory is charged */
 
 static void st32(uint32_t *p, uint32_t v) { __atomic_store_n(p, v, __ATOMIC_RELEASE); }
 static void st64(uint64_t *p, uint64_t v) { __atomic_store_n(p, v, __ATOMIC_RELEASE); }
@@ -546,6 +551,7 @@ static CUresult mem_delete(int cls, uint64_t addr)
 static void mem_forget_all(void)
 {
     pthread_mutex_init(&g_mem_mu, NULL);
+    pthread_mutex_init(&g_ctx_mu, NULL);
     for (unsigned b = 0; b < MEM_BUCKETS; b++) {
         for (struct mem_obj *o = g_mem_tab[b], *n; o; o = n) {
             n = o->next;
@@ -554,6 +560,24 @@ static void mem_forget_all(void)
         g_mem_tab[b] = NULL;
     }
     g_local_used = 0;
+    g_ctx_charged = 0;
+}
+
+/* A process's CUDA context takes device memory of its own (its kernels' code, the runtime's state:
+ * 300-600 MiB on current GPUs), apart from any allocation: the first context a process makes
+ * (created or primary) charges DILU_FAKE_CONTEXT_BYTES, held until the process ends, so a parked
+ * instance, whose process keeps its context, is seen holding it, as on a real GPU. */
+static CUresult ctx_charge(void)
+{
+    uint64_t bytes = dilu_fake_context_bytes();
+    if (!bytes)
+        return CUDA_SUCCESS;
+    pthread_mutex_lock(&g_ctx_mu);
+    CUresult r = g_ctx_charged ? CUDA_SUCCESS : mem_charge(bytes);
+    if (r == CUDA_SUCCESS)
+        g_ctx_charged = 1;
+    pthread_mutex_unlock(&g_ctx_mu);
+    return r;
 }
 
 /* ------------------------------------------------------------------ process-local objects */
@@ -1005,6 +1029,9 @@ API CUresult cuCtxCreate_v2(CUcontext *pctx, unsigned int flags, CUdevice d)
     if (!g_inited)
         return CUDA_ERROR_NOT_INITIALIZED;
     gpu_ensure();
+    CUresult r = ctx_charge();
+    if (r != CUDA_SUCCESS)
+        return r;
     struct ctx *c = calloc(1, sizeof *c);
     t_ctx = c;
     *pctx = (CUcontext)c;
@@ -1023,6 +1050,9 @@ API CUresult cuDevicePrimaryCtxRetain(CUcontext *pctx, CUdevice d)
     if (!g_inited)
         return CUDA_ERROR_NOT_INITIALIZED;
     gpu_ensure();
+    CUresult r = ctx_charge();
+    if (r != CUDA_SUCCESS)
+        return r;
     pthread_mutex_lock(&g_mu);
     if (!g_primary)
         g_primary = calloc(1, sizeof *g_primary);

@@ -130,14 +130,15 @@ def interceptor_env(cb_path: str, *, width: float, request_quota: float,
 
 def emulated_gpu_env(env: dict[str, str], *, gpu_name: str, sms: int = 108, index: int = 0,
                      model: str | None = None, memory_bytes: int | None = None,
-                     uuid_seed: str | None = None) -> dict[str, str]:
+                     uuid_seed: str | None = None, context_bytes: int = 0) -> dict[str, str]:
     """Adds what runs a process on one emulated GPU (the fake driver first on LD_LIBRARY_PATH)
     to ``env`` and returns it (see interceptor/dilu_fake_gpu.h for each variable).
 
     gpu_name: the device timeline (processes naming it share one emulated GPU); sms: its SM
     count (the first process to open the GPU fixes it); index: its node-level index (so the
-    driver's UUID matches NVML's); model, memory_bytes, uuid_seed: the node's configuration.
-    Raises NativeMissing when the fake driver is not built.
+    driver's UUID matches NVML's); model, memory_bytes, uuid_seed: the node's configuration;
+    context_bytes: device memory the process's CUDA context takes (0: not modelled; the emulated
+    node uses ``models.CONTEXT_BYTES``). Raises NativeMissing when the fake driver is not built.
     """
     libdir = str(fake_driver_dir())
     env["LD_LIBRARY_PATH"] = ":".join(p for p in (libdir, env.get("LD_LIBRARY_PATH", "")) if p)
@@ -151,6 +152,10 @@ def emulated_gpu_env(env: dict[str, str], *, gpu_name: str, sms: int = 108, inde
         env["DILU_FAKE_GPU_MEMORY_BYTES"] = str(int(memory_bytes))
     if uuid_seed:
         env["DILU_FAKE_GPU_UUID_SEED"] = uuid_seed
+    if context_bytes:
+        env["DILU_FAKE_CONTEXT_BYTES"] = str(int(context_bytes))
+    else:
+        env.pop("DILU_FAKE_CONTEXT_BYTES", None)
     return env
 
 

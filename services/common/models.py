@@ -30,11 +30,15 @@ LOAD_BANDWIDTH_BYTES_PER_S = 4e9
 # deserialisation, at about half of PCIe 4.0 x16's 25 GB/s peak (an assumption until a node
 # measures it; dilu sim's parking, horizontal_scaler.policy).
 RESUME_BANDWIDTH_BYTES_PER_S = 12e9
+# GPU memory a process's CUDA context takes, apart from its allocations (the kernels loaded into
+# it, the runtime's state; part of MEMORY_FIXED_BYTES). Measured on an H200 under PyTorch
+# (docs/measurements/h200-gpu-check.json, memory step): NVML showed 882 MiB for a process with
+# 260 MiB allocated, 622 MiB besides its allocations; rounded up. The emulated node's fake driver
+# charges it to each instance's process (DILU_FAKE_CONTEXT_BYTES, devices.Device.gpu_env).
+CONTEXT_BYTES = 640 * 2**20
 # GPU memory a parked instance's process keeps: its weights and allocator pools are freed, its
-# CUDA context and the kernels loaded into it are not (part of MEMORY_FIXED_BYTES). Measured on an
-# H200 under PyTorch (docs/measurements/h200-gpu-check.json, memory step): NVML showed 882 MiB for
-# a process with 260 MiB allocated, 622 MiB besides its allocations; rounded up.
-PARKED_BYTES = 640 * 2**20
+# CUDA context is not.
+PARKED_BYTES = CONTEXT_BYTES
 # An instance's process start and imports before it loads weights (Python on an A100 node); the
 # emulated node pays it for real, so only the simulator uses this figure (dilu sim --process-start-ms).
 PROCESS_START_MS = 1000.0

@@ -27,6 +27,7 @@ from pathlib import Path
 from dilu.contracts.events import GpuInfo, NvmlSample
 
 from dilu.services.common import logging as dlog
+from dilu.services.common import models
 
 from . import mps as mps_mod
 from . import nvml, segments
@@ -134,12 +135,14 @@ class Device:
     def gpu_env(self, env: dict[str, str], gpu: Gpu, *, width: float, memory_bytes: int) -> dict[str, str]:
         """Adds what runs an instance on ``gpu`` to ``env``: the fake driver and its timeline
         (emulated), or ``CUDA_VISIBLE_DEVICES`` and the MPS client settings (real GPU).
-        ``width``: SM fraction 0..1; ``memory_bytes``: the instance's reservation."""
+        ``width``: SM fraction 0..1; ``memory_bytes``: the instance's reservation. An emulated
+        instance's CUDA context takes ``models.CONTEXT_BYTES`` of its GPU, as a real one does."""
         if self.kind == "emulated":
             from dilu.interceptor import native
 
             return native.emulated_gpu_env(env, gpu_name=gpu.timeline, sms=gpu.sms, index=gpu.index,
-                                           model=gpu.name, memory_bytes=gpu.memory_bytes, uuid_seed=self.uuid_seed)
+                                           model=gpu.name, memory_bytes=gpu.memory_bytes, uuid_seed=self.uuid_seed,
+                                           context_bytes=models.CONTEXT_BYTES)
         if self.kind == "nvml":
             env["CUDA_VISIBLE_DEVICES"] = gpu.uuid
             env["CUDA_DEVICE_ORDER"] = "PCI_BUS_ID"

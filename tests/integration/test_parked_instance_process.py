@@ -1,7 +1,8 @@
 """Parking an instance process live, driven as the node agent drives it: launched with the agent's
 arguments against a real nats-server, SIGUSR1 to park, SIGUSR2 to resume, SIGTERM to stop, its
 stdout lines read (READY [parkable], PARKED, PARK-FAILED, FAILED). Users' classes run on device
-cpu; the emulated model runs on the fake driver, where parking must give its memory back."""
+cpu; the emulated model runs on the fake driver, where parking must give its weights' memory back
+and keep its context's."""
 from __future__ import annotations
 
 import asyncio
@@ -274,15 +275,20 @@ MEM_INFO = "from dilu.interceptor.cuda import Driver; import json; print(json.du
 
 
 @pytest.mark.native
-async def test_a_parked_emulated_instance_holds_no_device_memory(nats_url, tmp_path):
+async def test_a_parked_emulated_instance_keeps_only_its_context_on_the_gpu(nats_url, tmp_path):
+    """What the scheduler counts for a parked instance (``models.PARKED_BYTES``) is what its
+    process holds on the emulated GPU: its CUDA context, the weights gone until it resumes."""
     from dilu.interceptor import native, timeline
 
     native.build()
     gpu, total = f"test-park-{uuid.uuid4().hex[:8]}", 8 << 30
-    gpu_env = native.emulated_gpu_env(dict(os.environ), gpu_name=gpu, memory_bytes=total)  # no interceptor
+    gpu_env = native.emulated_gpu_env(dict(os.environ), gpu_name=gpu, memory_bytes=total,
+                                      context_bytes=models.CONTEXT_BYTES)  # as the node agent's; no interceptor
+    reader_env = native.emulated_gpu_env(dict(os.environ), gpu_name=gpu, memory_bytes=total)  # its context: 0
 
     def free_bytes() -> int:  # as another process on the same emulated GPU reads it
-        out = subprocess.run([sys.executable, "-c", MEM_INFO], env=gpu_env, capture_output=True, text=True, check=True)
+        out = subprocess.run([sys.executable, "-c", MEM_INFO], env=reader_env, capture_output=True, text=True,
+                             check=True)
         return json.loads(out.stdout)[0]
 
     weights = models.weight_bytes("bert_base")
@@ -291,14 +297,15 @@ async def test_a_parked_emulated_instance_holds_no_device_memory(nats_url, tmp_p
             await env.deploy(name="emu", model="bert_base", slo_ms=1000.0, cold_start_ms=300.0, code="", memory_bytes=0)
             proc = await env.launch("e1", "emu", device="emulated", env=gpu_env)
             assert await line(proc) == "READY parkable", proc.log_path.read_text()
-            assert free_bytes() == total - weights
+            assert free_bytes() == total - models.CONTEXT_BYTES - weights
             assert await signalled(proc, signal.SIGUSR1) == "PARKED"
-            assert free_bytes() == total
+            assert free_bytes() == total - models.PARKED_BYTES
             assert await signalled(proc, signal.SIGUSR2) == "READY parkable"
-            assert free_bytes() == total - weights
+            assert free_bytes() == total - models.CONTEXT_BYTES - weights
             assert await call(env, "emu", b"four") == b"4"
             resumed = [json.loads(x) for x in proc.log_path.read_text().splitlines() if "instance resumed" in x]
             assert len(resumed) == 1 and resumed[0]["resume_ms"] >= 0.95 * models.resume_ms(300.0)
             assert await exit_code(proc) == 0
+            assert free_bytes() == total  # its context ended with its process
     finally:
         timeline.unlink_gpu(gpu)

@@ -287,6 +287,47 @@ def test_fake_driver_reclaims_what_dead_processes_held(gpu, holders):
     assert alloc(env, 256 * MiB, 4)["ok"] == 4
 
 
+def test_a_context_takes_device_memory_once_per_process_until_it_ends(gpu):
+    """DILU_FAKE_CONTEXT_BYTES (the emulated node sets models.CONTEXT_BYTES): a process's first
+    context is charged it, a second context is not, and it is given back when the process ends;
+    a context that does not fit is refused with CUDA_ERROR_OUT_OF_MEMORY, as a real driver's is."""
+    env = bare_env(gpu, 1 * GiB) | {"DILU_FAKE_CONTEXT_BYTES": str(256 * MiB)}
+    out = run_python(f"""
+        import ctypes
+        from dilu.interceptor.cuda import CudaError, Driver
+        d = Driver.load()
+        out["after_context"] = d.mem_get_info()
+        primary = ctypes.c_void_p()
+        out["retain"] = ctypes.CDLL("libcuda.so.1").cuDevicePrimaryCtxRetain(ctypes.byref(primary), 0)
+        out["after_primary"] = d.mem_get_info()
+        out["ptr"] = d.mem_alloc(768 * {MiB})
+        try:
+            d.mem_alloc(1)
+        except CudaError as exc:
+            out["past"] = exc.code
+    """, env)
+    assert out["after_context"] == [768 * MiB, 1 * GiB]
+    assert (out["retain"], out["after_primary"]) == (0, [768 * MiB, 1 * GiB])
+    assert out["ptr"] > 0 and out["past"] == OOM
+    after = run_python("""
+        from dilu.interceptor.cuda import CudaError, Driver
+        out["free"] = Driver.load().mem_get_info()[0]
+    """, env)
+    assert after["free"] == 768 * MiB  # the first process's context went with it; this one's is held
+    too_big = run_python("""
+        from dilu.interceptor.cuda import CudaError, Driver
+        try:
+            Driver.load()
+        except CudaError as exc:
+            out["refused"] = [exc.call, exc.code]
+    """, env | {"DILU_FAKE_CONTEXT_BYTES": str(2 * GiB)})
+    assert too_big["refused"] == ["cuCtxCreate_v2", OOM]
+    assert run_python("""
+        from dilu.interceptor.cuda import Driver
+        out["free"] = Driver.load().mem_get_info()[0]
+    """, bare_env(gpu, 1 * GiB))["free"] == 1 * GiB  # not modelled unless set
+
+
 def _fake_uuid(index: int, seed: str) -> bytes:
     """dilu_fake_uuid (dilu_fake_gpu.h) in Python."""
     h = 0xCBF29CE484222325

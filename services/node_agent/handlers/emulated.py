@@ -25,8 +25,9 @@ By the function's kind:
   grant: a training job soaks idle share and yields when inference is pressed.
 
 Parking (:func:`park`, :func:`resume`): the weights' device memory is freed and allocated again,
-so the interceptor, NVML and the fake driver all see a parked instance hold none; a resume lasts
-the weight copy from pinned host memory, :func:`dilu.services.common.models.resume_ms`.
+so the interceptor, NVML and the fake driver all see a parked instance hold only its CUDA context
+(which the fake driver charges on the emulated node: ``models.CONTEXT_BYTES``); a resume lasts the
+weight copy from pinned host memory, :func:`dilu.services.common.models.resume_ms`.
 """
 from __future__ import annotations
 
