@@ -15,13 +15,13 @@ import click
 from dilu.loadgen.arrivals import SPEEDUP_MAX, SPEEDUP_MIN
 from dilu.loadgen.sim.calibrate import MIN_BATCHES, MIN_STARTS
 from dilu.services.common import models
-from dilu.services.common.cliopts import PARK_AFTER_S_TYPE, Finite, ZeroOrAtLeast, writable_dir, writable_output, write_output
+from dilu.services.common.cliopts import (PARK_AFTER_S_TYPE, Finite, ZeroOrAtLeast, flag_envvar, writable_dir,
+                                         writable_output, write_output)
 from dilu.services.common.interrupt import Interrupt, SignalExit
 from dilu.services.common.policies import DEFRAG_INTERVAL_MIN_S, DEFRAG_INTERVAL_S, PARK_AFTER_S, POLICIES
 from dilu.services.horizontal_scaler.policy import HorizontalConfig
 from dilu.services.scheduler.bench import workloads_epilog
 
-ENV = "DILU"
 _WORKLOAD_OPTIONS = ("workload", "nodes", "gpus_per_node", "json_path")  # what a --workload run reads
 
 
@@ -52,7 +52,7 @@ def _functions(_ctx, param, value: str) -> int | str:
 def _opt(*decls, **kw):
     """A click option whose variable is DILU_<FLAG>."""
     flag = next(d for d in decls if d.startswith("--"))
-    return click.option(*decls, envvar=f"{ENV}_{flag[2:].replace('-', '_').upper()}", show_envvar=True, **kw)
+    return click.option(*decls, envvar=flag_envvar(flag, not kw.get("is_flag")), show_envvar=True, **kw)
 
 
 @click.command("sim", epilog=workloads_epilog())

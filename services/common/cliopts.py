@@ -311,6 +311,15 @@ def write_output(path, text: str) -> None:
         raise click.ClickException(f"cannot write {path}: {exc.strerror or exc}") from None
 
 
+def flag_envvar(flag: str, takes_value: bool = True) -> str:
+    """The variable an option with long flag ``flag`` comes from: ``DILU_<FLAG>`` (``--nats-url``
+    -> ``DILU_NATS_URL``), but ``DILU_JSON_PATH`` for a ``--json PATH`` that names a report file:
+    ``DILU_JSON`` is the switch that makes a command print its result, and its errors, as JSON
+    (``DILU_JSON=1``), which a command that writes a file must not read as a file named ``1``."""
+    name = flag[2:].replace("-", "_").upper()
+    return f"{ENV_PREFIX}_{name}_PATH" if name == "JSON" and takes_value else f"{ENV_PREFIX}_{name}"
+
+
 def flag_envvars(command: click.Command) -> click.Command:
     """Let each option of ``command`` (and of its subcommands) that names no variable of its own
     come from ``DILU_<FLAG>``, named after its long flag (``--nats-url`` -> ``DILU_NATS_URL``,
@@ -323,7 +332,7 @@ def flag_envvars(command: click.Command) -> click.Command:
             continue
         longs = [o for o in param.opts if o.startswith("--")]
         if param.envvar is None and longs:
-            param.envvar = f"{ENV_PREFIX}_{longs[0][2:].replace('-', '_').upper()}"
+            param.envvar = flag_envvar(longs[0], not param.is_flag)
         if param.envvar:
             param.show_envvar = True
         unit = longs[0].rsplit("-", 1)[-1] if longs else ""

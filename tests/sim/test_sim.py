@@ -193,13 +193,17 @@ def test_outputs_that_cannot_be_written_fail_in_one_line(tmp_path):
     assert r.exit_code == 1 and "cannot write /dev/full" in r.output and "Traceback" not in r.output, r.output
 
 
-def test_options_from_the_environment(tmp_path):
+def test_options_from_the_environment(tmp_path, monkeypatch):
+    """Each option from its DILU_<FLAG>; the report file from DILU_JSON_PATH, while DILU_JSON=1
+    (the switch that makes other commands print JSON) is not taken for a file named '1'."""
     out = tmp_path / "env.json"
-    r = CliRunner().invoke(main, ["sim"], env={"DILU_FUNCTIONS": "4", "DILU_HOURS": "0.02",
-                                               "DILU_POLICIES": "exclusive", "DILU_JSON": str(out)})
+    monkeypatch.chdir(tmp_path)
+    r = CliRunner().invoke(main, ["sim"], env={"DILU_FUNCTIONS": "4", "DILU_HOURS": "0.02", "DILU_JSON": "1",
+                                               "DILU_POLICIES": "exclusive", "DILU_JSON_PATH": str(out)})
     assert r.exit_code == 0, r.output
     data = json.loads(out.read_text())
     assert list(data["policies"]) == ["exclusive"] and data["policies"]["exclusive"]["run"]["functions"] == 4
+    assert not (tmp_path / "1").exists()
 
 
 def test_plots_are_written(tmp_path):
