@@ -175,6 +175,7 @@ def _simulate(console, stop: SignalExit, trace_dir, functions, hours, nodes, gpu
         console.print(f"[dim]with the overheads of {overheads_path} (drawn with seed "
                       f"{seed if overheads_seed is None else overheads_seed}); {start}[/dim]", highlight=False)
 
+    _check_span(console, trace_dir, hours, start_minute, speedup)
     try:
         cfg = SimConfig(trace_dir=trace_dir, functions=functions, hours=hours, nodes=nodes, gpus_per_node=gpus_per_node,
                         seed=seed, training_jobs=training_jobs, start_minute=start_minute,
@@ -191,9 +192,30 @@ def _simulate(console, stop: SignalExit, trace_dir, functions, hours, nodes, gpu
         stop.line = f"{exc}: {', '.join(done) + ' finished' if done else 'no policy finished'}"
         if done:
             exc.partial["sim"]["interrupted"] = {"during": exc.policy, "policies_asked": policies}
-            _show(exc.partial, console, functions, hours, speedup, json_path, plots_dir)
+            _show(exc.partial, console, functions, json_path, plots_dir)
         raise Interrupt from None  # SignalExit: the line, and 128 + the signal (Ctrl-C's when none)
-    _show(out, console, functions, hours, speedup, json_path, plots_dir)
+    _show(out, console, functions, json_path, plots_dir)
+
+
+def _check_span(console, trace_dir, hours: float, start_minute: int | None, speedup: float) -> None:
+    """Before anything is simulated: a --start-minute outside the trace is a bad option (exit 2),
+    and --hours past the trace's end is said at once (the run simulates what the trace holds). A
+    trace that cannot be read is left to the run, which says why."""
+    from dilu.loadgen import arrivals
+    from dilu.loadgen.trace import TraceError, read_trace
+
+    try:
+        tr = read_trace(trace_dir)
+    except (TraceError, OSError, ValueError):
+        return
+    try:
+        held_s = arrivals.replay_s(tr, duration_s=hours * 3600.0 / speedup, speedup=speedup, start_minute=start_minute)
+    except ValueError as exc:
+        raise click.BadParameter(str(exc), param_hint="--start-minute") from None
+    span_h = held_s * speedup / 3600.0
+    if span_h < hours * (1 - 1e-6):
+        console.print(f"[yellow]--hours {hours:g}: the trace has only {span_h:g} hours from its start minute; "
+                      f"simulating those[/yellow]", highlight=False)
 
 
 def _count(n: int, noun: str, plural: str | None = None) -> str:
@@ -215,8 +237,7 @@ def _parking_line(name: str, s: dict) -> str:
             f"{_count(waits, 'request')} waited for a resume (no launch: not {'a cold-start request' if waits == 1 else 'cold-start requests'})")
 
 
-def _show(out: dict, console, functions, hours: float, speedup: float, json_path: str | None,
-          plots_dir: str | None) -> None:
+def _show(out: dict, console, functions, json_path: str | None, plots_dir: str | None) -> None:
     """Print the comparison of ``out`` (:func:`simulate`'s output) and write its JSON and plots."""
     from dilu.loadgen import report
 
@@ -224,10 +245,6 @@ def _show(out: dict, console, functions, hours: float, speedup: float, json_path
     if isinstance(functions, int) and first["run"]["functions"] < functions:
         console.print(f"[yellow]--functions {functions}: the span has only {first['run']['functions']} functions "
                       f"with invocations; simulated those[/yellow]")
-    span_h = first["run"]["duration_s"] * speedup / 3600.0  # the plan's span, in trace hours
-    if span_h < hours * (1 - 1e-6):
-        console.print(f"[yellow]--hours {hours:g}: the trace has only {span_h:g} hours from its start minute; "
-                      f"simulated those[/yellow]", highlight=False)
     report.render_compare({k: report.Report.from_dict(v) for k, v in out["policies"].items()}, console, simulated=True)
     for name, s in out["sim"]["policies"].items():
         console.print(f"{name}: {s['events']:,} events in {s['wall_s']:.1f} s; peak {_count(s['peak_active_gpus'], 'active GPU')}, "

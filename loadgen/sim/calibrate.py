@@ -53,10 +53,14 @@ def process_starts_ms(log: Path, model_of: dict[str, str]) -> list[tuple[int, fl
     """The process starts of the instances a live run launched once its initial ones were up, from
     the node agent's JSON log (module docstring): (other instances starting on the node at its
     launch, process start in ms) each; empty when it launched none then. ``model_of``: function
-    name -> model. Raises OSError, or ValueError naming the log (and line) when a line is not
-    JSON, a ready line is malformed or no instance became ready in it."""
+    name -> model. Raises OSError, or ValueError naming the log (and line) when it is not UTF-8
+    text, a line is not JSON, a ready line is malformed or no instance became ready in it."""
     ready: list[_Ready] = []
-    for n, line in enumerate(log.read_text().splitlines(), 1):
+    try:
+        text = log.read_text()
+    except UnicodeDecodeError:
+        raise ValueError(f"{log}: not text (not UTF-8): not the node agent's log of a run") from None
+    for n, line in enumerate(text.splitlines(), 1):
         if not line.startswith("{"):
             continue
         try:

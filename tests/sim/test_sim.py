@@ -193,6 +193,19 @@ def test_outputs_that_cannot_be_written_fail_in_one_line(tmp_path):
     assert r.exit_code == 1 and "cannot write /dev/full" in r.output and "Traceback" not in r.output, r.output
 
 
+def test_the_span_is_checked_before_anything_is_simulated():
+    """A start minute the trace does not hold is a bad option (exit 2, naming it); --hours past the
+    trace's end is said before the first policy runs, not after the last."""
+    r = CliRunner().invoke(main, ["sim", "--start-minute", "99999999", "--hours", "0.01"])
+    assert r.exit_code == 2 and "'--start-minute'" in r.output and "outside the trace" in r.output, r.output
+    r = CliRunner().invoke(main, ["sim", "--functions", "1", "--hours", "0.05", "--start-minute", "958",
+                                  "--policies", "exclusive"])
+    assert r.exit_code == 0, r.output
+    out = " ".join(r.output.split())
+    warned = out.find("--hours 0.05: the trace has only 0.0333333 hours from its start minute")
+    assert 0 <= warned < out.find("simulating policy exclusive"), r.output
+
+
 def test_options_from_the_environment(tmp_path, monkeypatch):
     """Each option from its DILU_<FLAG>; the report file from DILU_JSON_PATH, while DILU_JSON=1
     (the switch that makes other commands print JSON) is not taken for a file named '1'."""

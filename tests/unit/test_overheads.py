@@ -202,6 +202,13 @@ def test_calibrate_names_the_file_it_cannot_use(tmp_path: Path, kw, words):
         cal.calibrate([_log_dir(tmp_path / "run", **kw)])
 
 
+def test_calibrate_names_a_log_that_is_not_text(tmp_path: Path):
+    run = _log_dir(tmp_path / "run")
+    (run / cal.NODE_AGENT_LOG).write_bytes(b"\x89PNG\r\n\x1a\n\xff\xfe")
+    with pytest.raises(ValueError, match=r"node_agent.log: not text \(not UTF-8\)"):
+        cal.calibrate([run])
+
+
 def test_logs_moved_off_their_checkout_calibrate_against_the_bundled_sample(tmp_path: Path):
     """A report records the trace directory's absolute path; the bundled sample's, from a checkout
     that is gone, is this checkout's copy (the run is simulated: too short to calibrate, it says
