@@ -44,6 +44,11 @@ BENCHES: dict[str, str] = {
 }
 
 
+# click >= 8.2 raises this (a UsageError whose text is the group's help) for a group run without its
+# command; click 8.1 prints the help itself
+_NO_ARGS_IS_HELP = getattr(click.exceptions, "NoArgsIsHelpError", ())
+
+
 class LazyGroup(click.Group):
     """A click group whose subcommands are imported only when used, and whose bad values say
     which variable they came from (:func:`name_envvar`)."""
@@ -89,6 +94,8 @@ class LazyGroup(click.Group):
         except KeyboardInterrupt:  # Ctrl-C the command did not take itself: 128 + SIGINT, as a shell
             # reports it (click's own "Aborted!" and exit 1 would read as a failed function or deploy)
             raise SystemExit(128 + signal.SIGINT) from None
+        except _NO_ARGS_IS_HELP:  # a group named without its command (dilu bench): its help, as `dilu` shows
+            raise
         except click.UsageError as exc:  # a subcommand's: both its parsing and its body run in here
             if isinstance(exc, click.BadParameter):
                 name_envvar(exc)

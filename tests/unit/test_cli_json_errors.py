@@ -56,6 +56,16 @@ def test_a_usage_error_of_a_group_or_a_nested_command_is_one_line_too(args):
     assert res.exit_code == 2 and res.stderr.count("\n") == 1 and res.stderr.startswith("Error: "), res.stderr
 
 
+@pytest.mark.parametrize("group", ["events", "bench"])
+def test_a_group_named_without_its_command_shows_its_help_not_an_error(group):
+    """`dilu bench` alone: its help (its commands listed), as `dilu` alone shows, not the help
+    text wrapped in an "Error: ..." line."""
+    res = CliRunner().invoke(main, [group], prog_name="dilu")
+    assert res.exit_code in (0, 2)  # click 8.1 exits 0 there, click >= 8.2 exits 2
+    assert res.output.startswith(f"Usage: dilu {group} ") and "Commands:" in res.output, res.output
+    assert "Error" not in res.output
+
+
 def test_deploy_help_lists_its_exit_codes():
     out = CliRunner().invoke(main, ["deploy", "--help"]).output
     assert "Exit codes:" in out and "4  no capacity: no GPU of the cluster can take one instance" in out
