@@ -209,6 +209,15 @@ def test_training_has_no_objectives_and_defaults_to_one_instance_and_its_priorit
     assert parse("priority = \"best-effort\"\n" + base).spec.priority == "best-effort"
 
 
+@pytest.mark.parametrize("lines, says", [
+    ("min_instances = 3\nmax_instances = 2", "max_instances: must be >= min_instances (3), got 2"),
+    ("min_instances = 10", "max_instances: must be >= min_instances (10), got 8 (the default)"),
+])
+def test_a_max_below_the_min_is_worded_as_the_pair(lines, says):
+    """Each is within its own range: the message names what is wrong, the pair."""
+    assert error(lines + "\n" + EMULATED) == f"function.toml: {says}"
+
+
 @pytest.mark.parametrize("line, field", [
     ("max_batch = 0", "max_batch"), ("max_batch = 1025", "max_batch"),
     ("min_instances = -1", "min_instances"), ("max_instances = 0", "max_instances"),
