@@ -264,8 +264,9 @@ def _reply_json(reply: Reply) -> dict:
               help="the request: @FILE (its bytes), - (stdin) or the text itself [default: empty]")
 @click.option("--timeout", "timeout_s", type=Finite(min=0.001, max=MAX_TIMEOUT_S), default=30.0, metavar="S",
               show_default=True, help="seconds to wait for the reply")
-@click.option("--stream", is_flag=True, help="write each chunk of a streamed (llm) reply as it arrives; a function that does not stream "
-                   "writes its reply as one chunk")
+@click.option("--stream", is_flag=True,
+              help="write each chunk of a streamed (llm) reply as it arrives; a function that does not "
+                   "stream writes its reply as one chunk")
 @nats_options
 @json_option
 def invoke(name: str, data: str, timeout_s: float, stream: bool, nats: NatsOptions, as_json: bool) -> None:
