@@ -326,7 +326,7 @@ def _scale(c: _Checker, raw: SpecFile) -> tuple[int, int, int]:
     default_min = 1 if raw.kind == "training" else 0
     lo = (c.integer("min_instances", raw.min_instances, 0, MAX_INSTANCES_LIMIT) if _given(raw.min_instances)
           else default_min)
-    if lo > 1 and 1 <= raw.max_instances < lo:  # in range on its own: the pair is what is wrong
+    if 1 <= raw.max_instances < lo:  # in range on its own: the pair is what is wrong
         default = " (the default)" if raw.max_instances == DEFAULT_MAX_INSTANCES else ""
         c.fail("max_instances", f"must be >= min_instances ({lo}), got {raw.max_instances}{default}")
     hi = c.integer("max_instances", raw.max_instances, max(1, lo), MAX_INSTANCES_LIMIT)
