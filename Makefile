@@ -24,12 +24,13 @@ demo: $(STAMP)
 	$(VENV)/bin/dilu demo $(ARGS)
 
 # Pure tests share both cores (pytest-xdist); those that read the clock through other processes
-# then run one at a time (the `serial` mark, set in tests/conftest.py). ARGS runs pytest once, as given.
+# (the `serial` mark, set in tests/conftest.py) then run two at a time, the live-cluster runs
+# (`slow`) one after another on one worker. ARGS runs pytest once, as given.
 test: $(STAMP)
 	$(PY) -m dilu.interceptor.build
 ifeq ($(strip $(ARGS)),)
 	$(PY) -m pytest -q -p no:cacheprovider -n 2 --dist worksteal -m "not serial"
-	$(PY) -m pytest -q -p no:cacheprovider -m serial
+	$(PY) -m pytest -q -p no:cacheprovider -n 2 --dist loadgroup -m serial
 else
 	$(PY) -m pytest -q -p no:cacheprovider $(ARGS)
 endif

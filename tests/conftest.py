@@ -10,19 +10,25 @@ import pytest
 from dilu.services.common.natsserver import EmbeddedNats
 
 
-# Tests that read the clock through other processes (a nats-server, the emulated device's timeline,
-# live services) run one at a time; the rest are pure computation and share the cores
-# (``make test`` runs them with pytest-xdist, then the serial ones alone).
+# ``make test`` runs the pure computation first, on both cores (pytest-xdist); then the tests that
+# read the clock through other processes (a nats-server, the emulated device's timeline, live
+# services: the ``serial`` mark), two at a time: they mostly wait, so two of them use about one
+# core of the two. The ``slow`` ones each run a whole live cluster under load; they share one
+# worker (``--dist loadgroup``), so no two live clusters ever run at once.
 _PARALLEL_DIRS = ("unit", "sim", "fuzz")
 _SERIAL_MARKS = ("nats", "native", "slow")
+LIVE_GROUP = "live-cluster"
 
 
+@pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads the groups
 def pytest_collection_modifyitems(config, items):
     tests = Path(__file__).parent
     for item in items:
         top = item.path.relative_to(tests).parts[0]
         if top not in _PARALLEL_DIRS or any(item.get_closest_marker(m) for m in _SERIAL_MARKS):
             item.add_marker(pytest.mark.serial)
+        if item.get_closest_marker("slow"):
+            item.add_marker(pytest.mark.xdist_group(LIVE_GROUP))
 
 
 @pytest.fixture

@@ -190,7 +190,8 @@ async def test_status_shows_nodes_functions_and_instances(nc, nats_url, services
     parked = ev.Placement(instance_id="echo-i2", function="echo", node="node-a", gpu=2, request_quota=0.3,
                           limit_quota=0.6, width=0.6, memory_bytes=2**30, parked=True)
     await (await nc.jetstream().key_value(subjects.PLACEMENT_BUCKET)).put("echo-i2", encode(parked))
-    r = await dilu("status", "--listen", "0.2", "--nats-url", nats_url)
+    # the report's width in a pipe (xdist workers set COLUMNS=80, which splits the tables differently)
+    r = await dilu("status", "--listen", "0.2", "--nats-url", nats_url, env={"COLUMNS": "100"})
     assert r.exit_code == 0, r.output
     for text in ("Nodes (1)", "NVIDIA A100-SXM4-40GB", "40.0 GiB", "108", "Functions (1)", "echo", "500 ms", "0.30 / 0.60 / 4",
                  "ready 1, desired 1, parked 1", "out 1 (burst)", "echo-i1", "node-a"):
