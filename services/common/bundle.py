@@ -12,6 +12,7 @@ import hashlib
 import io
 import os
 import shutil
+import stat
 import tempfile
 import zipfile
 from pathlib import Path
@@ -39,7 +40,9 @@ def pack(folder: str | os.PathLike) -> tuple[bytes, str]:
     """Zip ``folder`` (files sorted by path, fixed timestamps, caches and VCS folders left out);
     returns ``(zip bytes, key)`` with key ``sha256-<hex of the zip>``.
 
-    Raises BundleError when the folder is missing or the bundle exceeds ``MAX_BUNDLE_BYTES``.
+    Raises BundleError when the folder is missing, holds a file that is not a regular file (a
+    pipe, socket or device, also behind a symbolic link: reading one would block or never end)
+    or one that cannot be read, or when the bundle exceeds ``MAX_BUNDLE_BYTES``.
     """
     root = Path(folder)
     if not root.is_dir():
@@ -50,18 +53,37 @@ def pack(folder: str | os.PathLike) -> tuple[bytes, str]:
         for name in sorted(filenames):
             if not name.endswith(SKIP_SUFFIXES):
                 files.append(Path(dirpath) / name)
-    total = sum(f.stat().st_size for f in files)
+    total = sum(_regular_size(root, f) for f in files)
     if total > MAX_BUNDLE_BYTES:
         raise BundleError(f"code folder {str(root)!r} holds {total} bytes, over the {MAX_BUNDLE_BYTES}-byte limit "
                           "(load weights at run time instead of shipping them)")
     buf = io.BytesIO()
     with zipfile.ZipFile(buf, "w", zipfile.ZIP_DEFLATED) as zf:
         for f in sorted(files):
-            info = zipfile.ZipInfo(f.relative_to(root).as_posix(), date_time=_ZIP_TIME)
+            name = f.relative_to(root).as_posix()
+            info = zipfile.ZipInfo(name, date_time=_ZIP_TIME)
             info.external_attr = 0o644 << 16
-            zf.writestr(info, f.read_bytes(), compress_type=zipfile.ZIP_DEFLATED)
+            try:
+                content = f.read_bytes()
+            except OSError as exc:
+                raise BundleError(f"code folder {str(root)!r}: cannot read {name!r}: {exc.strerror or exc}") from None
+            zf.writestr(info, content, compress_type=zipfile.ZIP_DEFLATED)
     data = buf.getvalue()
     return data, "sha256-" + hashlib.sha256(data).hexdigest()
+
+
+def _regular_size(root: Path, f: Path) -> int:
+    """The size (bytes) of ``f``, a file under ``root`` to bundle (a symbolic link counts as what it
+    points to). Raises BundleError for anything but a regular file and for a file it cannot stat."""
+    name = f.relative_to(root).as_posix()
+    try:
+        st = f.stat()
+    except OSError as exc:
+        raise BundleError(f"code folder {str(root)!r}: cannot read {name!r}: {exc.strerror or exc}") from None
+    if not stat.S_ISREG(st.st_mode):
+        raise BundleError(f"code folder {str(root)!r}: {name!r} is not a regular file (a pipe, socket or "
+                          "device); remove it from the folder")
+    return st.st_size
 
 
 CODE_STORE_CONFIG = ObjectStoreConfig(bucket=subjects.CODE_BUCKET, description="Dilu function code")
