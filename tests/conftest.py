@@ -14,7 +14,8 @@ from dilu.services.common.natsserver import EmbeddedNats
 # read the clock through other processes (a nats-server, the emulated device's timeline, live
 # services: the ``serial`` mark), two at a time: they mostly wait, so two of them use about one
 # core of the two. The ``slow`` ones each run a whole live cluster under load; they share one
-# worker (``--dist loadgroup``), so no two live clusters ever run at once.
+# worker (``--dist loadgroup``), so no two live clusters ever run at once. A ``solo`` test (marked
+# in its module: it must outpace the emulated GPU from the host) runs last, alone.
 _PARALLEL_DIRS = ("unit", "sim", "fuzz")
 _SERIAL_MARKS = ("nats", "native", "slow")
 LIVE_GROUP = "live-cluster"

@@ -118,6 +118,7 @@ async def _saturate(client, fn, stop, sent):
     await asyncio.gather(*inflight, return_exceptions=True)
 
 
+@pytest.mark.solo  # at the 0.75 grant, a host busy with other tests kept the load to a 0.30 share
 async def test_busy_share_follows_a_changed_grant(nats_url):
     async with Harness(nats_url) as h:
         await ensure_consumer(h.js, "sat")
