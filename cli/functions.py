@@ -153,7 +153,7 @@ def deploy(spec_file: Path, nats: NatsOptions, timeout_s: float, wait_ready_s: f
     Exit codes:
       0  deployed (an instance still starting after --wait-ready is no error)
       1  the deploy failed: profiling, the first instance's start, a service not answering
-      2  bad input: the spec file or an option
+      2  bad input: the spec file, its code folder or an option
       4  no capacity: no GPU of the cluster can take one instance (refused before
          it is stored), or none can now (stored: it is placed once one has room)
       5  NATS unreachable
@@ -163,7 +163,7 @@ def deploy(spec_file: Path, nats: NatsOptions, timeout_s: float, wait_ready_s: f
         loaded = load_spec(spec_file)
     except SpecError as exc:
         raise Failed(str(exc), USAGE) from None
-    progress = None if as_json else (lambda text: _err().print(f"[dim]… {text}[/dim]"))
+    progress = None if as_json else (lambda text: _err().print(f"[dim]… {escape(text)}[/dim]", soft_wrap=True))
     result = run(nats, lambda c: admin.deploy(c, loaded, timeout_s=timeout_s, wait_ready_s=wait_ready_s,
                                                   on_step=progress))
     if result.unplaceable:  # deployed, but no instance can run now: a capacity error to a script

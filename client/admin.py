@@ -33,7 +33,7 @@ from dilu.services.common.jsresources import ensure_kv
 from dilu.services.common.nodes import read_inventories
 
 from .aio import AsyncClient, decode_spec, read_bucket
-from .errors import DeployError, NotAdmitted, NotDeployed
+from .errors import BadCode, DeployError, NotAdmitted, NotDeployed
 from .spec import LoadedSpec
 
 log = dlog.get("client.admin")
@@ -259,9 +259,9 @@ async def deploy(target: NATS | AsyncClient, loaded: LoadedSpec | ev.FunctionSpe
 
     ``timeout_s`` bounds the profiling answer (seconds; admission gets at most
     :data:`ADMIT_TIMEOUT_S`). ``on_step(text)`` is told each step as it starts (for progress
-    output). ``loaded`` is not modified. Raises :class:`DeployError` with the reason (bad code
-    folder, failed profiling, a service not answering; :class:`NotAdmitted`, a DeployError, for
-    a refused admission). The stream, bucket
+    output). ``loaded`` is not modified. Raises :class:`DeployError` with the reason (failed
+    profiling, a service not answering; its subclasses :class:`BadCode` for a code folder that
+    cannot be bundled and :class:`NotAdmitted` for a refused admission). The stream, bucket
     and object store it creates get the replicas ``target`` connected with (an AsyncClient's
     ``options.replicas``; one for a bare connection); existing ones are used as they are.
     """
@@ -279,7 +279,7 @@ async def deploy(target: NATS | AsyncClient, loaded: LoadedSpec | ev.FunctionSpe
         try:
             spec.code = await bundle.upload(js, folder, replicas=replicas)
         except bundle.BundleError as exc:
-            raise DeployError(str(exc)) from None
+            raise BadCode(str(exc)) from None
     step("asking the scheduler whether an instance can be placed")
     admit = await _ask(nc, subjects.SCHEDULER_ADMIT, ev.AdmitRequest(spec=spec), ev.AdmitReply, who="scheduler",
                        timeout_s=min(ADMIT_TIMEOUT_S, timeout_s))

@@ -40,6 +40,11 @@ class DeployError(DiluError):
     """A deploy (or undeploy) failed; the message is the reason the platform gave."""
 
 
+class BadCode(DeployError):
+    """The spec's code folder cannot be bundled (a file that is not a regular file, one that cannot
+    be read, over the size limit); the message names it. Exit code 2, as for a bad spec."""
+
+
 class NotAdmitted(DeployError):
     """The scheduler refused a deploy: no GPU of the cluster can take one instance of the
     function (memory, quota); the message is its reason. Exit code 4, as for no capacity."""
@@ -60,6 +65,7 @@ class NotPermitted(DiluError):
 
 EXIT_CODES: dict[type[DiluError], int] = {  # in order: the first class that matches decides
     NotAdmitted: 4,
+    BadCode: 2,
     FunctionError: 1,
     DeployError: 1,
     BadRequest: 2,

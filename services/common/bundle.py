@@ -47,16 +47,16 @@ def pack(folder: str | os.PathLike) -> tuple[bytes, str]:
     root = Path(folder)
     if not root.is_dir():
         raise BundleError(f"code folder {str(root)!r} does not exist or is not a folder")
-    files = []
+    files, total = [], 0
     for dirpath, dirnames, filenames in os.walk(root):
         dirnames[:] = sorted(d for d in dirnames if d not in SKIP_DIRS)
         for name in sorted(filenames):
             if not name.endswith(SKIP_SUFFIXES):
                 files.append(Path(dirpath) / name)
-    total = sum(_regular_size(root, f) for f in files)
-    if total > MAX_BUNDLE_BYTES:
-        raise BundleError(f"code folder {str(root)!r} holds {total} bytes, over the {MAX_BUNDLE_BYTES}-byte limit "
-                          "(load weights at run time instead of shipping them)")
+                total += _regular_size(root, files[-1])
+                if total > MAX_BUNDLE_BYTES:  # said as soon as it is known: a folder such as / is not walked whole
+                    raise BundleError(f"code folder {str(root)!r} holds over {MAX_BUNDLE_BYTES} bytes, the limit "
+                                      "(load weights at run time instead of shipping them)")
     buf = io.BytesIO()
     with zipfile.ZipFile(buf, "w", zipfile.ZIP_DEFLATED) as zf:
         for f in sorted(files):

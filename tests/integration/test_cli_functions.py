@@ -66,6 +66,15 @@ async def test_deploy_prints_the_profile_and_the_ready_instance(nc, nats_url, se
     assert "profiling" in r.stderr  # progress goes to stderr
 
 
+async def test_a_code_folder_holding_a_pipe_is_bad_input_not_a_hang(nats_url, services, tmp_path):
+    (tmp_path / "model.py").write_text("class Model:\n    pass\n")
+    os.mkfifo(tmp_path / "requests.fifo")  # reading it would wait for a writer for good
+    (tmp_path / "function.toml").write_text('name = "cls"\nentry = "model:Model"\nslo_ms = 80\nmemory_bytes = 2_000_000_000\n')
+    r = await asyncio.wait_for(dilu("deploy", str(tmp_path / "function.toml"), "--nats-url", nats_url), 60)
+    assert "'requests.fifo' is not a regular file" in one_line_error(r, 2)
+    assert services.deployed == []  # nothing stored
+
+
 async def test_deploy_json_is_the_deploy_result(nats_url, services, tmp_path):
     (tmp_path / "f.toml").write_text(spec_toml("echo", extra="initial_scale = 0"))
     r = await dilu("deploy", str(tmp_path / "f.toml"), "--json", env={"DILU_NATS_URL": nats_url})
