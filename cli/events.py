@@ -5,7 +5,7 @@ Each message is decoded as the event type of its subject (:data:`~dilu.contracts
 one that does not decode is shown as malformed and counted, one from a newer version whose own
 field holds an unknown enum member as skipped (docs/events.md). Ctrl-C (or ``--max``) ends it with
 exit code 0 and a count line on stderr; NATS unreachable fails within seconds with one line
-(exit code 5).
+(exit code 5), a refused subscription too (6); a reader that leaves ends it with 141.
 """
 from __future__ import annotations
 
@@ -18,17 +18,20 @@ import click
 import msgspec
 from nats import errors as nats_errors
 
+from dilu.client.errors import EXIT_CODES, NotPermitted
 from dilu.contracts import cloudevents, subjects
 from dilu.contracts.codec import MalformedEvent, SkippedEvent, decode_counted
 from dilu.contracts.events import Event
 from dilu.services.common.bus import settle
-from dilu.services.common.cliopts import ENV_PREFIX, nats_options
+from dilu.services.common.cliopts import nats_options
 from dilu.services.common.natsconn import (CredentialsError, NatsOptions, connect, connect_failure,
                                           is_permissions_violation)
 
 from .functions import UNREACHABLE, USAGE, Failed
 
 CONNECT_TIMEOUT_S = 2.0
+REFUSED_HINT = ("these credentials may not read it (the event subjects need the integrator's, "
+                "creds/integrator.creds; the data plane's invocations are not events)")
 _NAMES = ("name", "function", "instance_id")  # the field that names a nested struct in a line
 
 
@@ -139,15 +142,16 @@ async def _tail(nats: NatsOptions, patterns: list[str], tail: Tail, limit: int) 
 
     async def on_error(exc: Exception) -> None:  # nats-py would print a traceback per attempt
         errors.append(exc)
-        if connected and str(exc) not in warned:
+        if connected and is_permissions_violation(exc):
+            refused.append(str(exc))  # a subscription these credentials may not make: waiting is pointless,
+            done.set()  # and the first refusal is the one line said at the end (one per subject would follow)
+        elif connected and str(exc) not in warned:
             warned.add(str(exc))
             click.echo(f"NATS: {type(exc).__name__}: {exc}", err=True)
-        if connected and is_permissions_violation(exc):
-            refused.append(str(exc))  # a subscription these credentials may not make: waiting is pointless
-            done.set()
 
     connected = False
     refused: list[str] = []
+    reader_left: list[bool] = []
     done = asyncio.Event()
     try:
         nc = await connect(nats, name="dilu-events-tail", connect_timeout=CONNECT_TIMEOUT_S, allow_reconnect=False,
@@ -167,7 +171,12 @@ async def _tail(nats: NatsOptions, patterns: list[str], tail: Tail, limit: int) 
         nonlocal seen
         if done.is_set():
             return
-        click.echo(tail.line(msg.subject, msg.data, msg.headers))
+        try:
+            click.echo(tail.line(msg.subject, msg.data, msg.headers))
+        except BrokenPipeError:  # the reader left (dilu events tail | head -1): stop, as `dilu` says (141)
+            reader_left.append(True)
+            done.set()
+            return
         seen += 1
         if limit and seen >= limit:
             done.set()
@@ -181,11 +190,13 @@ async def _tail(nats: NatsOptions, patterns: list[str], tail: Tail, limit: int) 
         await done.wait()
     finally:
         await nc.close()
+    if reader_left:
+        raise BrokenPipeError
     if refused:
-        raise Failed(f"{refused[0]} (the integrator's credentials may read the event subjects only)", USAGE)
+        raise Failed(f"{refused[0]}: {REFUSED_HINT}", EXIT_CODES[NotPermitted])
 
 
-@click.group(context_settings={"auto_envvar_prefix": ENV_PREFIX})
+@click.group()
 def events() -> None:
     """Events on the bus (see docs/events.md)."""
 
@@ -199,7 +210,16 @@ def events() -> None:
 @click.option("--max", "limit", type=click.IntRange(min=0), default=0, help="stop after this many messages (0: never)")
 def tail(nats: NatsOptions, patterns: tuple[str, ...], as_json: bool, limit: int) -> None:
     """Print every event as it is published: one line each (time, subject, type, key fields), or
-    one JSON object per line with --json. Ctrl-C stops (exit 0) with a count line on stderr."""
+    one JSON object per line with --json. Ctrl-C stops (exit 0) with a count line on stderr.
+
+    \b
+    Exit codes:
+      0    stopped by Ctrl-C or --max
+      2    bad input: an option
+      5    NATS unreachable
+      6    NATS refused a subscription: these credentials may not read it
+      141  the reader of the output left (dilu events tail | head -1)
+    """
     show = Tail(as_json)
     try:
         asyncio.run(_tail(nats, list(patterns) or list(subjects.SUBJECT_EVENTS), show, limit))

@@ -76,8 +76,7 @@ class LazyGroup(click.Group):
         if name in self._lazy:
             module, attr = self._lazy[name].split(":")
             command = flag_envvars(getattr(importlib.import_module(module), attr))
-            if not isinstance(command, click.Group):  # imported: from here on the command stops itself
-                OutsideCommand.remove()
+            OutsideCommand.remove()  # imported: from here on the command (a group's: its own) stops itself
             return command
         return super().get_command(ctx, name)
 

@@ -338,6 +338,8 @@ def flag_envvars(command: click.Command) -> click.Command:
         unit = longs[0].rsplit("-", 1)[-1] if longs else ""
         if param.metavar is None and not param.is_flag and unit in ("s", "ms"):
             param.metavar = unit.upper()
+    for sub in getattr(command, "commands", {}).values():  # a group's (dilu events tail, dilu bench sim)
+        flag_envvars(sub)
     return command
 
 

@@ -71,7 +71,7 @@ def _sigint_as_from_a_terminal() -> None:
 
 async def test_lines_for_people_malformed_counted_and_ctrl_c_exits_0(nats_url):
     proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "dilu.cli.events", "tail", "--nats-url", nats_url,
+        sys.executable, "-m", "dilu.cli.main", "events", "tail", "--nats-url", nats_url,  # as `dilu` runs it
         stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, preexec_fn=_sigint_as_from_a_terminal)
     bus = await Bus.connect(nats_url, "node-agent", node="n0")
     peer = bus.nc  # raw publishes on the bus's own connection: one order for all
@@ -108,6 +108,42 @@ async def test_lines_for_people_malformed_counted_and_ctrl_c_exits_0(nats_url):
     assert "ScaleDecision  SKIPPED (newer version)" in skipped and "'sideways'" in skipped
     assert "ScaleDecision  function=f direction=out count=2" in scale
     assert "3 events, 1 malformed, 1 skipped (newer version; 1 items within events), 0 on other subjects" in rest
+
+
+async def test_the_reader_leaving_ends_it_with_141(nats_url):
+    """`dilu events tail | head -1`: once the reader has gone, the next line ends the command with
+    128 + SIGPIPE, quietly, as a Unix tool ends (it used to print the broken pipe and go on)."""
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "dilu.cli.main", "events", "tail", "--nats-url", nats_url,
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+    bus = await Bus.connect(nats_url, "node-agent", node="n0")
+    try:
+        assert b"listening on" in await asyncio.wait_for(proc.stderr.readline(), 60)
+        await bus.publish(subj.grant_issued("n0", 1), GRANT)
+        assert b"TokenGrant" in await asyncio.wait_for(proc.stdout.readline(), 30)
+        proc._transport.get_pipe_transport(1).close()  # the reader leaves, as head does after its line
+        for _ in range(50):  # a write or two after the reader left hits the broken pipe
+            await bus.publish(subj.grant_issued("n0", 1), GRANT)
+            await asyncio.sleep(0.1)
+            if proc.returncode is not None:
+                break
+        rc = await asyncio.wait_for(proc.wait(), 30)
+        err = (await proc.stderr.read()).decode()
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()
+        await bus.close()
+    assert rc == 128 + signal.SIGPIPE, err
+    assert "BrokenPipe" not in err and "Traceback" not in err, err
+
+
+def test_its_options_come_from_dilu_variables_too(monkeypatch):
+    from dilu.cli.main import main
+    monkeypatch.setenv("DILU_MAX", "abc")
+    res = CliRunner().invoke(main, ["events", "tail"])
+    assert res.exit_code == 2 and "DILU_MAX" in res.output, res.output
+    assert "DILU_MAX" in CliRunner().invoke(main, ["events", "tail", "--help"]).output
 
 
 def test_a_bad_pattern_is_one_line_and_the_url_comes_from_dilu_nats_url(monkeypatch):

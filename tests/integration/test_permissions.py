@@ -373,8 +373,23 @@ def test_dilu_events_tail_on_a_forbidden_subject_ends_at_once_with_the_reason(se
     root, url = secured
     res = CliRunner().invoke(events, ["tail", "--nats-url", url, "--creds", str(role_creds(root, "integrator", None, NODES)),
                                       "--subject", "dilu.v1.invoke.>"])
-    assert res.exit_code == 2, res.output
-    assert "permissions violation" in res.output.lower() and "event subjects only" in res.output
+    assert res.exit_code == 6, res.output  # NATS refused these credentials, as for every command
+    lines = [line for line in res.output.splitlines() if "listening on" not in line]
+    assert len(lines) == 1 and "permissions violation" in lines[0].lower(), res.output
+    assert "the data plane's invocations are not events" in lines[0]
+
+
+def test_dilu_events_tail_with_the_operators_credentials_is_one_line_not_one_per_subject(secured):
+    """The operator may not read the event subjects: each of the ~20 subscriptions is refused, and
+    `dilu events tail` says so once, naming the credentials to use, with exit 6."""
+    from click.testing import CliRunner
+
+    from dilu.cli.events import events
+    root, url = secured
+    res = CliRunner().invoke(events, ["tail", "--nats-url", url, "--creds", str(role_creds(root, "operator", None, NODES))])
+    assert res.exit_code == 6, res.output
+    errors = [line for line in res.output.splitlines() if "listening on" not in line]
+    assert len(errors) == 1 and errors[0].startswith("Error: ") and "integrator.creds" in errors[0], res.output
 
 
 @pytest.mark.parametrize("role", ["integrator", "caller", None])
