@@ -31,6 +31,7 @@ from dilu.services.common import logging as dlog
 from dilu.services.common.cliopts import PARK_AFTER_S_TYPE, finite, nonempty_path, nonempty_url, writable_output
 from dilu.services.common import models
 from dilu.services.common.bus import quiet_error_cb
+from dilu.services.common.console import PipeConsole
 from dilu.services.common.invoke import InvokeClient
 from dilu.services.common.natsconn import connect
 from dilu.services.common.workqueue import ensure_stream
@@ -526,18 +527,10 @@ def _run_or_explain(main):
     except KeyboardInterrupt:  # Ctrl-C before the stop handler was in place
         click.echo("Interrupted", err=True)
         raise SystemExit(128 + signal.SIGINT) from None
+    except BrokenPipeError:  # the reader of the output left: the command line's 141, not a failure
+        raise
     except (trace.TraceError, ValueError, RuntimeError, TimeoutError, OSError) as exc:
         raise click.ClickException(str(exc)) from None
-
-
-class PipeConsole(Console):
-    """A rich Console whose reader leaving (a closed stdout: ``dilu status | head -1``) raises
-    BrokenPipeError, which the command line ends with 141 as SIGPIPE ends a Unix tool; rich's
-    own ``on_broken_pipe`` exits 1, the code of a failed function or deploy."""
-
-    def on_broken_pipe(self) -> None:
-        self.quiet = True
-        raise BrokenPipeError("the reader of the output left")
 
 
 def make_console(**options) -> Console:

@@ -115,7 +115,7 @@ def _out() -> Console:
 
 
 def _err() -> Console:
-    from dilu.cli.demo import PipeConsole
+    from dilu.services.common.console import PipeConsole
 
     return PipeConsole(stderr=True, highlight=False)
 

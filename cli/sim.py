@@ -185,6 +185,8 @@ def _simulate(console, stop: SignalExit, trace_dir, functions, hours, nodes, gpu
         out = simulate(cfg, policies, progress=lambda p: console.print(f"[dim]simulating policy {p}[/dim]"),
                        tick=lambda p, done, total: console.print(
                            f"[dim]{p}: {done:,.0f} of {total:,.0f} simulated s[/dim]", highlight=False))
+    except BrokenPipeError:  # the reader of the output left: the command line's 141, not a failure
+        raise
     except (TraceError, ValueError, OSError) as exc:
         raise click.ClickException(str(exc)) from None
     except Interrupted as exc:
@@ -241,6 +243,8 @@ def _show(out: dict, console, functions, json_path: str | None, plots_dir: str |
     """Print the comparison of ``out`` (:func:`simulate`'s output) and write its JSON and plots."""
     from dilu.loadgen import report
 
+    if json_path:  # first: what was simulated is kept even when the reader of the output leaves
+        write_output(json_path, dumps(out))
     first = next(iter(out["policies"].values()))
     if isinstance(functions, int) and first["run"]["functions"] < functions:
         console.print(f"[yellow]--functions {functions}: the span has only {first['run']['functions']} functions "
@@ -257,7 +261,6 @@ def _show(out: dict, console, functions, json_path: str | None, plots_dir: str |
         if s["unplaced"]:
             console.print(f"{name}: {s['unplaced']:,} placements refused (no GPU had room for the instance)")
     if json_path:
-        write_output(json_path, dumps(out))
         console.print(f"comparison written to {json_path}")
     if plots_dir:
         from dilu.loadgen.sim.plots import write_plots

@@ -7,10 +7,10 @@ from pathlib import Path
 
 import click
 from rich import box
-from rich.console import Console
 from rich.table import Table
 
 from dilu.services.common.cliopts import finite, writable_output, write_output
+from dilu.services.common.console import PipeConsole
 
 from .policy import QUEUEING_BUDGET, NoFeasibleSetting, ProfileSearch
 from .surface import SurfaceBackend, SurfaceError, load_surface, run_search, surface_files
@@ -113,10 +113,10 @@ def profile(surface_path: Path | None, slo_ms: float | None, queueing_budget: fl
                         raise click.ClickException(str(exc)) from None
     except SurfaceError as exc:
         raise click.ClickException(str(exc)) from None
-    _print(rows)
-    if json_path:
+    if json_path:  # first: the figures are kept even when the reader of the output leaves
         out = rows[0] if surface_path and slo_ms else rows
         write_output(json_path, json.dumps(out, indent=2) + "\n")
+    _print(rows)
 
 
 def _print(rows: list[dict]) -> None:
@@ -132,6 +132,6 @@ def _print(rows: list[dict]) -> None:
             f"{r['limit_quota']:.3f}", f"{r['latency_ms']:.1f}", f"{r['te']:.1f}", f"{r['optimum']['te']:.1f}",
             f"{r['te_ratio']:.3f}", f"{r['trials']}/{r['optimum']['trials']}",
         )
-    console = Console(width=100)
+    console = PipeConsole(width=100)  # a reader that leaves ends the command with 141
     console.print(table)
     console.print(_legend_text(), highlight=False)

@@ -13,3 +13,24 @@ def test_a_closed_stdout_is_exit_141_and_quiet():
     proc.stdout.close()  # before the command writes: its first write meets a closed pipe
     err = proc.stderr.read()
     assert proc.wait(timeout=60) == 141 and err == b"", err[-2000:]
+
+
+def _closed_stdout(*args: str, cwd=None) -> tuple[int, bytes]:
+    proc = subprocess.Popen([*DILU, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=cwd)
+    proc.stdout.close()
+    err = proc.stderr.read()
+    return proc.wait(timeout=120), err
+
+
+def test_a_simulation_whose_reader_left_is_141_not_a_failure():
+    # its progress and report both go through the command's console; a write after the reader
+    # left used to be caught as an OSError and said as "Error: ..." with exit 1
+    rc, err = _closed_stdout("sim", "--functions", "2", "--hours", "0.02", "--policies", "dilu")
+    assert rc == 141 and b"Error" not in err, err[-2000:]
+
+
+def test_a_profile_keeps_its_json_when_its_reader_left(tmp_path):
+    out = tmp_path / "p.json"
+    rc, err = _closed_stdout("profile", "--json", str(out))
+    assert rc == 141 and b"Error" not in err, err[-2000:]
+    assert out.read_text().startswith("[")  # written before the table

@@ -1,0 +1,14 @@
+"""The console every command prints through: a rich Console whose reader leaving raises."""
+from __future__ import annotations
+
+from rich.console import Console
+
+
+class PipeConsole(Console):
+    """A rich Console whose reader leaving (a closed stdout: ``dilu status | head -1``) raises
+    BrokenPipeError, which the command line ends with 141 as SIGPIPE ends a Unix tool; rich's
+    own ``on_broken_pipe`` exits 1, the code of a failed function or deploy."""
+
+    def on_broken_pipe(self) -> None:
+        self.quiet = True
+        raise BrokenPipeError("the reader of the output left")
