@@ -117,6 +117,17 @@ class DataDirLock:
         self.release()
 
 
+def _creatable(path: Path, what: str) -> None:
+    """Refuse ``path`` before anything is created when it, or the nearest of its parents that
+    exists, is not a directory (:class:`Refused`, naming ``what``): then neither of ``dilu up``'s
+    directories is made when the other cannot be."""
+    there = path
+    while not there.exists() and there != there.parent:
+        there = there.parent
+    if not there.is_dir():
+        raise Refused(f"{what} {path} is not a writable directory: {there} is not a directory")
+
+
 def _directory(path: Path, what: str) -> Path:
     """Create ``path`` (and parents) and check that files can be created in it (a write, since
     root passes every access check). Raises :class:`Refused` (exit 2, bad input) naming ``what``."""
@@ -226,6 +237,8 @@ def run_up(opts: UpOptions) -> None:
     check_options(opts)
     DataDirLock(opts.data_dir).check()  # first: a second dilu up here also holds the ports
     check_ports(opts)
+    _creatable(opts.data_dir, "--data-dir")
+    _creatable(opts.log_dir, "--log-dir")
     _directory(opts.data_dir, "--data-dir")
     _directory(opts.log_dir, "--log-dir")
     try:

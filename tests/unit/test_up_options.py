@@ -75,6 +75,7 @@ def test_data_dir_that_cannot_be_created_or_written(tmp_path):
     assert "--data-dir" in out and "not a writable directory" in out
     out = one_line_error(up("--data-dir", str(tmp_path / "ok"), "--log-dir", str(blocker), *ports), 2)
     assert "--log-dir" in out and "not a writable directory" in out
+    assert not (tmp_path / "ok").exists(), "a refused dilu up creates nothing, not even the data directory"
 
 
 @pytest.mark.skipif(os.geteuid() == 0, reason="root writes into read-only folders")
