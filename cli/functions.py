@@ -27,7 +27,7 @@ from dilu.client import admin
 from dilu.client.aio import AsyncClient, Reply
 from dilu.client.errors import EXIT_CODES, DiluError, NoCapacity, NotPermitted, exit_code
 from dilu.client.spec import SpecError, load_spec, name_problem
-from dilu.services.common.cliopts import ENV_PREFIX, Finite, echo_json_error, nats_options
+from dilu.services.common.cliopts import ENV_PREFIX, Finite, NonEmptyPath, echo_json_error, nats_options
 from dilu.services.common.invoke import MAX_TIMEOUT_S
 from dilu.services.common.natsconn import NatsOptions
 
@@ -136,7 +136,7 @@ def _bytes(n: int) -> str:
 
 
 @click.command(context_settings=CONTEXT, epilog=EPILOG)
-@click.argument("spec_file", type=click.Path(path_type=Path))
+@click.argument("spec_file", type=NonEmptyPath(path_type=Path))
 @nats_options
 @click.option("--timeout", "timeout_s", type=Finite(min=1, max=MAX_TIMEOUT_S), default=150.0, metavar="S",
               show_default=True, envvar="DILU_DEPLOY_TIMEOUT",  # not DILU_TIMEOUT: that one is invoke's, and far shorter

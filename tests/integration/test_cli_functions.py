@@ -86,6 +86,8 @@ async def test_deploy_json_is_the_deploy_result(nats_url, services, tmp_path):
 async def test_deploy_bad_input_is_one_line_and_exit_2(nats_url, tmp_path):
     r = await dilu("deploy", str(tmp_path / "missing.toml"), "--nats-url", nats_url)
     assert "missing.toml: cannot read the spec file" in one_line_error(r, 2)
+    r = await dilu("deploy", "", "--nats-url", nats_url)  # not the current folder's function.toml
+    assert "an empty path" in one_line_error(r, 2)
     (tmp_path / "bad.toml").write_text('name = "x\n')
     r = await dilu("deploy", str(tmp_path / "bad.toml"), "--nats-url", nats_url)
     assert "bad.toml: not valid TOML" in one_line_error(r, 2)
