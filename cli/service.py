@@ -25,7 +25,7 @@ def service(ctx: click.Context, name: str | None) -> None:
     underscores work too); its own options follow: ``dilu service NAME --help``."""
     if name in (None, "--help", "-h"):
         click.echo(ctx.get_help())
-        return
+        ctx.exit(0 if name else 2)  # named without a service, as a group without its command
     key = name.replace("_", "-")
     if key not in SERVICES:
         raise click.BadParameter(f"{name!r} is not a service; choose from {', '.join(sorted(SERVICES))}", param_hint="NAME")

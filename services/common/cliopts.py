@@ -209,16 +209,18 @@ def default_node() -> str:
 
 def service_main(command: click.Command, **kwargs) -> None:
     """Run a service's click ``command`` with the ``DILU_*`` environment rule (module docstring);
-    a bad value says which variable it came from, as ``dilu``'s commands do (:func:`name_envvar`)."""
+    a bad option or value is one line, as ``dilu``'s commands say it (:class:`OneLineUsageError`),
+    naming the variable it came from (:func:`name_envvar`)."""
     if not getattr(command, "_names_envvar", False):  # wrapped once, however often it is run
         parse = command.parse_args
 
         def parse_naming_envvar(ctx, args):
             try:
                 return parse(ctx, args)
-            except click.BadParameter as exc:
-                name_envvar(exc)
-                raise
+            except click.UsageError as exc:
+                if isinstance(exc, click.BadParameter):
+                    name_envvar(exc)
+                raise OneLineUsageError(exc.format_message(), exc.ctx) from None
 
         command.parse_args = parse_naming_envvar
         command._names_envvar = True

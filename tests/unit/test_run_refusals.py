@@ -142,16 +142,33 @@ def test_a_failed_run_keeps_the_users_log_directory_and_what_was_logged(tmp_path
 ])
 def test_a_service_names_the_variable_a_bad_value_came_from(env, args, hint, monkeypatch):
     """A service started as ``python -m dilu.services.scheduler`` (service_main) says, as dilu's
-    commands do, which DILU_* variable a bad value came from; and refuses a tiny period."""
-    import click
-
-    from dilu.services.common.cliopts import service_main
+    commands do, which DILU_* variable a bad value came from, in one line; and refuses a tiny period."""
+    from dilu.services.common.cliopts import OneLineUsageError, service_main
     from dilu.services.scheduler.__main__ import main as scheduler_main
 
     for k, v in env.items():
         monkeypatch.setenv(k, v)
-    with pytest.raises(click.BadParameter) as err:
+    with pytest.raises(OneLineUsageError) as err:
         service_main(scheduler_main, args=args, standalone_mode=False)
     line = err.value.format_message()
     assert line.startswith(f"Invalid value for {hint}") and "\n" not in line, line
     assert ("DILU_" in line) == bool(env)
+
+
+@pytest.mark.parametrize("args, env, needle", [
+    (["--port", "99999"], {}, "99999 is not in the range"),
+    ([], {"DILU_PORT": "abc"}, "(from DILU_PORT)"),
+    (["--bogus"], {}, "No such option '--bogus'"),
+])
+def test_dilu_service_says_a_bad_option_in_one_line(args, env, needle):
+    """``dilu service NAME`` as every other command: one line naming the help to read, exit 2."""
+    res = CliRunner().invoke(main, ["service", "gateway", *args], env=env)
+    assert res.exit_code == 2, res.output
+    assert res.output.count("\n") == 1 and needle in res.output, res.output
+    assert res.output.startswith("Error: ") and "(see 'dilu service gateway --help')" in res.output
+
+
+def test_dilu_service_without_a_name_shows_its_help_as_a_usage_error():
+    res = CliRunner().invoke(main, ["service"])
+    assert res.exit_code == 2 and "Run service NAME" in res.output, res.output
+    assert CliRunner().invoke(main, ["service", "--help"]).exit_code == 0
