@@ -140,7 +140,9 @@ def _replay_workload(console, workload, nodes, gpus_per_node, json_path) -> None
         nodes = 1000
     try:
         out = simulate_workload(workload, nodes=nodes, gpus_per_node=gpus_per_node)
-    except (WorkloadError, ValueError) as exc:
+    except WorkloadError as exc:  # bad input: the file given (exit 2)
+        raise click.BadParameter(str(exc), param_hint="--workload") from None
+    except ValueError as exc:
         raise click.ClickException(str(exc)) from None
     _print_workload(out, console)
     if json_path:
@@ -187,7 +189,9 @@ def _simulate(console, stop: SignalExit, trace_dir, functions, hours, nodes, gpu
                            f"[dim]{p}: {done:,.0f} of {total:,.0f} simulated s[/dim]", highlight=False))
     except BrokenPipeError:  # the reader of the output left: the command line's 141, not a failure
         raise
-    except (TraceError, ValueError, OSError) as exc:
+    except TraceError as exc:  # bad input: the trace given (exit 2)
+        raise click.BadParameter(str(exc), param_hint="--trace") from None
+    except (ValueError, OSError) as exc:
         raise click.ClickException(str(exc)) from None
     except Interrupted as exc:
         done = list(exc.partial["policies"])
@@ -316,10 +320,11 @@ def calibrate(log_dirs, json_path, min_batches) -> None:
     console = make_console()
     try:
         ov = cal.calibrate(list(log_dirs), min_batches)
-    except OSError as exc:
-        raise click.ClickException(f"cannot calibrate: cannot read {exc.filename or ''}: {exc.strerror or exc}") from None
+    except OSError as exc:  # bad input, the log directories given (exit 2)
+        raise click.BadParameter(f"cannot calibrate: cannot read {exc.filename or ''}: {exc.strerror or exc}",
+                                 param_hint="LOG_DIRS") from None
     except (ValueError, TraceError) as exc:
-        raise click.ClickException(f"cannot calibrate: {exc}") from None
+        raise click.BadParameter(f"cannot calibrate: {exc}", param_hint="LOG_DIRS") from None
     table = Table(title="Overheads of the live node beyond the simulated GPU time (ms)")
     table.add_column("overhead")
     for q in ("p10", "p50", "p90", "p99", "max"):

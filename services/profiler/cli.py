@@ -111,8 +111,8 @@ def profile(surface_path: Path | None, slo_ms: float | None, queueing_budget: fl
                 except NoFeasibleSetting as exc:
                     if slo_ms:  # the SLO the user asked for: say why there is no answer
                         raise click.ClickException(str(exc)) from None
-    except SurfaceError as exc:
-        raise click.ClickException(str(exc)) from None
+    except SurfaceError as exc:  # bad input: the surface given, or one of those bundled (exit 2)
+        raise click.BadParameter(str(exc), param_hint="--surface") from None
     if json_path:  # first: the figures are kept even when the reader of the output leaves
         out = rows[0] if surface_path and slo_ms else rows
         write_output(json_path, json.dumps(out, indent=2) + "\n")

@@ -152,7 +152,7 @@ def test_bad_workload_line_is_one_line(tmp_path):
     bad = tmp_path / "bad.txt"
     bad.write_text("{'Time': 'nope'}\n")
     r = CliRunner().invoke(main, ["sim", "--workload", str(bad)])
-    assert r.exit_code == 1 and "bad.txt:1" in r.output and len(r.output.strip().splitlines()) == 1, r.output
+    assert r.exit_code == 2 and "--workload" in r.output and "bad.txt:1" in r.output and len(r.output.strip().splitlines()) == 1, r.output
 
 
 GOOD = ("{'Time': '2024-01-01 00:00:00', 'Action': 'start', 'Instance': {'service_name': 'a', "
@@ -177,7 +177,7 @@ def test_workload_refusals_say_what_is_wrong(tmp_path, text, words):
     bad = tmp_path / "w.txt"
     bad.write_text(text)
     r = CliRunner().invoke(main, ["sim", "--workload", str(bad)])
-    assert r.exit_code == 1 and words in r.output and len(r.output.strip().splitlines()) == 1, r.output
+    assert r.exit_code == 2 and words in r.output and len(r.output.strip().splitlines()) == 1, r.output
     assert "0x" not in r.output and "KeyError" not in r.output  # no Python internals for people
     good = tmp_path / "ok.txt"
     good.write_text(GOOD + "\n")
