@@ -65,6 +65,11 @@ class LazyGroup(click.Group):
         self._argv = list(sys.argv[1:] if args is None else args)  # for asks_json
         if command_line:
             OutsideCommand.install()
+            # a command's own output is for people: the client library's warnings (e.g. a bucket it
+            # may not watch with these credentials) stay off it; a service, the demo and chaos set
+            # their own level and stream
+            from dilu.services.common import logging as dlog
+            dlog.configure("dilu", level="error")
         try:
             return super().main(args, *rest, **kwargs)
         finally:
