@@ -25,12 +25,12 @@ demo: $(STAMP)
 
 # Pure tests share both cores (pytest-xdist); those that read the clock through other processes
 # (the `serial` mark, set in tests/conftest.py) then run two at a time, the live-cluster runs
-# (`slow`) one after another on one worker; the `solo` ones last, alone. ARGS runs pytest once, as given.
+# (`slow`) taking turns; the `solo` ones last, alone. ARGS runs pytest once, as given.
 test: $(STAMP)
 	$(PY) -m dilu.interceptor.build
 ifeq ($(strip $(ARGS)),)
 	$(PY) -m pytest -q -p no:cacheprovider -n 2 --dist worksteal -m "not serial"
-	$(PY) -m pytest -q -p no:cacheprovider -n 2 --dist loadgroup -m "serial and not solo"
+	$(PY) -m pytest -q -p no:cacheprovider -n 2 --dist worksteal -m "serial and not solo"
 	$(PY) -m pytest -q -p no:cacheprovider -m solo
 else
 	$(PY) -m pytest -q -p no:cacheprovider $(ARGS)

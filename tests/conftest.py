@@ -1,6 +1,7 @@
 """Shared fixtures. ``nats_url``: a real nats-server with JetStream in a temp dir, one per test."""
 from __future__ import annotations
 
+import fcntl
 import os
 from pathlib import Path
 
@@ -13,23 +14,32 @@ from dilu.services.common.natsserver import EmbeddedNats
 # ``make test`` runs the pure computation first, on both cores (pytest-xdist); then the tests that
 # read the clock through other processes (a nats-server, the emulated device's timeline, live
 # services: the ``serial`` mark), two at a time: they mostly wait, so two of them use about one
-# core of the two. The ``slow`` ones each run a whole live cluster under load; they share one
-# worker (``--dist loadgroup``), so no two live clusters ever run at once. A ``solo`` test (marked
-# in its module: it must outpace the emulated GPU from the host) runs last, alone.
+# core of the two. The ``slow`` ones each run a whole live cluster under load: they take turns
+# (:func:`_one_live_cluster_at_a_time`), so no two live clusters ever run at once. A ``solo`` test
+# (marked in its module: it must outpace the emulated GPU, or makes its own overload) runs last, alone.
 _PARALLEL_DIRS = ("unit", "sim", "fuzz")
 _SERIAL_MARKS = ("nats", "native", "slow")
-LIVE_GROUP = "live-cluster"
 
 
-@pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads the groups
 def pytest_collection_modifyitems(config, items):
     tests = Path(__file__).parent
     for item in items:
         top = item.path.relative_to(tests).parts[0]
         if top not in _PARALLEL_DIRS or any(item.get_closest_marker(m) for m in _SERIAL_MARKS):
             item.add_marker(pytest.mark.serial)
-        if item.get_closest_marker("slow"):
-            item.add_marker(pytest.mark.xdist_group(LIVE_GROUP))
+
+
+@pytest.fixture(autouse=True)
+def _one_live_cluster_at_a_time(request, tmp_path_factory):
+    """A ``slow`` test holds an exclusive lock on a file all xdist workers of the run share (beside
+    their base temp folders) while it runs; the lock goes with the process if it dies. (xdist's
+    ``xdist_group`` would do it, but pytest 9.2 no longer reads the node id xdist 3.8 rewrites.)"""
+    if request.node.get_closest_marker("slow") is None:
+        yield
+        return
+    with open(tmp_path_factory.getbasetemp().parent / "dilu-live-cluster.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        yield
 
 
 @pytest.fixture
