@@ -103,12 +103,29 @@ def _num(row: dict[str, str], col: str, path: Path, line: int) -> float:
     return value
 
 
+def _fraction(row: dict[str, str], col: str, path: Path, line: int) -> float:
+    """A percentage column as a fraction in (0, 1], 4 decimals. Raises SurfaceError outside (0, 100]."""
+    value = _num(row, col, path, line)
+    if value > 100:
+        raise SurfaceError(f"{path}:{line}: column {col!r} is a percentage in (0, 100], got {value:g}")
+    return round(value / 100, 4)
+
+
+def _batch(row: dict[str, str], path: Path, line: int) -> int:
+    """The ``batch`` column: a whole number >= 1. Raises SurfaceError otherwise."""
+    value = _num(row, "batch", path, line)
+    if value != int(value):
+        raise SurfaceError(f"{path}:{line}: column 'batch' must be a whole number, got {value:g}")
+    return int(value)
+
+
 def load_surface(path: str | Path, tokens_per_request: int | None = None) -> Surface:
     """Read a surface CSV in either format (detected from its header).
 
     ``tokens_per_request`` defaults to 32 for a file whose name starts with ``llama`` (per-token
     latency, DESIGN.md section 7) and 1 otherwise. Raises SurfaceError for an unknown header,
-    a non-numeric or non-positive value, an empty or binary file.
+    a non-numeric or non-positive value, a percentage above 100, a batch that is not a whole
+    number, an empty or binary file.
     """
     path = Path(path)
     if tokens_per_request is None:
@@ -130,14 +147,14 @@ def load_surface(path: str | Path, tokens_per_request: int | None = None) -> Sur
         raise SurfaceError(f"{path}: unknown header {header}; expected {A100_HEADER} or {V100_HEADER}")
     points: dict[tuple[Setting, int], Measurement] = {}
     for line, row in enumerate(rows, start=2):
-        batch = int(_num(row, "batch", path, line))
-        sm = round(_num(row, "sm_percent", path, line) / 100, 4)
+        batch = _batch(row, path, line)
+        sm = _fraction(row, "sm_percent", path, line)
         if fmt == "a100-mps":
             setting: Setting = (sm,)
             latency = _num(row, "latency_s", path, line) * 1000 * tokens_per_request
             throughput = _num(row, "throughput_rps", path, line)
         else:
-            setting = (sm, round(_num(row, "time_quota_percent", path, line) / 100, 4))
+            setting = (sm, _fraction(row, "time_quota_percent", path, line))
             latency = _num(row, "latency_ms", path, line)
             throughput = batch / latency * 1000
         points[(setting, batch)] = Measurement(latency_ms=latency, throughput_rps=throughput)

@@ -235,6 +235,15 @@ def test_bad_surface_file_is_a_clear_error(tmp_path):
     bad.write_bytes(bytes(range(256)) * 4)  # not text at all
     with pytest.raises(SurfaceError, match="not a text CSV"):
         load_surface(bad)
+    bad.write_text("batch,sm_percent,latency_s,throughput_rps\n1,1000,0.01,3\n")  # a ValueError deep in the search
+    with pytest.raises(SurfaceError, match=r"bad.csv:2: column 'sm_percent' is a percentage in \(0, 100\], got 1000"):
+        load_surface(bad)
+    bad.write_text("batch,sm_percent,time_quota_percent,latency_ms\n1,50,500,10\n")
+    with pytest.raises(SurfaceError, match="'time_quota_percent' is a percentage"):
+        load_surface(bad)
+    bad.write_text("batch,sm_percent,latency_s,throughput_rps\n1.5,50,0.01,3\n")  # was read as batch 1
+    with pytest.raises(SurfaceError, match="'batch' must be a whole number, got 1.5"):
+        load_surface(bad)
 
 
 @pytest.mark.parametrize("args, words", [
