@@ -39,6 +39,9 @@ def check_pattern(pattern: str) -> str:
     """A NATS subject pattern: dot-separated non-empty tokens without whitespace; ``>`` only last.
     Raises click.BadParameter (one line) otherwise."""
     tokens = pattern.split(".")
+    if not pattern.isascii():  # NATS subjects here are ASCII; a byte that is not UTF-8 failed in nats-py
+        raise click.BadParameter(f"{pattern!r} is not a NATS subject pattern: Dilu's subjects are ASCII",
+                                 param_hint="--subject")
     if not pattern or any(not t or any(c.isspace() for c in t) for t in tokens) or ">" in tokens[:-1]:
         raise click.BadParameter(f"{pattern!r} is not a NATS subject pattern like dilu.v1.telemetry.gpu.*.*",
                                  param_hint="--subject")

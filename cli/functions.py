@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import os
 import signal
 import sys
 import threading
@@ -237,7 +238,8 @@ def undeploy(name: str, nats: NatsOptions, wait_s: float, as_json: bool) -> None
 
 
 def read_data(data: str) -> bytes:
-    """``--data``: ``@FILE`` (its bytes), ``-`` (stdin's bytes) or the text itself (UTF-8)."""
+    """``--data``: ``@FILE`` (its bytes), ``-`` (stdin's bytes) or the text itself (UTF-8; bytes of
+    the command line that are not UTF-8 are sent as given)."""
     if data == "-":
         return sys.stdin.buffer.read()
     if data.startswith("@"):
@@ -245,7 +247,7 @@ def read_data(data: str) -> bytes:
             return Path(data[1:]).read_bytes()
         except OSError as exc:
             raise Failed(f"--data: cannot read {data[1:]!r}: {exc.strerror or exc}", USAGE) from None
-    return data.encode()
+    return os.fsencode(data)  # the argument's own bytes: Python holds undecodable ones as surrogates
 
 
 def _reply_json(reply: Reply) -> dict:

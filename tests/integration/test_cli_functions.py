@@ -131,6 +131,9 @@ async def test_invoke_writes_the_raw_reply_from_text_file_and_stdin(nc, nats_url
     assert r.stdout_bytes == b"echo:\x00\xff"
     r = await dilu("invoke", "echo", "--data", "-", "--nats-url", nats_url, stdin=b"piped")
     assert r.stdout_bytes == b"echo:piped"
+    # a command-line byte that is not UTF-8 ($'a\xff' in a shell) reaches Python as a surrogate: sent as given
+    r = await dilu("invoke", "echo", "--data", "a\udcff", "--nats-url", nats_url)
+    assert r.exit_code == 0 and r.stdout_bytes == b"echo:a\xff", r.output
     r = await dilu("invoke", "echo", "--data", "hi", "--json", "--nats-url", nats_url)
     out = json.loads(r.stdout)
     assert out["payload"] == "echo:hi" and out["instance"] == "inst-1" and out["latency_ms"] > 0

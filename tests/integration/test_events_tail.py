@@ -147,7 +147,7 @@ def test_its_options_come_from_dilu_variables_too(monkeypatch):
 
 
 def test_a_bad_pattern_is_one_line_and_the_url_comes_from_dilu_nats_url(monkeypatch):
-    for bad in ("", "a b", "dilu..x", "dilu.>.x"):
+    for bad in ("", "a b", "dilu..x", "dilu.>.x", "dilu.\udcff", "dilu.é"):  # \udcff: a byte not UTF-8
         res = CliRunner().invoke(events, ["tail", "--subject", bad])
         assert res.exit_code == 2 and "is not a NATS subject pattern" in res.output, res.output
         assert "Traceback" not in res.output
