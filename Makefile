@@ -24,13 +24,13 @@ demo: $(STAMP)
 	$(VENV)/bin/dilu demo $(ARGS)
 
 # Pure tests share both cores (pytest-xdist); those that read the clock through other processes
-# (the `serial` mark, set in tests/conftest.py) then run two at a time, the live-cluster runs
-# (`slow`) taking turns; the `solo` ones last, alone. ARGS runs pytest once, as given.
+# (the `serial` mark, set in tests/conftest.py) then run one at a time (two at a time flaked: the
+# chaos replay and a signalled bench ran late beside other tests); the `solo` ones last. ARGS runs pytest once, as given.
 test: $(STAMP)
 	$(PY) -m dilu.interceptor.build
 ifeq ($(strip $(ARGS)),)
 	$(PY) -m pytest -q -p no:cacheprovider -n 2 --dist worksteal -m "not serial"
-	$(PY) -m pytest -q -p no:cacheprovider -n 2 --dist worksteal -m "serial and not solo"
+	$(PY) -m pytest -q -p no:cacheprovider -m "serial and not solo"
 	$(PY) -m pytest -q -p no:cacheprovider -m solo
 else
 	$(PY) -m pytest -q -p no:cacheprovider $(ARGS)

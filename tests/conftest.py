@@ -13,8 +13,8 @@ from dilu.services.common.natsserver import EmbeddedNats
 
 # ``make test`` runs the pure computation first, on both cores (pytest-xdist); then the tests that
 # read the clock through other processes (a nats-server, the emulated device's timeline, live
-# services: the ``serial`` mark), two at a time: they mostly wait, so two of them use about one
-# core of the two. The ``slow`` ones each run a whole live cluster under load: they take turns
+# services: the ``serial`` mark), one at a time (``make test``; run with -n 2 they flaked). The
+# ``slow`` ones each run a whole live cluster under load: under xdist they take turns
 # (:func:`_one_live_cluster_at_a_time`), so no two live clusters ever run at once. A ``solo`` test
 # (marked in its module: it must outpace the emulated GPU, or makes its own overload) runs last, alone.
 _PARALLEL_DIRS = ("unit", "sim", "fuzz")
