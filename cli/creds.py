@@ -20,8 +20,9 @@ import click
 import nkeys
 
 from dilu.contracts import subjects
-from dilu.services.common.cliopts import NonEmptyPath, check_node, default_node
-from dilu.services.common.natsconn import inbox_line
+from dilu.services.common import files
+from dilu.services.common.cliopts import NonEmptyPath, check_name, default_node
+from dilu.services.common.natsconn import CREDS_MAX_BYTES, inbox_line
 from dilu.services.common.permissions import NODE_SCOPED, ROLES, permissions, render_authorization
 
 CREDS_DIR = "creds"
@@ -68,7 +69,7 @@ def _render(role: str, node: str | None, seed: str, caller: str | None = None) -
 
 def _read(path: Path, role: str, node: str | None, caller: str | None = None) -> str:
     try:
-        text = path.read_text()
+        text = files.read_bounded(path, CREDS_MAX_BYTES).decode(errors="replace")
     except OSError as exc:
         raise CredsError(f"cannot read {path}: {exc.strerror or exc}") from None
     seeds = _SEED.findall(text)
@@ -160,14 +161,15 @@ def role_creds(out: Path, role: str, node: str | None = None, nodes: list[str] |
 def _nodes(ctx, param, value: str | None) -> list[str]:
     if value is None:
         return [default_node()] if param.name == "nodes" else []
+    what = "caller" if param.name == "callers" else "node"
     names = [n.strip() for n in value.split(",")]
     if any(not n for n in names) or len(set(names)) != len(names):
-        raise click.BadParameter(f"a comma-separated list of distinct node names, got {value!r}")
+        raise click.BadParameter(f"a comma-separated list of distinct {what} names, got {value!r}")
     tokens = [subjects.token(n) for n in names]
     if len(set(tokens)) != len(tokens):
         raise click.BadParameter(f"{value!r}: two names give the same subject token")
     for n in names:
-        check_node(ctx, param, n)
+        check_name(n, what)
     return names
 
 

@@ -28,6 +28,7 @@ from dilu.client import admin
 from dilu.client.aio import AsyncClient, Reply
 from dilu.client.errors import EXIT_CODES, DiluError, NoCapacity, NotPermitted, exit_code
 from dilu.client.spec import SpecError, load_spec, name_problem
+from dilu.services.common import files
 from dilu.services.common.cliopts import ENV_PREFIX, Finite, NonEmptyPath, echo_json_error, nats_options
 from dilu.services.common.invoke import MAX_TIMEOUT_S
 from dilu.services.common.natsconn import NatsOptions
@@ -237,14 +238,22 @@ def undeploy(name: str, nats: NatsOptions, wait_s: float, as_json: bool) -> None
 # ---------------------------------------------------------------------------- invoke
 
 
+DATA_MAX_BYTES = 64 * files.MiB  # nats-server's ceiling on max_payload: no server carries more
+
+
 def read_data(data: str) -> bytes:
     """``--data``: ``@FILE`` (its bytes), ``-`` (stdin's bytes) or the text itself (UTF-8; bytes of
-    the command line that are not UTF-8 are sent as given)."""
+    the command line that are not UTF-8 are sent as given). A file or stdin is read up to
+    DATA_MAX_BYTES (a FIFO, device or longer input is refused: Failed with USAGE); the server's
+    own, lower, limit is checked when the call is made."""
     if data == "-":
-        return sys.stdin.buffer.read()
+        try:
+            return files.read_stream(sys.stdin.buffer, DATA_MAX_BYTES, "stdin")
+        except OSError as exc:
+            raise Failed(f"--data -: {exc.strerror or exc}", USAGE) from None
     if data.startswith("@"):
         try:
-            return Path(data[1:]).read_bytes()
+            return files.read_bounded(data[1:], DATA_MAX_BYTES)
         except OSError as exc:
             raise Failed(f"--data: cannot read {data[1:]!r}: {exc.strerror or exc}", USAGE) from None
     return os.fsencode(data)  # the argument's own bytes: Python holds undecodable ones as surrogates

@@ -24,7 +24,7 @@ import msgspec
 from msgspec import UNSET, UnsetType
 
 from dilu.contracts.events import FunctionKind, FunctionSpec, PriorityClass, Profile
-from dilu.services.common import functions, models
+from dilu.services.common import files, functions, models
 from dilu.services.common.invoke import MAX_TIMEOUT_S
 
 NAME_RE = re.compile(r"[A-Za-z0-9_-]{1,63}")
@@ -215,6 +215,7 @@ def _given(value: Any) -> bool:
 
 
 SPEC_FILE_NAME = "function.toml"  # the spec file a function's folder holds (examples/*/function.toml)
+SPEC_MAX_BYTES = files.MiB  # a spec is a few hundred bytes; more is not a spec file
 
 
 def parse_spec(text: str | bytes, *, source: str = SPEC_FILE_NAME, base_dir: str | os.PathLike | None = None) -> LoadedSpec:
@@ -276,7 +277,7 @@ def load_spec(path: str | os.PathLike) -> LoadedSpec:
     :class:`SpecError` (also for a missing or unreadable file)."""
     p = Path(path) / SPEC_FILE_NAME if Path(path).is_dir() else Path(path)
     try:
-        text = p.read_bytes()
+        text = files.read_bounded(p, SPEC_MAX_BYTES)
     except OSError as exc:
         raise SpecError(f"{p}: cannot read the spec file: {exc.strerror or exc}") from None
     return parse_spec(text, source=str(p), base_dir=p.resolve().parent)

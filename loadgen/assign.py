@@ -25,6 +25,8 @@ from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Protocol
 
+from dilu.services.common import files
+
 MODELS: tuple[str, ...] = ("bert_base", "gpt2_large", "llama2", "resnet152")
 DEFAULT_WEIGHTS: Mapping[str, float] = {"bert_base": 0.35, "resnet152": 0.35, "gpt2_large": 0.2, "llama2": 0.1}
 # The LLaMA2 surface times one decode step; a request generates this many tokens (data README).
@@ -79,7 +81,7 @@ def read_surface(path: str | Path) -> list[tuple[int, float, float, float]]:
     Raises ValueError naming the file and line on a malformed row."""
     path = Path(path)
     rows = []
-    with path.open(newline="") as fh:
+    with files.open_regular(path, newline="") as fh:
         reader = csv.DictReader(fh)
         for row in reader:
             try:

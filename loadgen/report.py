@@ -61,10 +61,13 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
+from dilu.services.common import files
+
 from .arrivals import ReplayPlan
 from .generator import Record, RunResult
 from .llm import LlmPlan
 
+REPORT_MAX_BYTES = 256 * files.MiB  # a report is tens of KB per function
 HDR_LOWEST_US = 1
 HDR_HIGHEST_US = 3_600_000_000  # one hour; longer latencies are clamped to it
 HDR_DIGITS = 3
@@ -316,7 +319,7 @@ def write_report(report: Report, path: str | Path) -> None:
 def read_report(path: str | Path) -> Report:
     """Read a JSON report written by :func:`write_report`; raises ValueError naming the file."""
     try:
-        return msgspec.json.decode(Path(path).read_bytes(), type=Report)
+        return msgspec.json.decode(files.read_bounded(path, REPORT_MAX_BYTES), type=Report)
     except (OSError, msgspec.DecodeError) as exc:
         raise ValueError(f"{path}: not a Dilu report ({exc})") from exc
 

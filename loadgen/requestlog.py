@@ -18,6 +18,8 @@ from pathlib import Path
 
 import msgspec
 
+from dilu.services.common import files
+
 from .generator import RunResult, Status, Timings
 
 FILENAME = "requests.jsonl"
@@ -62,7 +64,7 @@ def read(path: str | Path) -> list[RequestLine]:
     timer resolution, so those two are not compared)."""
     dec = msgspec.json.Decoder(RequestLine)
     out = []
-    with open(path, "rb") as fh:
+    with files.open_regular(path, "rb") as fh:
         for n, raw in enumerate(fh, 1):
             if not raw.strip():
                 continue

@@ -25,6 +25,8 @@ from pathlib import Path
 
 import msgspec
 
+from dilu.services.common import files
+
 INVOCATIONS = "invocations.csv"
 DURATIONS = "durations.csv"
 MEMORY = "memory.csv"
@@ -140,7 +142,7 @@ def read_trace(directory: str | Path | None = None) -> Trace:
 def _rows(path: Path) -> Iterator[tuple[int, list[str]]]:
     """Yield (1-based line, cells) of a CSV file, skipping blank lines."""
     try:
-        fh = path.open(newline="", encoding="utf-8")
+        fh = files.open_regular(path, newline="", encoding="utf-8")
     except OSError as exc:
         raise TraceError(path, 0, f"cannot read: {exc.strerror or exc}") from None
     try:

@@ -31,13 +31,14 @@ import msgspec
 import numpy as np
 
 from dilu.loadgen import report, requestlog
-from dilu.services.common import models
+from dilu.services.common import files, models
 
 from .overheads import Overheads, OverheadsError
 
 MIN_BATCHES = 20  # fewer batches of one function and size say little about its service's spread
 MIN_STARTS = 10  # a process start table's entry comes from at least this many launches (else pooled)
 NODE_AGENT_LOG = "node_agent.log"
+LOG_MAX_BYTES = files.GiB  # a node agent's log of one run: hours of it are tens of MB
 
 
 class _Ready(msgspec.Struct):
@@ -57,7 +58,7 @@ def process_starts_ms(log: Path, model_of: dict[str, str]) -> list[tuple[int, fl
     text, a line is not JSON, a ready line is malformed or no instance became ready in it."""
     ready: list[_Ready] = []
     try:
-        text = log.read_text()
+        text = files.read_bounded(log, LOG_MAX_BYTES).decode()
     except UnicodeDecodeError:
         raise ValueError(f"{log}: not text (not UTF-8): not the node agent's log of a run") from None
     for n, line in enumerate(text.splitlines(), 1):

@@ -30,9 +30,10 @@ from typing import Sequence
 import msgspec
 import numpy as np
 
-from dilu.services.common import models
+from dilu.services.common import files, models
 
 QUANTILE_POINTS = 101  # each table: the 0th, 1st, ..., 100th percentile
+OVERHEADS_MAX_BYTES = 16 * files.MiB  # a few tables of QUANTILE_POINTS numbers: tens of KB
 
 
 class OverheadsError(ValueError):
@@ -90,8 +91,12 @@ class Overheads(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         """Load a file written by ``dilu calibrate --json``; raises :class:`OverheadsError` naming the
         file when it is unreadable or malformed."""
         try:
-            return msgspec.json.decode(Path(path).read_bytes(), type=cls)
-        except (OSError, msgspec.DecodeError) as exc:  # a table's own error arrives as a ValidationError
+            data = files.read_bounded(path, OVERHEADS_MAX_BYTES)
+        except OSError as exc:
+            raise OverheadsError(f"{path}: cannot read: {exc.strerror or exc}") from None
+        try:
+            return msgspec.json.decode(data, type=cls)
+        except msgspec.DecodeError as exc:  # a table's own error arrives as a ValidationError
             raise OverheadsError(f"{path}: not an overheads file ({exc})") from None
 
 

@@ -93,6 +93,10 @@ PARK_AFTER_S_TYPE = Finite(min=0, max=86_400)
 def check_nats_url(ctx, param, value: str) -> str:
     """Click callback: a NATS URL with a known scheme, a host and a port in 1..65535 (nats-py
     would otherwise raise a traceback, or retry a nonsense host for ever). Raises BadParameter."""
+    try:
+        value.encode()
+    except UnicodeEncodeError:  # undecodable bytes of the command line or environment
+        raise click.BadParameter(f"{value!r} is not UTF-8 text") from None
     parts = urlsplit(value if "://" in value else f"nats://{value}")
     try:
         port = parts.port
@@ -112,10 +116,14 @@ def check_node(ctx, param, value: str) -> str:
     digits, '.', '-') or '_'. Subjects and permissions carry it as one token, so NATS's
     wildcards ('*', '>') or other characters, which would all read as '_', are refused rather
     than letting two names share a node's subjects. Raises BadParameter."""
-    if value is None:
-        return value
+    return value if value is None else check_name(value, "node")
+
+
+def check_name(value: str, what: str) -> str:
+    """``value`` when it is a valid name of a node (or of another ``what`` carried in subjects
+    the same way, e.g. a caller): see :func:`check_node`. Raises BadParameter naming ``what``."""
     if len(value) > MAX_NODE_NAME or not _NODE_NAME.fullmatch(value):
-        raise click.BadParameter(f"a node name is 1..{MAX_NODE_NAME} letters, digits, '.', '-' or '_', got {value!r}")
+        raise click.BadParameter(f"a {what} name is 1..{MAX_NODE_NAME} letters, digits, '.', '-' or '_', got {value!r}")
     return value
 
 
@@ -224,6 +232,9 @@ def service_main(command: click.Command, **kwargs) -> None:
 
         command.parse_args = parse_naming_envvar
         command._names_envvar = True
+        for param in command.params:  # --help names each option's variable
+            if isinstance(param, click.Option):
+                param.show_envvar = True
     command.main(auto_envvar_prefix=ENV_PREFIX, **kwargs)
 
 

@@ -27,6 +27,8 @@ import nats
 from nats.aio.client import Client as NATS
 from nats.protocol.parser import AUTHORIZATION_VIOLATION, PERMISSIONS_ERR
 
+from . import files
+
 DEFAULT_URL = "nats://127.0.0.1:4222"
 ENV_URL = "DILU_NATS_URL"
 ENV_CREDS = "DILU_NATS_CREDS"
@@ -147,6 +149,7 @@ def inbox_line(prefix: str) -> str:
     return f"# connect with inbox prefix {prefix} (env {ENV_INBOX_PREFIX})"
 
 
+CREDS_MAX_BYTES = 64 * files.KiB  # a creds file (JWT and seed, or a seed) is a few KB
 _INBOX_LINE = re.compile(rb"^# connect with inbox prefix (\S+)", re.MULTILINE)
 
 
@@ -156,7 +159,7 @@ def creds_kwargs(path: Path) -> dict[str, Any]:
     file names one (:func:`inbox_line`), so ``--creds`` alone is enough to read one's replies.
     Raises CredentialsError."""
     try:
-        data = Path(path).read_bytes()
+        data = files.read_bounded(path, CREDS_MAX_BYTES)
     except OSError as exc:
         raise CredentialsError(f"cannot read credentials {path}: {exc.strerror or exc}") from None
     if _JWT_MARK in data:

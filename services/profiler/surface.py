@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 from pathlib import Path
 
-from dilu.services.common import models
+from dilu.services.common import files, models
 
 from .policy import Measurement, Trial
 
@@ -131,7 +131,7 @@ def load_surface(path: str | Path, tokens_per_request: int | None = None) -> Sur
     if tokens_per_request is None:
         tokens_per_request = 32 if path.name.lower().startswith("llama") else 1
     try:
-        with path.open(newline="") as fh:
+        with files.open_regular(path, newline="") as fh:
             reader = csv.DictReader(fh)
             header = tuple(c.strip() for c in (reader.fieldnames or ()))
             rows = list(reader)

@@ -29,6 +29,7 @@ from pathlib import Path
 import click
 from hdrh.histogram import HdrHistogram
 
+from dilu.services.common import files
 from dilu.services.common.cliopts import Finite, writable_output, write_output
 from dilu.services.common.interrupt import SignalExit
 
@@ -47,6 +48,9 @@ def workloads_epilog() -> str:
     return "\n".join(["The paper's scheduling workloads, for --workload, are bundled here:", "", "\b", f"  {WORKLOADS_DIR}/", *rows])
 
 
+WORKLOAD_MAX_BYTES = 256 * files.MiB  # the paper's largest workload (3,200 instances) is 1 MB
+
+
 class WorkloadError(ValueError):
     """A workload line that is not a valid event (the message names the line)."""
 
@@ -54,12 +58,14 @@ class WorkloadError(ValueError):
 def parse_workload(path: str | Path) -> list[tuple[float, str, str, Demand]]:
     """Events as (time s, action, instance name, demand), one per non-blank line of the Dilu
     authors' format (a Python dict literal, read with ast.literal_eval: nothing is executed).
-    Raises WorkloadError naming the file and line and saying what is wrong, also for a binary or
-    event-less file."""
+    Raises WorkloadError naming the file and line and saying what is wrong, also for a binary,
+    unreadable, non-regular, event-less or too large (over WORKLOAD_MAX_BYTES) file."""
     try:
-        lines = Path(path).read_text().splitlines()
+        lines = files.read_bounded(path, WORKLOAD_MAX_BYTES).decode().splitlines()
     except UnicodeDecodeError:
         raise WorkloadError(f"{path}: not a text file") from None
+    except OSError as exc:  # missing, unreadable, not a regular file, over the limit
+        raise WorkloadError(f"{path}: cannot read: {exc.strerror or exc}") from None
     events = []
     for n, line in enumerate(lines, start=1):
         if not line.strip():

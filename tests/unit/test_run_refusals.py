@@ -21,6 +21,19 @@ def test_a_combination_that_means_nothing_is_refused_in_one_line(args, words):
     assert words in one_line_error(CliRunner().invoke(main, args), 2)
 
 
+@pytest.mark.parametrize("command", ["demo", "compare", "chaos"])
+def test_a_trace_that_cannot_be_read_is_a_bad_trace_option(tmp_path, command):
+    (tmp_path / "invocations.csv").write_text("garbage\n")
+    line = one_line_error(CliRunner().invoke(main, [command, "--trace", str(tmp_path)]), 2)
+    assert "Invalid value for '--trace'" in line and "header must start with HashOwner" in line
+
+
+@pytest.mark.parametrize("command", ["demo", "compare"])
+def test_a_start_minute_outside_the_trace_is_a_bad_option(command):
+    line = one_line_error(CliRunner().invoke(main, [command, "--start-minute", "-5"]), 2)
+    assert "Invalid value for '--start-minute': start minute -5 is outside the trace (minutes 480..959)" in line
+
+
 def test_one_training_job_per_gpu_and_a_cpu_node_are_accepted():
     from dilu.cli.demo import RunOptions
 
@@ -86,6 +99,8 @@ def test_chaos_with_all_faults_needs_the_minutes_its_help_names():
     (["bench", "scheduler"], {"DILU_GAMMA": "nan"}, "'--gamma' (from DILU_GAMMA)"),
     (["demo", "--gpus", "1"], {"DILU_TRAINING_JOBS": "2"}, "'--training-jobs' (from DILU_TRAINING_JOBS)"),  # raised in the body
     (["status"], {"DILU_NATS_URL": "nats://host:0"}, "'--nats-url' (from DILU_NATS_URL)"),
+    (["status"], {"DILU_NATS_URL": "nats://\udcff:4222"}, "'--nats-url' (from DILU_NATS_URL)"),  # bytes not UTF-8
+    (["status"], {"DILU_NATS_CREDS": "/dev/zero"}, "'--creds' (from DILU_NATS_CREDS)"),  # endless: never read
 ])
 def test_a_bad_value_from_the_environment_names_its_variable(args, env, hint):
     assert f"Invalid value for {hint}:" in one_line_error(CliRunner(env=env).invoke(main, args), 2)
