@@ -36,7 +36,7 @@ from dilu.services.node_agent import segments
 
 from .cluster import NATS, Cluster
 from .demo import (RunOptions, _end, _gpus, _install_stop, _replay, _run_or_explain, _start, build_plan, check_span,
-                   make_console, replay_args)
+                   check_trace, make_console, replay_args)
 
 WHOLE_TIMEOUT_S = 90.0  # longest wait for every process to be running and ready after a fault
 ORPHAN_WAIT_S = 10.0  # how long instances may outlive a node agent killed for good
@@ -435,10 +435,7 @@ def chaos_cmd(minutes, kinds, soak, sample_s, functions, gpus, speedup, seed, tr
         what = f"{len(kinds)} fault{'s' * (len(kinds) != 1)}" if kinds else "a run without faults"
         raise click.BadParameter(f"{minutes:g} is too short for {what}: at least {shortest:g} minutes",
                                  param_hint=["--minutes"])
-    try:
-        length_s = _check_length(trace.read_trace(trace_dir), minutes, speedup, kinds)
-    except (trace.TraceError, ValueError) as exc:
-        raise click.ClickException(str(exc)) from None
+    length_s = _check_length(check_trace(trace_dir), minutes, speedup, kinds)
     opts = RunOptions(duration=minutes * 60.0, speedup=speedup, seed=seed, trace_dir=trace_dir, start_minute=None,
                       functions=functions, gpus=gpus, nats_url=None, log_dir=log_dir, training_jobs=0)
     console = make_console()

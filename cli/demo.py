@@ -146,18 +146,34 @@ def build_plan(opts: RunOptions, run_id: str):
     return plan, chosen, llm_plan
 
 
+def check_trace(trace_dir: str | None, start_minute: int | None = None) -> trace.Trace:
+    """Before anything starts: the trace, read; a trace that cannot be read is a bad ``--trace``
+    and a start minute outside it a bad ``--start-minute`` (click.BadParameter: exit 2, as
+    ``dilu sim`` does)."""
+    try:
+        tr = trace.read_trace(trace_dir)
+    except trace.TraceError as exc:
+        raise click.BadParameter(str(exc), param_hint="--trace") from None
+    try:
+        arrivals.replay_s(tr, duration_s=1.0, speedup=1.0, start_minute=start_minute)
+    except ValueError as exc:
+        raise click.BadParameter(str(exc), param_hint="--start-minute") from None
+    return tr
+
+
 def check_span(plan, llm_plan, flag: str, asked: float, unit_s: float = 1.0) -> str | None:
-    """Before anything starts: refuse a span that sends nothing (ValueError, as ``dilu sim``
-    does; e.g. 5 s at --speedup 0.01 spans 0.05 trace s, over before the first arrival),
+    """Before anything starts: refuse a span that sends nothing (click.BadParameter naming
+    ``flag``: exit 2, as ``dilu sim`` does; e.g. 5 s at --speedup 0.01 spans 0.05 trace s, over
+    before the first arrival),
     and return the line to print when the trace ended before the length asked (None when it did
     not). ``flag`` and ``asked`` are the option and value that set the length, ``unit_s`` its unit
     in seconds (60: --minutes)."""
     unit = "s" if unit_s == 1.0 else "minutes"
     if not plan.invocations and not (llm_plan is not None and llm_plan.invocations):
-        raise ValueError(f"the span ({flag} {asked:g} at --speedup {plan.speedup:g}: "
-                         f"{plan.duration_s * plan.speedup:g} trace s from minute {plan.start_minute}) holds no "
-                         f"invocation: give more {flag}, a higher --speedup"
-                         + (" or another --start-minute" if flag == "--duration" else ""))
+        raise click.BadParameter(f"the span ({flag} {asked:g} at --speedup {plan.speedup:g}: "
+                                 f"{plan.duration_s * plan.speedup:g} trace s from minute {plan.start_minute}) holds "
+                                 f"no invocation: give more {flag}, a higher --speedup"
+                                 + (" or another --start-minute" if flag == "--duration" else ""), param_hint=flag)
     if not plan.clipped:
         return None
     minutes = round(plan.duration_s * plan.speedup / 60)  # whole: a clipped span runs to the trace's end
@@ -594,6 +610,7 @@ def demo(json_path, policy, **kw) -> None:
     """Run the whole platform on a real trace and print the report. Ctrl-C or SIGTERM stops
     sending, reports what was offered and exits with 130 or 143."""
     opts = RunOptions(**kw)
+    check_trace(opts.trace_dir, opts.start_minute)
     console = make_console()
     held: dict[str, asyncio.Event] = {}
 
@@ -629,6 +646,7 @@ def compare(json_path, policies, **kw) -> None:
     if len(set(names)) != len(names):
         raise click.BadParameter(f"a policy is named twice in {', '.join(names)}", param_hint="--policies")
     opts = RunOptions(**kw)
+    check_trace(opts.trace_dir, opts.start_minute)
     if opts.training_jobs is None:  # an exclusive GPU per instance leaves no room to collocate
         opts.training_jobs = 0
     console = make_console()

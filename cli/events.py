@@ -30,8 +30,9 @@ from dilu.services.common.natsconn import (CredentialsError, NatsOptions, connec
 from .functions import UNREACHABLE, USAGE, Failed
 
 CONNECT_TIMEOUT_S = 2.0
-REFUSED_HINT = ("these credentials may not read it (the event subjects need the integrator's, "
-                "creds/integrator.creds; the data plane's invocations are not events)")
+REFUSED_HINT = ("these credentials may not read it (the integrator's, creds/integrator.creds, read the event "
+                "subjects of docs/events.md and no others; the data plane's invocations are "
+                "not events)")
 _NAMES = ("name", "function", "instance_id")  # the field that names a nested struct in a line
 
 

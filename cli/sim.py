@@ -156,7 +156,7 @@ def _simulate(console, stop: SignalExit, trace_dir, functions, hours, nodes, gpu
     """:func:`sim` after its workload branch: read the overheads, simulate, show. Stopped (``stop``),
     it reports the policies that finished and says so in ``stop``'s line."""
     from dilu.loadgen.sim.overheads import Overheads, OverheadsError
-    from dilu.loadgen.sim.run import Interrupted, SimConfig, simulate
+    from dilu.loadgen.sim.run import EmptySpan, Interrupted, SimConfig, simulate
     from dilu.loadgen.trace import TraceError
 
     if overheads_seed is not None and not overheads_path:
@@ -191,6 +191,8 @@ def _simulate(console, stop: SignalExit, trace_dir, functions, hours, nodes, gpu
         raise
     except TraceError as exc:  # bad input: the trace given (exit 2)
         raise click.BadParameter(str(exc), param_hint="--trace") from None
+    except EmptySpan as exc:  # the options ask for nothing to replay (exit 2)
+        raise click.BadParameter(str(exc), param_hint="--hours") from None
     except (ValueError, OSError) as exc:
         raise click.ClickException(str(exc)) from None
     except Interrupted as exc:

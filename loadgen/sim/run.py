@@ -165,6 +165,10 @@ class SimConfig:
         return self.nodes * self.gpus_per_node
 
 
+class EmptySpan(ValueError):
+    """The trace span asked for (hours from the start minute) holds no invocation."""
+
+
 @dataclass
 class Workload:
     """What every policy of one comparison replays: the plan and the deployed specs, profiled."""
@@ -177,8 +181,8 @@ class Workload:
 def prepare(cfg: SimConfig) -> Workload:
     """The replay plan (:func:`cli.demo.build_plan` at ``cfg.speedup``), the functions' specs with their
     seeded models, the training jobs, and each inference function's profile from the profiler's
-    search on its surface. Raises ValueError / TraceError for a bad trace or a span without
-    invocations."""
+    search on its surface. Raises TraceError for a bad trace, :class:`EmptySpan` for a span
+    without invocations, ValueError for other bad settings."""
     from dilu.cli.demo import RunOptions, build_plan  # the demo's plan rule, not a copy of it
 
     opts = RunOptions(duration=cfg.hours * 3600.0 / cfg.speedup, speedup=cfg.speedup, seed=cfg.seed, trace_dir=cfg.trace_dir,
@@ -186,7 +190,7 @@ def prepare(cfg: SimConfig) -> Workload:
                       nats_url=None, log_dir=None, training_jobs=0, progress=False)
     plan, chosen, _ = build_plan(opts, RUN_ID)
     if not plan.invocations:
-        raise ValueError(f"the span ({cfg.hours:g} hours from the start minute) holds no invocation: "
+        raise EmptySpan(f"the span ({cfg.hours:g} hours from the start minute) holds no invocation: "
                          f"give more --hours or another --start-minute")
     specs = [function_spec(f.name, chosen[f.name], peak_rps=f.peak_rps) for f in plan.functions]
     specs += [training_spec(f"train-{i}") for i in range(round(cfg.training_jobs * cfg.gpus))]

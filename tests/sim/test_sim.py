@@ -143,7 +143,7 @@ def test_workload_too_big_for_the_cluster_says_so(tmp_path):
 ])
 def test_bad_input_is_one_line(args, words):
     r = CliRunner().invoke(main, ["sim", *args])
-    assert r.exit_code == 2 or r.exit_code == 1
+    assert r.exit_code == 2, r.output  # a bad option, never a failed run
     errors = [line for line in r.output.splitlines() if "Error" in line]
     assert len(errors) == 1 and words in r.output, r.output
 
