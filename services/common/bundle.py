@@ -15,6 +15,7 @@ import shutil
 import stat
 import tempfile
 import zipfile
+from collections.abc import Iterator
 from pathlib import Path
 
 from nats.js import JetStreamContext
@@ -23,6 +24,7 @@ from nats.js.errors import NotFoundError, ObjectNotFoundError
 
 from dilu.contracts import subjects
 
+from . import files
 from .jsresources import ensure_object_store
 
 MAX_BUNDLE_BYTES = 64 * 2**20  # a function's code, not its weights: weights load at run time
@@ -37,39 +39,77 @@ class BundleError(ValueError):
 
 
 def pack(folder: str | os.PathLike) -> tuple[bytes, str]:
-    """Zip ``folder`` (files sorted by path, fixed timestamps, caches and VCS folders left out);
-    returns ``(zip bytes, key)`` with key ``sha256-<hex of the zip>``.
+    """Zip ``folder`` (files sorted by path, fixed timestamps, caches and VCS folders left out;
+    symbolic links count as what they point to); returns ``(zip bytes, key)`` with key
+    ``sha256-<hex of the zip>``.
 
-    Raises BundleError when the folder is missing, holds a file that is not a regular file (a
-    pipe, socket or device, also behind a symbolic link: reading one would block or never end)
-    or one that cannot be read, or when the bundle exceeds ``MAX_BUNDLE_BYTES``.
+    Raises BundleError when the folder is missing; when it holds a file that is not a regular
+    file (a pipe, socket or device: reading one would block or never end), a file or folder that
+    cannot be read, a name that is not UTF-8 or a link to a folder that holds it (a loop); or when
+    the bundle exceeds ``MAX_BUNDLE_BYTES``. Nothing is left out silently.
     """
     root = Path(folder)
     if not root.is_dir():
         raise BundleError(f"code folder {str(root)!r} does not exist or is not a folder")
-    files, total = [], 0
-    for dirpath, dirnames, filenames in os.walk(root):
-        dirnames[:] = sorted(d for d in dirnames if d not in SKIP_DIRS)
-        for name in sorted(filenames):
-            if not name.endswith(SKIP_SUFFIXES):
-                files.append(Path(dirpath) / name)
-                total += _regular_size(root, files[-1])
-                if total > MAX_BUNDLE_BYTES:  # said as soon as it is known: a folder such as / is not walked whole
-                    raise BundleError(f"code folder {str(root)!r} holds over {MAX_BUNDLE_BYTES} bytes, the limit "
-                                      "(load weights at run time instead of shipping them)")
+    found, total = [], 0
+    for f in _walk(root):
+        found.append(f)
+        total += _regular_size(root, f)
+        if total > MAX_BUNDLE_BYTES:  # said as soon as it is known: a folder such as / is not walked whole
+            raise BundleError(f"code folder {str(root)!r} holds over {MAX_BUNDLE_BYTES} bytes, the limit "
+                              "(load weights at run time instead of shipping them)")
     buf = io.BytesIO()
     with zipfile.ZipFile(buf, "w", zipfile.ZIP_DEFLATED) as zf:
-        for f in sorted(files):
+        for f in sorted(found):
             name = f.relative_to(root).as_posix()
             info = zipfile.ZipInfo(name, date_time=_ZIP_TIME)
             info.external_attr = 0o644 << 16
             try:
-                content = f.read_bytes()
+                content = files.read_bounded(f, MAX_BUNDLE_BYTES)  # a file swapped or grown since the walk
             except OSError as exc:
                 raise BundleError(f"code folder {str(root)!r}: cannot read {name!r}: {exc.strerror or exc}") from None
             zf.writestr(info, content, compress_type=zipfile.ZIP_DEFLATED)
     data = buf.getvalue()
     return data, "sha256-" + hashlib.sha256(data).hexdigest()
+
+
+def _walk(root: Path) -> Iterator[Path]:
+    """The files under ``root`` to bundle, folder by folder (links to folders followed). Raises
+    BundleError for a folder it cannot list, a name that is not UTF-8 and a link loop."""
+
+    def refuse(exc: OSError) -> None:
+        raise BundleError(f"code folder {str(root)!r}: cannot read {_rel(root, exc.filename)!r}: "
+                          f"{exc.strerror or exc}")
+
+    chains = {str(root): (os.path.realpath(root),)}  # each folder: the real folders from root down to it
+    for dirpath, dirnames, filenames in os.walk(root, onerror=refuse, followlinks=True):
+        dirnames[:] = sorted(d for d in dirnames if d not in SKIP_DIRS)
+        kept = sorted(name for name in filenames if not name.endswith(SKIP_SUFFIXES))
+        for name in (*dirnames, *kept):
+            _check_name(root, Path(dirpath, name))
+        chain = chains.pop(dirpath)
+        for d in dirnames:
+            target = os.path.realpath(os.path.join(dirpath, d))
+            if target in chain:
+                raise BundleError(f"code folder {str(root)!r}: {_rel(root, Path(dirpath, d))!r} links to a folder "
+                                  "that holds it (a loop); remove the link")
+            chains[os.path.join(dirpath, d)] = (*chain, target)
+        yield from (Path(dirpath) / name for name in kept)
+
+
+def _rel(root: Path, path: str | os.PathLike | None) -> str:
+    try:
+        return Path(path or root).relative_to(root).as_posix()
+    except ValueError:
+        return str(path)
+
+
+def _check_name(root: Path, path: Path) -> None:
+    name = _rel(root, path)
+    try:
+        name.encode()
+    except UnicodeEncodeError:  # undecodable bytes of the name, held as surrogates: zip names are UTF-8
+        raise BundleError(f"code folder {str(root)!r}: the name {name!r} is not UTF-8; rename it") from None
 
 
 def _regular_size(root: Path, f: Path) -> int:

@@ -6,6 +6,7 @@ import io
 import os
 import socket
 import zipfile
+from pathlib import Path
 
 import pytest
 
@@ -72,3 +73,51 @@ def test_an_unreadable_file_is_named(tmp_path):
 def test_a_missing_folder_is_one_line(tmp_path):
     with pytest.raises(BundleError, match="does not exist or is not a folder"):
         pack(tmp_path / "nope")
+
+
+def test_a_linked_folder_is_bundled_and_a_link_loop_refused(tmp_path):
+    (tmp_path / "lib").mkdir()
+    (tmp_path / "lib" / "util.py").write_text("y = 2\n")
+    (tmp_path / "code").mkdir()
+    (tmp_path / "code" / "main.py").write_text("x = 1\n")
+    os.symlink(tmp_path / "lib", tmp_path / "code" / "lib")  # left out without followlinks
+    assert _names(pack(tmp_path / "code")[0]) == ["lib/util.py", "main.py"]
+    os.symlink(tmp_path / "code", tmp_path / "lib" / "back")  # code/lib/back is code again
+    with pytest.raises(BundleError, match=r"'lib/back' links to a folder that holds it"):
+        pack(tmp_path / "code")
+
+
+def test_an_unreadable_subfolder_is_named_not_left_out(tmp_path):
+    (tmp_path / "main.py").write_text("x = 1\n")
+    (tmp_path / "private").mkdir()
+    (tmp_path / "private" / "model.py").write_text("z = 3\n")
+    (tmp_path / "private").chmod(0)
+    try:
+        if os.access(tmp_path / "private", os.R_OK):  # root lists anything
+            pytest.skip("this user lists folders without read permission")
+        with pytest.raises(BundleError, match=r"cannot read 'private'"):
+            pack(tmp_path)
+    finally:
+        (tmp_path / "private").chmod(0o755)
+
+
+def test_a_name_that_is_not_utf8_is_refused_by_name(tmp_path):
+    (tmp_path / "main.py").write_text("x = 1\n")
+    try:
+        (Path(os.fsdecode(bytes(tmp_path) + b"/caf\xe9.py"))).write_text("y = 2\n")
+    except (OSError, UnicodeEncodeError):
+        pytest.skip("this file system refuses names that are not UTF-8")
+    with pytest.raises(BundleError, match=r"is not UTF-8; rename it"):
+        pack(tmp_path)
+
+
+@pytest.mark.timeout(20)
+def test_a_file_of_size_zero_is_not_read(tmp_path):
+    """A procfs file says it is 0 bytes long and may block on read (/proc/kmsg does until the
+    kernel logs); an empty file is bundled empty without a read."""
+    (tmp_path / "main.py").write_text("x = 1\n")
+    if not os.access("/proc/kmsg", os.R_OK):
+        pytest.skip("no readable /proc/kmsg here")
+    os.symlink("/proc/kmsg", tmp_path / "kmsg")
+    data, _ = pack(tmp_path)
+    assert zipfile.ZipFile(io.BytesIO(data)).read("kmsg") == b""
