@@ -28,7 +28,7 @@ import psutil
 from rich.console import Console
 from rich.table import Table
 
-from dilu.loadgen import arrivals, chaos, report, trace
+from dilu.loadgen import arrivals, chaos, report, requestlog, trace
 from dilu.services.common import logging as dlog
 from dilu.services.common.cliopts import finite, nonempty_path, writable_output, write_output
 from dilu.services.common.workqueue import DEFAULT_ACK_WAIT_S
@@ -290,6 +290,7 @@ async def run_chaos(opts: RunOptions, kinds: list[str], soak: bool, sample_s: fl
         during = sampler.run if soak else injector.run
         replay = await _replay(opts, cluster, plan, chosen, llm_plan, console, stop, during=during,
                                timeout_floor_s=TIMEOUT_FLOOR_S, drain_s=TIMEOUT_FLOOR_S + 5.0)
+        requestlog.write(log_dir / requestlog.FILENAME, replay.result)  # how each request ended, to look into
         injector.note_quota_sum()
         if lose:
             lost_agent = await asyncio.to_thread(injector.lose_agent)
@@ -309,22 +310,24 @@ def summarise(replay, plan, injector: Injector, lost_agent: chaos.Fault | None, 
     result, faults = replay.result, injector.faults
     for f in faults:
         f.recovery_s = chaos.recovery_s(f, result.records, result.started_unix_ns)
+    unexplained = chaos.timeouts_by_fault(faults, result.records, result.started_unix_ns)
     t = chaos.tally(result.records, offered=len(result.records), duplicate_replies=replay.stats.duplicate_replies)
     meta = {s.name: report.FunctionMeta(model=s.model, slo_ms=s.slo_ms, kind=s.kind) for s in replay.specs}
     totals = report.build_report(result.records, meta, report.RunFacts(), report.run_info(plan, result)).to_dict()["totals"]
     out = {
         "duration_s": round(result.wall_s, 3),
         **{f: getattr(t, f) for f in t.__struct_fields__},
+        "timed_out_before_faults": unexplained,
         "late_replies": replay.stats.late_replies,
         "slo_violation_rate": totals["slo_violation_rate"],
         "latency_ms": totals["latency_ms"],
-        "faults": [{"kind": f.kind, "at_s": f.at_s, "recovery_s": f.recovery_s, "function": f.function or None,
-                    "detail": f.detail} for f in faults],
+        "faults": [{"kind": f.kind, "at_s": f.at_s, "recovery_s": f.recovery_s, "timed_out": f.timed_out,
+                    "function": f.function or None, "detail": f.detail} for f in faults],
         "grant_sum_max": max(injector.quota_sums) if injector.quota_sums else None,
     }
     if lost_agent is not None:
         out["faults"].append({"kind": lost_agent.kind, "at_s": round(result.wall_s, 3), "recovery_s": None,
-                              "function": None, "detail": lost_agent.detail})
+                              "timed_out": 0, "function": None, "detail": lost_agent.detail})
         out["orphans"] = injector.orphans
     if sampler is not None:
         out["soak"] = {name: {f: getattr(s, f) for f in s.__struct_fields__}
@@ -345,11 +348,11 @@ def render(out: dict, console: Console) -> None:
                   f"{_latency(lat['p50'])} / {_latency(lat['p99'])}", highlight=False)
     if out["faults"]:
         ft = Table(title="faults")
-        for col in ("at s", "kind", "recovery s", "detail"):
+        for col in ("at s", "kind", "recovery s", "timed out", "detail"):
             ft.add_column(col)
         for f in out["faults"]:
             rec = "-" if f["recovery_s"] is None else f"{f['recovery_s']:.2f}"
-            ft.add_row(f"{f['at_s']:.1f}", f["kind"], rec, f["detail"])
+            ft.add_row(f"{f['at_s']:.1f}", f["kind"], rec, str(f["timed_out"]), f["detail"])
         console.print(ft)
     if out.get("grant_sum_max") is not None:
         console.print(f"largest sum of quotas in force on one GPU: {out['grant_sum_max']:.3f}")

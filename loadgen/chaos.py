@@ -10,6 +10,7 @@ those, so a request the books cannot place shows up there.
 """
 from __future__ import annotations
 
+import bisect
 import statistics
 from collections import Counter
 from collections.abc import Iterable, Sequence
@@ -44,6 +45,7 @@ class Fault(msgspec.Struct, kw_only=True):
     ``whole_ns``: Unix ns when it was injected and when every process of the cluster was running
     and ready again (0: never); ``function``: the function whose instance was killed
     (kill-instance only); ``recovery_s``: see :func:`recovery_s` (None: did not recover);
+    ``timed_out``: requests sent while it was the latest fault that timed out (:func:`timeouts_by_fault`);
     ``detail``: what happened, for people."""
 
     kind: str
@@ -52,6 +54,7 @@ class Fault(msgspec.Struct, kw_only=True):
     whole_ns: int = 0
     function: str = ""
     recovery_s: float | None = None
+    timed_out: int = 0
     detail: str = ""
 
 
@@ -145,6 +148,30 @@ def recovery_s(fault: Fault, records: Iterable[Record], started_unix_ns: int) ->
         return None
     end_ns = max(fault.whole_ns, started_unix_ns + first_ok)
     return round((end_ns - fault.started_ns) / 1e9, 3)
+
+
+def timeouts_by_fault(faults: Sequence[Fault], records: Iterable[Record], started_unix_ns: int) -> int:
+    """Tell each timed-out request to the fault it met: the latest one injected before it was
+    sent. Sets each fault's ``timed_out``; returns the timeouts of requests sent before the first
+    fault (or with no fault injected), which no fault explains.
+
+    ``faults`` in the order injected (those never injected, ``started_ns`` 0, take none);
+    ``records`` carry ns offsets from the replay start, ``started_unix_ns`` its Unix time.
+    """
+    injected = [f for f in faults if f.started_ns]
+    starts = [f.started_ns - started_unix_ns for f in injected]
+    for f in faults:
+        f.timed_out = 0
+    unexplained = 0
+    for r in records:
+        if r.status != "timeout":
+            continue
+        i = bisect.bisect_right(starts, r.sent_ns) - 1
+        if i < 0:
+            unexplained += 1
+        else:
+            injected[i].timed_out += 1
+    return unexplained
 
 
 class Sample(msgspec.Struct, frozen=True, kw_only=True):

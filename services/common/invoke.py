@@ -32,7 +32,6 @@ from typing import Literal
 
 import msgspec
 import nats.errors
-import nats.js.errors
 import tenacity
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
@@ -40,6 +39,7 @@ from nats.js import JetStreamContext
 
 from dilu.contracts import subjects as subj
 
+from . import jsresources
 from . import logging as dlog
 from .bus import settle
 from .workqueue import ensure_stream
@@ -58,7 +58,7 @@ PUBLISH_ATTEMPT_S = 1.0
 # The longest a caller may wait for one reply, s (an hour): the client library, the CLI and the
 # gateway's cap all stop here, and a spec's objectives (slo_ms, ttft_ms, ...) may not exceed it.
 MAX_TIMEOUT_S = 3600.0
-_RETRY_PUBLISH = (nats.errors.TimeoutError, nats.js.errors.NoStreamResponseError, nats.js.errors.ServiceUnavailableError)
+_RETRY_PUBLISH = jsresources.TRANSIENT_ERRORS
 
 
 def _retryable(exc: BaseException) -> bool:

@@ -17,10 +17,13 @@ that do not know the deployment's replica count).
 """
 from __future__ import annotations
 
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
+import nats.errors
 import nats.js.errors
+import tenacity
 from nats.js import JetStreamContext
 from nats.js.api import DiscardPolicy, KeyValueConfig, ObjectStoreConfig, StorageType, StreamConfig, StreamInfo
 from nats.js.kv import KeyValue
@@ -29,6 +32,29 @@ from nats.js.object_store import ObjectStore
 from dilu.contracts import subjects
 
 from . import logging as dlog
+
+# JetStream API errors a retry mends: no answer (the request was lost with a connection that
+# died, or the server is restarting), no responders or no stream leader yet (JetStream is still
+# restoring its streams after a restart), JetStream not ready.
+TRANSIENT_ERRORS = (nats.errors.TimeoutError, nats.errors.NoRespondersError, nats.js.errors.NoStreamResponseError,
+                    nats.js.errors.ServiceUnavailableError)
+# How long a process setting up its JetStream resources rides out a NATS outage (a nats-server
+# restart takes about 2 s here, a cluster's leader election a few more) before giving up.
+OUTAGE_BUDGET_S = 60.0
+T = TypeVar("T")
+
+
+async def ride_out(call: Callable[[], Awaitable[T]], budget_s: float = OUTAGE_BUDGET_S) -> T:
+    """``await call()``, retried on :data:`TRANSIENT_ERRORS` (exponential back-off from 50 ms to
+    1 s) for up to ``budget_s`` seconds; raises the last error after that, any other at once."""
+    retrying = tenacity.AsyncRetrying(retry=tenacity.retry_if_exception_type(TRANSIENT_ERRORS),
+                                      stop=tenacity.stop_after_delay(budget_s),
+                                      wait=tenacity.wait_exponential(multiplier=0.05, max=1.0), reraise=True)
+    async for attempt in retrying:
+        with attempt:
+            return await call()
+    raise AssertionError("unreachable: tenacity reraises")  # for type checkers
+
 
 # stream setting -> how the operator knows it (log field); the settings Dilu relies on
 STREAM_SETTINGS: dict[str, str] = {

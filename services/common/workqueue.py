@@ -445,7 +445,11 @@ class BatchPuller:
             self._withdrawn.popitem(last=False)
 
     async def _bind(self) -> JetStreamContext.PullSubscription:
-        """Bind to the function's consumer (creating it with defaults if absent)."""
+        """Bind to the function's consumer (creating it with defaults if absent), riding out a NATS
+        outage (:func:`~.jsresources.ride_out`)."""
+        return await jsresources.ride_out(self._bind_once)
+
+    async def _bind_once(self) -> JetStreamContext.PullSubscription:
         name = consumer_name(self.function)
         try:
             info = await self.js.consumer_info(subj.INVOKE_STREAM, name)

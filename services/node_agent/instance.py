@@ -62,6 +62,7 @@ from dilu.contracts import cloudevents, encode, subjects
 from dilu.contracts import events as ev
 from dilu.services.common import logging as dlog
 from dilu.services.common.cliopts import nats_options
+from dilu.services.common.jsresources import ride_out
 from dilu.services.common.natsconn import NatsOptions, connect
 from dilu.services.common.workqueue import BatchPuller, Request, ensure_consumer, ensure_stream
 
@@ -361,8 +362,8 @@ class Instance:
         Raises what a training step or a resume raises."""
         ctl = self.control
         if kind != "training":  # the queue must exist before READY: requests may wait in it
-            await ensure_stream(self.js)
-            await ensure_consumer(self.js, self.function)
+            await ride_out(lambda: ensure_stream(self.js))  # a nats-server restarting meanwhile is waited for
+            await ride_out(lambda: ensure_consumer(self.js, self.function))
         ready_ns = time.time_ns()
         ctl.kind = kind
         ctl.parkable = kind in PARKABLE_KINDS and self.rt.parkable
@@ -475,7 +476,7 @@ async def serve_instance(
     js = nc.jetstream()
     rt = inst = None
     try:
-        spec = await read_spec(js, function)
+        spec = await ride_out(lambda: read_spec(js, function))
         plan = runtime.choose(spec, function=function, device=device, model=model, handler=handler)
         ctx = runtime.context_for(plan, instance_id=instance_id, batch_size=batch_size, width=width, device=device)
         rt = await runtime.open_runtime(js, plan, ctx)

@@ -35,9 +35,9 @@ def test_every_request_ends_once_through_every_fault(tmp_path: Path):
     assert r["offered"] > 500
     assert r["lost"] == 0 and r["duplicates_to_caller"] == 0
     # a timeout is one of the ends a caller is promised; through nine faults on a busy 2-core host
-    # one request in ~10,000 has timed out (which fault it met is not yet known); more than one
-    # in a thousand is a fault not survived
-    assert r["failed"] == 0 and r["timed_out"] <= r["offered"] // 1000, r
+    # one request in ~10,000 has timed out; more than one in a thousand is a fault not survived
+    by_fault = {f["kind"]: f["timed_out"] for f in r["faults"]}
+    assert r["failed"] == 0 and r["timed_out"] <= r["offered"] // 1000, (r["timed_out_before_faults"], by_fault)
     assert r["dropped"] == 0 and r["completed"] + r["timed_out"] == r["offered"]  # a lost store ack is retried
     kinds = [f["kind"] for f in r["faults"]]
     assert kinds == [*chaos.KINDS, chaos.LOSE_AGENT]

@@ -55,6 +55,18 @@ def test_recovery_waits_for_the_cluster_and_for_an_answer_sent_after_the_fault()
     assert chaos.recovery_s(fault, records, start) == pytest.approx(10.0)
 
 
+def test_each_timeout_goes_to_the_latest_fault_injected_before_it_was_sent():
+    start = 500 * S
+    a = chaos.Fault(kind="kill-scheduler", at_s=10, started_ns=start + 10 * S)
+    skipped = chaos.Fault(kind="restart-nats", at_s=20)  # never injected (the run was stopped)
+    b = chaos.Fault(kind="kill-instance", at_s=30, started_ns=start + 31 * S)
+    records = [rec(0, "timeout", sent_s=5), rec(1, "timeout", sent_s=10), rec(2, "timeout", sent_s=25),
+               rec(3, "timeout", sent_s=30.5), rec(4, "timeout", sent_s=31), rec(5, sent_s=40), rec(6, "error", sent_s=50)]
+    assert chaos.timeouts_by_fault([a, skipped, b], records, start) == 1  # r0, before any fault
+    assert (a.timed_out, skipped.timed_out, b.timed_out) == (3, 0, 1)
+    assert chaos.timeouts_by_fault([a, skipped, b], [], start) == 0 and a.timed_out == 0  # counts are reset
+
+
 def test_no_recovery_without_an_answer_or_a_whole_cluster():
     start = 0
     fault = chaos.Fault(kind="kill-instance", at_s=1, started_ns=1 * S, whole_ns=2 * S, function="g")
