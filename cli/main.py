@@ -3,6 +3,7 @@ so ``dilu --help`` stays fast and a missing optional piece breaks only its own c
 """
 from __future__ import annotations
 
+import functools
 import importlib
 import os
 import signal
@@ -49,6 +50,29 @@ BENCHES: dict[str, str] = {
 _NO_ARGS_IS_HELP = getattr(click.exceptions, "NoArgsIsHelpError", ())
 
 
+def stops_itself(command: click.Command) -> click.Command:
+    """``command`` (each command of a group) with :class:`OutsideCommand` removed as its callback
+    starts, so that from its first line on it stops itself (its own SignalExit or loop handler,
+    or Python's KeyboardInterrupt). Not at import: click still parses the options then, and a
+    SIGTERM in between met Python's default and ended the process as -15. Returns ``command``."""
+    if isinstance(command, click.Group):  # a lazy one's commands come through get_command again
+        for sub in command.commands.values():
+            stops_itself(sub)
+        return command
+    callback = command.callback
+    if callback is None or getattr(callback, "_hands_over", False):
+        return command
+
+    @functools.wraps(callback)
+    def run(*args, **kwargs):
+        OutsideCommand.remove()
+        return callback(*args, **kwargs)
+
+    run._hands_over = True  # type: ignore[attr-defined]
+    command.callback = run
+    return command
+
+
 class LazyGroup(click.Group):
     """A click group whose subcommands are imported only when used, and whose bad values say
     which variable they came from (:func:`name_envvar`)."""
@@ -80,9 +104,7 @@ class LazyGroup(click.Group):
     def get_command(self, ctx, name):
         if name in self._lazy:
             module, attr = self._lazy[name].split(":")
-            command = flag_envvars(getattr(importlib.import_module(module), attr))
-            OutsideCommand.remove()  # imported: from here on the command (a group's: its own) stops itself
-            return command
+            return stops_itself(flag_envvars(getattr(importlib.import_module(module), attr)))
         return super().get_command(ctx, name)
 
     def invoke(self, ctx):
