@@ -22,3 +22,9 @@ def test_a_node_name_nats_would_misread_is_refused(tmp_path, command, name):
 def test_host_names_are_node_names(tmp_path, name):
     r = CliRunner().invoke(main, ["creds", "--out", str(tmp_path / "auth"), "--nodes", name])
     assert r.exit_code == 0, r.output
+
+
+@pytest.mark.parametrize("name", [">", "a b", "", "c" * 65])
+def test_a_caller_name_nats_would_misread_is_refused_as_a_caller_name(tmp_path, name):
+    out = one_line_error(CliRunner().invoke(main, ["creds", "--out", str(tmp_path / "auth"), "--callers", name]), 2)
+    assert "caller name" in out and "node name" not in out
