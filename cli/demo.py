@@ -554,8 +554,11 @@ def make_console(**options) -> Console:
     COLUMNS says otherwise (the report's tables split to fit either); never under
     REPORT_MIN_WIDTH. ``options``: further keyword arguments of :class:`rich.console.Console`
     (e.g. ``highlight=False``). A closed stdout raises BrokenPipeError (:class:`PipeConsole`)."""
-    console = PipeConsole(**options)
-    if not console.is_terminal and not os.environ.get("COLUMNS", "").strip().isdigit():
+    columns = os.environ.get("COLUMNS", "").strip()
+    given = columns.isascii() and columns.isdigit()  # '²' is a digit to str.isdigit, and rich's int() raised
+    environ = os.environ if given or not columns else {k: v for k, v in os.environ.items() if k != "COLUMNS"}
+    console = PipeConsole(_environ=environ, **options)
+    if not console.is_terminal and not given:
         console.width = REPORT_WIDTH
     console.width = max(console.width, REPORT_MIN_WIDTH)
     return console

@@ -43,7 +43,8 @@ def check_pattern(pattern: str) -> str:
     if not pattern.isascii():  # NATS subjects here are ASCII; a byte that is not UTF-8 failed in nats-py
         raise click.BadParameter(f"{pattern!r} is not a NATS subject pattern: Dilu's subjects are ASCII",
                                  param_hint="--subject")
-    if not pattern or any(not t or any(c.isspace() for c in t) for t in tokens) or ">" in tokens[:-1]:
+    wild = any(t not in ("*", ">") and ("*" in t or ">" in t) for t in tokens)  # a.b* is no pattern: nats-py raised
+    if not pattern or any(not t or any(c.isspace() for c in t) for t in tokens) or ">" in tokens[:-1] or wild:
         raise click.BadParameter(f"{pattern!r} is not a NATS subject pattern like dilu.v1.telemetry.gpu.*.*",
                                  param_hint="--subject")
     return pattern

@@ -8,6 +8,7 @@ named ``DILU_`` + the option's name in capitals with underscores (``--nats-url``
 from __future__ import annotations
 
 import contextlib
+import errno
 import functools
 import math
 import os
@@ -22,6 +23,7 @@ import click
 import msgspec
 from click import _textwrap
 
+from . import files
 from .natsconn import (DEFAULT_URL, ENV_CREDS, ENV_REPLICAS, ENV_URL, ENV_TLS_CA, ENV_TLS_CERT, ENV_TLS_KEY,
                        MAX_REPLICAS, CredentialsError, NatsOptions, creds_kwargs)
 
@@ -171,6 +173,9 @@ def nats_options(f):
         options = NatsOptions(servers=tuple(nats_url.split(",")), creds=creds, tls_ca=tls_ca,
                               tls_cert=tls_cert, tls_key=tls_key, replicas=replicas)
         try:  # a bad TLS file is the command line's fault, not the server's: say so before connecting
+            for path in (tls_ca, tls_cert, tls_key):  # a FIFO would block the ssl module's open for good
+                if path is not None:
+                    files.check_regular(path)
             options.tls_context()
         except (OSError, ssl.SSLError) as exc:
             raise click.BadParameter(f"cannot load the TLS files ({exc.strerror or exc})",
@@ -275,11 +280,11 @@ def writable_output(ctx, param, value):
     if refuse_empty(value) is not None:
         path = Path(value)
         existed = path.exists()
-        try:
-            with path.open("a"):
-                pass
+        try:  # O_NONBLOCK: a FIFO without a reader is refused (ENXIO), where a plain open would wait for one
+            os.close(os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NONBLOCK, 0o666))
         except OSError as exc:
-            raise click.BadParameter(f"cannot write {value}: {exc.strerror or exc}") from None
+            why = "a named pipe that nobody reads" if exc.errno == errno.ENXIO else exc.strerror or exc
+            raise click.BadParameter(f"cannot write {value}: {why}") from None
         if not existed:
             path.unlink(missing_ok=True)
     return value

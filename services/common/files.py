@@ -72,6 +72,12 @@ def read_bounded(path: str | os.PathLike, limit: int) -> bytes:
     return data
 
 
+def check_regular(path: str | os.PathLike) -> None:
+    """Raise :class:`FileRefused` unless ``path`` is a regular file (or a link to one), for a
+    reader that opens the file itself (the ssl module a TLS file); other OSErrors as ``stat``."""
+    _check_regular(path, os.stat(path))
+
+
 def _check_regular(path: str | os.PathLike, st: os.stat_result) -> None:
     if not stat.S_ISREG(st.st_mode):
         raise FileRefused(errno.EINVAL, f"{_kind(st.st_mode)}, not a regular file", os.fspath(path))

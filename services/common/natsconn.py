@@ -41,6 +41,8 @@ ENV_NATS = (ENV_CREDS, ENV_TLS_CA, ENV_TLS_CERT, ENV_TLS_KEY, ENV_REPLICAS, ENV_
 MAX_REPLICAS = 5  # JetStream's limit for a stream's replicas
 
 _JWT_MARK = b"BEGIN NATS USER JWT"
+# a .creds file's JWT: one token (header.payload.signature, base64url) between its two lines
+_JWT = re.compile(rb"-+BEGIN NATS USER JWT-+\s*[\r\n]+\s*([A-Za-z0-9_=-]+\.[A-Za-z0-9_=-]+\.[A-Za-z0-9_=-]+)\s*[\r\n]+\s*-+END NATS USER JWT-+")
 _SEED = re.compile(rb"\bSU[A-Z2-7]{56}\b")  # a user nkey seed: "SU" + base32 (nkeys' encoding)
 
 
@@ -163,6 +165,9 @@ def creds_kwargs(path: Path) -> dict[str, Any]:
     except OSError as exc:
         raise CredentialsError(f"cannot read credentials {path}: {exc.strerror or exc}") from None
     if _JWT_MARK in data:
+        if not _JWT.search(data) or len(_SEED.findall(data)) != 1:  # nats-py would fail on it with a traceback
+            raise CredentialsError(f"{path} is not a valid .creds file: it needs one user JWT between its "
+                                   "BEGIN/END NATS USER JWT lines and one user nkey seed (SU...)")
         return {"user_credentials": str(path)}
     seeds = _SEED.findall(data)
     if len(seeds) != 1:

@@ -70,7 +70,7 @@ def watchdog_period_s(env: Mapping[str, str], pid: int) -> float | None:
     owner = env.get("WATCHDOG_PID", "")
     if owner and owner != str(pid):
         return None
-    if not usec.isdigit() or int(usec) == 0:
+    if not (usec.isascii() and usec.isdigit()) or int(usec) == 0:
         return None
     return int(usec) / 2e6
 

@@ -232,7 +232,7 @@ async def read_body(request: Request, limit: int) -> bytes:
     """The request body, at most ``limit`` bytes (a 413 Problem past that, checked against
     Content-Length first and counted while reading, so an oversized body is never held)."""
     declared = request.headers.get("content-length", "")
-    if declared.isdigit() and int(declared) > limit:
+    if declared.isascii() and declared.isdigit() and int(declared) > limit:
         raise Problem("payload-too-large", f"the payload is {int(declared)} bytes; the limit is {limit}")
     parts, size = [], 0
     async for part in request.stream():

@@ -21,7 +21,7 @@ def parse_gpus(value: str) -> int | None:
         return 0
     if value == "all":
         return None
-    if not value.isdigit():
+    if not (value.isascii() and value.isdigit()):  # '²' is a digit to str.isdigit, not to int()
         raise click.BadParameter(f"expected a GPU count, 'all' or 'cpu', got {value!r}")
     n = int(value)
     if not 1 <= n <= 64:

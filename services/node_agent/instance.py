@@ -120,7 +120,7 @@ def die_with_parent() -> None:
 def orphaned(agent_pid: str, parent_pid: int) -> bool:
     """Whether the agent whose pid is ``agent_pid`` (as the environment carries it; empty: not
     launched by an agent) is no longer this process's parent ``parent_pid``."""
-    return agent_pid.strip().isdigit() and int(agent_pid) != parent_pid
+    return agent_pid.strip().isascii() and agent_pid.strip().isdigit() and int(agent_pid) != parent_pid
 
 
 def bound_drain(timeout_s: float = DRAIN_TIMEOUT_S) -> threading.Timer:

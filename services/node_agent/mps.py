@@ -78,7 +78,7 @@ class Mps:
     def servers(self) -> set[int]:
         """PIDs of the MPS servers the daemon runs now (empty when none or no daemon)."""
         out = self.query("get_server_list") or ""
-        return {int(tok) for tok in out.split() if tok.isdigit()}
+        return {int(tok) for tok in out.split() if tok.isascii() and tok.isdigit()}
 
     def start(self) -> str:
         """Attach to a daemon already serving this pipe directory, or start one; returns the

@@ -139,6 +139,8 @@ def load_surface(path: str | Path, tokens_per_request: int | None = None) -> Sur
         raise SurfaceError(f"{path}: not a text CSV file") from None
     except csv.Error as exc:
         raise SurfaceError(f"{path}: {exc}") from None
+    except OSError as exc:  # missing, unreadable, not a regular file
+        raise SurfaceError(f"{path}: cannot read: {exc.strerror or exc}") from None
     if header == A100_HEADER:
         fmt = "a100-mps"
     elif header == V100_HEADER:

@@ -31,3 +31,15 @@ def test_a_bare_seed_has_no_prefix_and_garbage_is_refused(tmp_path):
         creds_kwargs(write(tmp_path, "nothing here"))
     with pytest.raises(CredentialsError, match="cannot read credentials"):
         creds_kwargs(tmp_path / "missing.creds")
+
+
+def test_a_jwt_creds_file_goes_to_nats_py_only_when_it_is_whole(tmp_path):
+    jwt = "eyJ0eXAiOiJKV1QifQ.eyJzdWIiOiJVQUJDIn0.c2lnbmF0dXJl"  # header.payload.signature, as nsc writes it
+    whole = write(tmp_path, "-----BEGIN NATS USER JWT-----", jwt, "------END NATS USER JWT------", "",
+                  "-----BEGIN USER NKEY SEED-----", seed(), "------END USER NKEY SEED------")
+    assert creds_kwargs(whole) == {"user_credentials": str(whole)}
+    # nats-py failed on these with a traceback (nkeys: len() of None) at connect
+    for lines in (["-----BEGIN NATS USER JWT-----", "garbage"],
+                  ["-----BEGIN NATS USER JWT-----", jwt, "------END NATS USER JWT------"]):  # no seed
+        with pytest.raises(CredentialsError, match="not a valid .creds file"):
+            creds_kwargs(write(tmp_path, *lines))
