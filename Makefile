@@ -23,14 +23,17 @@ native: $(STAMP)
 demo: $(STAMP)
 	$(VENV)/bin/dilu demo $(ARGS)
 
-# Pure tests share both cores (pytest-xdist); those that read the clock through other processes
-# (the `serial` mark, set in tests/conftest.py) then run one at a time (two at a time flaked: the
-# chaos replay and a signalled bench ran late beside other tests); the `solo` ones last. ARGS runs pytest once, as given.
+# Four phases, each a pytest run. The pure tests share both cores (pytest-xdist); then those that
+# talk to a nats-server or to services but time nothing on the emulated device, also two at a time;
+# then, one at a time, the native ones (the emulated device's timeline: beside another test a
+# kernel-cycle baseline read 200 us for 2,000) and the live clusters (`slow`: a chaos replay ran
+# late beside other tests); the `solo` ones last, alone. Marks: tests/conftest.py.
 test: $(STAMP)
 	$(PY) -m dilu.interceptor.build
 ifeq ($(strip $(ARGS)),)
 	$(PY) -m pytest -q -p no:cacheprovider -n 2 --dist worksteal -m "not serial"
-	$(PY) -m pytest -q -p no:cacheprovider -m "serial and not solo"
+	$(PY) -m pytest -q -p no:cacheprovider -n 2 --dist worksteal -m "serial and not native and not slow and not solo"
+	$(PY) -m pytest -q -p no:cacheprovider -m "(native or slow) and not solo"
 	$(PY) -m pytest -q -p no:cacheprovider -m solo
 else
 	$(PY) -m pytest -q -p no:cacheprovider $(ARGS)

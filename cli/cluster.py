@@ -33,6 +33,7 @@ from typing import Callable
 
 from prometheus_client.parser import text_string_to_metric_families
 
+from dilu.services.common.lifetime import tied_to_caller
 from dilu.services.common.natsconn import ENV_CREDS, ENV_INBOX_PREFIX, NatsOptions
 from dilu.services.common.metrics import PID_HEADER
 from dilu.services.common.natsserver import MAX_PAYLOAD_BYTES, EmbeddedNats, free_ports
@@ -226,7 +227,7 @@ class Cluster:
         cmd = [sys.executable, "-m", f"dilu.services.{name}", "--nats-url", self.url, "--metrics-port", str(port), *self._args(name)]
         with log_path.open("ab") as log:
             proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-                                    env=self._env(name))
+                                    env=self._env(name), preexec_fn=tied_to_caller())
         self.services[name] = ServiceProc(name, proc, port, log_path)
 
     def kill(self, name: str, sig: int = signal.SIGKILL) -> None:

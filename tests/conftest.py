@@ -12,11 +12,12 @@ from dilu.services.common.natsserver import EmbeddedNats
 
 
 # ``make test`` runs the pure computation first, on both cores (pytest-xdist); then the tests that
-# read the clock through other processes (a nats-server, the emulated device's timeline, live
-# services: the ``serial`` mark), one at a time (``make test``; run with -n 2 they flaked). The
-# ``slow`` ones each run a whole live cluster under load: under xdist they take turns
-# (:func:`_one_live_cluster_at_a_time`), so no two live clusters ever run at once. A ``solo`` test
-# (marked in its module: it must outpace the emulated GPU, or makes its own overload) runs last, alone.
+# read the clock through other processes (a nats-server, live services: the ``serial`` mark), two
+# at a time too, except the ``native`` ones (the emulated device's timeline) and the ``slow`` ones
+# (each a whole live cluster under load), which then run one at a time (the Makefile says why).
+# Under xdist ``slow`` tests take turns all the same (:func:`_one_live_cluster_at_a_time`), so no
+# two live clusters ever run at once. A ``solo`` test (marked in its module: it must outpace the
+# emulated GPU, or makes its own overload) runs last, alone.
 _PARALLEL_DIRS = ("unit", "sim", "fuzz")
 _SERIAL_MARKS = ("nats", "native", "slow")
 

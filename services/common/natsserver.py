@@ -18,6 +18,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from .lifetime import tied_to_caller
+
 
 def find_binary() -> str:
     """Path of ``nats-server``: next to this interpreter first (the venv), then on PATH.
@@ -113,6 +115,7 @@ class EmbeddedNats:
                 stdout=out,
                 stderr=subprocess.STDOUT,
                 start_new_session=True,  # Ctrl-C goes to us; we stop it in order
+                preexec_fn=tied_to_caller(),  # and a kill -9 of us stops it too
             )
         finally:
             if out is not subprocess.DEVNULL:

@@ -46,7 +46,6 @@ queue depth).
 from __future__ import annotations
 
 import asyncio
-import ctypes
 import os
 import signal
 import sys
@@ -62,16 +61,15 @@ from dilu.contracts import cloudevents, encode, subjects
 from dilu.contracts import events as ev
 from dilu.services.common import logging as dlog
 from dilu.services.common.cliopts import nats_options
+from dilu.services.common.lifetime import ORPHANED_EXIT, signal_on_parent_death
 from dilu.services.common.jsresources import ride_out
 from dilu.services.common.natsconn import NatsOptions, connect
 from dilu.services.common.workqueue import BatchPuller, Request, ensure_consumer, ensure_stream
 
 from . import runtime
 
-PR_SET_PDEATHSIG = 1
 AGENT_PID_ENV = "DILU_AGENT_PID"  # the node agent's pid, set in each instance's environment
 DRAIN_TIMEOUT_S = 25.0  # a drain (SIGTERM to exit) takes at most this (s); the agent kills after it too
-ORPHANED_EXIT = 3  # exit code of an instance that found its agent gone before it started
 LATENCY_EWMA_ALPHA = 0.2  # weight of the newest batch in the latency EWMA written to the block
 STATS_PERIOD_S = 1.0  # FunctionStats period: per-function metrics a second behind at most
 
@@ -106,11 +104,7 @@ def die_with_parent() -> None:
     """Ask Linux for SIGTERM when the node agent dies, so no instance outlives its agent; then,
     if the agent named in ``DILU_AGENT_PID`` is already not the parent (it died before the
     request was made: no signal will come), exit at once with ``ORPHANED_EXIT``."""
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
-    except (OSError, AttributeError):  # not Linux: the agent's stop() still retires instances
-        pass
+    signal_on_parent_death(signal.SIGTERM)  # not Linux: the agent's stop() still retires instances
     if orphaned(os.environ.get(AGENT_PID_ENV, ""), os.getppid()):
         print(f"instance: node agent {os.environ[AGENT_PID_ENV]} is gone (parent is {os.getppid()}); exiting",
               file=sys.stderr, flush=True)

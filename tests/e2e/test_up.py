@@ -246,7 +246,7 @@ def invoke(up: Up, name: str) -> tuple[int, str, str]:
         return exc.code, "", exc.read().decode(errors="replace")
 
 
-def test_a_restart_on_the_same_data_dir_serves_the_deployed_functions(tmp_path, ups):
+def test_a_restart_on_the_same_data_dir_serves_the_deployed_functions_and_kill_9_leaves_nothing(tmp_path, ups):
     data, fn = tmp_path / "data", tmp_path / "fn"
     fn.mkdir()
     (fn / "function.toml").write_text(SPEC)
@@ -279,4 +279,13 @@ def test_a_restart_on_the_same_data_dir_serves_the_deployed_functions(tmp_path, 
     assert code == 200, body
     # the node kept its name, so its agent found the placement in the kept store and relaunched it
     assert second == first
-    stop(again)
+    # kill -9 of dilu up: Linux signals what it started, which stops as on a SIGTERM (the node
+    # agent retires its instance), so nothing is left holding the ports or the store
+    pids = tree(again.proc.pid)
+    assert len(pids) >= 8, "expected nats-server, five services, the gateway and the instance"
+    again.pids = pids  # the fixture's last resort, should this fail
+    again.proc.kill()
+    deadline = time.monotonic() + STOP_BOUND_S
+    while alive(pids) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert alive(pids) == [], f"left running after kill -9 of dilu up: {alive(pids)}"
