@@ -40,6 +40,7 @@ from dilu.services.node_agent.__main__ import parse_gpus
 from dilu.services.node_agent.devices import EMULATED_DEFAULT_COUNT
 
 from dilu.services.common.policies import PARK_AFTER_S
+from dilu.services.common.digits import as_count
 
 from .cluster import POLICIES, POLICY_HELP, Cluster
 from .deploy import (WarmWatch, cluster_counters, cluster_facts, cpu_function_spec, deploy_all, function_spec, llm_spec, profile_all,
@@ -555,7 +556,7 @@ def make_console(**options) -> Console:
     REPORT_MIN_WIDTH. ``options``: further keyword arguments of :class:`rich.console.Console`
     (e.g. ``highlight=False``). A closed stdout raises BrokenPipeError (:class:`PipeConsole`)."""
     columns = os.environ.get("COLUMNS", "").strip()
-    given = columns.isascii() and columns.isdigit()  # '²' is a digit to str.isdigit, and rich's int() raised
+    given = as_count(columns) is not None  # rich's int() raised on '²', a digit to str.isdigit
     environ = os.environ if given or not columns else {k: v for k, v in os.environ.items() if k != "COLUMNS"}
     console = PipeConsole(_environ=environ, **options)
     if not console.is_terminal and not given:

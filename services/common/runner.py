@@ -32,6 +32,7 @@ import uvloop
 
 from . import logging as dlog
 from .bus import Bus
+from .digits import as_count
 from .metrics import HealthServer
 from .natsconn import NatsOptions
 
@@ -70,9 +71,8 @@ def watchdog_period_s(env: Mapping[str, str], pid: int) -> float | None:
     owner = env.get("WATCHDOG_PID", "")
     if owner and owner != str(pid):
         return None
-    if not (usec.isascii() and usec.isdigit()) or int(usec) == 0:
-        return None
-    return int(usec) / 2e6
+    period_us = as_count(usec)
+    return period_us / 2e6 if period_us else None
 
 
 @dataclass(frozen=True)

@@ -49,6 +49,7 @@ from dilu.client.spec import name_problem
 from dilu.contracts import subjects
 from dilu.contracts.events import FunctionSpec
 from dilu.services.common import logging as dlog
+from dilu.services.common.digits import as_count
 
 log = dlog.get("gateway")
 
@@ -231,9 +232,9 @@ def wants_stream(request: Request, name: str, kind: str) -> bool:
 async def read_body(request: Request, limit: int) -> bytes:
     """The request body, at most ``limit`` bytes (a 413 Problem past that, checked against
     Content-Length first and counted while reading, so an oversized body is never held)."""
-    declared = request.headers.get("content-length", "")
-    if declared.isascii() and declared.isdigit() and int(declared) > limit:
-        raise Problem("payload-too-large", f"the payload is {int(declared)} bytes; the limit is {limit}")
+    declared = as_count(request.headers.get("content-length", ""))
+    if declared is not None and declared > limit:
+        raise Problem("payload-too-large", f"the payload is {declared} bytes; the limit is {limit}")
     parts, size = [], 0
     async for part in request.stream():
         size += len(part)

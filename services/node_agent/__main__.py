@@ -9,6 +9,7 @@ from dilu.services.common.cliopts import (Finite, check_creds, check_node, defau
                                         nats_options, service_main)
 
 from dilu.services.common.runner import run
+from dilu.services.common.digits import as_count
 
 from . import devices
 from .service import NodeAgent
@@ -21,9 +22,9 @@ def parse_gpus(value: str) -> int | None:
         return 0
     if value == "all":
         return None
-    if not (value.isascii() and value.isdigit()):  # '²' is a digit to str.isdigit, not to int()
+    n = as_count(value)
+    if n is None:
         raise click.BadParameter(f"expected a GPU count, 'all' or 'cpu', got {value!r}")
-    n = int(value)
     if not 1 <= n <= 64:
         raise click.BadParameter(f"GPU count must be 1..64, got {n}")
     return n

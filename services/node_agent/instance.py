@@ -62,6 +62,7 @@ from dilu.contracts import events as ev
 from dilu.services.common import logging as dlog
 from dilu.services.common.cliopts import nats_options
 from dilu.services.common.lifetime import ORPHANED_EXIT, signal_on_parent_death
+from dilu.services.common.digits import as_count
 from dilu.services.common.jsresources import ride_out
 from dilu.services.common.natsconn import NatsOptions, connect
 from dilu.services.common.workqueue import BatchPuller, Request, ensure_consumer, ensure_stream
@@ -114,7 +115,8 @@ def die_with_parent() -> None:
 def orphaned(agent_pid: str, parent_pid: int) -> bool:
     """Whether the agent whose pid is ``agent_pid`` (as the environment carries it; empty: not
     launched by an agent) is no longer this process's parent ``parent_pid``."""
-    return agent_pid.strip().isascii() and agent_pid.strip().isdigit() and int(agent_pid) != parent_pid
+    agent = as_count(agent_pid)
+    return agent is not None and agent != parent_pid
 
 
 def bound_drain(timeout_s: float = DRAIN_TIMEOUT_S) -> threading.Timer:

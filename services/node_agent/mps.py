@@ -26,6 +26,7 @@ import time
 from pathlib import Path
 
 from dilu.services.common import logging as dlog
+from dilu.services.common.digits import as_count
 
 CONTROL = "nvidia-cuda-mps-control"
 START_TIMEOUT_S = 10.0
@@ -78,7 +79,7 @@ class Mps:
     def servers(self) -> set[int]:
         """PIDs of the MPS servers the daemon runs now (empty when none or no daemon)."""
         out = self.query("get_server_list") or ""
-        return {int(tok) for tok in out.split() if tok.isascii() and tok.isdigit()}
+        return {pid for tok in out.split() if (pid := as_count(tok)) is not None}
 
     def start(self) -> str:
         """Attach to a daemon already serving this pipe directory, or start one; returns the
