@@ -203,12 +203,50 @@ def connect_failure(cause: BaseException, connect_timeout_s: float) -> str:
     return reason
 
 
+class PlainTextRefused(ConnectionError):
+    """TLS was asked for (a ``tls://`` or ``wss://`` URL, or a ``--tls-*`` file) and the server
+    answered in clear text: nats-py goes on in clear unless the server requires TLS, so
+    :func:`connect` closes such a connection before anything is published or subscribed."""
+
+
+def encrypted(nc: NATS) -> bool:
+    """Whether ``nc``'s connection to its current server runs over TLS: the socket's TLS
+    session (nats-py's TCP transport), or ``wss://`` for a WebSocket."""
+    url = nc.connected_url
+    if url is not None and url.scheme in ("ws", "wss"):
+        return url.scheme == "wss"
+    writer = getattr(getattr(nc, "_transport", None), "_io_writer", None)
+    return writer is not None and writer.get_extra_info("ssl_object") is not None
+
+
 async def connect(options: NatsOptions | str, *, name: str, **opts: Any) -> NATS:
     """``nats.connect`` with ``options`` (servers, credentials, TLS); ``opts`` are nats-py's own
     (reconnect policy, callbacks) and win over nothing here: they are passed as given.
 
     Raises what nats-py raises (e.g. ``nats.errors.NoServersError``, an authorization error on a
-    refused identity) and CredentialsError for an unusable creds file.
+    refused identity), CredentialsError for an unusable creds file, and PlainTextRefused when
+    TLS was asked for and the server does not speak it (its CONNECT line, with the identity's
+    public key and nonce signature but no secret, has gone out in clear by then). A reconnect
+    that lands on a server in clear closes the connection (the owner sees it closed).
     """
     options = NatsOptions.of(options)
-    return await nats.connect(name=name, **options.connect_kwargs(), **opts)
+    kwargs = options.connect_kwargs()
+    if "tls" not in kwargs:
+        return await nats.connect(name=name, **kwargs, **opts)
+    holder: list[NATS] = []
+    then = opts.pop("reconnected_cb", None)
+
+    async def reconnected() -> None:  # a reconnect to a server in clear ends the connection too
+        if holder and not encrypted(holder[0]):
+            await holder[0].close()
+        elif then is not None:
+            await then()
+
+    nc = await nats.connect(name=name, **kwargs, reconnected_cb=reconnected, **opts)
+    holder.append(nc)
+    if not encrypted(nc):
+        server = nc.connected_url.geturl() if nc.connected_url else options.url
+        await nc.close()
+        raise PlainTextRefused(f"{server} answered without TLS, which was asked for (a tls:// URL or --tls-* "
+                               "files): turn TLS on in its configuration, or use nats:// without the TLS files")
+    return nc

@@ -34,7 +34,7 @@ from . import logging as dlog
 from .bus import Bus
 from .digits import as_count
 from .metrics import HealthServer
-from .natsconn import NatsOptions
+from .natsconn import NatsOptions, PlainTextRefused
 
 
 CANCEL_WAIT_S = 2.0  # how long a stop waits for a NATS connect in progress to give up
@@ -243,7 +243,11 @@ async def _connected(service: Service, nats: NatsOptions | str, shutdown: asynci
             await connecting.result().close()  # it connected just as the stop came
         log.info("stopped before NATS was reachable", nats=str(nats))
         return
-    bus = state["bus"] = connecting.result()
+    try:
+        bus = state["bus"] = connecting.result()
+    except PlainTextRefused as exc:  # TLS asked for, the server in clear: a deployment's mistake
+        log.error("cannot start", reason=str(exc))
+        raise StartFailed(str(exc)) from None
     try:
         try:
             await service.start(bus)

@@ -17,7 +17,7 @@ import nats
 import pytest
 import trustme
 
-from dilu.services.common.natsconn import NatsOptions, connect
+from dilu.services.common.natsconn import NatsOptions, PlainTextRefused, connect, encrypted
 from dilu.services.common.natsserver import find_binary, free_port
 from dilu.services.common.runner import running
 from dilu.services.scheduler.service import SchedulerService
@@ -103,7 +103,7 @@ async def test_a_service_connects_with_a_client_certificate(tls_url, pki):
         assert svc.ready()
         # the same options open a connection of their own; a plain client is refused
         nc = await connect(options, name="test")
-        assert nc.is_connected and nc.connected_url.hostname == "127.0.0.1"
+        assert nc.is_connected and nc.connected_url.hostname == "127.0.0.1" and encrypted(nc)
         await nc.close()
     with pytest.raises(Exception):
         await nats.connect(tls_url, connect_timeout=2, allow_reconnect=False)
@@ -175,3 +175,26 @@ def test_benches_take_the_tls_options(tls_url, pki):
     # TLS options without --nats-url would not apply to the bench's own server: refused
     res = runner.invoke(main, ["bench", "vertical", *tls, "--events", "10"])
     assert res.exit_code == 2 and "--nats-url" in res.output, res.output
+
+
+async def test_tls_asked_of_a_server_in_clear_is_refused_not_used_in_clear(nats_url, pki, tmp_path):
+    """nats-py speaks TLS only when the server requires it; a ``tls://`` URL (or a --tls-* file)
+    against a server in clear must not end in a clear-text connection."""
+    clear_as_tls = nats_url.replace("nats://", "tls://")
+    with pytest.raises(PlainTextRefused, match="answered without TLS"):
+        await connect(clear_as_tls, name="test", allow_reconnect=False)
+    with pytest.raises(PlainTextRefused):
+        await connect(NatsOptions(servers=(nats_url,), tls_ca=pki["ca"]), name="test", allow_reconnect=False)
+    nc = await connect(nats_url, name="test")  # nats:// without TLS files: clear text, as asked
+    assert nc.is_connected and not encrypted(nc)
+    await nc.close()
+
+    proc = dilu_status(clear_as_tls)  # a command: one line under --json, not a clear-text answer
+    assert proc.returncode != 0 and proc.stderr == "", proc.stderr
+    assert "answered without TLS" in json.loads(proc.stdout)["error"]
+    # a service: exit 2 with the one line, as for any deployment mistake it cannot run with
+    env = {k: v for k, v in os.environ.items() if not k.startswith("DILU_")}
+    svc = subprocess.run([sys.executable, "-m", "dilu.services.scheduler", "--nats-url", clear_as_tls,
+                          "--metrics-port", "0"], capture_output=True, text=True, timeout=60, env=env)
+    assert svc.returncode == 2, svc.stderr
+    assert svc.stderr.strip().splitlines()[-1].startswith("dilu scheduler: ") and "answered without TLS" in svc.stderr
