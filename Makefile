@@ -9,6 +9,12 @@ ARGS   ?=
 
 .PHONY: demo test native clean schema
 
+# The project's own modules are compiled once, into __pycache__ (ignored by git), even where the
+# environment sets PYTHONDONTWRITEBYTECODE: every test run and every process a test starts (services,
+# instances, commands) would otherwise compile them again (pytest's collection took 18 s a run
+# for 6.6 s, a service's start 0.92 s for 0.77).
+demo test: export PYTHONDONTWRITEBYTECODE =
+
 $(STAMP): pyproject.toml setup.py
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --disable-pip-version-check --upgrade pip

@@ -224,6 +224,9 @@ def parse_spec(text: str | bytes, *, source: str = SPEC_FILE_NAME, base_dir: str
     ``source`` names the file in errors; ``base_dir``: the folder ``code`` is relative to (the
     spec file's folder; default the current one). Raises :class:`SpecError` (one line).
     """
+    # a UTF-8 byte-order mark (editors on Windows write one) says nothing; the TOML parser
+    # would call it an "invalid statement"
+    text = text.removeprefix(b"\xef\xbb\xbf") if isinstance(text, bytes) else text.removeprefix("\ufeff")
     try:
         raw = msgspec.toml.decode(text, type=SpecFile)
     except msgspec.ValidationError as exc:

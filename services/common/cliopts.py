@@ -254,11 +254,15 @@ def refuse_empty(value, what: str = "path"):
 
 class NonEmptyPath(click.Path):
     """click.Path that refuses ``""`` (:func:`refuse_empty`) before converting it: with
-    ``path_type=Path`` an empty value would become ``Path('.')``, the current directory."""
+    ``path_type=Path`` an empty value would become ``Path('.')``, the current directory. With
+    ``file_okay=False`` anything there that is not a folder is refused, a device or FIFO too
+    (click.Path refuses only a regular file)."""
 
     def convert(self, value, param, ctx):
         if value == "":
             self.fail("an empty path", param, ctx)
+        if not self.file_okay and os.path.lexists(value) and not os.path.isdir(value):
+            self.fail(f"{value} is not a folder", param, ctx)
         return super().convert(value, param, ctx)
 
 
@@ -307,6 +311,8 @@ def writable_dir(ctx, param, value):
     if refuse_empty(value) is not None:
         path = Path(value).resolve()  # so that no "missing/.." below can alias a directory that exists
         created = [p for p in (path, *path.parents) if not p.exists()]  # deepest first
+        if path.exists() and not path.is_dir():  # mkdir would only say "File exists"
+            raise click.BadParameter(f"{value} is not a folder")
         try:
             path.mkdir(parents=True, exist_ok=True)
             with tempfile.NamedTemporaryFile(dir=path):

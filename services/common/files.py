@@ -2,10 +2,11 @@
 files (spec files, credentials, ``--data @FILE``, workloads, overheads, logs, code bundles).
 
 ``Path.read_bytes()`` on a user's path can hang for good or fill memory: a FIFO blocks until a
-writer comes, ``/dev/zero`` (or a link to it) never ends, and a procfs file such as
-``/proc/kmsg`` says it is 0 bytes long and then blocks. :func:`read_bounded` reads only regular
-files, never reads one whose size is 0, and reads at most ``limit`` bytes (plus one, to know the
-file is longer), so a wrong path costs one line, not a hung shell.
+writer comes, ``/dev/zero`` (or a link to it) never ends, and a procfs file says it is 0 bytes
+long whatever it holds (``/proc/kmsg`` then waits for the kernel to log). :func:`read_bounded`
+reads only regular files, opened with O_NONBLOCK (a procfs file that would wait gives what it
+has), and reads at most ``limit`` bytes (plus one, to know the file is longer), so a wrong path
+costs one line, not a hung shell.
 """
 from __future__ import annotations
 
@@ -55,15 +56,14 @@ def read_bounded(path: str | os.PathLike, limit: int) -> bytes:
 
     ``limit``: the most bytes accepted. Raises :class:`FileRefused` for a folder, pipe, socket or
     device, and for a file longer than ``limit``; other OSErrors (missing, unreadable) as
-    ``open`` raises them. A file whose size is 0 gives ``b""`` unread: procfs files report 0 and
-    some block on read.
+    ``open`` raises them. A file whose size says 0 is read all the same (procfs files say 0 and
+    hold text); one that would wait for data gives what it has (the file is open with O_NONBLOCK,
+    where a read that would block returns None).
     """
     with open_regular(path, "rb", buffering=0) as fh:
         size = os.fstat(fh.fileno()).st_size
         if size > limit:
             raise FileRefused(errno.EFBIG, f"{size:,} bytes, over the limit of {limit:,}", os.fspath(path))
-        if size == 0:
-            return b""
         data = b""
         while len(data) <= limit and (more := fh.read(limit + 1 - len(data))):
             data += more  # to the end, or one byte past the limit where the file grew since the stat

@@ -51,3 +51,9 @@ def test_a_stream_is_read_no_further_than_one_byte_past_its_limit():
         files.read_stream(stream, 10, "stdin")
     assert stream.tell() == 11
     assert files.read_stream(io.BytesIO(b"ok"), 10, "stdin") == b"ok"
+
+
+@pytest.mark.timeout(20)
+def test_a_procfs_file_is_read_though_it_says_size_0():
+    assert os.stat("/proc/self/status").st_size == 0
+    assert files.read_bounded("/proc/self/status", 64 * files.KiB).startswith(b"Name:")

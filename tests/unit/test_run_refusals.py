@@ -58,6 +58,11 @@ def test_an_empty_path_or_url_is_refused_not_read_as_the_default(args, words):
     assert words in one_line_error(CliRunner().invoke(main, args), 2)
 
 
+@pytest.mark.parametrize("args", [["creds", "--out", "/dev/null"], ["sim", "--plots", "/dev/null"]])
+def test_a_folder_option_naming_a_device_is_refused_as_not_a_folder(args):
+    assert "/dev/null is not a folder" in one_line_error(CliRunner().invoke(main, args), 2)
+
+
 def _stub_run(monkeypatch):
     """Replace dilu chaos's run by one that only schedules the faults as the run would (from the
     run's own length and margins) and stops there, so a command that passes its checks starts nothing."""

@@ -264,3 +264,10 @@ def test_a_long_bad_name_is_shown_cut_in_every_message():
     why = name_problem("a" * 5000)
     assert why == f"'{'a' * NAME_SHOWN}...' is not a function name (1..63 characters of A-Z a-z 0-9 _ -)"
     assert name_problem("a.b") == "'a.b' is not a function name (1..63 characters of A-Z a-z 0-9 _ -)"
+
+
+def test_a_byte_order_mark_is_read_past_a_second_one_is_an_error(tmp_path):
+    (tmp_path / "function.toml").write_bytes(b"\xef\xbb\xbf" + EMULATED.encode())
+    assert load_spec(tmp_path).spec.name == "f"
+    assert parse("\ufeff" + EMULATED).spec.model == "bert_base"
+    assert "not valid TOML" in error("\ufeff\ufeff" + EMULATED)
