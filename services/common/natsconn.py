@@ -211,7 +211,8 @@ class PlainTextRefused(ConnectionError):
 
 def encrypted(nc: NATS) -> bool:
     """Whether ``nc``'s connection to its current server runs over TLS: the socket's TLS
-    session (nats-py's TCP transport), or ``wss://`` for a WebSocket."""
+    session (nats-py's TCP transport, read through its private ``_transport``: the TLS tests
+    fail, rather than let clear text through, should that change), or ``wss://`` for a WebSocket."""
     url = nc.connected_url
     if url is not None and url.scheme in ("ws", "wss"):
         return url.scheme == "wss"
