@@ -25,6 +25,7 @@ from typing import Any
 
 import nats
 from nats.aio.client import Client as NATS
+from nats.errors import Error as NatsError
 from nats.protocol.parser import AUTHORIZATION_VIOLATION, PERMISSIONS_ERR
 
 from . import files
@@ -204,9 +205,37 @@ def connect_failure(cause: BaseException, connect_timeout_s: float) -> str:
 
 
 class PlainTextRefused(ConnectionError):
-    """TLS was asked for (a ``tls://`` or ``wss://`` URL, or a ``--tls-*`` file) and the server
-    answered in clear text: nats-py goes on in clear unless the server requires TLS, so
-    :func:`connect` closes such a connection before anything is published or subscribed."""
+    """TLS was asked for (a ``tls://`` or ``wss://`` URL, or a ``--tls-*`` file) and the server's
+    greeting offers none. nats-py would go on in clear (it upgrades only when the server requires
+    TLS) and send its CONNECT line, the identity's signature of the server's nonce included, which
+    a machine in the middle could pass on; :class:`TlsOnlyClient` refuses before that line."""
+
+
+class _ClearOnReconnect(NatsError):
+    """A reconnect met a server in clear: a failed attempt (nats-py tries the next server)."""
+
+
+class TlsOnlyClient(NATS):
+    """nats-py's client for a connection that asked for TLS: TLS or nothing. Read from the server's
+    greeting (INFO) before anything is sent: a server that offers TLS without requiring it is
+    upgraded all the same; one that offers none is refused, on the first connection with
+    :class:`PlainTextRefused` at once (no retry), on a reconnect as a failed attempt. (nats-py
+    has no public hook between INFO and CONNECT; this overrides its ``_process_info``.)"""
+
+    async def _process_info(self, info: dict[str, Any], initial_connection: bool = False) -> None:
+        if initial_connection and self._current_server is not None:
+            scheme = self._current_server.uri.scheme
+            if info.get("tls_available") and scheme not in ("ws", "wss"):
+                info["tls_required"] = True  # nats-py starts TLS only on this flag
+            if not (info.get("tls_required") or scheme == "wss"):
+                server = self._current_server.uri.geturl()
+                if self.is_reconnecting:
+                    raise _ClearOnReconnect(f"{server} offers no TLS")
+                self.options["allow_reconnect"] = False  # nats-py then raises it at once, no retry
+                raise PlainTextRefused(f"{server} offers no TLS, which was asked for (a tls:// URL or --tls-* "
+                                       "files): turn TLS on in its configuration, or use nats:// without the "
+                                       "TLS files; nothing was sent to it")
+        await super()._process_info(info, initial_connection)
 
 
 def encrypted(nc: NATS) -> bool:
@@ -226,28 +255,20 @@ async def connect(options: NatsOptions | str, *, name: str, **opts: Any) -> NATS
 
     Raises what nats-py raises (e.g. ``nats.errors.NoServersError``, an authorization error on a
     refused identity), CredentialsError for an unusable creds file, and PlainTextRefused when
-    TLS was asked for and the server does not speak it (its CONNECT line, with the identity's
-    public key and nonce signature but no secret, has gone out in clear by then). A reconnect
-    that lands on a server in clear closes the connection (the owner sees it closed).
+    TLS was asked for and the server offers none (before anything is sent to it:
+    :class:`TlsOnlyClient`).
     """
     options = NatsOptions.of(options)
     kwargs = options.connect_kwargs()
     if "tls" not in kwargs:
         return await nats.connect(name=name, **kwargs, **opts)
-    holder: list[NATS] = []
-    then = opts.pop("reconnected_cb", None)
-
-    async def reconnected() -> None:  # a reconnect to a server in clear ends the connection too
-        if holder and not encrypted(holder[0]):
-            await holder[0].close()
-        elif then is not None:
-            await then()
-
-    nc = await nats.connect(name=name, **kwargs, reconnected_cb=reconnected, **opts)
-    holder.append(nc)
-    if not encrypted(nc):
-        server = nc.connected_url.geturl() if nc.connected_url else options.url
+    nc = TlsOnlyClient()
+    try:
+        await nc.connect(name=name, **kwargs, **opts)
+    except PlainTextRefused:
+        await nc.close()  # nats-py leaves the socket of a refused first attempt open
+        raise
+    if not encrypted(nc):  # the guard behind the greeting's check, should nats-py change under it
         await nc.close()
-        raise PlainTextRefused(f"{server} answered without TLS, which was asked for (a tls:// URL or --tls-* "
-                               "files): turn TLS on in its configuration, or use nats:// without the TLS files")
+        raise PlainTextRefused(f"{options.url}: the connection is not encrypted, and TLS was asked for")
     return nc

@@ -6,6 +6,8 @@ a client without a certificate, or one that does not trust the CA, is refused wi
 """
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
 import os
 import socket
@@ -14,6 +16,7 @@ import sys
 import time
 
 import nats
+import nkeys
 import pytest
 import trustme
 
@@ -52,29 +55,31 @@ def pki(tmp_path):
     return files
 
 
-@pytest.fixture
-def tls_url(tmp_path, pki):
-    """nats-server with JetStream, TLS and client certificate verification; its URL."""
+@contextlib.contextmanager
+def nats_with_tls(folder, pki, *, optional: bool = False):
+    """nats-server with JetStream and TLS in ``folder``, verifying client certificates, or with
+    ``optional`` TLS offered and not required (``allow_non_tls``, no client verification); its URL."""
     port = free_port()
-    conf = tmp_path / "tls.conf"
+    conf = folder / "tls.conf"
     conf.write_text(f"""
 listen: "127.0.0.1:{port}"
-jetstream {{ store_dir: "{tmp_path / 'js'}" }}
+jetstream {{ store_dir: "{folder / 'js'}" }}
+{"allow_non_tls: true" if optional else ""}
 tls {{
   cert_file: "{pki['server-cert']}"
   key_file: "{pki['server-key']}"
   ca_file: "{pki['ca']}"
-  verify: true
+  verify: {"false" if optional else "true"}
   timeout: 2
 }}
 """)
-    log = open(tmp_path / "nats.log", "wb")
+    log = open(folder / "nats.log", "wb")
     proc = subprocess.Popen([find_binary(), "-c", str(conf)], stdout=log, stderr=subprocess.STDOUT,
                             start_new_session=True)
     try:
         deadline = time.monotonic() + 15
         while True:
-            assert proc.poll() is None, (tmp_path / "nats.log").read_text()
+            assert proc.poll() is None, (folder / "nats.log").read_text()
             try:
                 with socket.create_connection(("127.0.0.1", port), timeout=0.2):
                     break
@@ -90,6 +95,13 @@ tls {{
             proc.kill()
             proc.wait()
         log.close()
+
+
+@pytest.fixture
+def tls_url(tmp_path, pki):
+    """nats-server with JetStream, TLS and client certificate verification; its URL."""
+    with nats_with_tls(tmp_path, pki) as url:
+        yield url
 
 
 def tls_options(url: str, pki, cert: str = "client", ca: str = "ca") -> NatsOptions:
@@ -177,24 +189,58 @@ def test_benches_take_the_tls_options(tls_url, pki):
     assert res.exit_code == 2 and "--nats-url" in res.output, res.output
 
 
-async def test_tls_asked_of_a_server_in_clear_is_refused_not_used_in_clear(nats_url, pki, tmp_path):
-    """nats-py speaks TLS only when the server requires it; a ``tls://`` URL (or a --tls-* file)
-    against a server in clear must not end in a clear-text connection."""
+async def test_tls_asked_of_a_server_in_clear_is_refused_before_anything_is_sent(nats_url, pki, tmp_path):
+    """nats-py speaks TLS only when the server requires it, and would send its CONNECT line (the
+    identity's nonce signature, which a machine in the middle could pass on) to a server in clear.
+    A tls:// URL, or a --tls-* file, is refused at the server's greeting instead."""
+    received: list[bytes] = []
+
+    async def greet_in_clear(reader, writer):  # what a machine in the middle would answer
+        writer.write(b'INFO {"server_id":"x","version":"2.10.0","proto":1,"max_payload":1048576,'
+                     b'"nonce":"abc","auth_required":true}\r\n')
+        await writer.drain()
+        received.append(await reader.read(4096))  # b"" once the client hangs up
+        writer.close()
+
+    fake = await asyncio.start_server(greet_in_clear, "127.0.0.1", 0)
+    fake_url = f"tls://127.0.0.1:{fake.sockets[0].getsockname()[1]}"
+    creds = tmp_path / "op.seed"
+    creds.write_bytes(nkeys.encode_seed(os.urandom(32), nkeys.PREFIX_BYTE_USER) + b"\n")
+    for reconnect in ({"allow_reconnect": False}, {"max_reconnect_attempts": -1}):  # a service's: no retry either
+        with pytest.raises(PlainTextRefused, match="offers no TLS"):
+            await asyncio.wait_for(connect(NatsOptions(servers=(fake_url,), creds=creds), name="test",
+                                           connect_timeout=2, error_cb=_quiet, **reconnect), 10)
+    fake.close()
+    assert received == [b"", b""], "nothing may be sent to a server that offers no TLS"
+
     clear_as_tls = nats_url.replace("nats://", "tls://")
-    with pytest.raises(PlainTextRefused, match="answered without TLS"):
-        await connect(clear_as_tls, name="test", allow_reconnect=False)
-    with pytest.raises(PlainTextRefused):
-        await connect(NatsOptions(servers=(nats_url,), tls_ca=pki["ca"]), name="test", allow_reconnect=False)
+    with pytest.raises(PlainTextRefused, match="offers no TLS"):
+        await connect(NatsOptions(servers=(nats_url,), tls_ca=pki["ca"]), name="test", allow_reconnect=False,
+                      error_cb=_quiet)
     nc = await connect(nats_url, name="test")  # nats:// without TLS files: clear text, as asked
     assert nc.is_connected and not encrypted(nc)
     await nc.close()
 
-    proc = dilu_status(clear_as_tls)  # a command: one line under --json, not a clear-text answer
+    proc = dilu_status(clear_as_tls)  # a command: one line under --json
     assert proc.returncode != 0 and proc.stderr == "", proc.stderr
-    assert "answered without TLS" in json.loads(proc.stdout)["error"]
+    assert "offers no TLS" in json.loads(proc.stdout)["error"]
     # a service: exit 2 with the one line, as for any deployment mistake it cannot run with
     env = {k: v for k, v in os.environ.items() if not k.startswith("DILU_")}
     svc = subprocess.run([sys.executable, "-m", "dilu.services.scheduler", "--nats-url", clear_as_tls,
                           "--metrics-port", "0"], capture_output=True, text=True, timeout=60, env=env)
     assert svc.returncode == 2, svc.stderr
-    assert svc.stderr.strip().splitlines()[-1].startswith("dilu scheduler: ") and "answered without TLS" in svc.stderr
+    assert svc.stderr.strip().splitlines()[-1].startswith("dilu scheduler: ") and "offers no TLS" in svc.stderr
+
+
+async def _quiet(exc: Exception) -> None:
+    """An error callback that keeps nats-py from printing each failed attempt."""
+
+
+async def test_a_server_that_offers_tls_without_requiring_it_is_used_over_tls(tmp_path, pki):
+    with nats_with_tls(tmp_path, pki, optional=True) as url:
+        clear = await connect(url, name="test")  # it admits clients in clear
+        assert not encrypted(clear)
+        await clear.close()
+        nc = await connect(NatsOptions(servers=(url.replace("nats://", "tls://"),), tls_ca=pki["ca"]), name="test")
+        assert nc.is_connected and encrypted(nc)
+        await nc.close()
