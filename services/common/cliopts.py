@@ -99,7 +99,10 @@ def check_nats_url(ctx, param, value: str) -> str:
         value.encode()
     except UnicodeEncodeError:  # undecodable bytes of the command line or environment
         raise click.BadParameter(f"{value!r} is not UTF-8 text") from None
-    parts = urlsplit(value if "://" in value else f"nats://{value}")
+    try:
+        parts = urlsplit(value if "://" in value else f"nats://{value}")
+    except ValueError as exc:  # "Invalid IPv6 URL", "'zz' does not appear to be an IPv4 or IPv6 address"
+        raise click.BadParameter(f"{value!r} is not a NATS URL: {exc}") from None
     try:
         port = parts.port
     except ValueError:

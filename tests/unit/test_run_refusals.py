@@ -192,3 +192,14 @@ def test_dilu_service_without_a_name_shows_its_help_as_a_usage_error():
     res = CliRunner().invoke(main, ["service"])
     assert res.exit_code == 2 and "Run service NAME" in res.output, res.output
     assert CliRunner().invoke(main, ["service", "--help"]).exit_code == 0
+
+
+@pytest.mark.parametrize("url, words", [
+    ("nats://[::1", "Invalid IPv6 URL"),  # urlsplit's own ValueError was a traceback
+    ("nats://[zz]:4222", "'zz' does not appear to be an IPv4 or IPv6 address"),
+    ("nats://host:99999", "has no valid port"),
+    ("http://host:4222", "is not a NATS URL like nats://host:4222"),
+])
+def test_a_malformed_nats_url_is_one_line_before_any_connection(url, words):
+    for args in (["status", "--listen", "0"], ["invoke", "f", "--data", "x"]):
+        assert words in one_line_error(CliRunner().invoke(main, [*args, "--nats-url", url]), 2)
