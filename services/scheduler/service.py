@@ -183,6 +183,7 @@ class SchedulerService:
         self.started_s = 0.0
         self._tasks: list[asyncio.Task] = []
         self._watcher = None
+        self._rewatching = False  # the watcher is being stopped to watch again (_rewatch)
         self._ready = False
 
     def _new_cluster(self) -> Cluster:
@@ -275,14 +276,17 @@ class SchedulerService:
 
     async def _watch_nodes(self) -> None:
         """Follow ``dilu-nodes``: puts are heartbeats, joins and changes; deletes and purges are leaves.
-        Entries already read at start (same revision) are skipped. A broken watch is restarted."""
+        Entries already read at start (same revision) are skipped. A broken watch is restarted, and
+        so is one that :meth:`_rewatch` stopped."""
         while True:
             try:
                 self._watcher = await self.kv_nodes.watchall()
                 async for entry in self._watcher:
                     if entry is not None:
                         await self._on_node_entry(entry)
-                return  # the watcher was stopped
+                if not self._rewatching:
+                    return  # the watcher was stopped for good
+                self._rewatching = False
             except asyncio.CancelledError:
                 raise
             except Exception as exc:  # logged; watch again (entries seen are skipped by revision)
@@ -318,9 +322,21 @@ class SchedulerService:
         async with self.lock:
             await self._apply_change(self.roster.observe(inv, self.clock()))
 
+    async def _rewatch(self) -> None:
+        """Watch ``dilu-nodes`` afresh: its consumer died with a NATS server that restarted, and
+        nats-py's ordered consumer would notice only after missed idle heartbeats (about 15 s
+        in a chaos run, by which time every node looked silent for its TTL and left). The
+        new watch delivers each key's latest entry first, so the heartbeats put meanwhile count."""
+        self._rewatching = True
+        await self._stop_watcher()
+
     async def _sweep_loop(self) -> None:
+        reconnects = self.bus.nc.stats["reconnects"]
         while True:
             await asyncio.sleep(self.sweep_interval_s)
+            if self.bus.nc.stats["reconnects"] != reconnects:  # before the sweep judges any node
+                reconnects = self.bus.nc.stats["reconnects"]
+                await self._rewatch()
             try:
                 await self.sweep()
             except Exception as exc:  # logged; the next sweep tries again

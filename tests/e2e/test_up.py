@@ -5,10 +5,8 @@ from __future__ import annotations
 
 import os
 import queue
-import random
 import re
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -20,6 +18,7 @@ from pathlib import Path
 import pytest
 
 from dilu.services.common.natsserver import free_ports
+from ports import ports_outside_ephemeral_range
 
 from dilu.cli.cluster import STOP_STAGES, STOP_TIMEOUT_S
 
@@ -138,31 +137,6 @@ def ups():
     for up in started:
         if up.proc.poll() is None or alive(up.pids):
             up.kill()
-
-
-def ports_outside_ephemeral_range(n: int) -> list[int]:
-    """``n`` free loopback ports below Linux's ephemeral range (``ip_local_port_range``, 32768 and
-    up by default). A port a test reuses after a stop must not come from that range: between the
-    stop and the restart, any outgoing connection (a service's NATS client) may be given it as
-    its local port, and the restarted gateway then finds it taken."""
-    low = 32768
-    try:
-        low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
-    except (OSError, ValueError, IndexError):
-        pass
-    socks: list[socket.socket] = []
-    try:
-        while len(socks) < n:
-            s = socket.socket()
-            try:
-                s.bind(("127.0.0.1", random.randrange(10_000, low)))
-                socks.append(s)
-            except OSError:  # taken: try another
-                s.close()
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
 
 
 def start(ups: list[Up], data_dir: Path, *extra: str, ports: list[int] | None = None) -> Up:

@@ -271,3 +271,45 @@ async def test_malformed_inventories_are_rejected_and_counted(nats_url):
         assert not svc.cluster.node_index  # none of them joined
         await join(agents, svc, inventory("fine"))  # and the scheduler carries on
     await nc.close()
+
+
+async def test_a_nats_restart_does_not_make_live_nodes_leave():
+    """The scheduler's watch of dilu-nodes dies with a restarting nats-server; nats-py's ordered
+    consumer would notice only after missed idle heartbeats (about 15 s in a chaos run), longer
+    than the TTL, and every node looked silent and left. The scheduler watches again as soon as
+    it has reconnected, so a node whose agent kept beating never leaves."""
+    from dilu.services.common.natsserver import EmbeddedNats
+    from ports import ports_outside_ephemeral_range
+
+    ttl_s = 6.0
+    # a port no other test's server can draw while this one is down (free_port draws from the
+    # ephemeral range): the scheduler must reconnect to this server, not to another test's
+    with EmbeddedNats(port=ports_outside_ephemeral_range(1)[0]) as server:
+        nc = await nats.connect(server.url, reconnect_time_wait=0.2, max_reconnect_attempts=-1)
+        svc = SchedulerService(node_ttl_s=ttl_s)
+        kv = await nodes_bucket(nc.jetstream())
+        inv = inventory("node-a", gpus=1)
+
+        async def beat() -> None:  # an agent riding out the outage, as the node agent's heartbeat does
+            while True:
+                try:
+                    await kv.put(subjects.token(inv.node), encode(msgspec.structs.replace(inv, ts_ns=time.time_ns())))
+                except Exception:
+                    pass
+                await asyncio.sleep(HEARTBEAT_S)
+
+        async with running(svc, server.url, ready_timeout_s=15):
+            beating = asyncio.create_task(beat())
+            try:
+                await wait_for(lambda: "node-a" in svc.cluster.node_index, "node-a joined")
+                server.kill()
+                await asyncio.sleep(0.5)
+                server.start()
+                watched_until = asyncio.get_running_loop().time() + 1.5 * ttl_s
+                while asyncio.get_running_loop().time() < watched_until:
+                    assert "node-a" in svc.cluster.node_index, "a live node left over the NATS restart"
+                    await asyncio.sleep(0.1)
+            finally:
+                beating.cancel()
+                await asyncio.gather(beating, return_exceptions=True)
+        await nc.close()
