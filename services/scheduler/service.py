@@ -183,7 +183,6 @@ class SchedulerService:
         self.started_s = 0.0
         self._tasks: list[asyncio.Task] = []
         self._watcher = None
-        self._rewatching = False  # the watcher is being stopped to watch again (_rewatch)
         self._ready = False
 
     def _new_cluster(self) -> Cluster:
@@ -277,16 +276,13 @@ class SchedulerService:
     async def _watch_nodes(self) -> None:
         """Follow ``dilu-nodes``: puts are heartbeats, joins and changes; deletes and purges are leaves.
         Entries already read at start (same revision) are skipped. A broken watch is restarted, and
-        so is one that :meth:`_rewatch` stopped."""
+        so is one that ended (:meth:`_rewatch` stops it; :meth:`stop` cancels this task first)."""
         while True:
             try:
                 self._watcher = await self.kv_nodes.watchall()
                 async for entry in self._watcher:
                     if entry is not None:
                         await self._on_node_entry(entry)
-                if not self._rewatching:
-                    return  # the watcher was stopped for good
-                self._rewatching = False
             except asyncio.CancelledError:
                 raise
             except Exception as exc:  # logged; watch again (entries seen are skipped by revision)
@@ -324,10 +320,10 @@ class SchedulerService:
 
     async def _rewatch(self) -> None:
         """Watch ``dilu-nodes`` afresh: its consumer died with a NATS server that restarted, and
-        nats-py's ordered consumer would notice only after missed idle heartbeats (about 15 s
-        in a chaos run, by which time every node looked silent for its TTL and left). The
-        new watch delivers each key's latest entry first, so the heartbeats put meanwhile count."""
-        self._rewatching = True
+        nats-py's ordered consumer would notice only after missed idle heartbeats (about 19 s
+        in a chaos run, by which time every node looked silent for its TTL and left). Stopping
+        the watch ends :meth:`_watch_nodes`'s iteration, which watches again; the new watch
+        delivers each key's latest entry first, so the heartbeats put meanwhile count."""
         await self._stop_watcher()
 
     async def _sweep_loop(self) -> None:
