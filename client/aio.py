@@ -33,6 +33,7 @@ from dilu.contracts.events import FunctionDeployed, FunctionSpec, FunctionState
 from dilu.services.common import logging as dlog
 from dilu.services.common.invoke import MAX_TIMEOUT_S, InvokeClient, InvokeResult, cancel_swallowed, cancels_now
 from dilu.services.common.kvkeys import kv_keys
+from dilu.services.common.kvwatch import KvFollower
 from dilu.services.common.natsconn import (DEFAULT_URL, CredentialsError, NatsOptions, connect, connect_failure,
                                           is_authorization_violation, is_permissions_violation)
 
@@ -154,22 +155,22 @@ class KvCache(Generic[V]):
     values read as absent.
     """
 
-    def __init__(self, js: JetStreamContext, bucket: str, decode: Callable[[bytes], V], *,
-                 optional_bucket: bool = False) -> None:
-        self.js, self.bucket, self.decode = js, bucket, decode
+    def __init__(self, nc: NATS, bucket: str, decode: Callable[[bytes], V], *, optional_bucket: bool = False) -> None:
+        self.nc, self.js, self.bucket, self.decode = nc, nc.jetstream(), bucket, decode
         self.optional_bucket = optional_bucket
         self._values: dict[str, tuple[int, V | None]] = {}
-        self._watcher = None
-        self._task: asyncio.Task | None = None
+        self._follower: KvFollower | None = None
         self._tried = -WATCH_RETRY_S
         self._no_bucket = False
 
     async def start(self) -> None:
-        """Start watching the bucket if it exists (best effort: a failure leaves reads direct)."""
+        """Start watching the bucket if it exists (best effort: a failure leaves reads direct).
+        Once watching, it goes on through NATS restarts (:class:`KvFollower`)."""
         self._tried = time.monotonic()
         try:
             kv = await self.js.key_value(self.bucket)
-            self._watcher = await kv.watchall()
+            follower = KvFollower(self.nc, kv, self._on_entry, log=log, what=self.bucket)
+            await follower.start()
         except nats.js.errors.NotFoundError:
             self._no_bucket = True
             return
@@ -177,16 +178,13 @@ class KvCache(Generic[V]):
             log.warning("cannot watch bucket", bucket=self.bucket, error=repr(exc))
             return
         self._no_bucket = False
-        self._task = asyncio.create_task(self._follow(self._watcher))
+        self._follower = follower
 
-    async def _follow(self, watcher) -> None:
-        async for entry in watcher:
-            if entry is None:  # the watcher's "initial values done" marker
-                continue
-            value = None
-            if entry.operation not in _KV_DELETES and entry.value:
-                value = self._decode(entry.value)
-            self._store(entry.key, entry.revision, value)
+    async def _on_entry(self, entry) -> None:
+        value = None
+        if entry.operation not in _KV_DELETES and entry.value:
+            value = self._decode(entry.value)
+        self._store(entry.key, entry.revision, value)
 
     def _decode(self, raw: bytes) -> V | None:
         try:
@@ -202,7 +200,7 @@ class KvCache(Generic[V]):
 
     @property
     def watching(self) -> bool:
-        return self._task is not None and not self._task.done()
+        return self._follower is not None and self._follower.following
 
     def peek(self, key: str) -> V | None:
         """The cached value of ``key`` (None: absent or not known yet); no I/O."""
@@ -228,15 +226,9 @@ class KvCache(Generic[V]):
         return value
 
     async def stop(self) -> None:
-        if self._watcher is not None:
-            try:
-                await self._watcher.stop()
-            except Exception as exc:  # the connection may be gone already
-                log.debug("watch stop failed", bucket=self.bucket, error=repr(exc))
-        if self._task is not None:
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
-        self._watcher = self._task = None
+        follower, self._follower = self._follower, None
+        if follower is not None:
+            await follower.stop()
 
 
 _END = object()
@@ -321,9 +313,9 @@ class AsyncClient:
         # loses its connection: what it waits for can no longer come
         self.lost: asyncio.Future[str] = asyncio.get_running_loop().create_future()
         self._invoker = InvokeClient(nc, self.js)
-        self._specs: KvCache[FunctionSpec] = KvCache(self.js, subjects.FUNCTIONS_BUCKET, decode_spec)
+        self._specs: KvCache[FunctionSpec] = KvCache(nc, subjects.FUNCTIONS_BUCKET, decode_spec)
         self._states: KvCache[FunctionState] = KvCache(  # written by the horizontal scaler, if one runs
-            self.js, subjects.FUNCTION_STATE_BUCKET, lambda raw: msgspec.json.decode(raw, type=FunctionState),
+            nc, subjects.FUNCTION_STATE_BUCKET, lambda raw: msgspec.json.decode(raw, type=FunctionState),
             optional_bucket=True)
 
     @classmethod

@@ -64,6 +64,7 @@ from dilu.services.common.bus import Bus
 from dilu.services.common.metrics import MALFORMED
 from dilu.services.common.natsconn import DEFAULT_URL, ENV_NATS, NatsOptions
 from dilu.services.common.jsresources import PLACEMENT_KV_CONFIG, ensure_kv
+from dilu.services.common.kvwatch import KvFollower
 from dilu.services.common.nodes import nodes_bucket
 from dilu.services.common.runner import StartFailed
 
@@ -184,7 +185,7 @@ class NodeAgent:
         self.log = dlog.get(self.name).bind(node=node)
         self._tasks: list[asyncio.Task] = []
         self._draining: set[asyncio.Task] = set()  # retirements the scheduler asked for, in progress
-        self._watcher = None
+        self._placements_watch: KvFollower | None = None
         self._stopping = False
         self._trial = None
         self._trial_lock = asyncio.Lock()
@@ -232,8 +233,8 @@ class NodeAgent:
         await bus.serve(subjects.node_trial(self.node), ev.TrialRequest, self._on_trial)
         await bus.subscribe(FUNCTION_STATS_SUBJECTS, ev.FunctionStats, self._on_function_stats)
         kv = await self._placement_bucket()
-        self._watcher = await kv.watchall()
-        self._tasks.append(asyncio.create_task(self._watch_placements()))
+        self._placements_watch = KvFollower(bus.nc, kv, self._on_entry, log=self.log, what=subjects.PLACEMENT_BUCKET)
+        await self._placements_watch.start()  # a NATS restart is watched through (see KvFollower)
         self._tasks.append(asyncio.create_task(self._sample_loop()))
         self._tasks.append(asyncio.create_task(self._heartbeat_loop()))
         self._started = True
@@ -243,11 +244,8 @@ class NodeAgent:
     async def stop(self) -> None:
         """Drain and retire every instance, then stop the loops (the runner drains NATS after)."""
         self._stopping = True
-        if self._watcher is not None:
-            try:
-                await self._watcher.stop()
-            except Exception:
-                pass
+        if self._placements_watch is not None:  # the placement in hand is applied, no later one
+            await self._placements_watch.stop()
         await asyncio.gather(*(self._end_parked(i) if i.state == "parked" else self._retire(i, "node stopping")
                                for i in list(self.instances.values())), return_exceptions=True)
         for t in self._tasks:
@@ -328,15 +326,6 @@ class NodeAgent:
         return kv
 
     # ------------------------------------------------------------------ placements
-
-    async def _watch_placements(self) -> None:
-        async for entry in self._watcher:
-            if entry is None:  # end of the initial values
-                continue
-            try:
-                await self._on_entry(entry)
-            except Exception as exc:
-                self.log.error("placement entry failed", key=entry.key, error=repr(exc))
 
     async def _on_entry(self, entry) -> None:
         if entry.operation in ("DEL", "PURGE"):

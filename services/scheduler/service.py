@@ -106,6 +106,7 @@ from dilu.contracts.events import (
 from ..common.bus import Bus
 from ..common.metrics import MALFORMED
 from ..common.kvkeys import kv_keys
+from ..common.kvwatch import KvFollower
 from ..common.jsresources import PLACEMENT_KV_CONFIG, PROFILES_KV_CONFIG, ensure_kv
 from ..common.nodes import nodes_bucket
 from ..common.functions import runs_on
@@ -182,7 +183,7 @@ class SchedulerService:
         self._bad_inventory: dict[str, str] = {}  # dilu-nodes key -> why its entry was skipped
         self.started_s = 0.0
         self._tasks: list[asyncio.Task] = []
-        self._watcher = None
+        self._nodes_watch: KvFollower | None = None
         self._ready = False
 
     def _new_cluster(self) -> Cluster:
@@ -212,7 +213,10 @@ class SchedulerService:
         await bus.serve(subjects.SCHEDULER_RETIRE, RetireRequest, self._on_retire)
         await bus.serve(subjects.SCHEDULER_PARK, ParkRequest, self._on_park)
         await bus.serve(subjects.SCHEDULER_ADMIT, AdmitRequest, self._on_admit)
-        self._tasks.append(asyncio.create_task(self._watch_nodes()))
+        # entries already read above (same revision) are skipped; a NATS restart is watched through
+        self._nodes_watch = KvFollower(bus.nc, self.kv_nodes, self._on_node_entry, log=bus.log,
+                                       what=subjects.NODES_BUCKET)
+        await self._nodes_watch.start()
         self._tasks.append(asyncio.create_task(self._sweep_loop()))
         if self.defrag_interval_s > 0:
             self._tasks.append(asyncio.create_task(self._defrag_loop()))
@@ -222,12 +226,13 @@ class SchedulerService:
 
     async def stop(self) -> None:
         self._ready = False
+        if self._nodes_watch is not None:  # the node entry in hand is applied, no later one
+            await self._nodes_watch.stop()
         async with self.lock:  # let a decision in flight finish its writes, then stop the loops
             for task in self._tasks:
                 task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
         self._tasks = []
-        await self._stop_watcher()
 
     def ready(self) -> bool:
         return self._ready
@@ -273,32 +278,10 @@ class SchedulerService:
         self.node_keys[key] = inv.node
         return inv
 
-    async def _watch_nodes(self) -> None:
-        """Follow ``dilu-nodes``: puts are heartbeats, joins and changes; deletes and purges are leaves.
-        Entries already read at start (same revision) are skipped. A broken watch is restarted, and
-        so is one that ended (:meth:`_rewatch` stops it; :meth:`stop` cancels this task first)."""
-        while True:
-            try:
-                self._watcher = await self.kv_nodes.watchall()
-                async for entry in self._watcher:
-                    if entry is not None:
-                        await self._on_node_entry(entry)
-            except asyncio.CancelledError:
-                raise
-            except Exception as exc:  # logged; watch again (entries seen are skipped by revision)
-                self.bus.log.warning("watching dilu-nodes failed; watching again", error=f"{type(exc).__name__}: {exc}")
-                await self._stop_watcher()
-                await asyncio.sleep(1.0)
-
-    async def _stop_watcher(self) -> None:
-        watcher, self._watcher = self._watcher, None
-        if watcher is not None:
-            try:
-                await watcher.stop()
-            except Exception:  # the subscription is gone already
-                pass
-
     async def _on_node_entry(self, entry) -> None:
+        """One entry of ``dilu-nodes``: puts are heartbeats, joins and changes; deletes and purges
+        are leaves. Entries already handled (same revision or older) are skipped: the watch
+        delivers each key's latest entry again after a NATS restart (KvFollower)."""
         key = entry.key
         if entry.revision is not None:
             if entry.revision <= self.node_revs.get(key, 0):
@@ -318,21 +301,9 @@ class SchedulerService:
         async with self.lock:
             await self._apply_change(self.roster.observe(inv, self.clock()))
 
-    async def _rewatch(self) -> None:
-        """Watch ``dilu-nodes`` afresh: its consumer died with a NATS server that restarted, and
-        nats-py's ordered consumer would notice only after missed idle heartbeats (about 19 s
-        in a chaos run, by which time every node looked silent for its TTL and left). Stopping
-        the watch ends :meth:`_watch_nodes`'s iteration, which watches again; the new watch
-        delivers each key's latest entry first, so the heartbeats put meanwhile count."""
-        await self._stop_watcher()
-
     async def _sweep_loop(self) -> None:
-        reconnects = self.bus.nc.stats["reconnects"]
         while True:
             await asyncio.sleep(self.sweep_interval_s)
-            if self.bus.nc.stats["reconnects"] != reconnects:  # before the sweep judges any node
-                reconnects = self.bus.nc.stats["reconnects"]
-                await self._rewatch()
             try:
                 await self.sweep()
             except Exception as exc:  # logged; the next sweep tries again

@@ -154,3 +154,23 @@ async def test_busy_share_follows_a_changed_grant(nats_url):
         assert 2 * low_dev <= high_dev <= 0.75 + 0.06
         # and the agent's telemetry reports what the device did
         assert low_tel == pytest.approx(low_dev, abs=0.08) and high_tel == pytest.approx(high_dev, abs=0.08)
+
+
+async def test_a_placement_put_after_a_nats_restart_launches_promptly():
+    """The agent's watch of the placement table dies with a restarting nats-server; it watches
+    again once reconnected (KvFollower), so a placement written then launches within seconds,
+    not after nats-py's missed idle heartbeats (15 to 20 s)."""
+    from dilu.services.common.natsserver import EmbeddedNats
+    from ports import ports_outside_ephemeral_range
+
+    with EmbeddedNats(port=ports_outside_ephemeral_range(1)[0]) as server:  # see tests/ports.py
+        async with Harness(server.url) as h:
+            server.kill()
+            await asyncio.sleep(0.5)
+            server.start()
+            deadline = time.monotonic() + 20
+            while not (h.nc.is_connected and h.agent.bus.nc.is_connected and h.agent.bus.nc.stats["reconnects"]):
+                assert time.monotonic() < deadline, "not reconnected"
+                await asyncio.sleep(0.05)
+            await h.kv.put("i1", encode(placement("i1", "f1")))
+            await h.wait_for("ready", timeout=10.0)
