@@ -34,6 +34,7 @@ COMMANDS: dict[str, str] = {
     "events": "dilu.cli.events:events",
     "sim": "dilu.cli.sim:sim",
     "calibrate": "dilu.cli.sim:calibrate",
+    "summarize": "dilu.cli.summarize:summarize",
 }
 BENCHES: dict[str, str] = {
     "interceptor": "dilu.interceptor.bench:bench_interceptor",

@@ -1,0 +1,38 @@
+"""``dilu summarize``: several runs of one comparison as the mean and range of each figure, and
+each policy against the first by the ratio of the means with its range run by run
+(:mod:`dilu.loadgen.summary`)."""
+from __future__ import annotations
+
+import json
+
+import click
+
+from dilu.services.common.cliopts import flag_envvar, writable_output, write_output
+
+
+@click.command("summarize")
+@click.argument("run_files", nargs=-1, required=True, type=click.Path(dir_okay=False))
+@click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None, callback=writable_output,
+              envvar=flag_envvar("--json"), show_envvar=True,
+              help='also write the summary as JSON: {"runs", "policies": {P: {figure: {mean, min, max, '
+                   'values}}}, "versus": {"P / FIRST": {figure: {of_means, per_run}}}}')
+def summarize(run_files, json_path) -> None:
+    """Summarise RUN_FILES, each written by dilu compare --json, dilu sim --json or dilu demo
+    --json (runs of the same comparison: same trace, seed and duration): per policy, each
+    figure's mean over the runs with the lowest and highest run; per policy after the first,
+    the ratio of its mean to the first's (for a rate, the difference in percentage points) with
+    the lowest and highest of that comparison run by run. One live run is one sample; read a
+    direction from the means and how often the runs agree."""
+    from dilu.cli.demo import make_console
+    from dilu.loadgen import summary
+
+    try:
+        runs = [summary.read_runs(path) for path in run_files]
+        result = summary.summarize(runs)
+    except ValueError as exc:
+        raise click.BadParameter(str(exc), param_hint="RUN_FILES") from None
+    console = make_console()
+    summary.render_summary(result, console)
+    if json_path:
+        write_output(json_path, json.dumps(result.to_dict(), indent=2))
+        console.print(f"summary written to {json_path}")

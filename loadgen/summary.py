@@ -1,0 +1,198 @@
+"""Several runs of the same comparison, summarised: each figure's mean and range per policy, and
+each policy against the first by the ratio of their means (or, for a rate, the difference of the
+means in percentage points) with the range of that comparison run by run.
+
+One live run on a small node is one sample: a few late batches move a violation rate by points,
+and a placement that spills onto one more GPU for a while moves active GPU·s by a fifth. A
+direction read from the means of several runs, with the per-run range beside it, says what one
+run cannot. The inputs are what ``dilu compare --json``, ``dilu sim --json`` (``{"policies":
+{name: report}}``) and ``dilu demo --json`` (one report, named by its ``run.policy``) write; the
+figures are the rows of ``dilu compare`` (:func:`report.render_compare`).
+
+Pure but for :func:`read_runs`; :func:`render_summary` prints.
+"""
+from __future__ import annotations
+
+import statistics
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import msgspec
+from rich.console import Console
+
+from dilu.services.common import files
+
+from . import report as rp
+from .report import Report
+
+SUMMARY_TITLE = "Runs summarised: mean (lowest–highest) of each figure"
+
+
+@dataclass(frozen=True)
+class Spread:
+    """One figure of one policy over its runs: ``mean``, ``low``, ``high`` and the ``values``
+    themselves, in the order of the runs (only the runs that have the figure)."""
+
+    mean: float
+    low: float
+    high: float
+    values: tuple[float, ...]
+
+    @classmethod
+    def of(cls, values: Sequence[float]) -> "Spread":
+        """Raises ValueError on no values."""
+        if not values:
+            raise ValueError("no values")
+        return cls(statistics.fmean(values), min(values), max(values), tuple(values))
+
+
+@dataclass(frozen=True)
+class Row:
+    """One figure: its ``label`` (a ``dilu compare`` row), whether it is a rate (0..1), its format, per
+    policy its :class:`Spread` (None: no run has it), and per policy after the first its
+    comparison with the first: ``of_means`` (the ratio of the means, or for a rate their
+    difference in percentage points; None when either mean is missing or, for a ratio, the
+    first's is 0) and ``per_run`` (the same, run by run, over the runs that have both)."""
+
+    label: str
+    rate: bool
+    fmt: object  # how dilu compare prints the figure: a format string or a function of the value
+    spreads: dict[str, Spread | None]
+    of_means: dict[str, float | None]
+    per_run: dict[str, tuple[float, ...]]
+
+
+@dataclass(frozen=True)
+class Summary:
+    """``policies`` in the order they first appear; ``runs`` per policy; ``rows`` one per figure."""
+
+    policies: list[str]
+    runs: dict[str, int]
+    rows: list[Row]
+
+    def to_dict(self) -> dict:
+        """JSON-ready: ``{"runs": {policy: n}, "policies": {policy: {figure: {mean, min, max,
+        values}}}, "versus": {"P / FIRST": {figure: {"of_means", "per_run"}}}}``; a ratio is a
+        number (0.53 for 0.53x), a rate's difference a number of percentage points."""
+        first = self.policies[0]
+        out: dict = {"runs": dict(self.runs), "policies": {p: {} for p in self.policies}, "versus": {}}
+        for row in self.rows:
+            for p, s in row.spreads.items():
+                if s is not None:
+                    out["policies"][p][row.label] = {"mean": s.mean, "min": s.low, "max": s.high,
+                                                     "values": list(s.values)}
+            for p in self.policies[1:]:
+                out["versus"].setdefault(f"{p} / {first}", {})[row.label] = {
+                    "of_means": row.of_means[p], "per_run": list(row.per_run[p])}
+        return out
+
+
+def _compare(first: float | None, other: float | None, rate: bool) -> float | None:
+    """``other`` against ``first``: for a rate the difference in percentage points, else the ratio."""
+    if first is None or other is None:
+        return None
+    if rate:
+        return 100.0 * (other - first)
+    return other / first if first else None
+
+
+def summarize(runs: Sequence[Mapping[str, Report]]) -> Summary:
+    """Summarise ``runs`` (each: policy name -> its report in that run, as one ``dilu compare``
+    writes them). A policy missing from a run is summarised over the runs that have it. Raises
+    ValueError when no run names a policy."""
+    policies: list[str] = []
+    for run in runs:
+        policies += [p for p in run if p not in policies]
+    if not policies:
+        raise ValueError("no run to summarise")
+    first = policies[0]
+    reports = [r for run in runs for r in run.values()]
+    rows = []
+    for label, get, fmt, _better in rp._compare_rows(reports):
+        rate = fmt is rp._pct
+        spreads: dict[str, Spread | None] = {}
+        for p in policies:
+            values = [v for run in runs if p in run and (v := get(run[p])) is not None]
+            spreads[p] = Spread.of(values) if values else None
+        of_means, per_run = {}, {}
+        for p in policies[1:]:
+            a, b = spreads[first], spreads[p]
+            of_means[p] = _compare(a.mean if a else None, b.mean if b else None, rate)
+            pairs = (_compare(get(run[first]), get(run[p]), rate) for run in runs if first in run and p in run)
+            per_run[p] = tuple(v for v in pairs if v is not None)
+        rows.append(Row(label, rate, fmt, spreads, of_means, per_run))
+    return Summary(policies, {p: sum(p in run for run in runs) for p in policies}, rows)
+
+
+def read_runs(path: str | Path) -> dict[str, Report]:
+    """The reports of one run file: ``{"policies": {name: report}}`` (``dilu compare``/``dilu
+    sim``) or one report (``dilu demo``, named by its ``run.policy``). Raises ValueError naming
+    the file when it cannot be read or is neither."""
+    try:
+        data = msgspec.json.decode(files.read_bounded(path, rp.REPORT_MAX_BYTES))
+        if isinstance(data, dict) and isinstance(data.get("policies"), dict):
+            return {str(name): Report.from_dict(r) for name, r in data["policies"].items()}
+        one = Report.from_dict(data)
+        return {one.run.policy: one}
+    except OSError as exc:
+        raise ValueError(f"{path}: cannot read it ({exc.strerror or exc})") from None
+    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        raise ValueError(f"{path}: not a dilu compare, sim or demo report ({exc})") from None
+
+
+def _show(v: float, fmt) -> str:
+    """``v`` as dilu compare prints its figure; a mean of counts keeps one decimal."""
+    if callable(fmt):
+        return fmt(v)
+    if fmt == "{:,}":
+        return f"{v:,.1f}" if v != int(v) else f"{int(v):,}"
+    return fmt.format(v)
+
+
+def _bare(text: str) -> str:
+    """A range bound without the unit its mean already shows."""
+    return text.removesuffix(" %")
+
+
+def _cell(s: Spread | None, fmt) -> str:
+    if s is None:
+        return "–"
+    if s.low == s.high:
+        return _show(s.mean, fmt)
+    return f"{_show(s.mean, fmt)} ({_bare(_show(s.low, fmt))}–{_bare(_show(s.high, fmt))})"
+
+
+def _versus_cell(of_means: float | None, per_run: tuple[float, ...], rate: bool) -> str:
+    if of_means is None:
+        return "–"
+    mean = f"{of_means:+.1f} pp" if rate else f"{of_means:.2f}x"
+    if len(per_run) < 2 or min(per_run) == max(per_run):
+        return mean
+    bound = "{:+.1f}" if rate else "{:.2f}"
+    return f"{mean} ({bound.format(min(per_run))} … {bound.format(max(per_run))})"
+
+
+def render_summary(summary: Summary, console: Console) -> None:
+    """Print the summary as one table (split by columns when wider than the console): a column
+    per policy, ``mean (lowest–highest)``, then per policy after the first the comparison of
+    the means with the range run by run, then a legend."""
+    names, first = summary.policies, summary.policies[0]
+    versus_names = [f"{p} / {first}" for p in names[1:]]
+    headers = [("figure", "left"), *((p, "right") for p in names), *((v, "right") for v in versus_names)]
+    rows = []
+    for row in summary.rows:
+        cells = [_cell(row.spreads[p], row.fmt) for p in names]
+        cells += [_versus_cell(row.of_means[p], row.per_run[p], row.rate) for p in names[1:]]
+        rows.append(([row.label, *cells], {}))
+    for table in rp.fitted_tables(SUMMARY_TITLE, headers, rows, console.width):
+        console.print(table)
+    runs = ", ".join(f"{p} {n}" for p, n in summary.runs.items())
+    entries = [("runs", f"runs summarised per policy: {runs}"),
+               ("mean (lo–hi)", "the mean over the runs, then the lowest and highest run")]
+    entries += [(v, f"the mean of {p}'s figure / the mean of {first}'s (0.53x), or for a rate (%) the "
+                    f"difference of the means {p} - {first} in percentage points (pp); then the lowest … highest "
+                    f"of the same comparison run by run")
+                for p, v in zip(names[1:], versus_names)]
+    entries += [("–", rp.LEGEND["–"]), ("figures", "as in dilu compare --help")]
+    console.print(rp._legend_table(entries))

@@ -1,0 +1,125 @@
+"""dilu summarize: the mean and range of each figure over runs, each policy against the first by
+the ratio of the means (points for rates) with its range run by run, read from the files dilu
+compare, sim and demo write, refused in one line when a file is none of them."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+from rich.console import Console
+
+from dilu.loadgen.generator import Record
+from dilu.loadgen.report import FunctionFacts, FunctionMeta, Mechanism, Report, RunFacts, RunInfo, build_report
+from dilu.loadgen.summary import Spread, read_runs, render_summary, summarize
+
+MS = 1_000_000
+
+
+def run_report(policy: str, *, violations: float, cold: int, gpu_s: float) -> Report:
+    """A one-function report whose totals say ``violations`` (0..1), ``cold`` cold-start
+    requests and ``gpu_s`` active GPU·s."""
+    records = [Record(id=f"r{i}", function="f", scheduled_ns=i * MS, sent_ns=i * MS, done_ns=(i + 10) * MS,
+                      status="ok", cold_start=False) for i in range(100)]
+    facts = RunFacts(functions={"f": FunctionFacts(instance_launches=2, quota_seconds=5.0)},
+                     active_gpu_seconds=gpu_s, allocation_fragmentation=0.2, idle_fragmentation=0.5,
+                     mechanism=Mechanism(profiler_trials=1, grant_changes=0, token_wait_ms=0.0, scale_outs=1,
+                                         retirements=0, scale_to_zero=0))
+    rep = build_report(records, {"f": FunctionMeta(model="bert_base", slo_ms=100)}, facts,
+                       RunInfo(wall_s=10.0, policy=policy, functions=1)).to_dict()
+    rep["totals"].update(slo_violation_rate=violations, cold_start_requests=cold)
+    return Report.from_dict(rep)
+
+
+def pair(v_a, c_a, g_a, v_b, c_b, g_b) -> dict[str, Report]:
+    return {"dilu": run_report("dilu", violations=v_a, cold=c_a, gpu_s=g_a),
+            "horizontal-only": run_report("horizontal-only", violations=v_b, cold=c_b, gpu_s=g_b)}
+
+
+RUNS = [pair(0.065, 11, 127.0, 0.094, 46, 123.0), pair(0.104, 12, 149.0, 0.077, 58, 124.0),
+        pair(0.091, 7, 132.0, 0.138, 107, 175.0)]
+
+
+def row(summary, label):
+    return next(r for r in summary.rows if r.label == label)
+
+
+def test_means_ranges_and_the_comparison_of_means_with_its_range_run_by_run():
+    s = summarize(RUNS)
+    assert s.policies == ["dilu", "horizontal-only"] and s.runs == {"dilu": 3, "horizontal-only": 3}
+    gpu = row(s, "active GPU·s")
+    assert gpu.spreads["dilu"] == Spread(pytest.approx(136.0), 127.0, 149.0, (127.0, 149.0, 132.0))
+    assert gpu.of_means["horizontal-only"] == pytest.approx((123 + 124 + 175) / (127 + 149 + 132))
+    assert gpu.per_run["horizontal-only"] == pytest.approx((123 / 127, 124 / 149, 175 / 132))
+    slo = row(s, "SLO violation rate")  # a rate: differences in percentage points
+    assert slo.rate and slo.of_means["horizontal-only"] == pytest.approx(100 * ((0.094 + 0.077 + 0.138) / 3
+                                                                                   - (0.065 + 0.104 + 0.091) / 3))
+    assert slo.per_run["horizontal-only"] == pytest.approx((2.9, -2.7, 4.7))
+    assert row(s, "cold-start requests").spreads["horizontal-only"].mean == pytest.approx(211 / 3)
+
+
+def test_a_policy_missing_from_a_run_is_summarised_over_the_runs_that_have_it():
+    runs = [*RUNS, {"dilu": RUNS[0]["dilu"]}]
+    s = summarize(runs)
+    assert s.runs == {"dilu": 4, "horizontal-only": 3}
+    gpu = row(s, "active GPU·s")
+    assert gpu.spreads["dilu"].values == (127.0, 149.0, 132.0, 127.0)
+    assert len(gpu.per_run["horizontal-only"]) == 3  # paired runs only
+    with pytest.raises(ValueError):
+        summarize([{}])
+
+
+def test_the_printed_summary_fits_100_columns_and_defines_its_columns():
+    console = Console(width=100, record=True)
+    render_summary(summarize(RUNS), console)
+    text = console.export_text()
+    assert all(len(line.rstrip()) <= 100 for line in text.splitlines())
+    gpu = next(line for line in text.splitlines() if line.startswith("│ active GPU·s"))
+    assert "136.0 (127.0–149.0)" in gpu
+    versus = next(line for line in text.splitlines() if line.startswith("│ SLO violation rate")
+                  and "pp" in line)
+    assert "+1.6 pp (-2.7 … +4.7)" in versus
+    assert "horizontal-only / dilu  the mean of horizontal-only's figure" in text
+    one = Console(width=100, record=True)
+    render_summary(summarize(RUNS[:1]), one)  # one run: values, no ranges
+    assert "│ active GPU·s" in one.export_text() and "(127.0–" not in one.export_text()
+
+
+def test_read_runs_takes_compare_sim_and_demo_files_and_names_a_bad_one(tmp_path):
+    compare = tmp_path / "cmp.json"
+    compare.write_text(json.dumps({"policies": {p: r.to_dict() for p, r in RUNS[0].items()}, "sim": {}}))
+    assert list(read_runs(compare)) == ["dilu", "horizontal-only"]
+    demo = tmp_path / "demo.json"
+    demo.write_text(json.dumps(RUNS[1]["horizontal-only"].to_dict()))
+    assert list(read_runs(demo)) == ["horizontal-only"]  # named by its run.policy
+    for bad, why in (("{not json", "not a dilu compare"), ('{"policies": {"x": {"totals": 1}}}', "not a dilu compare")):
+        path = tmp_path / "bad.json"
+        path.write_text(bad)
+        with pytest.raises(ValueError, match=f"{path}: {why}"):
+            read_runs(path)
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    with pytest.raises(ValueError, match="cannot read it"):
+        read_runs(fifo)  # refused, never waited on
+
+
+def test_the_command_writes_json_and_refuses_a_bad_file_in_one_line(tmp_path):
+    paths = []
+    for i, run in enumerate(RUNS):
+        p = tmp_path / f"s1-{i}.json"
+        p.write_text(json.dumps({"policies": {k: r.to_dict() for k, r in run.items()}}))
+        paths.append(str(p))
+    dilu = [sys.executable, "-m", "dilu.cli.main", "summarize"]
+    out = subprocess.run([*dilu, *paths, "--json", str(tmp_path / "sum.json")], capture_output=True, text=True,
+                         timeout=60, env={**os.environ, "COLUMNS": "100"})
+    assert out.returncode == 0, out.stderr
+    js = json.loads((tmp_path / "sum.json").read_text())
+    assert js["runs"] == {"dilu": 3, "horizontal-only": 3}
+    assert js["policies"]["dilu"]["active GPU·s"]["values"] == [127.0, 149.0, 132.0]
+    assert js["versus"]["horizontal-only / dilu"]["active GPU·s"]["of_means"] == pytest.approx(422 / 408)
+    (tmp_path / "junk.json").write_text("[1, 2]")
+    bad = subprocess.run([*dilu, paths[0], str(tmp_path / "junk.json")], capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and "junk.json: not a dilu compare, sim or demo report" in bad.stderr
+    assert len(bad.stderr.strip().splitlines()) == 1 and "Traceback" not in bad.stderr
