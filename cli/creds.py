@@ -21,7 +21,7 @@ import nkeys
 
 from dilu.contracts import subjects
 from dilu.services.common import files
-from dilu.services.common.cliopts import NonEmptyPath, check_name, default_node
+from dilu.services.common.cliopts import NonEmptyPath, check_name, default_node, writable_dir
 from dilu.services.common.natsconn import CREDS_MAX_BYTES, inbox_line
 from dilu.services.common.permissions import NODE_SCOPED, ROLES, permissions, render_authorization
 
@@ -175,7 +175,7 @@ def _nodes(ctx, param, value: str | None) -> list[str]:
 
 @click.command("creds")
 @click.option("--out", "out", type=NonEmptyPath(path_type=Path, file_okay=False), required=True,
-              help="directory for creds/<role>.creds and nats-auth.conf")
+              callback=writable_dir, help="directory for creds/<role>.creds and nats-auth.conf")
 @click.option("--nodes", callback=_nodes, default=None, show_default="host name",
               help="node names, comma-separated (node agents and vertical scalers get one user per node)")
 @click.option("--callers", callback=_nodes, default=None,

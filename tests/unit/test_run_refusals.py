@@ -63,6 +63,11 @@ def test_a_folder_option_naming_a_device_is_refused_as_not_a_folder(args):
     assert "/dev/null is not a folder" in one_line_error(CliRunner().invoke(main, args), 2)
 
 
+@pytest.mark.parametrize("args", [["creds", "--out", "/proc/nope"], ["sim", "--plots", "/proc/nope"]])
+def test_a_folder_option_that_cannot_be_made_is_refused_as_bad_input(args):
+    assert "cannot write into /proc/nope" in one_line_error(CliRunner().invoke(main, args), 2)
+
+
 def _stub_run(monkeypatch):
     """Replace dilu chaos's run by one that only schedules the faults as the run would (from the
     run's own length and margins) and stops there, so a command that passes its checks starts nothing."""
