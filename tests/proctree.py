@@ -2,6 +2,7 @@
 import os
 import subprocess
 import threading
+from pathlib import Path
 
 
 def children_of(pid: int) -> list[int]:
@@ -20,16 +21,18 @@ def tree(pid: int) -> set[int]:
     return seen
 
 
+def running(pid: int) -> bool:
+    """Whether ``pid`` runs: a zombie (exited, not yet reaped by a parent that may itself be
+    gone) runs nothing."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False
+
+
 def alive(pids) -> list[int]:
-    """Those of ``pids`` still running."""
-    out = []
-    for p in pids:
-        try:
-            os.kill(p, 0)
-            out.append(p)
-        except ProcessLookupError:
-            pass
-    return out
+    """Those of ``pids`` still running (see :func:`running`)."""
+    return [p for p in pids if running(p)]
 
 
 class OutputLines:

@@ -16,9 +16,10 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+from ports import ports_outside_ephemeral_range
+from proctree import alive, tree
 
 from dilu.services.common.natsserver import free_ports
-from ports import ports_outside_ephemeral_range
 
 from dilu.cli.cluster import STOP_STAGES, STOP_TIMEOUT_S
 
@@ -39,35 +40,6 @@ def status(url: str) -> int:
         return exc.code
     except OSError:
         return 0
-
-
-def alive(pids) -> list[int]:
-    out = []
-    for pid in pids:
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            continue
-        # a zombie (exited, not yet reaped by a parent that is itself gone) runs nothing
-        try:
-            if Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z":
-                continue
-        except OSError:
-            continue
-        out.append(pid)
-    return out
-
-
-def tree(pid: int) -> set[int]:
-    """Every descendant of ``pid`` now (services, instances, nats-server)."""
-    seen, todo = set(), [pid]
-    while todo:
-        out = subprocess.run(["pgrep", "-P", str(todo.pop())], capture_output=True, text=True).stdout.split()
-        for child in map(int, out):
-            if child not in seen:
-                seen.add(child)
-                todo.append(child)
-    return seen
 
 
 class Up:

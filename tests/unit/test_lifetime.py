@@ -6,9 +6,9 @@ import subprocess
 import sys
 import textwrap
 import time
-from pathlib import Path
 
 import pytest
+from proctree import running
 
 from dilu.services.common.lifetime import ORPHANED_EXIT, tied_to_caller
 
@@ -20,14 +20,6 @@ LAUNCHER = textwrap.dedent("""
     print(child.pid, flush=True)
     os.kill(os.getpid(), signal.SIGKILL)
 """)
-
-
-def running(pid: int) -> bool:
-    """Whether ``pid`` runs (a zombie nobody reaps does not)."""
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except (OSError, IndexError):
-        return False
 
 
 def orphan_of_killed_launcher(mode: str) -> int:
