@@ -21,6 +21,8 @@ import urllib.request
 
 import pytest
 
+from ports import ports_outside_ephemeral_range
+
 from dilu.services.common.natsserver import EmbeddedNats, free_ports
 from dilu.services.common.runner import serve
 
@@ -82,7 +84,9 @@ def status(port: int, path: str) -> int:
 
 def test_ready_after_readyz_watchdog_throughout_stopping_on_sigterm(tmp_path):
     systemd = FakeSystemd()
-    nats_port, metrics_port = free_ports(2)
+    # NATS starts seconds later on its port: one outside the ephemeral range, which no other
+    # test's free_port nor any outgoing connection can take meanwhile (tests/ports.py)
+    (nats_port,), (metrics_port,) = ports_outside_ephemeral_range(1), free_ports(1)
     env = {**os.environ, "NOTIFY_SOCKET": systemd.path, "WATCHDOG_USEC": str(WATCHDOG_USEC),
            "DILU_METRICS_HOST": "127.0.0.1"}
     log = open(tmp_path / "scheduler.log", "wb")
