@@ -103,9 +103,11 @@ class KvFollower:
             except asyncio.CancelledError:
                 raise
             except Exception as exc:  # the watch broke, or could not begin: try again shortly
+                await self._unwatch()
+                if self.nc.is_closed:  # closed for good (a command's client): nothing to watch again
+                    return
                 self.log.warning("watching a bucket failed; watching again", bucket=self.what,
                                  error=f"{type(exc).__name__}: {exc}")
-                await self._unwatch()
                 await asyncio.sleep(self.retry_s)
             await self._unwatch()
 

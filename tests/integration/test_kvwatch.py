@@ -8,6 +8,7 @@ import asyncio
 import time
 
 import nats
+import nats.errors
 import pytest
 from nats.js.api import KeyValueConfig
 from structlog.testing import capture_logs
@@ -113,3 +114,42 @@ async def test_stop_lets_the_entry_in_hand_finish_and_hands_on_no_later_one(nats
     await asyncio.sleep(0.3)
     assert finished == ["slow"]
     await nc.close()
+
+
+async def test_a_closed_connection_ends_the_follower_without_retrying():
+    """A command's client does not reconnect: once its connection is closed, a watch that ended
+    is not tried again (and again, a warning a second)."""
+    class Closed:  # the connection, closed after the first watch
+        stats = {"reconnects": 0}
+        is_closed = False
+
+    class Watcher:  # ends at once, as a stopped watch does
+        def __aiter__(self):
+            return self
+
+        async def __anext__(self):
+            raise StopAsyncIteration
+
+        async def stop(self):
+            pass
+
+    class Bucket:
+        calls = 0
+
+        async def watchall(self):
+            Bucket.calls += 1
+            if Closed.is_closed:
+                raise nats.errors.ConnectionClosedError
+            Closed.is_closed = True
+            return Watcher()
+
+    async def on_entry(entry) -> None:
+        pass
+
+    follower = KvFollower(Closed(), Bucket(), on_entry, log=dlog.get("test"), what=BUCKET, retry_s=0.01)
+    with capture_logs() as logs:
+        await follower.start()
+        await _until(lambda: not follower.following, "the follower ended", 5)
+    assert Bucket.calls == 2 and follower.watches == 1  # one more try, which found it closed
+    assert not [e for e in logs if e["event"].startswith("watching a bucket failed")]
+    await follower.stop()
