@@ -184,7 +184,7 @@ class NodeAgent:
         self.bus: Bus | None = None
         self.log = dlog.get(self.name).bind(node=node)
         self._tasks: list[asyncio.Task] = []
-        self._draining: set[asyncio.Task] = set()  # retirements the scheduler asked for, in progress
+        self._draining: set[asyncio.Task] = set()  # retirements the placement table asked for, in progress
         self._placements_watch: KvFollower | None = None
         self._stopping = False
         self._trial = None
@@ -247,7 +247,7 @@ class NodeAgent:
         if self._placements_watch is not None:  # the placement in hand is applied, no later one
             await self._placements_watch.stop()
         await asyncio.gather(*(self._end_parked(i) if i.state == "parked" else self._retire(i, "node stopping")
-                               for i in list(self.instances.values())), return_exceptions=True)
+                               for i in list(self.instances.values())), *self._draining, return_exceptions=True)
         for t in self._tasks:
             t.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
@@ -333,7 +333,7 @@ class NodeAgent:
             self._forget(entry.key)  # also when it runs nowhere now (crashed, awaiting relaunch)
             inst = self.instances.get(entry.key)
             if inst is not None:
-                await self._retire(inst, "placement removed")
+                self._retire_soon(inst, "placement removed")
             return
         try:
             placement = decode(entry.value, ev.Placement)
@@ -353,9 +353,7 @@ class NodeAgent:
             return
         if placement.draining:
             if inst is not None:
-                task = asyncio.create_task(self._retire(inst, "drained by scheduler"))
-                self._draining.add(task)  # held while it runs (the loop keeps only weak references)
-                task.add_done_callback(self._draining.discard)
+                self._retire_soon(inst, "drained by scheduler")
             elif not self._stopping:  # nothing runs it (it crashed, or ended before): say so, the scheduler frees it
                 await self._publish_instance("retired", ev.InstanceRetired(
                     instance_id=placement.instance_id, function=placement.function, node=self.node,
@@ -371,6 +369,14 @@ class NodeAgent:
                                  gpu=placement.gpu, reason=self.gpus[placement.gpu].reason)
                 return
             await self._launch(placement)
+
+    def _retire_soon(self, inst: ManagedInstance, reason: str) -> None:
+        """Retire ``inst`` in a task of its own: a drain takes up to ``DRAIN_TIMEOUT_S``, and the
+        placement entries after this one (launches among them) must not wait for it. :meth:`stop`
+        waits for these tasks."""
+        task = asyncio.create_task(self._retire(inst, reason))
+        self._draining.add(task)  # held while it runs (the loop keeps only weak references)
+        task.add_done_callback(self._draining.discard)
 
     def _follow_park(self, inst: ManagedInstance, p: ev.Placement) -> None:
         """The table parked or resumed ``inst``: signal its process (SIGUSR1 park, SIGUSR2

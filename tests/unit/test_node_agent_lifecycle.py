@@ -118,3 +118,32 @@ async def test_the_puller_answers_a_result_that_is_not_bytes_with_an_error():
     (subject, data, headers), = sent
     assert subject == "inbox" and data == b"" and acked == [True]
     assert headers[subjects.H_STATUS] == "error" and "str for request r1; expected bytes" in headers[subjects.H_ERROR]
+
+
+async def test_a_removed_placement_drains_beside_the_entries_after_it(agent):
+    """Deleting a placement drains its instance (up to DRAIN_TIMEOUT_S); the table's next entries,
+    a launch among them, are applied meanwhile, and stop waits for the drain."""
+    from types import SimpleNamespace
+
+    from dilu.contracts import encode
+    from dilu.services.node_agent import devices
+
+    released, drained = asyncio.Event(), []
+
+    async def slow_retire(inst, reason):
+        await released.wait()
+        drained.append((inst.placement.instance_id, reason))
+
+    agent._retire = slow_retire
+    agent.gpus = [devices.Gpu(0, "GPU-0", "emulated", 40 << 30, 108)]
+    managed(agent, placement("old"), "ready")
+    await asyncio.wait_for(agent._on_entry(SimpleNamespace(key="old", operation="DEL", value=b"")), 1)
+    new = placement("new")
+    await asyncio.wait_for(agent._on_entry(SimpleNamespace(key="new", operation=None, value=encode(new))), 1)
+    assert agent.launched == [new] and drained == []  # launched while the old one drains
+    stopping = asyncio.create_task(agent.stop())
+    await asyncio.sleep(0.05)
+    assert not stopping.done()  # stop waits for the drain in progress
+    released.set()
+    await asyncio.wait_for(stopping, 5)
+    assert ("old", "placement removed") in drained
