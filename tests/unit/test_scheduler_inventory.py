@@ -366,14 +366,18 @@ class MembershipMachine(RuleBasedStateMachine):
     @precondition(lambda self: self.c.parked)
     @rule(data=st.data())
     def resume(self, data):
-        """Back on its own GPU when it fits there (its own context counted once), else its process
-        ends (a relaunch elsewhere is an ordinary placement)."""
+        """Back on its own GPU when it fits there (its own context counted once, and exempt from
+        the rigid rule: Cluster.fits), else its process ends (a relaunch elsewhere is an ordinary
+        placement)."""
         iid = data.draw(st.sampled_from(sorted(self.c.parked)))
         d, g = self.demands.pop(iid), self.c.parked[iid]
         slot = self.c.resume_target(d, self.c.slot(g), iid)
         assert self.c.unpark(iid) == self.c.slot(g) and iid not in self.c.parked
         if slot is not None:
-            self.c.assign(iid, d, [slot])  # check=True: raises if resume_target let it over-pack
+            # check=False as the scheduler's _resume does: assign's check knows no parked_id, so it
+            # would apply the rigid rule the instance coming back is exempt from; caps_hold checks
+            # that resume_target let nothing over-pack (Σ request, Σ limit ≤ γ, memory, clients)
+            self.c.assign(iid, d, [slot], check=False)
 
     @precondition(lambda self: self.c.instances)
     @rule()
@@ -399,3 +403,28 @@ class MembershipMachine(RuleBasedStateMachine):
 
 TestMembershipMachine = MembershipMachine.TestCase
 TestMembershipMachine.settings = settings(max_examples=300, stateful_step_count=40, deadline=None)
+
+
+class _Draws:
+    """Stands in for hypothesis' ``st.data()``: hands out the given values in order."""
+
+    def __init__(self, *values):
+        self.values = list(values)
+
+    def draw(self, strategy, label=None):
+        return self.values.pop(0)
+
+
+def test_the_machine_resumes_a_rigid_instance_beside_widths_a_new_one_may_not_join():
+    """Steps the machine once found (rarely): a rigid instance parked, a wider one placed on the
+    GPU it left, then its resume there, exempt from the rigid rule (Σ limits 1.5 > 1) as the
+    scheduler's _resume and the simulator let it be; the machine's own resume rule refused it."""
+    m = MembershipMachine()
+    m.join(caps=[GpuCapacity(memory_bytes=16 * GiB, max_instances=0, healthy=True)])
+    m.place(d=Demand(function="a", request_quota=0.5, limit_quota=0.5, memory_bytes=0))  # i1, rigid
+    m.park(data=_Draws("i1"))  # its GPU holds only i1's parked process: empty, open
+    m.place(d=Demand(function="a", request_quota=0.5, limit_quota=1.0, memory_bytes=0))  # i2 takes it
+    m.resume(data=_Draws("i1"))
+    m.caps_hold()
+    assert set(m.c.instances) == {"i1", "i2"}
+    m.teardown()
