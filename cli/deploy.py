@@ -222,6 +222,7 @@ _MECHANISM_COUNTERS: dict[str, tuple[str, str, dict[str, str] | None]] = {
     "scale_to_zero": ("horizontal_scaler", "dilu_scale_to_zero", None),
     "parks": ("horizontal_scaler", "dilu_parks", None),
     "resumes": ("horizontal_scaler", "dilu_resumes", {"outcome": "resumed"}),
+    "migrations": ("scheduler", "dilu_scheduler_migrations", None),
 }
 
 
@@ -232,7 +233,7 @@ def cluster_counters(cluster: Cluster) -> dict:
     two of them into the figures of the span between."""
     node = cluster.metrics("node_agent")
     scraped = {"node_agent": node, "profiler": cluster.metrics("profiler"),
-               "horizontal_scaler": cluster.metrics("horizontal_scaler")}
+               "horizontal_scaler": cluster.metrics("horizontal_scaler"), "scheduler": cluster.metrics("scheduler")}
     return {
         "gpu": {name: _sum(node, name) for name in _GPU_COUNTERS},
         "quota_seconds": _by_label(node, "dilu_quota_seconds", "function"),

@@ -115,7 +115,9 @@ class Mechanism(msgspec.Struct, kw_only=True):
     copied back: the live scaler's ``dilu_resumes_total{outcome="resumed"}`` over every
     ``function``; a resume that
     found that GPU full and relaunched the instance elsewhere is a launch, counted in
-    ``scale_outs`` instead, and a refused one in neither); ``vertical_reaction_ms_p50``/``_p99``: stretch
+    ``scale_outs`` instead, and a refused one in neither); ``migrations`` (instances the
+    scheduler's defragmentation moved: each relaunched on a fuller GPU, the old one drained once
+    it is ready; the live scheduler's ``dilu_scheduler_migrations_total``); ``vertical_reaction_ms_p50``/``_p99``: stretch
     detected -> grant in the control block, ms (None where it is not measured: ``dilu sim``
     does not model the reaction, its grants take effect at the next vertical tick)."""
 
@@ -127,6 +129,7 @@ class Mechanism(msgspec.Struct, kw_only=True):
     scale_to_zero: int = 0
     parks: int = 0
     resumes: int = 0
+    migrations: int = 0
     vertical_reaction_ms_p50: float | None = 0.0
     vertical_reaction_ms_p99: float | None = 0.0
 
@@ -516,6 +519,8 @@ LEGEND: dict[str, str] = {
     "parks": "instances parked: GPU share freed, weights moved to host memory (their CUDA context stays)",
     "resumes": "parked instances brought back on the GPU they left (weights copied back); one relaunched "
                "elsewhere because that GPU was full counts as a scale-out instead",
+    "migrations": "instances moved by defragmentation: each relaunched on a fuller GPU, the old one "
+                  "drained once the new one is ready",
     "reaction p50/p99 ms": "vertical scaling's reaction, stretch detected -> new grant in force, ms "
                            "(– when no grant changed, and in dilu sim, which does not model it)",
     "iterations": "training iterations done during the replay",
@@ -600,7 +605,7 @@ _FIGURE_COLUMNS = [
 _TOKEN_COLUMNS = ["TTFT p50 ms", "TTFT p99 ms", "TPOT p50 ms", "TPOT p99 ms", "token SLO viol."]
 _GPU_ROWS = ["active GPU·s", "alloc. frag.", "idle frag.", "profiler trials", "grant changes",
              "token wait ms", "scale-outs", "retirements", "scale to zero", "parks", "resumes",
-             "reaction p50/p99 ms"]
+             "migrations", "reaction p50/p99 ms"]
 
 
 def _cell_len(cell: str) -> int:
@@ -719,7 +724,8 @@ def render(report: Report, console: Console) -> None:
     values = [
         f"{t.active_gpu_seconds:,.1f}", _pct(t.allocation_fragmentation), _pct(t.idle_fragmentation),
         f"{m.profiler_trials:,}", f"{m.grant_changes:,}", f"{m.token_wait_ms:,.1f}", f"{m.scale_outs:,}",
-        f"{m.retirements:,}", f"{m.scale_to_zero:,}", f"{m.parks:,}", f"{m.resumes:,}", _reaction(m),
+        f"{m.retirements:,}", f"{m.scale_to_zero:,}", f"{m.parks:,}", f"{m.resumes:,}", f"{m.migrations:,}",
+        _reaction(m),
     ]
     gpu = Table(title="GPUs and mechanism")
     gpu.add_column("figure", no_wrap=True)
@@ -792,6 +798,7 @@ _COMPARE_ROWS: list[tuple[str, object, object, str | None]] = [
     ("scale to zero", lambda r: r.mechanism.scale_to_zero, "{:,}", None),
     ("parks", lambda r: r.mechanism.parks, "{:,}", None),
     ("resumes", lambda r: r.mechanism.resumes, "{:,}", None),
+    ("migrations", lambda r: r.mechanism.migrations, "{:,}", None),
     ("vertical reaction p99 ms",
      lambda r: r.mechanism.vertical_reaction_ms_p99 if r.mechanism.grant_changes else None, "{:,.1f}", None),
     ("wall s", lambda r: r.run.wall_s, "{:,.1f}", None),

@@ -659,6 +659,7 @@ class Simulation:
             new.replaces = old.iid
             self.horizontal.instance_migrating(old.fn.name, new.iid, old.iid, now / 1000.0)
             self.facts.migrations += 1
+            self.mech.migrations += 1
         nxt = now + self.defrag_every
         if nxt <= self.end:
             self.loop.at(nxt, self._defrag_tick)

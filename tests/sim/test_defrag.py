@@ -62,6 +62,7 @@ def test_defragmentation_frees_gpu_seconds_without_cold_starts():
     # ... counted as a launch, not as a scale-out (the scheduler's, not the horizontal scaler's)
     for rep, f in ((kept, kept_facts), (moved, facts)):
         assert rep.totals.instance_launches == rep.mechanism.scale_outs + f.migrations + len(rep.training)
+        assert rep.mechanism.migrations == f.migrations  # the report's row, as a live run scrapes it
 
 
 def test_with_parking_a_migrating_instance_is_never_parked_and_the_state_stays_whole():

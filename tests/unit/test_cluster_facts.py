@@ -26,6 +26,7 @@ class Scraped:
                 "dilu_vertical_reaction_ms{quantile=0.99}": 7.0,
             },
             "profiler": {"dilu_profiler_trials_total": trials},
+            "scheduler": {"dilu_scheduler_migrations_total": 7},
             "horizontal_scaler": {
                 "dilu_scale_outs_total{function=f}": 3,
                 "dilu_parks_total{function=f}": 4, "dilu_parks_total{function=g}": 1,
@@ -62,3 +63,4 @@ def test_parks_count_every_instance_and_resumes_only_those_back_on_their_gpu():
     cluster.set(active=1.0, alloc=0.0, idle=0.0, quota=0.0, launches=1, trials=0)
     mechanism = cluster_facts(cluster)["mechanism"]
     assert (mechanism["parks"], mechanism["resumes"], mechanism["scale_outs"]) == (5, 2, 3)
+    assert mechanism["migrations"] == 7  # the scheduler's defragmentation moves

@@ -84,7 +84,7 @@ def test_json_has_the_specified_shape_and_round_trips(tmp_path):
     assert set(d["functions"][0]) == keys | {"name", "model", "slo_ms"}
     assert set(d["totals"]["latency_ms"]) == {"p50", "p99", "p999"}
     assert set(d["mechanism"]) == {"profiler_trials", "grant_changes", "token_wait_ms", "scale_outs", "retirements",
-                                   "scale_to_zero", "parks", "resumes", "vertical_reaction_ms_p50",
+                                   "scale_to_zero", "parks", "resumes", "migrations", "vertical_reaction_ms_p50",
                                    "vertical_reaction_ms_p99"}
     assert (d["mechanism"]["parks"], d["mechanism"]["resumes"]) == (5, 3)
     path = tmp_path / "r.json"
