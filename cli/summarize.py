@@ -4,10 +4,25 @@ each policy against the first by the ratio of the means with its range run by ru
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import click
 
 from dilu.services.common.cliopts import flag_envvar, writable_output, write_output
+
+
+def _distinct(run_files, json_path) -> None:
+    """Raise ValueError for a file given twice (it would count as two runs) or one that --json
+    would overwrite with the summary."""
+    seen: dict[Path, str] = {}
+    for path in run_files:
+        real = Path(path).resolve()
+        if real in seen:
+            also = "" if seen[real] == path else f" (as {seen[real]})"
+            raise ValueError(f"{path} is given twice{also}: each run counts once")
+        seen[real] = path
+    if json_path and Path(json_path).resolve() in seen:
+        raise ValueError(f"--json {json_path} is one of the runs: the summary would overwrite it")
 
 
 @click.command("summarize")
@@ -22,17 +37,20 @@ def summarize(run_files, json_path) -> None:
     figure's mean over the runs with the lowest and highest run; per policy after the first,
     the ratio of its mean to the first's (for a rate, the difference in percentage points) with
     the lowest and highest of that comparison run by run. One live run is one sample; read a
-    direction from the means and how often the runs agree."""
+    direction from the means and how often the runs agree. Runs of other spans (trace, start
+    minute, seed, duration, speed-up, functions) are refused, and so is a file given twice."""
     from dilu.cli.demo import make_console
     from dilu.loadgen import summary
 
     try:
-        runs = [summary.read_runs(path) for path in run_files]
-        result = summary.summarize(runs)
+        _distinct(run_files, json_path)
+        runs = [(path, summary.read_runs(path)) for path in run_files]
+        summary.check_comparable(runs)
+        result = summary.summarize([reports for _, reports in runs])
     except ValueError as exc:
         raise click.BadParameter(str(exc), param_hint="RUN_FILES") from None
     console = make_console()
     summary.render_summary(result, console)
     if json_path:
-        write_output(json_path, json.dumps(result.to_dict(), indent=2))
+        write_output(json_path, json.dumps({"files": list(run_files), **result.to_dict()}, indent=2))
         console.print(f"summary written to {json_path}")

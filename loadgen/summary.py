@@ -65,10 +65,12 @@ class Row:
 
 @dataclass(frozen=True)
 class Summary:
-    """``policies`` in the order they first appear; ``runs`` per policy; ``rows`` one per figure."""
+    """``policies`` in the order they first appear; ``runs`` per policy; ``paired`` per policy
+    after the first, the runs that have it and the first; ``rows`` one per figure."""
 
     policies: list[str]
     runs: dict[str, int]
+    paired: dict[str, int]
     rows: list[Row]
 
     def to_dict(self) -> dict:
@@ -122,7 +124,28 @@ def summarize(runs: Sequence[Mapping[str, Report]]) -> Summary:
             pairs = (_compare(get(run[first]), get(run[p]), rate) for run in runs if first in run and p in run)
             per_run[p] = tuple(v for v in pairs if v is not None)
         rows.append(Row(label, rate, fmt, spreads, of_means, per_run))
-    return Summary(policies, {p: sum(p in run for run in runs) for p in policies}, rows)
+    return Summary(policies, {p: sum(p in run for run in runs) for p in policies},
+                   {p: sum(first in run and p in run for run in runs) for p in policies[1:]}, rows)
+
+
+_SAME = (("trace", "trace"), ("start_minute", "start minute"), ("seed", "seed"), ("duration_s", "duration"),
+         ("speedup", "speed-up"), ("functions", "functions"))  # what makes runs of one comparison
+
+
+def check_comparable(runs: Sequence[tuple[str, Mapping[str, Report]]]) -> None:
+    """Raise ValueError, naming the figure and two of the files, unless every report of
+    ``runs`` (``(file name, its reports)``) replays the same span: trace, start minute, seed,
+    duration (to 0.1 s), speed-up and functions. Averaging runs of other seeds or spans would
+    mix different workloads into one mean."""
+    first: dict[str, tuple[str, object]] = {}
+    for name, reports in runs:
+        for report in reports.values():
+            for field, what in _SAME:
+                value = getattr(report.run, field)
+                value = round(value, 1) if isinstance(value, float) else value
+                seen = first.setdefault(field, (name, value))
+                if seen[1] != value:
+                    raise ValueError(f"not runs of one comparison: {what} {seen[1]} in {seen[0]}, {value} in {name}")
 
 
 def read_runs(path: str | Path) -> dict[str, Report]:
@@ -163,13 +186,21 @@ def _cell(s: Spread | None, fmt) -> str:
     return f"{_show(s.mean, fmt)} ({_bare(_show(s.low, fmt))}–{_bare(_show(s.high, fmt))})"
 
 
-def _versus_cell(of_means: float | None, per_run: tuple[float, ...], rate: bool) -> str:
+def _versus_cell(of_means: float | None, per_run: tuple[float, ...], rate: bool, paired: int) -> str:
+    """The comparison of the means, then its range over the ``paired`` runs that have both
+    policies (those where it is defined, when fewer)."""
     if of_means is None:
         return "–"
     mean = f"{of_means:+.1f} pp" if rate else f"{of_means:.2f}x"
+    bound = "{:+.1f}" if rate else "{:.2f}"
+    if not per_run:
+        return mean
+    if len(per_run) < paired:  # the others have no ratio (the first's figure was 0 there)
+        span = bound.format(min(per_run)) if min(per_run) == max(per_run) else \
+            f"{bound.format(min(per_run))} … {bound.format(max(per_run))}"
+        return f"{mean} ({span}; {len(per_run)} of {paired} runs)"
     if len(per_run) < 2 or min(per_run) == max(per_run):
         return mean
-    bound = "{:+.1f}" if rate else "{:.2f}"
     return f"{mean} ({bound.format(min(per_run))} … {bound.format(max(per_run))})"
 
 
@@ -183,8 +214,12 @@ def render_summary(summary: Summary, console: Console) -> None:
     rows = []
     for row in summary.rows:
         cells = [_cell(row.spreads[p], row.fmt) for p in names]
-        cells += [_versus_cell(row.of_means[p], row.per_run[p], row.rate) for p in names[1:]]
+        cells += [_versus_cell(row.of_means[p], row.per_run[p], row.rate, summary.paired[p]) for p in names[1:]]
         rows.append(([row.label, *cells], {}))
+    key = max(rp._cell_len(cells[0]) for cells, _ in rows)
+    if any(key + rp._cell_len(c) + 7 > console.width for cells, _ in rows for c in cells[1:]):
+        # too narrow for a figure and one cell side by side: each range goes under its mean
+        rows = [([cells[0], *(c.replace(" (", "\n(", 1) for c in cells[1:])], kw) for cells, kw in rows]
     for table in rp.fitted_tables(SUMMARY_TITLE, headers, rows, console.width):
         console.print(table)
     runs = ", ".join(f"{p} {n}" for p, n in summary.runs.items())

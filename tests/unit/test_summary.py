@@ -13,7 +13,7 @@ from rich.console import Console
 
 from dilu.loadgen.generator import Record
 from dilu.loadgen.report import FunctionFacts, FunctionMeta, Mechanism, Report, RunFacts, RunInfo, build_report
-from dilu.loadgen.summary import Spread, read_runs, render_summary, summarize
+from dilu.loadgen.summary import Spread, check_comparable, read_runs, render_summary, summarize
 
 MS = 1_000_000
 
@@ -119,7 +119,38 @@ def test_the_command_writes_json_and_refuses_a_bad_file_in_one_line(tmp_path):
     assert js["runs"] == {"dilu": 3, "horizontal-only": 3}
     assert js["policies"]["dilu"]["active GPU·s"]["values"] == [127.0, 149.0, 132.0]
     assert js["versus"]["horizontal-only / dilu"]["active GPU·s"]["of_means"] == pytest.approx(422 / 408)
+    assert js["files"] == paths
+    for args, why in (([paths[0], paths[0]], "is given twice"), ([*paths, "--json", paths[1]], "would overwrite it")):
+        out = subprocess.run([*dilu, *args], capture_output=True, text=True, timeout=60)
+        assert out.returncode == 2 and why in out.stderr, out.stderr
+    assert json.loads(open(paths[1]).read())["policies"]  # not overwritten
     (tmp_path / "junk.json").write_text("[1, 2]")
     bad = subprocess.run([*dilu, paths[0], str(tmp_path / "junk.json")], capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2 and "junk.json: not a dilu compare, sim or demo report" in bad.stderr
     assert len(bad.stderr.strip().splitlines()) == 1 and "Traceback" not in bad.stderr
+
+
+def test_runs_of_other_spans_are_refused_naming_the_files():
+    other = {p: Report.from_dict({**r.to_dict(), "run": {**r.to_dict()["run"], "seed": 2}}) for p, r in RUNS[1].items()}
+    check_comparable([("a.json", RUNS[0]), ("b.json", RUNS[1])])
+    with pytest.raises(ValueError, match="seed 0 in a.json, 2 in b.json"):
+        check_comparable([("a.json", RUNS[0]), ("b.json", other)])
+
+
+def test_a_comparison_defined_in_some_runs_only_says_how_many():
+    runs = [pair(0.1, 0, 100.0, 0.1, 5, 100.0), pair(0.1, 2, 100.0, 0.1, 6, 100.0),
+            pair(0.1, 4, 100.0, 0.1, 8, 100.0)]  # dilu's cold starts are 0 in the first: no ratio there
+    console = Console(width=100, record=True)
+    render_summary(summarize(runs), console)
+    line = next(x for x in console.export_text().splitlines() if x.startswith("│ cold-start requests"))
+    assert "3.17x (2.00 … 3.00; 2 of 3 runs)" in line
+
+
+def test_a_narrow_console_puts_each_range_under_its_mean():
+    console = Console(width=44, record=True)
+    render_summary(summarize(RUNS), console)
+    text = console.export_text()
+    assert all(len(line.rstrip()) <= 44 for line in text.splitlines())
+    lines = text.splitlines()
+    at = next(i for i, x in enumerate(lines) if x.startswith("│ active GPU·s"))
+    assert "136.0" in lines[at] and "(127.0–149.0)" in lines[at + 1]  # nothing cut
