@@ -29,11 +29,11 @@ def _distinct(run_files, json_path) -> None:
 @click.argument("run_files", nargs=-1, required=True, type=click.Path(dir_okay=False))
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None, callback=writable_output,
               envvar=flag_envvar("--json"), show_envvar=True,
-              help='also write the summary as JSON: {"runs", "policies": {P: {figure: {mean, min, max, '
+              help='also write the summary as JSON: {"files", "runs", "policies": {P: {figure: {mean, min, max, '
                    'values}}}, "versus": {"P / FIRST": {figure: {of_means, per_run}}}}')
 def summarize(run_files, json_path) -> None:
     """Summarise RUN_FILES, each written by dilu compare --json, dilu sim --json or dilu demo
-    --json (runs of the same comparison: same trace, seed and duration): per policy, each
+    --json (runs of the same comparison): per policy, each
     figure's mean over the runs with the lowest and highest run; per policy after the first,
     the ratio of its mean to the first's (for a rate, the difference in percentage points) with
     the lowest and highest of that comparison run by run. One live run is one sample; read a

@@ -1,7 +1,7 @@
 """KvFollower against a real nats-server that restarts: a key put after the restart reaches the
 follower within a few seconds (nats-py's own watch found out only after missed idle heartbeats,
-15 to 20 s), a failing handler does not stop the entries after it, and a stop lets the entry in
-hand finish and hands on none after it."""
+15 to 20 s), a failing handler does not stop the entries after it, a stop lets the entry in
+hand finish and hands on none after it, and a closed connection ends the follower."""
 from __future__ import annotations
 
 import asyncio
