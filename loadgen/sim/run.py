@@ -68,7 +68,7 @@ from dilu.services.node_agent.grants import fit_quota
 from dilu.services.profiler.policy import NoFeasibleSetting, cache_key, search_for
 from dilu.services.profiler.surface import SurfaceBackend, model_surface, run_search
 from dilu.services.scheduler.policy import (DEFRAG_GAIN_PER_GPU_S, Cluster, Demand, NoCapacity, Slot, allocation_batch,
-                                           allocation_quotas, migration_cost_gpu_s)
+                                           allocation_quotas, migration_price_gpu_s)
 from dilu.services.vertical_scaler.policy import VerticalConfig, vertical_policy
 
 from .engine import EventLoop
@@ -642,16 +642,20 @@ class Simulation:
         """The scheduler's defragmentation round (its ``defrag_interval_s``): the placement
         policy's :meth:`Cluster.plan_defrag`, priced as the live scheduler prices it, applied as
         relaunch-then-drain. Only ready inference instances move (not one already moving, nor
-        training: its progress would be lost); the old one drains once its replacement is ready."""
+        training: its progress would be lost); the old one drains once its replacement is ready,
+        and until it is gone its GPU, if it holds nothing else, takes no one."""
         now = self.loop.now
         moving = {i.replaces for i in self.instances.values() if i.replaces}
+        leaving = {iid for iid, i in self.instances.items() if i.state == "draining" or iid in moving}
         costs = {}
         for iid in self.cluster.instances:
             inst = self.instances.get(iid)
-            ok = inst is not None and inst.state == "ready" and not inst.training and iid not in moving
-            costs[iid] = (migration_cost_gpu_s(self.cfg.process_start_ms + models.cold_start_ms(inst.fn.model),
-                                               inst.request) if ok else math.inf)
-        for m in self.cluster.plan_defrag(costs, gain_per_gpu_s=DEFRAG_GAIN_PER_GPU_S).migrations:
+            costs[iid] = math.inf if inst is None else migration_price_gpu_s(
+                ready=inst.state == "ready", leaving=iid in leaving, training=inst.training,
+                cold_start_ms=self.cfg.process_start_ms + models.cold_start_ms(inst.fn.model),
+                request_quota=inst.request)
+        plan = self.cluster.plan_defrag(costs, gain_per_gpu_s=DEFRAG_GAIN_PER_GPU_S, leaving=leaving)
+        for m in plan.migrations:
             old = self.instances[m.instance_id]
             new = self._place(old.fn, m.target)
             if new is None:

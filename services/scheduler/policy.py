@@ -51,7 +51,8 @@ from __future__ import annotations
 
 import bisect
 import copy
-from collections.abc import Iterable, Sequence
+import math
+from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass, field
 
 from dilu.services.common.models import PARKED_BYTES
@@ -186,6 +187,18 @@ def migration_cost_gpu_s(cold_start_ms: float, request_quota: float) -> float:
     instance's ``request_quota`` (0..1) is held twice, plus ``MIGRATION_DISRUPTION_S`` at it for
     the drain and warm-up. The live scheduler and the simulator price a move with it."""
     return (cold_start_ms / 1000 + MIGRATION_DISRUPTION_S) * request_quota
+
+
+def migration_price_gpu_s(*, ready: bool, leaving: bool, training: bool, cold_start_ms: float,
+                          request_quota: float) -> float:
+    """What :meth:`Cluster.plan_defrag` is told moving one placed instance costs (GPU-seconds):
+    :func:`migration_cost_gpu_s` for a ready inference instance that is staying; ``inf`` (never
+    moved) for one still starting (it holds no warm state to move yet), ``leaving`` (draining, or
+    already being replaced by a migration in flight) or ``training`` (its progress would be lost).
+    The live scheduler and the simulator both price a round with it."""
+    if not ready or leaving or training:
+        return math.inf
+    return migration_cost_gpu_s(cold_start_ms, request_quota)
 
 
 @dataclass
@@ -809,20 +822,26 @@ class Cluster:
 
     def plan_defrag(
         self, cost_gpu_s: dict[str, float] | None = None, *, gain_per_gpu_s: float = 300.0,
-        default_cost_gpu_s: float = 10.0, max_sources: int = 64,
+        default_cost_gpu_s: float = 10.0, max_sources: int = 64, leaving: Collection[str] = (),
     ) -> DefragPlan:
         """Migrations that free whole GPUs, kept only when the gain outweighs the cost.
 
         Sources are tried from the least loaded GPU up; every instance on a source must fit on
-        another active GPU (never an empty one, never another source); multi-GPU instances are
-        never moved. ``gain_per_gpu_s``: GPU-seconds saved per freed GPU (how long it is expected to
-        stay free, default 300 s). ``cost_gpu_s[instance]``: GPU-seconds a migration costs (e.g. cold
-        start in s × its request quota + a disruption allowance), default ``default_cost_gpu_s``.
-        A source is accepted only if its own gain exceeds its migrations' cost. Pure: the cluster
-        itself is not changed; apply the plan by retiring and placing.
+        another active GPU (never an empty one, never another source, never one being vacated);
+        multi-GPU instances are never moved. ``gain_per_gpu_s``: GPU-seconds saved per freed GPU
+        (how long it is expected to stay free, default 300 s). ``cost_gpu_s[instance]``:
+        GPU-seconds a migration costs (:func:`migration_price_gpu_s`), default
+        ``default_cost_gpu_s``. ``leaving``: instances on their way out (draining, or replaced by a
+        migration in flight) that still hold their share until they are gone; a GPU that holds
+        nothing else is being vacated, so it takes no one: filling it would undo the round that
+        is emptying it and move the newcomers again in the next. A source is accepted only if its
+        own gain exceeds its migrations' cost. Pure: the cluster itself is not changed; apply the
+        plan by retiring and placing.
         """
         costs = cost_gpu_s or {}
         plan = DefragPlan()
+        leaving = set(leaving)
+        vacating = {g for g, s in enumerate(self.gpus) if s.residents and leaving.issuperset(s.residents)}
 
         def cost_of(g: int) -> float:
             return sum(costs.get(i, default_cost_gpu_s) for i in self.gpus[g].residents)
@@ -843,7 +862,7 @@ class Cluster:
             cost = sum(costs.get(i, default_cost_gpu_s) for i, _ in moved)
             if cost >= gain_per_gpu_s:
                 continue
-            moved_to = self._try_move(shadow, g, moved, sources | {g})
+            moved_to = self._try_move(shadow, g, moved, sources | vacating | {g})
             if moved_to is None:
                 continue
             sources.add(g)

@@ -49,7 +49,8 @@ bucket and launch or drain instances; PlacementDecided events are for informatio
   ``dilu_scheduler_parks_total{action}`` counts parks, resumes and relaunches.
 - Defragmentation (``defrag_interval_s`` > 0; the dilu policies set it): every interval, the
   policy's planner proposes migrations that empty whole GPUs, only when the GPU-seconds gained
-  exceed the migrations' cost (:func:`.policy.migration_cost_gpu_s`). Each is applied make before
+  exceed the migrations' cost (:func:`.policy.migration_price_gpu_s`); a GPU whose instances are
+  all leaving (draining, or being replaced) is being vacated and takes no one. Each is applied make before
   break: a new placement on the target with ``replaces`` naming the old instance (PlacementDecided
   ``migrate``), and the old one marked draining when the new one's InstanceReady arrives. If the
   replacement never becomes ready (its node fails), the old instance simply stays. A scheduler
@@ -112,7 +113,7 @@ from ..common.nodes import nodes_bucket
 from ..common.functions import runs_on
 from .inventory import NodeChange, Roster, admission, inventory_age_s, orphans_due
 from .policy import (DEFRAG_GAIN_PER_GPU_S, Cluster, Demand, NoCapacity, Slot, allocation_batch, allocation_quotas,
-                     migration_cost_gpu_s, parked_bytes)
+                     migration_price_gpu_s, parked_bytes)
 
 PLACEMENTS = Counter("dilu_scheduler_placements", "Instances placed", ["function"])
 RETIREMENTS = Counter("dilu_scheduler_retirements", "Instances marked draining", ["function"])
@@ -751,11 +752,12 @@ class SchedulerService:
         async with self.lock:
             await self._settle_migrations(assume_ready=False)
             moving = {p.replaces for p, _ in self.placements.values() if p.replaces and not p.draining}
-            costs = {i: (migration_cost_gpu_s(p.cold_start_ms, p.request_quota)
-                         if not p.draining and not p.parked and i in self.warm and i not in moving
-                         and p.priority != "training" else float("inf"))
+            leaving = {i for i, (p, _) in self.placements.items() if p.draining or i in moving}
+            costs = {i: migration_price_gpu_s(ready=i in self.warm and not p.parked, leaving=i in leaving,
+                                              training=p.priority == "training", cold_start_ms=p.cold_start_ms,
+                                              request_quota=p.request_quota)
                      for i, (p, _) in self.placements.items()}
-            plan = self.cluster.plan_defrag(costs, gain_per_gpu_s=DEFRAG_GAIN_PER_GPU_S)
+            plan = self.cluster.plan_defrag(costs, gain_per_gpu_s=DEFRAG_GAIN_PER_GPU_S, leaving=leaving)
             self.bus.log.debug("defragmentation planned", movable=sum(c != float("inf") for c in costs.values()),
                                placements=len(costs), active_gpus=self.cluster.active, moves=len(plan.migrations))
             moved = 0

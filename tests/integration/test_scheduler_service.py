@@ -182,6 +182,20 @@ async def one_instance_on_each_of_two_gpus(nc, svc) -> list[Placement]:
     return [group[1] for group in by_gpu.values()]
 
 
+def spy_on_plans(svc) -> list[set[str]]:
+    """The ``leaving`` set each later defragmentation round hands the placement policy: its GPUs
+    holding nothing else are being vacated and take no one."""
+    seen: list[set[str]] = []
+    plan = svc.cluster.plan_defrag
+
+    def spy(*args, leaving=(), **kw):
+        seen.append(set(leaving))
+        return plan(*args, leaving=leaving, **kw)
+
+    svc.cluster.plan_defrag = spy
+    return seen
+
+
 async def test_defragmentation_relaunches_then_drains_to_free_a_gpu(nats_url):
     """Make before break: the replacement is placed with ``replaces`` while the old instance
     still serves; only the replacement's InstanceReady drains the old one. Instances that are not
@@ -202,7 +216,9 @@ async def test_defragmentation_relaunches_then_drains_to_free_a_gpu(nats_url):
         (new,) = [p for p in rows.values() if p.replaces]
         assert new.replaces in {p.instance_id for p in kept}
         assert len({(p.node, p.gpu) for p in rows.values()}) == 1 + 1
+        plans = spy_on_plans(svc)
         assert await svc.defragment() == 0, "an instance being replaced is not moved again"
+        assert plans[-1] == {new.replaces}, "the instance being replaced is leaving"
         await ready(nc, new)
         for _ in range(1500):
             rows = await table(js)
@@ -210,6 +226,8 @@ async def test_defragmentation_relaunches_then_drains_to_free_a_gpu(nats_url):
                 break
             await asyncio.sleep(0.02)
         assert rows[new.replaces].draining and not rows[new.instance_id].draining
+        await svc.defragment()
+        assert plans[-1] == {new.replaces}, "a draining instance is leaving until it is retired"
         live = [p for p in rows.values() if not p.draining]
         assert len({(p.node, p.gpu) for p in live}) == 1, "both live instances now share one GPU"
         await retired(nc, rows[new.replaces])

@@ -401,3 +401,36 @@ def test_frees_room_says_whose_removal_lets_a_demand_in():
     assert not t.frees_room("i", inf("train2", r=0.1, kind="training"))
     with pytest.raises(UnknownInstance):
         t.frees_room("nope", want)
+
+
+def test_defrag_never_fills_a_gpu_that_is_being_vacated():
+    """Live, a migration's old instance keeps its share until its drain ends, seconds after the
+    next round can start: its GPU, with nothing else on it, looks like the least loaded active
+    GPU. Filling it would undo the round that is emptying it and move the newcomers again."""
+    c = cluster(1, 4)
+    c.assign("old", inf("a", r=0.1), [Slot("n0", 0)])  # draining: its replacement is ready elsewhere
+    c.assign("b", inf("b", r=0.2), [Slot("n0", 1)])
+    c.assign("c", inf("c", r=0.9), [Slot("n0", 2)])  # full: b fits only beside the old one
+    costs = {"old": float("inf"), "b": 1.0, "c": 1.0}
+    ping = c.plan_defrag(costs, gain_per_gpu_s=300)
+    assert [(m.instance_id, m.target) for m in ping.migrations] == [("b", Slot("n0", 0))], \
+        "without the leaving set, the vacated GPU takes b"
+    plan = c.plan_defrag(costs, gain_per_gpu_s=300, leaving={"old"})
+    assert plan.migrations == [] and plan.freed == []
+    # a GPU with a staying instance beside the leaving one is an ordinary target
+    c.assign("d", inf("d", r=0.3), [Slot("n0", 0)])
+    costs["d"] = float("inf")
+    plan = c.plan_defrag(costs, gain_per_gpu_s=300, leaving={"old"})
+    assert [(m.instance_id, m.target) for m in plan.migrations] == [("b", Slot("n0", 0))]
+
+
+@pytest.mark.parametrize(("state", "price"), [
+    (dict(ready=True, leaving=False, training=False), (2000 / 1000 + 5.0) * 0.5),
+    (dict(ready=False, leaving=False, training=False), float("inf")),
+    (dict(ready=True, leaving=True, training=False), float("inf")),
+    (dict(ready=True, leaving=False, training=True), float("inf")),
+])
+def test_only_a_ready_staying_inference_instance_has_a_finite_migration_price(state, price):
+    from dilu.services.scheduler.policy import MIGRATION_DISRUPTION_S, migration_price_gpu_s
+    assert MIGRATION_DISRUPTION_S == 5.0
+    assert migration_price_gpu_s(cold_start_ms=2000, request_quota=0.5, **state) == price
