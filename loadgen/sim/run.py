@@ -643,7 +643,7 @@ class Simulation:
         policy's :meth:`Cluster.plan_defrag`, priced as the live scheduler prices it, applied as
         relaunch-then-drain. Only ready inference instances move (not one already moving, nor
         training: its progress would be lost); the old one drains once its replacement is ready,
-        and until it is gone its GPU, if it holds nothing else, takes no one."""
+        and a GPU holding only such leaving instances or starting ones takes no one."""
         now = self.loop.now
         moving = {i.replaces for i in self.instances.values() if i.replaces}
         leaving = {iid for iid, i in self.instances.items() if i.state == "draining" or iid in moving}
@@ -654,7 +654,9 @@ class Simulation:
                 ready=inst.state == "ready", leaving=iid in leaving, training=inst.training,
                 cold_start_ms=self.cfg.process_start_ms + models.cold_start_ms(inst.fn.model),
                 request_quota=inst.request)
-        plan = self.cluster.plan_defrag(costs, gain_per_gpu_s=DEFRAG_GAIN_PER_GPU_S, leaving=leaving)
+        starting = {iid for iid, i in self.instances.items() if i.state == "starting" and iid not in leaving}
+        plan = self.cluster.plan_defrag(costs, gain_per_gpu_s=DEFRAG_GAIN_PER_GPU_S, leaving=leaving,
+                                        starting=starting)
         for m in plan.migrations:
             old = self.instances[m.instance_id]
             new = self._place(old.fn, m.target)

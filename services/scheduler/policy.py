@@ -823,25 +823,29 @@ class Cluster:
     def plan_defrag(
         self, cost_gpu_s: dict[str, float] | None = None, *, gain_per_gpu_s: float = 300.0,
         default_cost_gpu_s: float = 10.0, max_sources: int = 64, leaving: Collection[str] = (),
+        starting: Collection[str] = (),
     ) -> DefragPlan:
         """Migrations that free whole GPUs, kept only when the gain outweighs the cost.
 
         Sources are tried from the least loaded GPU up; every instance on a source must fit on
-        another active GPU (never an empty one, never another source, never one being vacated);
+        another active GPU (never an empty one, never another source, never an unsettled one);
         multi-GPU instances are never moved. ``gain_per_gpu_s``: GPU-seconds saved per freed GPU
         (how long it is expected to stay free, default 300 s). ``cost_gpu_s[instance]``:
         GPU-seconds a migration costs (:func:`migration_price_gpu_s`), default
-        ``default_cost_gpu_s``. ``leaving``: instances on their way out (draining, or replaced by a
-        migration in flight) that still hold their share until they are gone; a GPU that holds
-        nothing else is being vacated, so it takes no one: filling it would undo the round that
-        is emptying it and move the newcomers again in the next. A source is accepted only if its
-        own gain exceeds its migrations' cost. Pure: the cluster itself is not changed; apply the
-        plan by retiring and placing.
+        ``default_cost_gpu_s``. A GPU is *unsettled* when every instance on it is ``leaving`` (on
+        its way out, draining or replaced by a migration in flight, but holding its share until
+        it is gone) or ``starting`` (launched or resuming, not ready yet), and it takes no one:
+        one being vacated would be refilled, undoing the round that empties it; one opened by a
+        scale-out or a relaunch since the last round would take a lighter GPU's every instance,
+        where its newcomer, once ready, may move with one launch. Either way the next round
+        would move the newcomers again; waiting costs at most a round. A source is accepted only
+        if its own gain exceeds its migrations' cost. Pure: the cluster itself is not changed;
+        apply the plan by retiring and placing.
         """
         costs = cost_gpu_s or {}
         plan = DefragPlan()
-        leaving = set(leaving)
-        vacating = {g for g, s in enumerate(self.gpus) if s.residents and leaving.issuperset(s.residents)}
+        unsettled = set(leaving) | set(starting)
+        unsettled_gpus = {g for g, s in enumerate(self.gpus) if s.residents and unsettled.issuperset(s.residents)}
 
         def cost_of(g: int) -> float:
             return sum(costs.get(i, default_cost_gpu_s) for i in self.gpus[g].residents)
@@ -862,7 +866,7 @@ class Cluster:
             cost = sum(costs.get(i, default_cost_gpu_s) for i, _ in moved)
             if cost >= gain_per_gpu_s:
                 continue
-            moved_to = self._try_move(shadow, g, moved, sources | vacating | {g})
+            moved_to = self._try_move(shadow, g, moved, sources | unsettled_gpus | {g})
             if moved_to is None:
                 continue
             sources.add(g)

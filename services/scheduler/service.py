@@ -50,7 +50,7 @@ bucket and launch or drain instances; PlacementDecided events are for informatio
 - Defragmentation (``defrag_interval_s`` > 0; the dilu policies set it): every interval, the
   policy's planner proposes migrations that empty whole GPUs, only when the GPU-seconds gained
   exceed the migrations' cost (:func:`.policy.migration_price_gpu_s`); a GPU whose instances are
-  all leaving (draining, or being replaced) is being vacated and takes no one. Each is applied make before
+  all leaving (draining, or being replaced) or still starting takes no one. Each is applied make before
   break: a new placement on the target with ``replaces`` naming the old instance (PlacementDecided
   ``migrate``), and the old one marked draining when the new one's InstanceReady arrives. If the
   replacement never becomes ready (its node fails), the old instance simply stays. A scheduler
@@ -753,11 +753,14 @@ class SchedulerService:
             await self._settle_migrations(assume_ready=False)
             moving = {p.replaces for p, _ in self.placements.values() if p.replaces and not p.draining}
             leaving = {i for i, (p, _) in self.placements.items() if p.draining or i in moving}
+            starting = {i for i, (p, _) in self.placements.items()
+                        if i not in self.warm and not p.parked and i not in leaving}
             costs = {i: migration_price_gpu_s(ready=i in self.warm and not p.parked, leaving=i in leaving,
                                               training=p.priority == "training", cold_start_ms=p.cold_start_ms,
                                               request_quota=p.request_quota)
                      for i, (p, _) in self.placements.items()}
-            plan = self.cluster.plan_defrag(costs, gain_per_gpu_s=DEFRAG_GAIN_PER_GPU_S, leaving=leaving)
+            plan = self.cluster.plan_defrag(costs, gain_per_gpu_s=DEFRAG_GAIN_PER_GPU_S, leaving=leaving,
+                                            starting=starting)
             self.bus.log.debug("defragmentation planned", movable=sum(c != float("inf") for c in costs.values()),
                                placements=len(costs), active_gpus=self.cluster.active, moves=len(plan.migrations))
             moved = 0

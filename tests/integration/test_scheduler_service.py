@@ -182,15 +182,15 @@ async def one_instance_on_each_of_two_gpus(nc, svc) -> list[Placement]:
     return [group[1] for group in by_gpu.values()]
 
 
-def spy_on_plans(svc) -> list[set[str]]:
-    """The ``leaving`` set each later defragmentation round hands the placement policy: its GPUs
-    holding nothing else are being vacated and take no one."""
-    seen: list[set[str]] = []
+def spy_on_plans(svc) -> list[tuple[set[str], set[str]]]:
+    """The ``leaving`` and ``starting`` sets each later defragmentation round hands the placement
+    policy: a GPU holding only such instances takes no one."""
+    seen: list[tuple[set[str], set[str]]] = []
     plan = svc.cluster.plan_defrag
 
-    def spy(*args, leaving=(), **kw):
-        seen.append(set(leaving))
-        return plan(*args, leaving=leaving, **kw)
+    def spy(*args, leaving=(), starting=(), **kw):
+        seen.append((set(leaving), set(starting)))
+        return plan(*args, leaving=leaving, starting=starting, **kw)
 
     svc.cluster.plan_defrag = spy
     return seen
@@ -218,7 +218,7 @@ async def test_defragmentation_relaunches_then_drains_to_free_a_gpu(nats_url):
         assert len({(p.node, p.gpu) for p in rows.values()}) == 1 + 1
         plans = spy_on_plans(svc)
         assert await svc.defragment() == 0, "an instance being replaced is not moved again"
-        assert plans[-1] == {new.replaces}, "the instance being replaced is leaving"
+        assert plans[-1] == ({new.replaces}, {new.instance_id}), "the old one leaves, its replacement starts"
         await ready(nc, new)
         for _ in range(1500):
             rows = await table(js)
@@ -227,7 +227,7 @@ async def test_defragmentation_relaunches_then_drains_to_free_a_gpu(nats_url):
             await asyncio.sleep(0.02)
         assert rows[new.replaces].draining and not rows[new.instance_id].draining
         await svc.defragment()
-        assert plans[-1] == {new.replaces}, "a draining instance is leaving until it is retired"
+        assert plans[-1] == ({new.replaces}, set()), "a draining instance is leaving until it is retired"
         live = [p for p in rows.values() if not p.draining]
         assert len({(p.node, p.gpu) for p in live}) == 1, "both live instances now share one GPU"
         await retired(nc, rows[new.replaces])

@@ -424,6 +424,25 @@ def test_defrag_never_fills_a_gpu_that_is_being_vacated():
     assert [(m.instance_id, m.target) for m in plan.migrations] == [("b", Slot("n0", 0))]
 
 
+def test_defrag_does_not_empty_a_busy_gpu_onto_one_a_newcomer_just_opened():
+    """A scale-out that found no room opened GPU 0; while its instance starts it cannot move, and
+    GPU 1's eight instances fit beside it. Moving eight to free GPU 1 now costs eight launches
+    where the newcomer, once ready, may move with one: the round waits (at most one round)."""
+    c = cluster(1, 3)
+    c.assign("new", inf("new", r=0.1), [Slot("n0", 0)])
+    for k in range(8):
+        c.assign(f"i{k}", inf(f"f{k}", r=0.1, mem_gib=2), [Slot("n0", 1)])
+    c.assign("full", inf("full", r=1.0), [Slot("n0", 2)])
+    costs = {"new": float("inf"), "full": 1.0, **{f"i{k}": 1.0 for k in range(8)}}
+    swap = c.plan_defrag(costs, gain_per_gpu_s=300)
+    assert len(swap.migrations) == 8 and {m.target for m in swap.migrations} == {Slot("n0", 0)}
+    assert c.plan_defrag(costs, gain_per_gpu_s=300, starting={"new"}).migrations == []
+    # once it is ready it is the cheap source: one move onto GPU 1
+    costs["new"] = 1.0
+    plan = c.plan_defrag(costs, gain_per_gpu_s=300)
+    assert [(m.instance_id, m.target) for m in plan.migrations] == [("new", Slot("n0", 1))]
+
+
 @pytest.mark.parametrize(("state", "price"), [
     (dict(ready=True, leaving=False, training=False), (2000 / 1000 + 5.0) * 0.5),
     (dict(ready=False, leaving=False, training=False), float("inf")),
