@@ -38,7 +38,8 @@ def summarize(run_files, json_path) -> None:
     the ratio of its mean to the first's (for a rate, the difference in percentage points) with
     the lowest and highest of that comparison run by run. One live run is one sample; read a
     direction from the means and how often the runs agree. Runs of other spans (trace, start
-    minute, seed, duration, speed-up, functions) are refused, and so is a file given twice."""
+    minute, seed, duration, speed-up, functions) or on other numbers of GPUs are refused, and
+    so are a file given twice and one with no run in it."""
     from dilu.cli.demo import make_console
     from dilu.loadgen import summary
 

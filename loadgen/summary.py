@@ -129,14 +129,14 @@ def summarize(runs: Sequence[Mapping[str, Report]]) -> Summary:
 
 
 _SAME = (("trace", "trace"), ("start_minute", "start minute"), ("seed", "seed"), ("duration_s", "duration"),
-         ("speedup", "speed-up"), ("functions", "functions"))  # what makes runs of one comparison
+         ("speedup", "speed-up"), ("functions", "functions"), ("gpus", "GPUs"))  # what makes runs of one comparison
 
 
 def check_comparable(runs: Sequence[tuple[str, Mapping[str, Report]]]) -> None:
     """Raise ValueError, naming the figure and two of the files, unless every report of
     ``runs`` (``(file name, its reports)``) replays the same span: trace, start minute, seed,
-    duration (to 0.1 s), speed-up and functions. Averaging runs of other seeds or spans would
-    mix different workloads into one mean."""
+    duration (to 0.1 s), speed-up and functions, on as many GPUs. Averaging runs of other seeds,
+    spans or clusters would mix different workloads into one mean."""
     first: dict[str, tuple[str, object]] = {}
     for name, reports in runs:
         for report in reports.values():
@@ -155,6 +155,8 @@ def read_runs(path: str | Path) -> dict[str, Report]:
     try:
         data = msgspec.json.decode(files.read_bounded(path, rp.REPORT_MAX_BYTES))
         if isinstance(data, dict) and isinstance(data.get("policies"), dict):
+            if not data["policies"]:
+                raise ValueError(f"{path}: no run in it (its policies are empty)")
             return {str(name): Report.from_dict(r) for name, r in data["policies"].items()}
         one = Report.from_dict(data)
         return {one.run.policy: one}

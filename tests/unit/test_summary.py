@@ -94,7 +94,8 @@ def test_read_runs_takes_compare_sim_and_demo_files_and_names_a_bad_one(tmp_path
     demo = tmp_path / "demo.json"
     demo.write_text(json.dumps(RUNS[1]["horizontal-only"].to_dict()))
     assert list(read_runs(demo)) == ["horizontal-only"]  # named by its run.policy
-    for bad, why in (("{not json", "not a dilu compare"), ('{"policies": {"x": {"totals": 1}}}', "not a dilu compare")):
+    for bad, why in (("{not json", "not a dilu compare"), ('{"policies": {"x": {"totals": 1}}}', "not a dilu compare"),
+                     ('{"policies": {}}', "no run in it")):  # refused by name even beside good files
         path = tmp_path / "bad.json"
         path.write_text(bad)
         with pytest.raises(ValueError, match=f"{path}: {why}"):
@@ -135,6 +136,10 @@ def test_runs_of_other_spans_are_refused_naming_the_files():
     check_comparable([("a.json", RUNS[0]), ("b.json", RUNS[1])])
     with pytest.raises(ValueError, match="seed 0 in a.json, 2 in b.json"):
         check_comparable([("a.json", RUNS[0]), ("b.json", other)])
+    bigger = {p: Report.from_dict({**r.to_dict(), "run": {**r.to_dict()["run"], "gpus": 8}})
+              for p, r in RUNS[1].items()}
+    with pytest.raises(ValueError, match="GPUs .* in a.json, 8 in b.json"):
+        check_comparable([("a.json", RUNS[0]), ("b.json", bigger)])
 
 
 def test_a_comparison_defined_in_some_runs_only_says_how_many():
