@@ -17,17 +17,19 @@ from .service import SchedulerService
 @nats_options
 @metrics_port_option("scheduler")
 @click.option("--gamma", type=Finite(1, 8), default=1.5, show_default=True, help="Cap on Σ limit quotas per GPU.")
-@click.option("--defrag-interval-s", type=ZeroOrAtLeast(DEFRAG_INTERVAL_MIN_S, 86_400), default=DEFRAG_INTERVAL_S,
-              show_default=True,
+@click.option("--defrag-interval-s", type=ZeroOrAtLeast(DEFRAG_INTERVAL_MIN_S, 86_400), default=None,
               help="Every this many seconds, move instances off lightly used GPUs onto fuller ones, each "
                    "drained once its replacement is ready, when the GPU time freed outweighs the launches "
-                   "(0: never; the dilu policy's setting is the default)")
+                   f"(0: never; default: every {DEFRAG_INTERVAL_S:g} s under --policy dilu, never under "
+                   "the baselines, which do not defragment)")
 @click.option("--policy", type=click.Choice(ALLOCATIONS), default="dilu", show_default=True,
               help="dilu: request/limit from the profile; static-mps: fixed slice at the request; exclusive: whole GPUs")
 @log_level_option
 def main(nats, metrics_port, gamma, defrag_interval_s, policy, log_level) -> None:
     """The scheduler service: single writer of the dilu-placement table; its cluster is the
     node inventories in dilu-nodes."""
+    if defrag_interval_s is None:
+        defrag_interval_s = DEFRAG_INTERVAL_S if policy == "dilu" else 0.0
     run(SchedulerService(gamma, defrag_interval_s, policy), nats, metrics_port=metrics_port,
         log_level=log_level)
 

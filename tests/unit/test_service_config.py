@@ -74,3 +74,21 @@ def test_a_taken_metrics_port_is_one_line_and_exit_2():
     assert out.returncode == 2
     last = out.stderr.strip().splitlines()[-1]
     assert last.startswith("dilu scheduler: cannot serve /metrics") and "Traceback" not in out.stderr
+
+
+@pytest.mark.parametrize(("args", "interval"), [
+    ([], 30.0), (["--policy", "static-mps"], 0.0), (["--policy", "exclusive"], 0.0),
+    (["--policy", "static-mps", "--defrag-interval-s", "5"], 5.0),
+])
+def test_the_scheduler_defragments_by_default_only_under_the_dilu_allocation(monkeypatch, args, interval):
+    """The baselines never defragment (README, Policies): a scheduler started alone with one of
+    their allocations must not either unless told to."""
+    from click.testing import CliRunner
+
+    import dilu.services.scheduler.__main__ as entry
+
+    seen = []
+    monkeypatch.setattr(entry, "run", lambda svc, *a, **kw: seen.append(svc.defrag_interval_s))
+    out = CliRunner().invoke(entry.main, args, env={"DILU_DEFRAG_INTERVAL_S": None})
+    assert out.exit_code == 0, out.output
+    assert seen == [interval]
