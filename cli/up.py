@@ -324,8 +324,9 @@ def _gpus(_ctx, _param, value: str) -> str:
               help="run NATS without credentials (default: every role has its own, in <data-dir>/creds)")
 @click.option("--park-after-s", type=PARK_AFTER_S_TYPE, default=None, metavar="S",
               help="park an idle function's instances after this many seconds within its keep-alive (their GPU "
-                   "share and device memory given back, weights kept in host memory until a request resumes "
-                   f"them); 0: never (default: the policy's, dilu after {PARK_AFTER_S:g} s, the others never)")
+                   "share and device memory given back but for their CUDA context, weights kept in host memory "
+                   "until a request resumes them); 0: never (default: the policy's, dilu after "
+                   f"{PARK_AFTER_S:g} s, the others never)")
 @click.option("--defrag-interval-s", type=ZeroOrAtLeast(DEFRAG_INTERVAL_MIN_S, 86_400), default=None, metavar="S",
               help="how often the scheduler moves instances off lightly used GPUs to empty them; 0: never "
                    f"(default: the policy's, dilu and dilu-published every {DEFRAG_INTERVAL_S:g} s, the others never)")
