@@ -39,7 +39,7 @@ from dilu.services.common.workqueue import ensure_stream
 from dilu.services.node_agent.__main__ import parse_gpus
 from dilu.services.node_agent.devices import EMULATED_DEFAULT_COUNT
 
-from dilu.services.common.policies import PARK_AFTER_S
+from dilu.services.common.policies import DEFRAG_INTERVAL_MIN_S, DEFRAG_INTERVAL_S, PARK_AFTER_S, modes
 from dilu.services.common.digits import as_count
 
 from .cluster import POLICIES, POLICY_HELP, Cluster
@@ -47,7 +47,7 @@ from .deploy import (WarmWatch, cluster_counters, cluster_facts, cpu_function_sp
                      training_iterations, training_spec)
 
 DRAIN_GRACE_S = 20.0  # after the last send, how long answers may still arrive
-WARM_UP_TIMEOUT_S = 30.0  # longest wait for the functions' initial instances before the replay
+WARM_UP_TIMEOUT_S = 30.0  # longest wait for the functions' initial instances before the replay (warm_up_limit_s)
 REQUEST_TIMEOUT_MIN_S = 30.0  # a request unanswered this long (or 10 x its SLO) counts as timed out
 PROGRESS_EVERY_S = 10.0  # a progress line this often when the output is not a terminal
 REPORT_WIDTH = 100  # columns of the report in a file or pipe (COLUMNS overrides); the tables split to fit
@@ -234,6 +234,34 @@ def scaler_windows(speedup: float, keep_alive_s: float | None = None) -> list[st
             "--scale-down-delay-s", f"{max(1.0, 120.0 / speedup):g}"]
 
 
+def horizontal_config(mode: str, speedup: float = 1.0, keep_alive_s: float | None = None,
+                      park_after_s: float = 0.0):
+    """The horizontal scaler's settings (a ``HorizontalConfig``) of a replay at ``speedup``: the
+    :func:`scaler_windows` it is started with; ``keep_alive_s``: the fallback keep-alive in trace
+    seconds (None: the scaler's default); ``park_after_s``: trace seconds before an idle
+    function's instances are parked (0: never), compressed by ``speedup`` as the keep-alive is.
+    The simulator builds its scaler's settings here too."""
+    from dilu.services.horizontal_scaler.policy import HorizontalConfig
+
+    args = scaler_windows(speedup, keep_alive_s)
+    kw = {args[i].lstrip("-").replace("-", "_"): float(args[i + 1]) for i in range(0, len(args), 2)}
+    return HorizontalConfig(mode=mode, park_after_s=park_after_s / speedup, **kw)
+
+
+def warm_up_limit_s(mode: str, speedup: float, keep_alive_s: float | None = None) -> float:
+    """The longest wait (s after the deploy) for the functions' initial instances before a
+    replay under the horizontal ``mode`` at ``speedup``: WARM_UP_TIMEOUT_S, and at most the
+    keep-alive a new function gets (:meth:`HorizontalPolicy.first_keep_alive_s`; Knative's 90
+    trace s are 9 s at --speedup 10). That keep-alive runs from a function's first ready
+    instance, so no function warmed before the replay is scaled in before it starts, however
+    long one slow cold start takes. The simulator's replay starts within the same limit
+    (``loadgen.sim.run.warm_up_ms``)."""
+    from dilu.services.horizontal_scaler.policy import horizontal_policy
+
+    first = horizontal_policy(horizontal_config(mode, speedup, keep_alive_s)).first_keep_alive_s()
+    return min(WARM_UP_TIMEOUT_S, first)
+
+
 def run_facts(facts: dict, training: dict | None = None) -> report.RunFacts:
     """The cluster's scraped counters (:func:`cluster_facts`) and the training jobs' iterations
     during the replay as the report's RunFacts."""
@@ -300,18 +328,21 @@ async def _replay_with(opts: RunOptions, cluster: Cluster, plan, chosen: dict[st
             raise Interrupted("stopped while profiling: nothing was offered", signal_exit(stop))
         warm = await WarmWatch({s.name for s in specs}).start(op)
         phase("deploying")
+        deployed_at = time.monotonic()  # the wait for the initial instances counts from here
         if not await _unless_stopped(deploy_all(op, specs), stop):
             raise Interrupted("stopped while deploying: nothing was offered", signal_exit(stop))
         # each function's initial instance (the horizontal scaler's initial scale) starts before
         # the replay, as on a platform where functions are deployed ahead of their traffic
         phase("starting the initial instances")
-        waiting = asyncio.ensure_future(warm.wait(WARM_UP_TIMEOUT_S))
+        limit_s = warm_up_limit_s(modes(cluster.policy).horizontal, opts.speedup)
+        waiting = asyncio.ensure_future(warm.wait(max(0.0, limit_s - (time.monotonic() - deployed_at))))
         if not await _unless_stopped(waiting, stop):
             raise Interrupted("stopped while the initial instances started: nothing was offered", signal_exit(stop))
         cold = waiting.result()
         if cold:
-            console.print(f"[yellow]{len(cold)} of {len(specs)} functions have no warm instance after "
-                          f"{WARM_UP_TIMEOUT_S:.0f} s; their first requests start them[/yellow]")
+            console.print(f"[yellow]{len(cold)} of {len(specs)} functions have no warm instance "
+                          f"{limit_s:.1f} s after their deploy ({', '.join(sorted(cold))}); "
+                          f"their first requests start them[/yellow]")
         client = InvokeClient(nc, js)
         await client.start()
         by_name = {s.name: s for s in specs}

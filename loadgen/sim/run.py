@@ -32,8 +32,8 @@ What drives what, as in the live cluster (services/*/service.py):
 
 The replay starts when every function's initial instance is ready, as the demo starts it once
 :class:`cli.deploy.WarmWatch` has seen them all (the longest cold start of the deployed models,
-at most the demo's ``WARM_UP_TIMEOUT_S``; ``warm_up_s`` fixes it instead). Starting later would
-let a short keep-alive (Knative's) unload them before the first request, as no live run does.
+at most the demo's wait, :func:`cli.demo.warm_up_limit_s`; ``warm_up_s`` fixes it instead).
+Starting later would let a short keep-alive (Knative's) unload them before the first request.
 Requests unanswered after max(30 s, 10 x SLO) time out, those left ``drain_s`` after the span
 are timed out. GPU figures (active GPU·s, fragmentations, quota·s)
 and training iterations are integrated from the replay's start to its end: the end of the span,
@@ -53,6 +53,7 @@ from dataclasses import dataclass, field
 
 import msgspec
 
+from dilu.cli.demo import horizontal_config, warm_up_limit_s
 from dilu.cli.deploy import function_spec, training_spec
 from dilu.contracts.events import InstanceTelemetry
 from dilu.loadgen import report
@@ -61,7 +62,7 @@ from dilu.loadgen.generator import Record, RunResult
 from dilu.services.common import models
 from dilu.services.common.functions import GIB, STRETCH_RATIO, default_priority, yields_share
 from dilu.services.common.policies import DEFRAG_INTERVAL_MIN_S, modes
-from dilu.services.horizontal_scaler.policy import (HorizontalConfig, InstanceShare, PlacementBackoff,
+from dilu.services.horizontal_scaler.policy import (InstanceShare, PlacementBackoff,
                                                     function_params, horizontal_policy, tick_order, vertical_room)
 from dilu.services.horizontal_scaler.service import MAX_PLACE_COUNT
 from dilu.services.node_agent.grants import fit_quota
@@ -100,7 +101,7 @@ class SimConfig:
     (0..1) of the GPUs running a training job; ``keep_alive_s``: the horizontal scaler's fallback
     keep-alive in trace seconds (None: its default, 10 min; Knative's KPA has none);
     ``park_after_s``: park an idle function's instances after this many trace seconds, every
-    policy (:class:`HorizontalConfig`'s Parking; 0: never; None: as each policy does live,
+    policy (the horizontal scaler's Parking; 0: never; None: as each policy does live,
     :meth:`PolicyModes.park_after_s`: dilu parks, the others never); ``defrag_interval_s``:
     how often the scheduler of a defragmenting policy (:attr:`PolicyModes.defrag`) defragments,
     in trace seconds (None: as it does live, :data:`DEFRAG_INTERVAL_S`; 0: never; the baselines
@@ -214,31 +215,17 @@ def prepare(cfg: SimConfig) -> Workload:
     return Workload(plan, specs, profiles)
 
 
-def horizontal_config(mode: str, speedup: float = 1.0, keep_alive_s: float | None = None,
-                      park_after_s: float = 0.0) -> HorizontalConfig:
-    """The horizontal scaler's settings of a replay at ``speedup`` (:func:`cli.demo.scaler_windows`,
-    the live replay's rule); ``keep_alive_s``: the fallback keep-alive in trace seconds (None: the
-    scaler's default); ``park_after_s``: trace seconds before an idle function's instances are
-    parked (0: never), compressed by ``speedup`` as the keep-alive is."""
-    from dilu.cli.demo import scaler_windows
-
-    args = scaler_windows(speedup, keep_alive_s)
-    kw = {args[i].lstrip("-").replace("-", "_"): float(args[i + 1]) for i in range(0, len(args), 2)}
-    return HorizontalConfig(mode=mode, park_after_s=park_after_s / speedup, **kw)
-
-
-def warm_up_ms(cfg: SimConfig, work: Workload) -> float:
-    """When the replay starts (ms after the deploy): ``cfg.warm_up_s`` if set, else when the
-    initial instances placed at 0 ms (the first horizontal tick) are all ready: the longest
-    process start (the last of them to launch finds the others starting) plus the longest weight
-    load among the deployed models, at most the demo's ``WARM_UP_TIMEOUT_S``."""
-    from dilu.cli.demo import WARM_UP_TIMEOUT_S
-
+def warm_up_ms(cfg: SimConfig, work: Workload, mode: str) -> float:
+    """When the replay under the horizontal ``mode`` starts (ms after the deploy):
+    ``cfg.warm_up_s`` if set, else when the initial instances placed at 0 ms (the first
+    horizontal tick) are all ready: the longest process start (the last of them to launch finds
+    the others starting) plus the longest weight load among the deployed models, at most the
+    demo's wait (:func:`cli.demo.warm_up_limit_s`: within a new function's keep-alive)."""
     if cfg.warm_up_s is not None:
         return cfg.warm_up_s * 1000.0
     longest = max((models.cold_start_ms(s.model) for s in work.specs), default=0.0)
     start = max(cfg.process_start_by_starting_ms, default=cfg.process_start_ms)
-    return min(start + longest, WARM_UP_TIMEOUT_S * 1000.0)
+    return min(start + longest, warm_up_limit_s(mode, cfg.speedup, cfg.keep_alive_s) * 1000.0)
 
 
 @dataclass
@@ -250,9 +237,10 @@ class SimFacts:
     placed a new instance elsewhere and retired the parked one (a cold start; the others found no
     GPU with room: the instance stayed parked and the function's placements back off), and ``resume_waits``
     (requests that waited for a resume: no launch, so not cold-start requests), ``migrations``
-    (instances moved by defragmentation, every ``defrag_interval_s`` trace s; 0: none)
-    and the ``timeline`` (t_s, active GPUs, cold-start requests so far, allocation and idle
-    fragmentation over the sample) used by the plots."""
+    (instances moved by defragmentation, every ``defrag_interval_s`` trace s; 0: none),
+    ``warm_up_s`` (when the replay started: :func:`warm_up_ms`) and the ``timeline`` (t_s,
+    active GPUs, cold-start requests so far, allocation and idle fragmentation over the sample)
+    used by the plots."""
 
     events: int = 0
     wall_s: float = 0.0
@@ -266,6 +254,7 @@ class SimFacts:
     migrations: int = 0
     defrag_interval_s: float = 0.0  # the interval in force, trace s (0: none)
     park_after_s: float = 0.0  # the parking delay in force, trace s (0: never)
+    warm_up_s: float = 0.0  # when the replay started, simulated s after the deploy (warm_up_ms)
     resume_waits: int = 0
     timeline: list = field(default_factory=list)
     latency_slo_cdf: list = field(default_factory=list)
@@ -322,7 +311,8 @@ class Simulation:
         self.ticked: list[Function] = []  # functions with a profile, in horizontal tick order
         self.mech = report.Mechanism(vertical_reaction_ms_p50=None, vertical_reaction_ms_p99=None)  # not modelled
         self.facts = SimFacts(defrag_interval_s=every, park_after_s=park)
-        self.t0 = warm_up_ms(cfg, work)  # the replay's start on the simulated clock
+        self.t0 = warm_up_ms(cfg, work, m.horizontal)  # the replay's start on the simulated clock
+        self.facts.warm_up_s = round(self.t0 / 1000.0, 6)
         self.span_end = self.t0 + work.plan.duration_s * 1000.0
         self.end = self.span_end + cfg.drain_s * 1000.0
         self.seq = 0
@@ -1073,7 +1063,7 @@ def simulate(cfg: SimConfig, policies: list[str], progress=None, tick=None) -> d
                         "max_limit_sum": f.max_limit_sum, "unplaced": f.unplaced, "parks": f.parks,
                         "resumes": f.resumes, "resumes_refused": f.resumes_refused, "relaunches": f.relaunches,
                         "migrations": f.migrations, "defrag_interval_s": f.defrag_interval_s,
-                        "park_after_s": f.park_after_s,
+                        "park_after_s": f.park_after_s, "warm_up_s": f.warm_up_s,
                         "resume_waits": f.resume_waits,
                         "timeline": [list(r) for r in f.timeline], "latency_slo_cdf": f.latency_slo_cdf}
     except KeyboardInterrupt:
@@ -1093,5 +1083,5 @@ def _output(cfg: SimConfig, work: Workload, reports: dict, facts: dict) -> dict:
             (cfg.seed if cfg.overheads_seed is None else cfg.overheads_seed),
             "seed": cfg.seed, "training_jobs": cfg.training_jobs, "vertical_tick_ms": cfg.vertical_tick_ms,
             "horizontal_tick_ms": cfg.horizontal_tick_ms,
-            "warm_up_s": round(warm_up_ms(cfg, work) / 1000.0, 6), "drain_s": cfg.drain_s}
+            "drain_s": cfg.drain_s}
     return {"policies": reports, "sim": {"config": conf, "policies": facts}}

@@ -47,8 +47,8 @@ pending plus in flight: the concurrency Knative measures at its queue proxy) and
   launched again at the pre-warm time. A backlog with no instance scales from zero at once.
 - **Parking** (``park_after_s`` > 0; 0, the default, never parks): a function idle that long
   while its keep-alive still holds it has its ready instances *parked* (a newly deployed
-  function's, not invoked yet, once they have been ready that long too: its first requests are
-  expected soon, and its idle clock started at the deploy, before their cold start; a pre-warmed
+  function's, not invoked yet, once each has been ready that long too: its first requests are
+  expected soon, and its idle clock started at its first instance's readiness; a pre-warmed
   instance parks as soon as it is ready, to be resumed in a copy): they give up their GPU
   share (the scheduler frees their placement) and keep their weights in host memory, so bringing
   one back costs a copy to the device, not a cold start (PipeSwitch, OSDI 2020, and Torpor swap
@@ -65,9 +65,10 @@ pending plus in flight: the concurrency Knative measures at its queue proxy) and
   instance), cancelled with the old one when that one is retired first.
 - **Initial scale.** A newly deployed function (:meth:`HorizontalPolicy.deployed`) gets
   ``initial_scale`` instances at once (Knative's ``initial-scale``, default 1), so its first
-  requests do not all wait for a launch. Deployment counts as the start of an idle period: the
-  instances stay for the keep-alive window unless requests come, and the wait for the first
-  request is not recorded as an idle time. 0 leaves a new function at zero.
+  requests do not all wait for a launch. Deployment counts as the start of an idle period, from
+  the first instance's readiness (Knative counts a new revision's scale-down once its initial
+  scale is reached): the instances stay for the keep-alive window unless requests come, and the
+  wait for the first request is not recorded as an idle time. 0 leaves a new function at zero.
 - **Restored** (:meth:`HorizontalPolicy.restored`): a function read back from stored state when
   the platform restarts starts an idle period then, without initial scale: the instances it
   had stay for the keep-alive window, and one with none stays at zero until requests come.
@@ -377,6 +378,7 @@ class _Function:
     idle_since: float | None = None
     active_before: bool = False
     fresh: bool = False  # deployed and not invoked yet (initial scale applies)
+    warmed: bool = False  # has had an instance ready since it was deployed (its keep-alive runs from then)
     restored: bool = False  # restored after a restart and not invoked since (no initial scale)
     restored_at: float | None = None  # when restored: no scale-in before a full stable window after it
     panic_since: float | None = None
@@ -446,24 +448,41 @@ class HorizontalPolicy:
         """Start tracking ``name`` (or update its params, keeping its history)."""
         if not name:
             raise ValueError("empty function name")
-        cfg = self.config
         fn = self._fns.get(name)
         if fn is None:
-            hist = IdleTimeHistogram(cfg.idle_bin_s, cfg.idle_range, head_pct=cfg.prewarm_percentile,
-                                     tail_pct=cfg.keepalive_percentile, margin=cfg.histogram_margin,
-                                     min_samples=cfg.histogram_min_samples, cv_min=cfg.histogram_cv_min)
-            self._fns[name] = _Function(name, params or FunctionParams(), hist)
+            self._fns[name] = self._new_function(name, params)
         elif params is not None:
             fn.params = params
 
+    def _new_function(self, name: str, params: FunctionParams | None) -> _Function:
+        """A function with no history: an empty idle-time histogram of the config's shape."""
+        cfg = self.config
+        hist = IdleTimeHistogram(cfg.idle_bin_s, cfg.idle_range, head_pct=cfg.prewarm_percentile,
+                                 tail_pct=cfg.keepalive_percentile, margin=cfg.histogram_margin,
+                                 min_samples=cfg.histogram_min_samples, cv_min=cfg.histogram_cv_min)
+        return _Function(name, params or FunctionParams(), hist)
+
+    def first_keep_alive_s(self) -> float:
+        """How long (s) a newly deployed function that fixes no keep-alive of its own keeps its
+        initial instances while no request comes: the pre-warm plus keep-alive of an empty
+        idle-time history (the config's fallback ``keep_alive_s``; under :class:`KnativeKPA` the
+        stable window plus the scale-to-zero grace), counted from its first instance's
+        readiness. A replay waits at most this long after the deploy for the initial instances
+        (:func:`cli.demo.warm_up_limit_s`), so it starts before any of them is scaled in."""
+        w = self._windows(self._new_function("", None))
+        return w.prewarm_s + w.keep_alive_s
+
     def deployed(self, name: str, now_s: float) -> None:
         """``name`` was just deployed (and can be placed): it gets the initial scale and keeps it
-        through the keep-alive window unless requests come first. Has no effect on a function
-        that has already seen a request. Raises KeyError for an unknown function."""
+        through the keep-alive window unless requests come first, counted from its first
+        instance's readiness (:meth:`instance_ready`; it does not run while that instance starts),
+        or from now if none is placed. Has no
+        effect on a function that has already seen a request. Raises KeyError for an unknown
+        function."""
         f = self._fn(name)
         if f.active_before and not f.fresh:
             return
-        f.fresh, f.active_before, f.idle_since = True, True, now_s
+        f.fresh, f.active_before, f.idle_since, f.warmed = True, True, now_s, False
 
     def restored(self, name: str, now_s: float) -> None:
         """``name`` was restored at ``now_s`` from stored state (a restart of the platform), with
@@ -531,6 +550,11 @@ class HorizontalPolicy:
         if inst is None:
             f.instances[instance_id] = inst = _Instance(instance_id, "ready", now_s)
         inst.parkable = parkable
+        if f.fresh and not f.warmed and f.idle_since is not None:
+            # a new function's keep-alive runs from its first ready instance, as Knative counts
+            # a new revision's scale-down once its initial scale is reached: a slow cold start
+            # does not eat the keep-alive before any instance could serve
+            f.idle_since, f.warmed = max(f.idle_since, now_s), True
         if inst.state in ("starting", "moving"):
             old = f.instances.get(inst.replaces) if inst.state == "moving" else None
             if old is not None and old.state in ("starting", "ready"):
@@ -813,7 +837,8 @@ class HorizontalPolicy:
         if f.idle_since is None or f.backlog or not f.active_before:
             return desired, reason
         w = self._windows(f)
-        idle_for = now_s - f.idle_since
+        # a new function's keep-alive waits for its first ready instance (instance_ready)
+        idle_for = 0.0 if f.fresh and not f.warmed and f.count("starting") else now_s - f.idle_since
         if w.prewarm_s > 0 and idle_for < w.prewarm_s:
             if idle_for >= self.config.idle_grace_s:
                 return 0, f"idle {idle_for:.1f} s: unloaded until pre-warm at {w.prewarm_s:.1f} s"

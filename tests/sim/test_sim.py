@@ -360,7 +360,7 @@ def test_the_replay_starts_when_the_initial_instances_are_ready():
     cfg = SimConfig(functions=16, hours=0.05, speedup=10, seed=2)
     work = prepare(cfg)
     longest = max(models.cold_start_ms(s.model) for s in work.specs)
-    assert warm_up_ms(cfg, work) == pytest.approx(cfg.process_start_ms + longest)
+    assert warm_up_ms(cfg, work, "kpa") == pytest.approx(cfg.process_start_ms + longest)
     sim = Simulation(cfg, "horizontal-only", work)
     sim.run()
     first = {}
@@ -369,6 +369,33 @@ def test_the_replay_starts_when_the_initial_instances_are_ready():
     early = [k for k in first.values() if sim.sched[k] - sim.t0 < 5000.0]  # well within the 9 s keep-alive
     assert early and not any(sim.cold[k] for k in early)
 
+
+def test_the_replay_starts_within_a_new_functions_keep_alive():
+    """A cold start longer than Knative's keep-alive (90 trace s, 9 s at --speedup 10) does not
+    hold the replay back past it, live (the demo's wait, cli.demo.warm_up_limit_s) or simulated,
+    and the keep-alive runs from each function's first ready instance: the slow initial
+    instances are not scaled in before they could serve, and the functions' first requests
+    after they are ready find them warm. dilu's fallback keep-alive (10 min) leaves the 30 s
+    wait as it was."""
+    from dilu.cli.demo import WARM_UP_TIMEOUT_S, warm_up_limit_s
+    from dilu.loadgen.sim.run import warm_up_ms
+    from dilu.services.common import models
+
+    assert warm_up_limit_s("kpa", 10.0) == pytest.approx(9.0)
+    assert warm_up_limit_s("lazy", 10.0) == WARM_UP_TIMEOUT_S
+    assert warm_up_limit_s("kpa", 1.0) == WARM_UP_TIMEOUT_S
+    assert warm_up_limit_s("lazy", 10.0, keep_alive_s=60.0) == pytest.approx(6.0)
+    # the span (18 s from 9 s) ends before any initial instance has been ready for 9 s
+    cfg = SimConfig(functions=16, hours=0.05, speedup=10, seed=2, process_start_ms=20_000.0, drain_s=1.0)
+    work = prepare(cfg)
+    assert warm_up_ms(cfg, work, "kpa") == pytest.approx(9000.0)
+    assert warm_up_ms(cfg, work, "lazy") > 20_000.0  # the cold start itself: within dilu's 30 s
+    sim = Simulation(cfg, "horizontal-only", work)
+    rep, facts = sim.run()
+    assert facts.warm_up_s == pytest.approx(9.0) and sim.t0 == pytest.approx(9000.0)
+    first_ready_ms = cfg.process_start_ms + min(models.cold_start_ms(s.model) for s in work.specs)
+    assert first_ready_ms + 9000.0 > sim.end  # so no keep-alive may run out within the run
+    assert rep.mechanism.scale_to_zero == 0  # no starting initial instance was given up
 
 def test_a_span_longer_than_the_trace_says_what_was_simulated():
     r = CliRunner().invoke(main, ["sim", "--functions", "1", "--hours", "20", "--policies", "horizontal-only"])
@@ -535,7 +562,7 @@ def test_a_launch_beside_others_starting_takes_the_tables_process_start():
     sim.run()
     assert starts[:2] == pytest.approx([500.0, 3000.0])  # the first alone, the second beside it
     assert set(round(s) for s in starts) == {500, 3000}
-    assert warm_up_ms(cfg, sim.work) == warm_up_ms(const, sim.work) + 2500.0  # the last initial one
+    assert warm_up_ms(cfg, sim.work, "lazy") == warm_up_ms(const, sim.work, "lazy") + 2500.0  # the last initial one
     with pytest.raises(ValueError, match="process_start_by_starting_ms must be in"):
         SimConfig(process_start_by_starting_ms=(400.0, -1.0))
 

@@ -13,6 +13,7 @@ from dilu.services.horizontal_scaler.policy import (
     IdleWindows,
     InstanceShare,
     burst_reach,
+    horizontal_policy,
     vertical_headroom,
 )
 
@@ -269,11 +270,11 @@ def test_deployed_function_gets_its_initial_scale_then_keep_alive_applies():
     assert (d.desired, d.place, d.direction) == (2, 2, "prewarm") and "initial scale" in d.reason
     p.instance_ready(FN, "w0", 0.5)
     p.instance_ready(FN, "w1", 0.5)
-    held = feed(p, 0.5, 9.5, 0)
+    held = feed(p, 0.5, 10.0, 0)
     assert all(x.desired == 2 and not x.retire for x in held)  # never invoked: kept for the keep-alive
-    gone = feed(p, 9.5, 10.5, 0)
-    zero = next(x for x in gone if x.direction == "zero")
-    assert zero.now_s == 10.0 and len(zero.retire) == 2 and "keep-alive" in zero.reason
+    gone = feed(p, 10.0, 11.0, 0)
+    zero = next(x for x in gone if x.direction == "zero")  # 10 s after the first was ready
+    assert zero.now_s == 10.5 and len(zero.retire) == 2 and "keep-alive" in zero.reason
 
 
 def test_wait_for_the_first_request_is_not_an_idle_time():
@@ -478,3 +479,26 @@ def test_window_mean_is_the_mean_of_the_samples_inside_it():
         assert w.mean_since(since) == (sum(inside) / len(inside) if inside else 0.0)
         kept = [(s, x) for s, x in kept if s > since]
     assert w.mean_since(t) == 0.0 and w._sum == 0.0
+
+
+def test_a_new_function_keeps_its_initial_instances_for_the_policys_first_keep_alive():
+    """first_keep_alive_s is what decide() does with a function deployed and never invoked: its
+    initial instance stays that long after it is ready, and goes at the first tick after (dilu's
+    fallback keep-alive; Knative's stable window plus scale-to-zero grace)."""
+    for mode, expected in (("lazy", 20.0), ("kpa", 6.0 + 3.0)):
+        p = horizontal_policy(HorizontalConfig(mode=mode, keep_alive_s=20.0, stable_window_s=6.0,
+                                               scale_to_zero_grace_s=3.0, panic_window_s=1.0))
+        assert p.first_keep_alive_s() == pytest.approx(expected)
+        p.add_function("f", FunctionParams(instance_rps=10.0))
+        p.deployed("f", 0.0)
+        p.instance_starting("f", "i1", 0.0)
+        # a slow cold start: the keep-alive runs from the instance's readiness, not the deploy
+        for t, alive in ((0.5, 1), (expected + 1.0, 1)):
+            p.record("f", t, 0.0, 0)
+            assert p.decide("f", t).desired == alive, (mode, t)
+        p.instance_ready("f", "i1", expected + 2.0)
+        p.instance_starting("f", "i2", expected + 2.0)
+        p.instance_ready("f", "i2", expected + 3.0)  # a second one does not restart the clock
+        for t, alive in ((expected + 2.5, 1), (2 * expected + 1.5, 1), (2 * expected + 2.0, 0)):
+            p.record("f", t, 0.0, 0)
+            assert p.decide("f", t).desired == alive, (mode, t)
