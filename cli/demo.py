@@ -28,7 +28,7 @@ from rich.console import Console
 from dilu.loadgen import arrivals, assign, generator, report, requestlog, trace
 from dilu.loadgen import llm as llmtrace
 from dilu.services.common import logging as dlog
-from dilu.services.common.cliopts import PARK_AFTER_S_TYPE, finite, nonempty_path, nonempty_url, writable_output
+from dilu.services.common.cliopts import PARK_AFTER_S_TYPE, ZeroOrAtLeast, finite, nonempty_path, nonempty_url, writable_output
 from dilu.services.common import models
 from dilu.services.common.bus import quiet_error_cb
 from dilu.services.common.console import PipeConsole
@@ -70,9 +70,15 @@ class RunOptions:
     training_jobs: int | None = None
     llm_share: float = 0.0
     park_after_s: float | None = None
+    defrag_interval_s: float | None = None
     progress: bool = True
 
     def __post_init__(self) -> None:
+        if self.defrag_interval_s and self.defrag_interval_s / self.speedup < DEFRAG_INTERVAL_MIN_S:
+            # compressed like the windows; the scheduler refuses a shorter round (it would spin)
+            raise click.BadParameter(f"{self.defrag_interval_s:g} trace s at --speedup {self.speedup:g} is a round every "
+                                     f"{self.defrag_interval_s / self.speedup:g} s, below the scheduler's "
+                                     f"{DEFRAG_INTERVAL_MIN_S:g} s", param_hint="--defrag-interval-s")
         if self.gpus != "cpu" and self.training_jobs is not None and self.training_jobs > int(self.gpus):
             # a job's limit (TRAINING_LIMIT) leaves a GPU no room for another's under γ: the
             # ones past one per GPU would never be placed, yet be reported at 0 iterations/s
@@ -119,6 +125,7 @@ def run_options(f):
         click.option("--log-dir", default=None, type=click.Path(file_okay=False), callback=nonempty_path, help="where the services' JSON logs go, with the replay's requests.jsonl (every request with the platform's times) and report.json, one directory per policy (default: a temp dir)"),
         click.option("--training-jobs", type=click.IntRange(min=0, max=64), default=None, help="training jobs collocated with the inference functions, at most one per GPU (default: one per GPU in dilu demo, none in dilu compare; 0: none)"),
         click.option("--park-after-s", type=PARK_AFTER_S_TYPE, default=None, help=f"park an idle function's instances after this many trace seconds within its keep-alive (their GPU share and device memory given back but for their CUDA context, weights kept in host memory, resumed in the time they take to copy back: 10 ms for ResNet152, 1.1 s for LLaMA2-7B), every policy; compressed by --speedup like the keep-alive; 0: never (default: as each policy does, dilu after {PARK_AFTER_S:g} s, the others never)"),
+        click.option("--defrag-interval-s", type=ZeroOrAtLeast(DEFRAG_INTERVAL_MIN_S, 86_400), default=None, metavar="S", help=f"how often, in trace seconds, the scheduler of dilu and dilu-published moves instances off lightly used GPUs to empty them, compressed by --speedup like the keep-alive; 0: never (default: {DEFRAG_INTERVAL_S:g}, as they do live). The baselines never defragment, as in dilu sim"),
         click.option("--llm-share", type=click.FloatRange(min=0.0, max=1.0), default=0.0, show_default=True, callback=finite, help="also replay this fraction of the Azure LLM 2023 code trace's requests (real arrival times, prompt and output lengths) against an llm function on LLaMA2-7B; 0: none"),
     ]
     for opt in reversed(opts):
@@ -205,16 +212,18 @@ def _timeout_s(spec, inv) -> float:
     return max(REQUEST_TIMEOUT_MIN_S, 10 * objective_ms / 1000.0)
 
 
-def replay_args(speedup: float, policy: str, park_after_s: float | None = None) -> dict[str, list[str]]:
+def replay_args(speedup: float, policy: str, park_after_s: float | None = None,
+                defrag_interval_s: float | None = None) -> dict[str, list[str]]:
     """Per service, the settings a replay at ``speedup`` adds to ``policy``'s: the horizontal
     scaler's windows (:func:`scaler_windows`) and parking delay (``park_after_s`` trace seconds,
     0: never; None: the policy's, :meth:`PolicyModes.park_after_s`), and the scheduler's
-    defragmentation interval, trace time compressed alike (:meth:`PolicyModes.defrag_interval_s`)."""
-    from dilu.services.common.policies import modes
-
-    park = modes(policy).park_after_s(speedup) if park_after_s is None else park_after_s / speedup
+    defragmentation interval (``defrag_interval_s`` trace seconds for a policy that
+    defragments, 0: never; None: the policy's; :meth:`PolicyModes.defrag_interval_s`), trace
+    time compressed alike."""
+    m = modes(policy)
+    park = m.park_after_s(speedup) if park_after_s is None else park_after_s / speedup
     return {"horizontal_scaler": scaler_windows(speedup) + ["--park-after-s", f"{park:g}"],
-            "scheduler": ["--defrag-interval-s", f"{modes(policy).defrag_interval_s(speedup):g}"]}
+            "scheduler": ["--defrag-interval-s", f"{m.defrag_interval_s(speedup, defrag_interval_s):g}"]}
 
 
 def scaler_windows(speedup: float, keep_alive_s: float | None = None) -> list[str]:
@@ -532,7 +541,7 @@ async def run_once(opts: RunOptions, policy: str, console: Console, stop: asynci
     # the load generator's own log lines (e.g. each request NATS refused) go beside the services'
     dlog.configure("loadgen", stream=(log_dir / "loadgen.log").open("a", buffering=1))
     cluster = Cluster(log_dir=log_dir, policy=policy, gpus=opts.gpus, nats_url=opts.nats_url, auth=True,
-                      extra_args=replay_args(opts.speedup, policy, opts.park_after_s))
+                      extra_args=replay_args(opts.speedup, policy, opts.park_after_s, opts.defrag_interval_s))
     await _start(cluster, created)
     try:
         replay = await _replay(opts, cluster, plan, chosen, llm_plan, console, stop)
@@ -543,7 +552,11 @@ async def run_once(opts: RunOptions, policy: str, console: Console, stop: asynci
     meta = {s.name: report.FunctionMeta(model=s.model, slo_ms=s.slo_ms, kind=s.kind, ttft_ms=s.ttft_ms or None,
                                         tpot_ms=s.tpot_ms or None) for s in specs}
     gpus = 0 if opts.gpus == "cpu" else int(opts.gpus)
-    info = report.run_info(plan, result, policy=policy, gpus=gpus, llm_plan=llm_plan)
+    m = modes(policy)
+    info = report.run_info(plan, result, policy=policy, gpus=gpus, llm_plan=llm_plan,
+                           training_jobs=opts.training_count(),
+                           park_after_s=m.park_after_s() if opts.park_after_s is None else opts.park_after_s,
+                           defrag_interval_s=m.defrag_interval_s(every_s=opts.defrag_interval_s))
     rep = report.build_report(result.records, meta, run_facts(facts, trained), info)
     # beside the services' logs: every request with the platform's times, and the report they
     # make (what ``dilu calibrate`` reads)

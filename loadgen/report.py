@@ -172,7 +172,9 @@ class RunInfo(msgspec.Struct, kw_only=True):
     """How the run was made. ``wall_s`` (> 0) is the goodput denominator; ``share`` the fraction
     of the span's invocations the replayed functions carry; ``late_sends`` sends more than
     ``late_threshold_ms`` behind schedule; ``not_sent`` planned requests never sent (stopped);
-    ``llm`` the LLM trace replayed, if any."""
+    ``llm`` the LLM trace replayed, if any. What the policy ran with: ``training_jobs`` beside
+    the functions, ``park_after_s`` and ``defrag_interval_s`` in force, trace seconds (0: never);
+    None: not recorded (a report of an older build)."""
 
     wall_s: float
     policy: str = "dilu"
@@ -188,14 +190,19 @@ class RunInfo(msgspec.Struct, kw_only=True):
     max_late_ms: float = 0.0
     not_sent: int = 0
     gpus: int = 0
+    training_jobs: int | None = None
+    park_after_s: float | None = None
+    defrag_interval_s: float | None = None
     llm: LlmRunInfo | None = None
 
 
 def run_info(
     plan: ReplayPlan | None, result: RunResult, *, policy: str = "dilu", gpus: int = 0,
-    llm_plan: LlmPlan | None = None,
+    llm_plan: LlmPlan | None = None, training_jobs: int | None = None, park_after_s: float | None = None,
+    defrag_interval_s: float | None = None,
 ) -> RunInfo:
-    """The :class:`RunInfo` of a replay from its plan(s) and the generator's result.
+    """The :class:`RunInfo` of a replay from its plan(s) and the generator's result; the
+    keywords are recorded as they are (see :class:`RunInfo`).
 
     ``plan``: the functions-trace plan (the top-level trace, duration, functions and share are
     its own); ``llm_plan``: the LLM-trace plan replayed with it, described in ``llm`` (or alone,
@@ -205,7 +212,7 @@ def run_info(
     common = dict(
         wall_s=result.wall_s, policy=policy, late_sends=result.late_sends,
         late_threshold_ms=result.late_threshold_ms, max_late_ms=result.max_late_ms, not_sent=result.not_sent,
-        gpus=gpus,
+        gpus=gpus, training_jobs=training_jobs, park_after_s=park_after_s, defrag_interval_s=defrag_interval_s,
     )
     llm = None
     if llm_plan is not None:

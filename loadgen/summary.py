@@ -129,21 +129,30 @@ def summarize(runs: Sequence[Mapping[str, Report]]) -> Summary:
 
 
 _SAME = (("trace", "trace"), ("start_minute", "start minute"), ("seed", "seed"), ("duration_s", "duration"),
-         ("speedup", "speed-up"), ("functions", "functions"), ("gpus", "GPUs"))  # what makes runs of one comparison
+         ("speedup", "speed-up"), ("functions", "functions"), ("gpus", "GPUs"),
+         ("training_jobs", "training jobs"))  # what makes runs of one comparison
+# ... and, per policy, what it ran with (a policy's parking and defragmentation differ from another's)
+_SAME_PER_POLICY = (("park_after_s", "parking delay (s)"), ("defrag_interval_s", "defragmentation interval (s)"))
 
 
 def check_comparable(runs: Sequence[tuple[str, Mapping[str, Report]]]) -> None:
     """Raise ValueError, naming the figure and two of the files, unless every report of
     ``runs`` (``(file name, its reports)``) replays the same span: trace, start minute, seed,
-    duration (to 0.1 s), speed-up and functions, on as many GPUs. Averaging runs of other seeds,
-    spans or clusters would mix different workloads into one mean."""
-    first: dict[str, tuple[str, object]] = {}
+    duration (to 0.1 s), speed-up and functions, on as many GPUs, with as many training jobs,
+    and each policy with the same parking delay and defragmentation interval as in the other
+    files. Averaging runs of other seeds, spans, clusters or settings would mix different
+    experiments into one mean. A setting a report does not record (an older build's) is not
+    compared."""
+    first: dict[tuple[str, str], tuple[str, object]] = {}
     for name, reports in runs:
-        for report in reports.values():
-            for field, what in _SAME:
+        for policy, report in reports.items():
+            for field, what, key in ([(f, w, "") for f, w in _SAME]
+                                     + [(f, f"{policy}'s {w}", policy) for f, w in _SAME_PER_POLICY]):
                 value = getattr(report.run, field)
+                if value is None:
+                    continue
                 value = round(value, 1) if isinstance(value, float) else value
-                seen = first.setdefault(field, (name, value))
+                seen = first.setdefault((field, key), (name, value))
                 if seen[1] != value:
                     raise ValueError(f"not runs of one comparison: {what} {seen[1]} in {seen[0]}, {value} in {name}")
 

@@ -297,8 +297,7 @@ class Simulation:
         park = m.park_after_s() if cfg.park_after_s is None else cfg.park_after_s
         self.hconf = horizontal_config(m.horizontal, cfg.speedup, cfg.keep_alive_s, park)
         self.horizontal = horizontal_policy(self.hconf)
-        # the baselines never defragment; for dilu's policies the configured interval, else theirs
-        every = 0.0 if not m.defrag else m.defrag_interval_s() if cfg.defrag_interval_s is None else cfg.defrag_interval_s
+        every = m.defrag_interval_s(every_s=cfg.defrag_interval_s)  # trace s; the baselines never defragment
         self.defrag_every = every * 1000.0 / cfg.speedup  # ms; 0: never
         self.backoff = PlacementBackoff(cfg.horizontal_tick_ms / 1000.0, 30.0)
         self.gpus: dict[int, Gpu] = {}
@@ -1021,7 +1020,9 @@ class Simulation:
             active_gpu_seconds=round(area / 1000.0, 6),
             allocation_fragmentation=round(min(1.0, max(0.0, cut.frag / area)), 6) if area else 0.0,
             idle_fragmentation=round(min(1.0, max(0.0, 1.0 - cut.consumed / area)), 6) if area else 0.0)
-        info = report.run_info(plan, result, policy=self.policy, gpus=self.cfg.gpus)
+        info = report.run_info(plan, result, policy=self.policy, gpus=self.cfg.gpus,
+                               training_jobs=sum(s.kind == "training" for s in self.work.specs),
+                               park_after_s=self.facts.park_after_s, defrag_interval_s=self.facts.defrag_interval_s)
         return report.build_report(records, meta, facts, info)
 
 

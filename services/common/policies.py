@@ -58,10 +58,15 @@ class PolicyModes:
     defrag: bool = False
     park: bool = False
 
-    def defrag_interval_s(self, speedup: float = 1.0) -> float:
+    def defrag_interval_s(self, speedup: float = 1.0, every_s: float | None = None) -> float:
         """The scheduler's defragmentation interval in seconds of a replay at ``speedup`` (trace
-        time compressed, as the horizontal windows are); 0: it does not defragment."""
-        return DEFRAG_INTERVAL_S / speedup if self.defrag else 0.0
+        time compressed, as the horizontal windows are); 0: it does not defragment.
+        ``every_s``: trace seconds in place of :data:`DEFRAG_INTERVAL_S` (0: never; ``dilu sim``,
+        ``demo`` and ``compare`` ``--defrag-interval-s``); a policy that does not defragment
+        ignores it."""
+        if not self.defrag:
+            return 0.0
+        return (DEFRAG_INTERVAL_S if every_s is None else every_s) / speedup
 
     def park_after_s(self, speedup: float = 1.0) -> float:
         """The horizontal scaler's parking delay in seconds of a replay at ``speedup``; 0: it

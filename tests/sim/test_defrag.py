@@ -89,6 +89,7 @@ def test_defrag_interval_is_in_the_json_and_a_bad_one_is_one_line(tmp_path):
     assert data["sim"]["config"]["defrag_interval_s"] == 0.0
     assert data["sim"]["policies"]["dilu"]["migrations"] == 0
     assert data["sim"]["policies"]["dilu"]["defrag_interval_s"] == 0.0
+    assert data["policies"]["dilu"]["run"]["defrag_interval_s"] == 0.0
     r = CliRunner().invoke(main, ["sim", "--functions", "200", "--hours", "0.5", "--nodes", "4", "--policies", "dilu",
                                   "--training-jobs", "0.2"], catch_exceptions=False)
     assert r.exit_code == 0 and f"instances moved by defragmentation, every {DEFRAG_INTERVAL_S:g} trace s" in r.output

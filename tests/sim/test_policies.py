@@ -18,6 +18,10 @@ def test_cluster_arguments_come_from_the_shared_table():
     assert POLICIES["horizontal-only"]["scheduler"] == ["--policy", "static-mps", "--defrag-interval-s", "0"]
     assert replay_args(10.0, "dilu")["scheduler"] == ["--defrag-interval-s", "3"]
     assert replay_args(10.0, "static-mps")["scheduler"] == ["--defrag-interval-s", "0"]
+    # --defrag-interval-s of demo/compare: trace seconds, compressed; the baselines still never
+    assert replay_args(10.0, "dilu", defrag_interval_s=120.0)["scheduler"] == ["--defrag-interval-s", "12"]
+    assert replay_args(10.0, "dilu-published", defrag_interval_s=0.0)["scheduler"] == ["--defrag-interval-s", "0"]
+    assert replay_args(10.0, "horizontal-only", defrag_interval_s=120.0)["scheduler"] == ["--defrag-interval-s", "0"]
     # dilu parks, compressed like the keep-alive; the baselines never, unless a run asks all to
     assert replay_args(10.0, "dilu")["horizontal_scaler"][-2:] == ["--park-after-s", "3"]
     assert POLICIES["horizontal-only"]["horizontal_scaler"] == ["--mode", "kpa", "--park-after-s", "0"]

@@ -15,6 +15,8 @@ from dilu.cli.main import main
     (["demo", "--gpus", "1", "--training-jobs", "2"], "at most one training job per GPU: 2 on 1 GPUs"),
     (["compare", "--gpus", "2", "--training-jobs", "3"], "at most one training job per GPU"),
     (["chaos", "--soak", "--faults", "kill-scheduler"], "--faults does not apply"),
+    (["compare", "--defrag-interval-s", "0.05"], "a round every 0.005 s, below the scheduler's 0.01 s"),
+    (["demo", "--defrag-interval-s", "-1"], "--defrag-interval-s"),
     (["chaos", "--sample-s", "30"], "it needs --soak"),
 ])
 def test_a_combination_that_means_nothing_is_refused_in_one_line(args, words):

@@ -142,6 +142,28 @@ def test_runs_of_other_spans_are_refused_naming_the_files():
         check_comparable([("a.json", RUNS[0]), ("b.json", bigger)])
 
 
+def with_run(runs: dict[str, Report], policy: str | None = None, **run) -> dict[str, Report]:
+    """``runs`` with ``run`` fields changed in every report, or in ``policy``'s only."""
+    return {p: Report.from_dict({**r.to_dict(), "run": {**r.to_dict()["run"], **run}}) if policy in (None, p) else r
+            for p, r in runs.items()}
+
+
+def test_runs_made_with_other_settings_are_refused_and_unrecorded_ones_are_not_compared():
+    """Training jobs beside the functions, and each policy's parking delay and defragmentation
+    interval, must match from file to file (dilu parks where horizontal-only does not: that is
+    no mismatch); a report of an older build that does not record them is not compared."""
+    a = with_run(RUNS[0], training_jobs=4)
+    a = with_run(a, "dilu", park_after_s=30.0, defrag_interval_s=30.0)
+    a = with_run(a, "horizontal-only", park_after_s=0.0, defrag_interval_s=0.0)
+    check_comparable([("a.json", a), ("b.json", a), ("old.json", RUNS[1])])
+    with pytest.raises(ValueError, match="training jobs 4 in a.json, 0 in b.json"):
+        check_comparable([("a.json", a), ("b.json", with_run(a, training_jobs=0))])
+    with pytest.raises(ValueError, match="dilu's parking delay .s. 30.0 in a.json, 0.0 in b.json"):
+        check_comparable([("a.json", a), ("b.json", with_run(a, "dilu", park_after_s=0.0))])
+    with pytest.raises(ValueError, match="dilu's defragmentation interval .s. 30.0 in a.json, 0.0 in b.json"):
+        check_comparable([("a.json", a), ("b.json", with_run(a, "dilu", defrag_interval_s=0.0))])
+
+
 def test_a_comparison_defined_in_some_runs_only_says_how_many():
     runs = [pair(0.1, 0, 100.0, 0.1, 5, 100.0), pair(0.1, 2, 100.0, 0.1, 6, 100.0),
             pair(0.1, 4, 100.0, 0.1, 8, 100.0)]  # dilu's cold starts are 0 in the first: no ratio there
