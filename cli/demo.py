@@ -31,7 +31,7 @@ from dilu.services.common import logging as dlog
 from dilu.services.common.cliopts import PARK_AFTER_S_TYPE, ZeroOrAtLeast, finite, nonempty_path, nonempty_url, writable_output
 from dilu.services.common import models
 from dilu.services.common.bus import quiet_error_cb
-from dilu.services.common.console import PipeConsole
+from dilu.services.common.console import PipeConsole, count_of
 from dilu.services.common.invoke import InvokeClient
 from dilu.services.common.natsconn import connect
 from dilu.services.common.workqueue import ensure_stream
@@ -535,7 +535,7 @@ async def run_once(opts: RunOptions, policy: str, console: Console, stop: asynci
     if short:  # the report's duration_s is the span replayed, not the one asked
         console.print(f"[yellow]{short}[/yellow]", highlight=False)
     if isinstance(opts.functions, int) and n < opts.functions:
-        console.print(f"[yellow]--functions {opts.functions}: the span has only {n} functions "
+        console.print(f"[yellow]--functions {opts.functions}: the span has only {count_of(n, 'function')} "
                       f"with invocations; replaying those[/yellow]")
     log_dir.mkdir(parents=True, exist_ok=True)
     # the load generator's own log lines (e.g. each request NATS refused) go beside the services'

@@ -17,6 +17,7 @@ from dilu.loadgen.sim.calibrate import MIN_BATCHES, MIN_STARTS
 from dilu.services.common import models
 from dilu.services.common.cliopts import (PARK_AFTER_S_TYPE, Finite, ZeroOrAtLeast, flag_envvar, writable_dir,
                                          writable_output, write_output)
+from dilu.services.common.console import count_of
 from dilu.services.common.interrupt import Interrupt, SignalExit
 from dilu.services.common.policies import DEFRAG_INTERVAL_MIN_S, DEFRAG_INTERVAL_S, PARK_AFTER_S, POLICIES
 from dilu.services.horizontal_scaler.policy import HorizontalConfig
@@ -226,11 +227,6 @@ def _check_span(console, trace_dir, hours: float, start_minute: int | None, spee
                       f"simulating those[/yellow]", highlight=False)
 
 
-def _count(n: int, noun: str, plural: str | None = None) -> str:
-    """``n`` and the noun in its number: "1 request", "2,000 requests" (``plural``: when not noun + s)."""
-    return f"{n:,} {noun if n == 1 else plural or noun + 's'}"
-
-
 def _parking_line(name: str, s: dict) -> str:
     """One policy's parking in words, from its ``sim`` facts (:class:`SimFacts`, counted to the end
     of the drain, where the report's parks and resumes stop at the replay's end): instances
@@ -239,10 +235,10 @@ def _parking_line(name: str, s: dict) -> str:
     requests that waited for a resume."""
     refused = s["resumes_refused"] - s["relaunches"]
     waits = s["resume_waits"]
-    return (f"{name}: {_count(s['parks'], 'instance')} parked, {s['resumes']:,} resumed in place, {s['relaunches']:,} "
+    return (f"{name}: {count_of(s['parks'], 'instance')} parked, {s['resumes']:,} resumed in place, {s['relaunches']:,} "
             f"relaunched elsewhere (their GPU full), {refused:,} refused (no GPU had room), to the end of the drain "
             f"(the table's parks and resumes stop at the replay's end); "
-            f"{_count(waits, 'request')} waited for a resume (no launch: not {'a cold-start request' if waits == 1 else 'cold-start requests'})")
+            f"{count_of(waits, 'request')} waited for a resume (no launch: not {'a cold-start request' if waits == 1 else 'cold-start requests'})")
 
 
 def _show(out: dict, console, functions, json_path: str | None, plots_dir: str | None) -> None:
@@ -253,16 +249,16 @@ def _show(out: dict, console, functions, json_path: str | None, plots_dir: str |
         write_output(json_path, dumps(out))
     first = next(iter(out["policies"].values()))
     if isinstance(functions, int) and first["run"]["functions"] < functions:
-        console.print(f"[yellow]--functions {functions}: the span has only {first['run']['functions']} functions "
+        console.print(f"[yellow]--functions {functions}: the span has only {count_of(first['run']['functions'], 'function')} "
                       f"with invocations; simulated those[/yellow]")
     report.render_compare({k: report.Report.from_dict(v) for k, v in out["policies"].items()}, console, simulated=True)
     for name, s in out["sim"]["policies"].items():
-        console.print(f"{name}: {s['events']:,} events in {s['wall_s']:.1f} s; peak {_count(s['peak_active_gpus'], 'active GPU')}, "
+        console.print(f"{name}: {s['events']:,} events in {s['wall_s']:.1f} s; peak {count_of(s['peak_active_gpus'], 'active GPU')}, "
                       f"largest Σ limits on a GPU {s['max_limit_sum']:.2f}")
         if s["parks"]:
             console.print(_parking_line(name, s))
         if s["migrations"]:
-            console.print(f"{name}: {_count(s['migrations'], 'instance')} moved by defragmentation, every "
+            console.print(f"{name}: {count_of(s['migrations'], 'instance')} moved by defragmentation, every "
                           f"{s['defrag_interval_s']:g} trace s (each relaunched on a fuller GPU, then drained)")
         if s["unplaced"]:
             console.print(f"{name}: {s['unplaced']:,} placements refused (no GPU had room for the instance)")
@@ -296,7 +292,7 @@ def _print_workload(out: dict, console) -> None:
         table.add_row(k, f"{v:.3f}" if isinstance(v, float) else str(v))
     console.print(table)
     if out["unplaced"]:
-        console.print(f"[yellow]{_count(out['unplaced'], 'instance')} found no GPU with room on {out['nodes']} x "
+        console.print(f"[yellow]{count_of(out['unplaced'], 'instance')} found no GPU with room on {out['nodes']} x "
                       f"{out['gpus_per_node']} GPUs: the peaks and the lower bound count the placed ones "
                       f"only[/yellow]", highlight=False)
 
@@ -337,7 +333,7 @@ def calibrate(log_dirs, json_path, min_batches) -> None:
     console.print(table)
     src = ov.source
     console.print(f"{src['transport_samples']:,} requests, {src['batch_samples']:,} batches; process start "
-                  + (f"{ov.process_start_ms:g} ms (median of {_count(src['process_start_samples'], 'launch', 'launches')})"
+                  + (f"{ov.process_start_ms:g} ms (median of {count_of(src['process_start_samples'], 'launch', 'launches')})"
                      if ov.process_start_ms is not None else "not measured (no launch after the initial ones)"),
                   highlight=False)
     by_starting = (_by_starting(ov.process_start_by_starting_ms) if ov.process_start_by_starting_ms else

@@ -1,4 +1,5 @@
-"""The console every command prints through: a rich Console whose reader leaving raises."""
+"""The console every command prints through: a rich Console whose reader leaving raises; and
+counts in words."""
 from __future__ import annotations
 
 from rich.console import Console
@@ -12,3 +13,9 @@ class PipeConsole(Console):
     def on_broken_pipe(self) -> None:
         self.quiet = True
         raise BrokenPipeError("the reader of the output left")
+
+
+def count_of(n: int, noun: str, plural: str | None = None) -> str:
+    """``n`` and the noun in its number: "1 request", "2,000 requests" (``plural``: when not
+    noun + s)."""
+    return f"{n:,} {noun if n == 1 else plural or noun + 's'}"

@@ -34,3 +34,12 @@ def test_a_profile_keeps_its_json_when_its_reader_left(tmp_path):
     rc, err = _closed_stdout("profile", "--json", str(out))
     assert rc == 141 and b"Error" not in err, err[-2000:]
     assert out.read_text().startswith("[")  # written before the table
+
+
+def test_counts_are_printed_in_their_number():
+    from dilu.services.common.console import count_of
+
+    assert count_of(1, "function") == "1 function"
+    assert count_of(0, "function") == "0 functions"
+    assert count_of(2000, "request") == "2,000 requests"
+    assert count_of(2, "replica", "replicas kept") == "2 replicas kept"
