@@ -475,10 +475,9 @@ class HorizontalPolicy:
     def deployed(self, name: str, now_s: float) -> None:
         """``name`` was just deployed (and can be placed): it gets the initial scale and keeps it
         through the keep-alive window unless requests come first, counted from its first
-        instance's readiness (:meth:`instance_ready`; it does not run while that instance starts),
-        or from now if none is placed. Has no
-        effect on a function that has already seen a request. Raises KeyError for an unknown
-        function."""
+        instance's readiness (:meth:`instance_ready`; it does not run while that instance
+        starts), or from now if none is placed. Has no effect on a function that has already
+        seen a request. Raises KeyError for an unknown function."""
         f = self._fn(name)
         if f.active_before and not f.fresh:
             return
