@@ -351,7 +351,7 @@ async def _replay_with(opts: RunOptions, cluster: Cluster, plan, chosen: dict[st
         if cold:
             console.print(f"[yellow]{len(cold)} of {len(specs)} functions have no warm instance "
                           f"{limit_s:.1f} s after their deploy ({', '.join(sorted(cold))}); "
-                          f"their first requests start them[/yellow]")
+                          f"their first requests wait for the instances still starting[/yellow]")
         client = InvokeClient(nc, js)
         await client.start()
         by_name = {s.name: s for s in specs}
