@@ -39,8 +39,9 @@ def summarize(run_files, json_path) -> None:
     the lowest and highest of that comparison run by run. One live run is one sample; read a
     direction from the means and how often the runs agree. Runs of other spans (trace, start
     minute, seed, duration, speed-up, functions), on other numbers of GPUs, with other numbers
-    of training jobs, or of a policy with another parking delay or defragmentation interval are
-    refused, and so are a file given twice and one with no run in it."""
+    of training jobs, of a policy with another parking delay or defragmentation interval, or a
+    simulated run beside a live one are refused, and so are a file given twice and one with no
+    run in it."""
     from dilu.cli.demo import make_console
     from dilu.loadgen import summary
 

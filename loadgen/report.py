@@ -174,7 +174,8 @@ class RunInfo(msgspec.Struct, kw_only=True):
     ``late_threshold_ms`` behind schedule; ``not_sent`` planned requests never sent (stopped);
     ``llm`` the LLM trace replayed, if any. What the policy ran with: ``training_jobs`` beside
     the functions, ``park_after_s`` and ``defrag_interval_s`` in force, trace seconds (0: never);
-    None: not recorded (a report of an older build)."""
+    None: not recorded (a report of an older build). ``simulated``: made by ``dilu sim`` (its
+    seconds are simulated ones)."""
 
     wall_s: float
     policy: str = "dilu"
@@ -193,13 +194,14 @@ class RunInfo(msgspec.Struct, kw_only=True):
     training_jobs: int | None = None
     park_after_s: float | None = None
     defrag_interval_s: float | None = None
+    simulated: bool = False
     llm: LlmRunInfo | None = None
 
 
 def run_info(
     plan: ReplayPlan | None, result: RunResult, *, policy: str = "dilu", gpus: int = 0,
     llm_plan: LlmPlan | None = None, training_jobs: int | None = None, park_after_s: float | None = None,
-    defrag_interval_s: float | None = None,
+    defrag_interval_s: float | None = None, simulated: bool = False,
 ) -> RunInfo:
     """The :class:`RunInfo` of a replay from its plan(s) and the generator's result; the
     keywords are recorded as they are (see :class:`RunInfo`).
@@ -213,6 +215,7 @@ def run_info(
         wall_s=result.wall_s, policy=policy, late_sends=result.late_sends,
         late_threshold_ms=result.late_threshold_ms, max_late_ms=result.max_late_ms, not_sent=result.not_sent,
         gpus=gpus, training_jobs=training_jobs, park_after_s=park_after_s, defrag_interval_s=defrag_interval_s,
+        simulated=simulated,
     )
     llm = None
     if llm_plan is not None:

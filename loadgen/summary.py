@@ -16,7 +16,7 @@ from __future__ import annotations
 import statistics
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from pathlib import Path
+from pathlib import Path, PurePath
 
 import msgspec
 from rich.console import Console
@@ -130,28 +130,39 @@ def summarize(runs: Sequence[Mapping[str, Report]]) -> Summary:
 
 _SAME = (("trace", "trace"), ("start_minute", "start minute"), ("seed", "seed"), ("duration_s", "duration"),
          ("speedup", "speed-up"), ("functions", "functions"), ("gpus", "GPUs"),
-         ("training_jobs", "training jobs"))  # what makes runs of one comparison
+         ("training_jobs", "training jobs"), ("simulated", "simulated"))  # what makes runs of one comparison
 # ... and, per policy, what it ran with (a policy's parking and defragmentation differ from another's)
 _SAME_PER_POLICY = (("park_after_s", "parking delay (s)"), ("defrag_interval_s", "defragmentation interval (s)"))
+
+
+def _comparable(field: str, value):
+    """``value`` of RunInfo ``field`` as runs of one comparison share it: a duration to 0.1 s,
+    other numbers to 1e-9 (0 means never: 0.04 s is another setting), a trace by its
+    directory's name."""
+    if field == "trace" and value:
+        return PurePath(value).name
+    if isinstance(value, float):
+        return round(value, 1 if field == "duration_s" else 9)
+    return value
 
 
 def check_comparable(runs: Sequence[tuple[str, Mapping[str, Report]]]) -> None:
     """Raise ValueError, naming the figure and two of the files, unless every report of
     ``runs`` (``(file name, its reports)``) replays the same span: trace, start minute, seed,
-    duration (to 0.1 s), speed-up and functions, on as many GPUs, with as many training jobs,
-    and each policy with the same parking delay and defragmentation interval as in the other
-    files. Averaging runs of other seeds, spans, clusters or settings would mix different
-    experiments into one mean. A setting a report does not record (an older build's) is not
-    compared."""
+    duration (to 0.1 s: a live run's lasts as long as its last answer), speed-up and
+    functions, on as many GPUs, with as many training jobs, all live or all simulated, and each
+    policy with the same parking delay and defragmentation interval as in the other files. The
+    trace is compared by its directory's name, so the bundled trace of two checkouts is one.
+    Averaging runs of other seeds, spans, clusters or settings would mix different experiments
+    into one mean. A setting a report does not record (an older build's) is not compared."""
     first: dict[tuple[str, str], tuple[str, object]] = {}
     for name, reports in runs:
         for policy, report in reports.items():
             for field, what, key in ([(f, w, "") for f, w in _SAME]
                                      + [(f, f"{policy}'s {w}", policy) for f, w in _SAME_PER_POLICY]):
-                value = getattr(report.run, field)
+                value = _comparable(field, getattr(report.run, field))
                 if value is None:
                     continue
-                value = round(value, 1) if isinstance(value, float) else value
                 seen = first.setdefault((field, key), (name, value))
                 if seen[1] != value:
                     raise ValueError(f"not runs of one comparison: {what} {seen[1]} in {seen[0]}, {value} in {name}")

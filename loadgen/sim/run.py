@@ -1022,7 +1022,8 @@ class Simulation:
             idle_fragmentation=round(min(1.0, max(0.0, 1.0 - cut.consumed / area)), 6) if area else 0.0)
         info = report.run_info(plan, result, policy=self.policy, gpus=self.cfg.gpus,
                                training_jobs=sum(s.kind == "training" for s in self.work.specs),
-                               park_after_s=self.facts.park_after_s, defrag_interval_s=self.facts.defrag_interval_s)
+                               park_after_s=self.facts.park_after_s, defrag_interval_s=self.facts.defrag_interval_s,
+                               simulated=True)
         return report.build_report(records, meta, facts, info)
 
 

@@ -41,4 +41,4 @@ def test_ctrl_c_stops_cleanly_still_accounts_and_exits_130(tmp_path: Path):
     t = data["totals"]
     assert t["offered"] == t["completed"] + t["dropped"] + t["failed"] + t["timed_out"]
     run = data["run"]  # what the policy ran with (dilu summarize compares them): one job per GPU
-    assert (run["training_jobs"], run["park_after_s"], run["defrag_interval_s"]) == (4, 30.0, 30.0)
+    assert (run["training_jobs"], run["park_after_s"], run["defrag_interval_s"], run["simulated"]) == (4, 30.0, 30.0, False)

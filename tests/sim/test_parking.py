@@ -70,7 +70,7 @@ def test_parking_is_deterministic_and_in_the_json(tmp_path):
     assert outs[0] == outs[1]
     assert outs[0]["sim"]["config"]["park_after_s"] == 30.0
     run = outs[0]["policies"]["dilu"]["run"]  # what dilu summarize compares from file to file
-    assert (run["park_after_s"], run["defrag_interval_s"], run["training_jobs"]) == (30.0, 30.0, 0)
+    assert (run["park_after_s"], run["defrag_interval_s"], run["training_jobs"], run["simulated"]) == (30.0, 30.0, 0, True)
     assert outs[0]["sim"]["policies"]["dilu"]["parks"] > 0
     mechanism = outs[0]["policies"]["dilu"]["mechanism"]
     assert 0 < mechanism["parks"] <= outs[0]["sim"]["policies"]["dilu"]["parks"] and mechanism["resumes"] >= 0

@@ -162,6 +162,20 @@ def test_runs_made_with_other_settings_are_refused_and_unrecorded_ones_are_not_c
         check_comparable([("a.json", a), ("b.json", with_run(a, "dilu", park_after_s=0.0))])
     with pytest.raises(ValueError, match="dilu's defragmentation interval .s. 30.0 in a.json, 0.0 in b.json"):
         check_comparable([("a.json", a), ("b.json", with_run(a, "dilu", defrag_interval_s=0.0))])
+    with pytest.raises(ValueError, match="dilu's parking delay .s. 0.04 in a.json, 0.0 in b.json"):  # 0: never
+        check_comparable([("a.json", with_run(a, "dilu", park_after_s=0.04)),
+                          ("b.json", with_run(a, "dilu", park_after_s=0.0))])
+
+
+def test_a_simulated_run_is_not_averaged_with_a_live_one_and_a_trace_is_compared_by_name():
+    sim = with_run(RUNS[1], simulated=True)
+    with pytest.raises(ValueError, match="simulated False in live.json, True in sim.json"):
+        check_comparable([("live.json", RUNS[0]), ("sim.json", sim)])
+    here = with_run(RUNS[0], trace="/work/a/loadgen/data/azure-functions-2019-100")
+    there = with_run(RUNS[1], trace="/tmp/b/loadgen/data/azure-functions-2019-100")
+    check_comparable([("a.json", here), ("b.json", there)])  # the bundled trace of two checkouts
+    with pytest.raises(ValueError, match="trace azure-functions-2019-100 in a.json, other in b.json"):
+        check_comparable([("a.json", here), ("b.json", with_run(RUNS[1], trace="/tmp/b/other"))])
 
 
 def test_a_comparison_defined_in_some_runs_only_says_how_many():
