@@ -110,8 +110,8 @@ class Mechanism(msgspec.Struct, kw_only=True):
     ``token_wait_ms`` (time launches waited for tokens, summed), ``scale_outs`` and
     ``retirements`` (instances added and removed by the horizontal scaler), ``scale_to_zero``
     (times a function went to zero instances), ``parks`` (instances parked: each one whose
-    placement and share were freed, its weights moved to host memory; once per instance, not per
-    decision) and ``resumes`` (parked instances brought back on the GPU they left, their weights
+    placement and share were freed, its weights moved to host memory; once per park, not per
+    decision: an instance resumed and parked again counts again) and ``resumes`` (parked instances brought back on the GPU they left, their weights
     copied back: the live scaler's ``dilu_resumes_total{outcome="resumed"}`` over every
     ``function``; a resume that
     found that GPU full and relaunched the instance elsewhere is a launch, counted in
