@@ -68,8 +68,8 @@ from dilu.services.horizontal_scaler.service import MAX_PLACE_COUNT
 from dilu.services.node_agent.grants import fit_quota
 from dilu.services.profiler.policy import NoFeasibleSetting, cache_key, search_for
 from dilu.services.profiler.surface import SurfaceBackend, model_surface, run_search
-from dilu.services.scheduler.policy import (DEFRAG_GAIN_PER_GPU_S, Cluster, Demand, NoCapacity, Slot, allocation_batch,
-                                           allocation_quotas, migration_price_gpu_s)
+from dilu.services.scheduler.policy import (Cluster, Demand, NoCapacity, Placed, Slot, allocation_batch,
+                                           allocation_quotas)
 from dilu.services.vertical_scaler.policy import VerticalConfig, vertical_policy
 
 from .engine import EventLoop
@@ -629,23 +629,15 @@ class Simulation:
 
     def _defrag_tick(self, _=None) -> None:
         """The scheduler's defragmentation round (its ``defrag_interval_s``): the placement
-        policy's :meth:`Cluster.plan_defrag`, priced as the live scheduler prices it, applied as
+        policy's :meth:`Cluster.plan_round`, as the live scheduler plans it, applied as
         relaunch-then-drain. Only ready inference instances move (not one already moving, nor
         training: its progress would be lost); the old one drains once its replacement is ready,
         and a GPU holding only such leaving instances or starting ones takes no one."""
         now = self.loop.now
-        moving = {i.replaces for i in self.instances.values() if i.replaces}
-        leaving = {iid for iid, i in self.instances.items() if i.state == "draining" or iid in moving}
-        costs = {}
-        for iid in self.cluster.instances:
-            inst = self.instances.get(iid)
-            costs[iid] = math.inf if inst is None else migration_price_gpu_s(
-                ready=inst.state == "ready", leaving=iid in leaving, training=inst.training,
-                cold_start_ms=self.cfg.process_start_ms + models.cold_start_ms(inst.fn.model),
-                request_quota=inst.request)
-        starting = {iid for iid, i in self.instances.items() if i.state == "starting" and iid not in leaving}
-        plan = self.cluster.plan_defrag(costs, gain_per_gpu_s=DEFRAG_GAIN_PER_GPU_S, leaving=leaving,
-                                        starting=starting)
+        start_ms = self.cfg.process_start_ms
+        placed = {iid: Placed(i.state, i.replaces, i.training, start_ms + models.cold_start_ms(i.fn.model), i.request)
+                  for iid, i in self.instances.items()}
+        plan = self.cluster.plan_round(placed)
         for m in plan.migrations:
             old = self.instances[m.instance_id]
             new = self._place(old.fn, m.target)

@@ -52,7 +52,7 @@ from __future__ import annotations
 import bisect
 import copy
 import math
-from collections.abc import Collection, Iterable, Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from dilu.services.common.models import PARKED_BYTES
@@ -199,6 +199,47 @@ def migration_price_gpu_s(*, ready: bool, leaving: bool, training: bool, cold_st
     if not ready or leaving or training:
         return math.inf
     return migration_cost_gpu_s(cold_start_ms, request_quota)
+
+
+PLACED_STATES = ("starting", "ready", "draining", "parked")
+
+
+@dataclass(frozen=True)
+class Placed:
+    """One placed instance as a defragmentation round sees it. ``state``: one of
+    :data:`PLACED_STATES` (starting: launched or resuming, not ready yet; parked: off the GPU,
+    holding no quota); ``replaces``: the instance a migration's replacement takes over from
+    ("" for any other); ``cold_start_ms`` (ms) and ``request_quota`` (0..1) price its move."""
+
+    state: str
+    replaces: str = ""
+    training: bool = False
+    cold_start_ms: float = 0.0
+    request_quota: float = 0.0
+
+
+@dataclass(frozen=True)
+class DefragInputs:
+    """What :meth:`Cluster.plan_defrag` is given for one round: ``cost_gpu_s`` per instance
+    (:func:`migration_price_gpu_s`), and the ``leaving`` and ``starting`` instance ids."""
+
+    cost_gpu_s: dict[str, float]
+    leaving: frozenset[str]
+    starting: frozenset[str]
+
+
+def defrag_inputs(placed: Mapping[str, Placed]) -> DefragInputs:
+    """One defragmentation round's view of ``placed`` (instance id -> :class:`Placed`): an
+    instance is *leaving* when it drains or a live (not draining) replacement replaces it,
+    *starting* when it is neither ready nor parked nor leaving, and only a ready one that stays
+    has a finite price. The live scheduler and the simulator both build their round with it."""
+    moving = {p.replaces for p in placed.values() if p.replaces and p.state != "draining"}
+    leaving = frozenset(i for i, p in placed.items() if p.state == "draining" or i in moving)
+    starting = frozenset(i for i, p in placed.items() if p.state == "starting" and i not in leaving)
+    costs = {i: migration_price_gpu_s(ready=p.state == "ready", leaving=i in leaving, training=p.training,
+                                      cold_start_ms=p.cold_start_ms, request_quota=p.request_quota)
+             for i, p in placed.items()}
+    return DefragInputs(costs, leaving, starting)
 
 
 @dataclass
@@ -819,6 +860,14 @@ class Cluster:
             return (i in warm, not empties, load)
 
         return min(reversed(list(candidates)), key=key)
+
+    def plan_round(self, placed: Mapping[str, Placed], gain_per_gpu_s: float = DEFRAG_GAIN_PER_GPU_S) -> DefragPlan:
+        """One defragmentation round as the live scheduler and the simulator run it:
+        :meth:`plan_defrag` over :func:`defrag_inputs` of ``placed`` (every placed instance,
+        parked ones included). Pure, as :meth:`plan_defrag`."""
+        inputs = defrag_inputs(placed)
+        return self.plan_defrag(inputs.cost_gpu_s, gain_per_gpu_s=gain_per_gpu_s, leaving=inputs.leaving,
+                                starting=inputs.starting)
 
     def plan_defrag(
         self, cost_gpu_s: dict[str, float] | None = None, *, gain_per_gpu_s: float = 300.0,

@@ -112,8 +112,7 @@ from ..common.jsresources import PLACEMENT_KV_CONFIG, PROFILES_KV_CONFIG, ensure
 from ..common.nodes import nodes_bucket
 from ..common.functions import runs_on
 from .inventory import NodeChange, Roster, admission, inventory_age_s, orphans_due
-from .policy import (DEFRAG_GAIN_PER_GPU_S, Cluster, Demand, NoCapacity, Slot, allocation_batch, allocation_quotas,
-                     migration_price_gpu_s, parked_bytes)
+from .policy import Cluster, Demand, NoCapacity, Placed, Slot, allocation_batch, allocation_quotas, parked_bytes
 
 PLACEMENTS = Counter("dilu_scheduler_placements", "Instances placed", ["function"])
 RETIREMENTS = Counter("dilu_scheduler_retirements", "Instances marked draining", ["function"])
@@ -751,18 +750,12 @@ class SchedulerService:
         """
         async with self.lock:
             await self._settle_migrations(assume_ready=False)
-            moving = {p.replaces for p, _ in self.placements.values() if p.replaces and not p.draining}
-            leaving = {i for i, (p, _) in self.placements.items() if p.draining or i in moving}
-            starting = {i for i, (p, _) in self.placements.items()
-                        if i not in self.warm and not p.parked and i not in leaving}
-            costs = {i: migration_price_gpu_s(ready=i in self.warm and not p.parked, leaving=i in leaving,
-                                              training=p.priority == "training", cold_start_ms=p.cold_start_ms,
-                                              request_quota=p.request_quota)
-                     for i, (p, _) in self.placements.items()}
-            plan = self.cluster.plan_defrag(costs, gain_per_gpu_s=DEFRAG_GAIN_PER_GPU_S, leaving=leaving,
-                                            starting=starting)
-            self.bus.log.debug("defragmentation planned", movable=sum(c != float("inf") for c in costs.values()),
-                               placements=len(costs), active_gpus=self.cluster.active, moves=len(plan.migrations))
+            placed = {i: Placed("draining" if p.draining else "parked" if p.parked else "ready" if i in self.warm
+                                else "starting", p.replaces, p.priority == "training", p.cold_start_ms, p.request_quota)
+                      for i, (p, _) in self.placements.items()}
+            plan = self.cluster.plan_round(placed)
+            self.bus.log.debug("defragmentation planned", placements=len(placed), active_gpus=self.cluster.active,
+                               moves=len(plan.migrations))
             moved = 0
             for m in plan.migrations:
                 old, _ = self.placements[m.instance_id]

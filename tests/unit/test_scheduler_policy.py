@@ -453,3 +453,43 @@ def test_only_a_ready_staying_inference_instance_has_a_finite_migration_price(st
     from dilu.services.scheduler.policy import MIGRATION_DISRUPTION_S, migration_price_gpu_s
     assert MIGRATION_DISRUPTION_S == 5.0
     assert migration_price_gpu_s(cold_start_ms=2000, request_quota=0.5, **state) == price
+
+
+def test_a_defragmentation_rounds_view_of_the_placed_instances():
+    """The one rule the live scheduler and the simulator build a round with: a draining instance
+    and one a live replacement takes over from are leaving; the replacement, not ready yet, is
+    starting; a replacement itself draining (cancelled) leaves its old instance staying; a
+    parked one is neither; only a ready staying inference instance gets a finite price."""
+    from dilu.services.scheduler.policy import Placed, defrag_inputs
+    placed = {
+        "old": Placed("ready", cold_start_ms=2000, request_quota=0.5),
+        "new": Placed("starting", replaces="old", cold_start_ms=2000, request_quota=0.5),
+        "kept": Placed("ready", cold_start_ms=1000, request_quota=0.2),
+        "cancelled": Placed("draining", replaces="kept"),
+        "gone": Placed("draining"),
+        "idle": Placed("parked"),
+        "job": Placed("ready", training=True, request_quota=0.3),
+        "launching": Placed("starting"),
+    }
+    view = defrag_inputs(placed)
+    assert view.leaving == {"old", "cancelled", "gone"}
+    assert view.starting == {"new", "launching"}
+    finite = {i: c for i, c in view.cost_gpu_s.items() if c != float("inf")}
+    assert finite == {"kept": (1000 / 1000 + 5.0) * 0.2}
+    assert set(view.cost_gpu_s) == set(placed)
+
+
+def test_a_round_planned_from_the_placed_view_waits_for_a_starting_newcomer():
+    """:meth:`Cluster.plan_round` is :meth:`Cluster.plan_defrag` over that view: the same case as
+    above, where a newcomer still starting keeps GPU 1's eight instances where they are."""
+    from dilu.services.scheduler.policy import Placed
+    c = cluster(1, 3)
+    c.assign("new", inf("new", r=0.1), [Slot("n0", 0)])
+    for k in range(8):
+        c.assign(f"i{k}", inf(f"f{k}", r=0.1, mem_gib=2), [Slot("n0", 1)])
+    c.assign("full", inf("full", r=1.0), [Slot("n0", 2)])
+    placed = {i: Placed("ready", request_quota=0.1, cold_start_ms=500) for i in c.instances}
+    placed["new"] = Placed("starting")
+    assert c.plan_round(placed).migrations == []
+    placed["new"] = Placed("ready", request_quota=0.1, cold_start_ms=500)
+    assert [(m.instance_id, m.target) for m in c.plan_round(placed).migrations] == [("new", Slot("n0", 1))]
