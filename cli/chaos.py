@@ -30,7 +30,7 @@ from rich.table import Table
 
 from dilu.loadgen import arrivals, chaos, report, requestlog, trace
 from dilu.services.common import logging as dlog
-from dilu.services.common.cliopts import finite, nonempty_path, writable_output, write_output
+from dilu.services.common.cliopts import Finite, nonempty_path, writable_output, write_output
 from dilu.services.common.workqueue import DEFAULT_ACK_WAIT_S
 from dilu.services.node_agent import segments
 
@@ -402,19 +402,19 @@ def _check_length(tr: trace.Trace, minutes: float, speedup: float, kinds: list[s
 
 
 @click.command()
-@_opt("--minutes", type=float, default=3.0, show_default=True, callback=finite,
+@_opt("--minutes", type=Finite(), default=3.0, show_default=True,
       help=f"wall-clock minutes of load: at least {MIN_MINUTES:g}, and long enough for the faults "
            f"(all of them: {min_minutes(list(chaos.KINDS)):g}); shorter where the trace ends first (it says so)")
 @_opt("--faults", "kinds", default="all", show_default=True, callback=lambda c, p, v: _faults(v),
       help=f"comma-separated fault kinds, in order, or 'all': {', '.join([*chaos.KINDS, chaos.LOSE_AGENT])}")
 @_opt("--soak", is_flag=True, help="no faults: sample every process's own memory, descriptors and threads, and the shared-memory segments")
-@_opt("--sample-s", type=click.FloatRange(min=0.5), default=10.0, show_default=True, callback=finite,
+@_opt("--sample-s", type=Finite(min=0.5), default=10.0, show_default=True,
       help="soak sampling period, wall-clock seconds (at most a twelfth of the run)")
 @_opt("--functions", type=click.IntRange(min=1), default=8, show_default=True, help="K busiest functions of the span")
 @_opt("--gpus", default="4", show_default=True, callback=lambda c, p, v: _gpus(v),
       help="emulated A100 40 GB GPUs on the node (1..64; 'all': 4), or 'cpu' (a CPU node serving a torch CNN)")
-@_opt("--speedup", type=click.FloatRange(min=arrivals.SPEEDUP_MIN, max=arrivals.SPEEDUP_MAX), default=10.0,
-      show_default=True, callback=finite, help="trace seconds per wall-clock second (arrivals only)")
+@_opt("--speedup", type=Finite(min=arrivals.SPEEDUP_MIN, max=arrivals.SPEEDUP_MAX), default=10.0,
+      show_default=True, help="trace seconds per wall-clock second (arrivals only)")
 @_opt("--seed", type=click.IntRange(min=0), default=1, show_default=True,
       help="seed of the arrivals within each trace minute, the functions' models and the instance killed")
 @_opt("--trace", "trace_dir", type=click.Path(exists=True, file_okay=False), default=None,

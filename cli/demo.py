@@ -28,7 +28,7 @@ from rich.console import Console
 from dilu.loadgen import arrivals, assign, generator, report, requestlog, trace
 from dilu.loadgen import llm as llmtrace
 from dilu.services.common import logging as dlog
-from dilu.services.common.cliopts import PARK_AFTER_S_TYPE, ZeroOrAtLeast, finite, nonempty_path, nonempty_url, writable_output
+from dilu.services.common.cliopts import PARK_AFTER_S_TYPE, Finite, ZeroOrAtLeast, nonempty_path, nonempty_url, writable_output
 from dilu.services.common import models
 from dilu.services.common.bus import quiet_error_cb
 from dilu.services.common.console import PipeConsole, count_of
@@ -114,8 +114,8 @@ def _gpus(value: str) -> str:
 def run_options(f):
     """The options of a run, shared by ``demo`` and ``compare``."""
     opts = [
-        click.option("--duration", type=click.FloatRange(min=1), default=120.0, show_default=True, callback=finite, help="wall-clock seconds of replay"),
-        click.option("--speedup", type=click.FloatRange(min=arrivals.SPEEDUP_MIN, max=arrivals.SPEEDUP_MAX), default=10.0, show_default=True, callback=finite, help="trace seconds per wall second (arrivals only)"),
+        click.option("--duration", type=Finite(min=1), default=120.0, show_default=True, help="wall-clock seconds of replay"),
+        click.option("--speedup", type=Finite(min=arrivals.SPEEDUP_MIN, max=arrivals.SPEEDUP_MAX), default=10.0, show_default=True, help="trace seconds per wall second (arrivals only)"),
         click.option("--seed", type=click.IntRange(min=0), default=1, show_default=True, help="seed of the arrivals within each trace minute and of each function's model: the same seed, the same requests"),
         click.option("--trace", "trace_dir", type=click.Path(exists=True, file_okay=False), default=None, help="trace directory in the Azure Functions 2019 format (default: the bundled 100-function sample)"),
         click.option("--start-minute", type=int, default=None, help="trace minute to begin at (default: the first)"),
@@ -126,7 +126,7 @@ def run_options(f):
         click.option("--training-jobs", type=click.IntRange(min=0, max=64), default=None, help="training jobs collocated with the inference functions, at most one per GPU (default: one per GPU in dilu demo, none in dilu compare; 0: none)"),
         click.option("--park-after-s", type=PARK_AFTER_S_TYPE, default=None, help=f"park an idle function's instances after this many trace seconds within its keep-alive (their GPU share and device memory given back but for their CUDA context, weights kept in host memory, resumed in the time they take to copy back: 10 ms for ResNet152, 1.1 s for LLaMA2-7B), every policy; compressed by --speedup like the keep-alive; 0: never (default: as each policy does, dilu after {PARK_AFTER_S:g} s, the others never)"),
         click.option("--defrag-interval-s", type=ZeroOrAtLeast(DEFRAG_INTERVAL_MIN_S, 86_400), default=None, metavar="S", help=f"how often, in trace seconds, the scheduler of dilu and dilu-published moves instances off lightly used GPUs to empty them, compressed by --speedup like the keep-alive; 0: never (default: {DEFRAG_INTERVAL_S:g}, as they do live). The baselines never defragment, as in dilu sim"),
-        click.option("--llm-share", type=click.FloatRange(min=0.0, max=1.0), default=0.0, show_default=True, callback=finite, help="also replay this fraction of the Azure LLM 2023 code trace's requests (real arrival times, prompt and output lengths) against an llm function on LLaMA2-7B; 0: none"),
+        click.option("--llm-share", type=Finite(min=0.0, max=1.0), default=0.0, show_default=True, help="also replay this fraction of the Azure LLM 2023 code trace's requests (real arrival times, prompt and output lengths) against an llm function on LLaMA2-7B; 0: none"),
     ]
     for opt in reversed(opts):
         f = opt(f)

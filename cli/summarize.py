@@ -11,9 +11,8 @@ import click
 from dilu.services.common.cliopts import flag_envvar, writable_output, write_output
 
 
-def _distinct(run_files, json_path) -> None:
-    """Raise ValueError for a file given twice (it would count as two runs) or one that --json
-    would overwrite with the summary."""
+def _distinct(run_files) -> None:
+    """Raise ValueError for a file given twice (it would count as two runs)."""
     seen: dict[Path, str] = {}
     for path in run_files:
         real = Path(path).resolve()
@@ -21,8 +20,6 @@ def _distinct(run_files, json_path) -> None:
             also = "" if seen[real] == path else f" (as {seen[real]})"
             raise ValueError(f"{path} is given twice{also}: each run counts once")
         seen[real] = path
-    if json_path and Path(json_path).resolve() in seen:
-        raise ValueError(f"--json {json_path} is one of the runs: the summary would overwrite it")
 
 
 @click.command("summarize")
@@ -45,8 +42,11 @@ def summarize(run_files, json_path) -> None:
     from dilu.cli.demo import make_console
     from dilu.loadgen import summary
 
+    if json_path and any(Path(json_path).resolve() == Path(p).resolve() for p in run_files):
+        raise click.BadParameter(f"{json_path} is one of the runs: the summary would overwrite it",
+                                 param_hint="'--json'")
     try:
-        _distinct(run_files, json_path)
+        _distinct(run_files)
         runs = [(path, summary.read_runs(path)) for path in run_files]
         summary.check_comparable(runs)
         result = summary.summarize([reports for _, reports in runs])

@@ -66,8 +66,12 @@ class Finite(click.FloatRange):
     def convert(self, value, param, ctx):
         v = super().convert(value, param, ctx)
         if not math.isfinite(v):
-            self.fail(f"{value!r} is not a finite number.", param, ctx)
+            self.fail(f"{value!r} is not a valid finite number.", param, ctx)
         return v
+
+    def _describe_range(self) -> str:
+        """No range in --help when there is none (click's would read "x<=None")."""
+        return "" if self.min is None and self.max is None else super()._describe_range()
 
 
 class ZeroOrAtLeast(Finite):
@@ -294,14 +298,6 @@ def writable_output(ctx, param, value):
             raise click.BadParameter(f"cannot write {value}: {why}") from None
         if not existed:
             path.unlink(missing_ok=True)
-    return value
-
-
-def finite(_ctx, param, value):
-    """Click callback for a float option: NaN and infinities are refused in one line (click's
-    FloatRange lets NaN through, since every comparison with it is false). None passes."""
-    if value is not None and not math.isfinite(value):
-        raise click.BadParameter(f"must be a finite number, got {value}", param=param)
     return value
 
 

@@ -9,7 +9,7 @@ import click
 from rich import box
 from rich.table import Table
 
-from dilu.services.common.cliopts import finite, writable_output, write_output
+from dilu.services.common.cliopts import Finite, writable_output, write_output
 from dilu.services.common.console import PipeConsole
 
 from .policy import QUEUEING_BUDGET, NoFeasibleSetting, ProfileSearch
@@ -86,10 +86,10 @@ def _legend_text() -> str:
 @click.command("profile", epilog="Columns:\n\n\b\n" + _legend_text())
 @click.option("--surface", "surface_path", type=click.Path(exists=True, dir_okay=False, path_type=Path),
               help="Surface CSV (a100-mps or v100-sm-quota format). Without it: every shipped surface.")
-@click.option("--slo-ms", type=click.FloatRange(min=0, min_open=True, max=1e7), callback=finite, help="Request latency SLO in ms. Default: 2, 3 and 5 × batch-1 full-GPU latency.")
-@click.option("--queueing-budget", type=click.FloatRange(min=0, min_open=True, max=1), default=QUEUEING_BUDGET,
-              show_default=True, callback=finite, help="Share of the SLO a batch may take (a request waits for the batch ahead).")
-@click.option("--stop-threshold", type=click.FloatRange(min=0, max=1), default=0.15, show_default=True, callback=finite,
+@click.option("--slo-ms", type=Finite(min=0, min_open=True, max=1e7), help="Request latency SLO in ms. Default: 2, 3 and 5 × batch-1 full-GPU latency.")
+@click.option("--queueing-budget", type=Finite(min=0, min_open=True, max=1), default=QUEUEING_BUDGET,
+              show_default=True, help="Share of the SLO a batch may take (a request waits for the batch ahead).")
+@click.option("--stop-threshold", type=Finite(min=0, max=1), default=0.15, show_default=True,
               help="Relative TE margin below the best within which the search keeps growing.")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False, path_type=Path), callback=writable_output,
               help="Write the results here.")

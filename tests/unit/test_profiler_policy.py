@@ -247,8 +247,8 @@ def test_bad_surface_file_is_a_clear_error(tmp_path):
 
 
 @pytest.mark.parametrize("args, words", [
-    (["--slo-ms", "nan"], "must be a finite number"),
-    (["--queueing-budget", "nan"], "must be a finite number"),
+    (["--slo-ms", "nan"], "is not a valid finite number"),
+    (["--queueing-budget", "nan"], "is not a valid finite number"),
     (["--slo-ms", "98", "--json", "/nonexistent-dir/p.json"], "cannot write /nonexistent-dir/p.json"),
 ])
 def test_dilu_profile_bad_options_are_one_line(args, words):
