@@ -209,13 +209,18 @@ class Placed:
     """One placed instance as a defragmentation round sees it. ``state``: one of
     :data:`PLACED_STATES` (starting: launched or resuming, not ready yet; parked: off the GPU,
     holding no quota); ``replaces``: the instance a migration's replacement takes over from
-    ("" for any other); ``cold_start_ms`` (ms) and ``request_quota`` (0..1) price its move."""
+    ("" for any other); ``cold_start_ms`` (ms) and ``request_quota`` (0..1) price its move.
+    Raises ValueError for a state not in :data:`PLACED_STATES`."""
 
     state: str
     replaces: str = ""
     training: bool = False
     cold_start_ms: float = 0.0
     request_quota: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.state not in PLACED_STATES:
+            raise ValueError(f"placed state must be one of {', '.join(PLACED_STATES)}, got {self.state!r}")
 
 
 @dataclass(frozen=True)

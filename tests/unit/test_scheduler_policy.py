@@ -477,6 +477,8 @@ def test_a_defragmentation_rounds_view_of_the_placed_instances():
     finite = {i: c for i, c in view.cost_gpu_s.items() if c != float("inf")}
     assert finite == {"kept": (1000 / 1000 + 5.0) * 0.2}
     assert set(view.cost_gpu_s) == set(placed)
+    with pytest.raises(ValueError, match="got 'gone'"):
+        Placed("gone")
 
 
 def test_a_round_planned_from_the_placed_view_waits_for_a_starting_newcomer():
