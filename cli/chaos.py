@@ -30,7 +30,7 @@ from rich.table import Table
 
 from dilu.loadgen import arrivals, chaos, report, requestlog, trace
 from dilu.services.common import logging as dlog
-from dilu.services.common.cliopts import Finite, nonempty_path, writable_output, write_output
+from dilu.services.common.cliopts import Finite, writable_dir, writable_output, write_output
 from dilu.services.common.workqueue import DEFAULT_ACK_WAIT_S
 from dilu.services.node_agent import segments
 
@@ -419,7 +419,7 @@ def _check_length(tr: trace.Trace, minutes: float, speedup: float, kinds: list[s
       help="seed of the arrivals within each trace minute, the functions' models and the instance killed")
 @_opt("--trace", "trace_dir", type=click.Path(exists=True, file_okay=False), default=None,
       help="trace directory in the Azure Functions 2019 format (default: the bundled 100-function sample)")
-@_opt("--log-dir", default=None, type=click.Path(file_okay=False), callback=nonempty_path,
+@_opt("--log-dir", default=None, type=click.Path(file_okay=False), callback=writable_dir,
       help="where the services' JSON logs go (default: a temp dir)")
 @_opt("--json", "json_path", type=click.Path(dir_okay=False), default=None, callback=writable_output,
       help="also write the result as JSON (the tally, faults, SLO violations, latency; with --soak the slopes)")

@@ -28,7 +28,7 @@ from rich.console import Console
 from dilu.loadgen import arrivals, assign, generator, report, requestlog, trace
 from dilu.loadgen import llm as llmtrace
 from dilu.services.common import logging as dlog
-from dilu.services.common.cliopts import PARK_AFTER_S_TYPE, Finite, ZeroOrAtLeast, nonempty_path, nonempty_url, writable_output
+from dilu.services.common.cliopts import PARK_AFTER_S_TYPE, Finite, ZeroOrAtLeast, nonempty_url, writable_dir, writable_output
 from dilu.services.common import models
 from dilu.services.common.bus import quiet_error_cb
 from dilu.services.common.console import PipeConsole, count_of
@@ -122,7 +122,7 @@ def run_options(f):
         click.option("--functions", type=str, default="16", show_default=True, callback=lambda c, p, v: _functions(v), help="K busiest functions of the span, or 'all'"),
         click.option("--gpus", default="4", show_default=True, callback=lambda c, p, v: _gpus(v), help="emulated A100 40 GB GPUs on the node (1..64; 'all': 4), or 'cpu'"),
         click.option("--nats-url", default=None, callback=nonempty_url, help="use a running NATS server instead of starting one"),
-        click.option("--log-dir", default=None, type=click.Path(file_okay=False), callback=nonempty_path, help="where the services' JSON logs go, with the replay's requests.jsonl (every request with the platform's times) and report.json, one directory per policy (default: a new temp dir for each policy's run, printed as it starts)"),
+        click.option("--log-dir", default=None, type=click.Path(file_okay=False), callback=writable_dir, help="where the services' JSON logs go, with the replay's requests.jsonl (every request with the platform's times) and report.json, one directory per policy (default: a new temp dir for each policy's run, printed as it starts)"),
         click.option("--training-jobs", type=click.IntRange(min=0, max=64), default=None, help="training jobs collocated with the inference functions, at most one per GPU (default: one per GPU in dilu demo, none in dilu compare; 0: none)"),
         click.option("--park-after-s", type=PARK_AFTER_S_TYPE, default=None, help=f"park an idle function's instances after this many trace seconds within its keep-alive (their GPU share and device memory given back but for their CUDA context, weights kept in host memory, resumed in the time they take to copy back: 10 ms for ResNet152, 1.1 s for LLaMA2-7B), every policy; compressed by --speedup like the keep-alive; 0: never (default: as each policy does, dilu after {PARK_AFTER_S:g} s, the others never)"),
         click.option("--defrag-interval-s", type=ZeroOrAtLeast(DEFRAG_INTERVAL_MIN_S, 86_400), default=None, metavar="S", help=f"how often, in trace seconds, the scheduler of dilu and dilu-published moves instances off lightly used GPUs to empty them, compressed by --speedup like the keep-alive; 0: never (default: {DEFRAG_INTERVAL_S:g}, as they do live). The baselines never defragment, as in dilu sim"),

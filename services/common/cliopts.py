@@ -59,15 +59,21 @@ MAX_NODE_NAME = 64  # characters; a node name also names shared-memory segments 
 
 
 class Finite(click.FloatRange):
-    """click.FloatRange that also refuses NaN and infinities (a NaN passes every comparison)."""
+    """click.FloatRange that also refuses NaN, infinities and overflows ("1e309"), before its
+    range is checked, all in one wording ("'x' is not a valid finite number."): a NaN passes
+    every comparison, and an infinity would be reported against the range as a value nobody typed."""
 
     name = "finite number"
 
     def convert(self, value, param, ctx):
-        v = super().convert(value, param, ctx)
+        # finiteness before the range: -inf or 1e309 (a float's inf) is no number, whatever the bounds
+        try:
+            v = float(value)
+        except (TypeError, ValueError):
+            v = math.nan
         if not math.isfinite(v):
             self.fail(f"{value!r} is not a valid finite number.", param, ctx)
-        return v
+        return super().convert(v, param, ctx)
 
     def _describe_range(self) -> str:
         """No range in --help when there is none (click's would read "x<=None")."""

@@ -65,7 +65,9 @@ def test_a_folder_option_naming_a_device_is_refused_as_not_a_folder(args):
     assert "/dev/null is not a folder" in one_line_error(CliRunner().invoke(main, args), 2)
 
 
-@pytest.mark.parametrize("args", [["creds", "--out", "/proc/nope"], ["sim", "--plots", "/proc/nope"]])
+@pytest.mark.parametrize("args", [["creds", "--out", "/proc/nope"], ["sim", "--plots", "/proc/nope"],
+                                  ["demo", "--log-dir", "/proc/nope"], ["compare", "--log-dir", "/proc/nope"],
+                                  ["chaos", "--log-dir", "/proc/nope"]])
 def test_a_folder_option_that_cannot_be_made_is_refused_as_bad_input(args):
     assert "cannot write into /proc/nope" in one_line_error(CliRunner().invoke(main, args), 2)
 
@@ -210,3 +212,13 @@ def test_dilu_service_without_a_name_shows_its_help_as_a_usage_error():
 def test_a_malformed_nats_url_is_one_line_before_any_connection(url, words):
     for args in (["status", "--listen", "0"], ["invoke", "f", "--data", "x"]):
         assert words in one_line_error(CliRunner().invoke(main, [*args, "--nats-url", url]), 2)
+
+
+@pytest.mark.parametrize("args", [["demo", "--duration"], ["demo", "--speedup"], ["compare", "--llm-share"],
+                                  ["sim", "--hours"], ["chaos", "--sample-s"], ["profile", "--slo-ms"]])
+@pytest.mark.parametrize("value", ["nan", "inf", "-inf", "1e309", "abc", "0.5x"])
+def test_a_number_that_is_not_finite_reads_the_same_on_every_float_option_bounded_or_not(args, value):
+    """One wording for every float option (cliopts.Finite), before its range is checked: a
+    bounded option once answered "-inf is not in the range", and "1e309" came back as "inf"."""
+    line = one_line_error(CliRunner().invoke(main, [*args, value]), 2)
+    assert f"Invalid value for '{args[1]}': '{value}' is not a valid finite number." in line
