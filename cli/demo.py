@@ -531,7 +531,7 @@ async def run_once(opts: RunOptions, policy: str, console: Console, stop: asynci
     log_dir = Path(opts.log_dir or created) / policy
     n = len(plan.functions)
     console.print(f"[bold]policy {policy}[/bold]: {n} function{'s' if n != 1 else ''} carrying "
-                  f"{plan.share:.1%} of the span's {plan.span_invocations} invocations; logs in {log_dir}")
+                  f"{plan.share:.1%} of the span's {plan.span_invocations:,} invocations; logs in {log_dir}")
     if short:  # the report's duration_s is the span replayed, not the one asked
         console.print(f"[yellow]{short}[/yellow]", highlight=False)
     if isinstance(opts.functions, int) and n < opts.functions:
