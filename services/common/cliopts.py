@@ -279,11 +279,6 @@ class NonEmptyPath(click.Path):
         return super().convert(value, param, ctx)
 
 
-def nonempty_path(_ctx, _param, value):
-    """Click callback for a path option whose default is None (``--log-dir``): see :func:`refuse_empty`."""
-    return refuse_empty(value, "path")
-
-
 def nonempty_url(_ctx, _param, value):
     """Click callback for a URL option whose default is None (``--nats-url``): see :func:`refuse_empty`."""
     return refuse_empty(value, "URL")
