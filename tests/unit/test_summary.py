@@ -121,10 +121,10 @@ def test_the_command_writes_json_and_refuses_a_bad_file_in_one_line(tmp_path):
     assert js["policies"]["dilu"]["active GPU·s"]["values"] == [127.0, 149.0, 132.0]
     assert js["versus"]["horizontal-only / dilu"]["active GPU·s"]["of_means"] == pytest.approx(422 / 408)
     assert js["files"] == paths
-    for args, why in (([paths[0], paths[0]], "RUN_FILES"), ([*paths, "--json", paths[1]], "'--json'")):
+    for args, param, why in (([paths[0], paths[0]], "RUN_FILES", "is given twice"),
+                             ([*paths, "--json", paths[1]], "'--json'", "would overwrite it")):
         out = subprocess.run([*dilu, *args], capture_output=True, text=True, timeout=60)
-        what = "is given twice" if why == "RUN_FILES" else "would overwrite it"
-        assert out.returncode == 2 and f"Invalid value for {why}" in out.stderr and what in out.stderr, out.stderr
+        assert out.returncode == 2 and f"Invalid value for {param}" in out.stderr and why in out.stderr, out.stderr
     assert json.loads(open(paths[1]).read())["policies"]  # not overwritten
     (tmp_path / "junk.json").write_text("[1, 2]")
     bad = subprocess.run([*dilu, paths[0], str(tmp_path / "junk.json")], capture_output=True, text=True, timeout=60)
