@@ -320,8 +320,9 @@ async def test_an_idle_function_is_parked_and_a_request_resumes_it_without_a_new
         (first,) = list(cluster.live)
         await serve_all(js, 1)
         await until(lambda: scaler.policy.instances(FN) == {first: "parked"})
-        assert [(p.instance_id, p.resume) for p in cluster.parks] == [(first, False)]
+        # the policy marks it parked when it decides; the ParkRequest follows on the bus
         await until(lambda: any(d.direction == "park" for d in cluster.decisions))
+        assert [(p.instance_id, p.resume) for p in cluster.parks] == [(first, False)]
         assert counter("dilu_parks") - parks_before == 1  # counted when its decision is published
         await js.publish(subjects.invoke(FN), b"two")
         await until(lambda: len(cluster.parks) == 2)
