@@ -51,19 +51,24 @@ WINDOW_MAX_S = 86_400
               help="park an idle function's instances after this long within its keep-alive: their GPU share "
                    "and device memory are given back, their weights wait in host memory (0: never; the "
                    "default is the dilu policy's, as --mode lazy is)")
+@click.option("--target-utilization", type=Finite(0.01, 1), default=HorizontalConfig.target_utilization,
+              show_default=True,
+              help="scale an instance without vertical headroom (kpa, eager; a rigid function in lazy mode) "
+                   "at this fraction of its in-flight target (Knative's container-concurrency-target-percentage)")
 @metrics_port_option("horizontal_scaler")
 @log_level_option
 def main(nats, mode, initial_scale, tick_ms, stable_window_s, panic_window_pct, panic_threshold, keep_alive_s,
          scale_to_zero_grace_s, idle_bin_s,
-         target, headroom_min, lazy_max_hold_s, max_scale_up_rate, scale_down_delay_s, park_after_s, metrics_port,
-         log_level):
+         target, headroom_min, lazy_max_hold_s, max_scale_up_rate, scale_down_delay_s, park_after_s, target_utilization,
+         metrics_port, log_level):
     """Run the horizontal scaler: backlog, burst windows and headroom in, placements and retirements out."""
     config = HorizontalConfig(mode=mode, initial_scale=initial_scale, stable_window_s=stable_window_s, panic_window_pct=panic_window_pct,
                               panic_threshold=panic_threshold, keep_alive_s=keep_alive_s,
                               scale_to_zero_grace_s=scale_to_zero_grace_s, idle_bin_s=idle_bin_s,
                               headroom_min=headroom_min,
                               lazy_max_hold_s=lazy_max_hold_s, max_scale_up_rate=max_scale_up_rate,
-                              scale_down_delay_s=scale_down_delay_s, park_after_s=park_after_s)
+                              scale_down_delay_s=scale_down_delay_s, park_after_s=park_after_s,
+                              target_utilization=target_utilization)
     scaler = HorizontalScaler(config, tick_s=tick_ms / 1000.0, target=target)
     run(scaler, nats, metrics_port=metrics_port, log_level=log_level)
 

@@ -12,6 +12,14 @@ pending plus in flight: the concurrency Knative measures at its queue proxy) and
   default 10 %) average the per-tick backlog samples inside them (over the part of the window seen
   so far, as Knative's bucketed average does). ``desired = ceil(average / target)``, where
   ``target`` is the in-flight requests one instance is sized for.
+- **Target utilisation.** An instance with no vertical headroom is scaled at
+  ``target_utilization`` (70 %, Knative's ``container-concurrency-target-percentage``) of its
+  target: the rest absorbs a burst while a new instance starts. That is every instance in
+  ``kpa`` and ``eager`` mode, and in ``lazy`` mode a *rigid* function's, whose capacity at its
+  limit is no more than at its request (e.g. BERT-base: no latency gain from SMs, so its limit
+  is its request): lazy scaling leans on vertical headroom, and such a function has none. An
+  elastic function in ``lazy`` mode is scaled at its full reach-sized target, since its burst
+  buffer is the headroom between request and limit (:meth:`FunctionParams.scaling_target`).
 - **Panic.** When the panic estimate reaches ``panic_threshold`` (200 %) of the ready instances,
   the function panics; panic lasts a stable window after the last time the threshold was met.
   In panic the count never goes down, and it is ``max(panic, stable, highest so far)``: Knative's
@@ -95,6 +103,9 @@ from dilu.services.common.functions import PRIORITY_RANK, reclaimable_share
 Mode = Literal["lazy", "eager", "kpa"]
 MODES: tuple[str, ...] = ("lazy", "eager", "kpa")
 InstanceState = Literal["starting", "ready", "draining", "parked", "moving"]
+# Knative's container-concurrency-target-percentage default (serving config-autoscaler, 70): the
+# KPA scales a function so its instances run at 70 % of their target concurrency.
+TARGET_UTILIZATION = 0.7
 PARK_SLO_SHARE = 0.5  # the largest share of its SLO a parked instance's resume may take (FunctionParams.parkable)
 IDLE_BINS = 240  # the idle-time histogram's range in bins (4 hours of 1-minute bins, Shahrad et al.)
 _EPS = 1e-9
@@ -137,6 +148,7 @@ class HorizontalConfig:
     histogram_cv_min: float = 2.0
     breach_interval_s: float = 0.0  # 0: one panic window
     park_after_s: float = 0.0  # > 0: park an idle function's instances after this long (see Parking); 0: never
+    target_utilization: float = TARGET_UTILIZATION  # 0..1: see Target utilisation
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -151,6 +163,8 @@ class HorizontalConfig:
             raise ValueError(f"scale_to_zero_grace_s must be >= 0, got {self.scale_to_zero_grace_s}")
         if not (math.isfinite(self.park_after_s) and self.park_after_s >= 0):
             raise ValueError(f"park_after_s must be finite and >= 0, got {self.park_after_s}")
+        if not 0 < self.target_utilization <= 1:
+            raise ValueError(f"target_utilization must be in (0, 1], got {self.target_utilization}")
 
     @property
     def panic_window(self) -> float:
@@ -219,6 +233,20 @@ class FunctionParams:
             burst, rps = max(self.target, self.burst_target), max(self.instance_rps, self.burst_rps)
             return self.target + r * (burst - self.target), self.instance_rps + r * (rps - self.instance_rps)
         return self.target, self.instance_rps
+
+    def elastic(self, mode: str) -> bool:
+        """Whether ``mode`` sizes this function by a burst capacity above its request's: ``lazy``
+        and a profile measured at a limit where it serves more in flight within the SLO."""
+        return mode == "lazy" and self.burst_target > self.target
+
+    def scaling_target(self, mode: str, reach: float, utilization: float) -> float:
+        """The in-flight requests per instance the KPA scales by (> 0): :meth:`sizing`'s target,
+        times ``utilization`` (0..1, :attr:`HorizontalConfig.target_utilization`) where the
+        instance has no vertical headroom to absorb a burst (not :meth:`elastic`); an elastic
+        one's burst buffer is its headroom between request and limit, so it is scaled at its
+        full target (see the module's Target utilisation)."""
+        target = self.sizing(mode, reach)[0]
+        return target if self.elastic(mode) else target * utilization
 
 
 # ---------------------------------------------------------------------- idle-time histogram
@@ -709,7 +737,7 @@ class HorizontalPolicy:
             return self._hold(f, d)
         reach = (reach or {}) if cfg.mode == "lazy" else {}
         least = min((reach.get(i.instance_id, 1.0) for i in f.instances.values() if i.state == "ready"), default=1.0)
-        target, _ = f.params.sizing(cfg.mode, least)
+        target = f.params.scaling_target(cfg.mode, least, cfg.target_utilization)
         stable_avg = f.stable.mean_since(now_s - cfg.stable_window_s)
         panic_avg = f.panic.mean_since(now_s - cfg.panic_window)
         desired, reason = self._kpa(f, d, now_s, stable_avg, panic_avg, target)

@@ -9,7 +9,9 @@ FN = "f"
 
 
 def policy(**params) -> HorizontalPolicy:
-    p = HorizontalPolicy(HorizontalConfig(stable_window_s=6.0, panic_window_s=1.0, keep_alive_s=60.0))
+    # one request in flight, one instance of target 1 used whole: the count holds, so a pair shows
+    p = HorizontalPolicy(HorizontalConfig(stable_window_s=6.0, panic_window_s=1.0, keep_alive_s=60.0,
+                                          target_utilization=1.0))
     p.add_function(FN, FunctionParams(**{"target": 1.0, "max_instances": 4, **params}))
     return p
 

@@ -15,7 +15,9 @@ PARKABLE = dict(target=1.0, max_instances=4, resume_ms=10.0, slo_ms=100.0)
 
 
 def policy(params: FunctionParams | None = None, **kw) -> HorizontalPolicy:
-    cfg = {"stable_window_s": 6.0, "panic_window_s": 1.0, "keep_alive_s": 60.0, "park_after_s": 10.0, **kw}
+    # target 1 used whole: one request in flight wants one instance, so a resume is the whole scale-out
+    cfg = {"stable_window_s": 6.0, "panic_window_s": 1.0, "keep_alive_s": 60.0, "park_after_s": 10.0,
+           "target_utilization": 1.0, **kw}
     p = HorizontalPolicy(HorizontalConfig(**cfg))
     p.add_function(FN, params or FunctionParams(**PARKABLE))
     return p

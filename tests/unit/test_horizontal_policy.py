@@ -132,7 +132,7 @@ def test_lazy_sizes_instances_by_their_burst_capacity_eager_by_the_request():
         assert bool(breaches) == (mode == "eager")
         if breaches:
             assert breaches[0].capacity_rps == 30.0
-    assert out == {"lazy": 1, "eager": 3}
+    assert out == {"lazy": 1, "eager": 4}  # eager: 10 / (4 x the 70 % target utilisation), rounded up
     p = policy(mode="lazy", params=sized, panic_window_s=1.0)
     ready(p, 1)
     assert feed(p, 0.0, 8.0, 30)[-1].desired == 3  # past the burst capacity it scales out
@@ -141,11 +141,32 @@ def test_lazy_sizes_instances_by_their_burst_capacity_eager_by_the_request():
         FunctionParams(burst_target=-1.0)
 
 
+def test_a_function_without_vertical_headroom_scales_at_the_target_utilisation_an_elastic_one_at_its_burst():
+    """Lazy scaling leans on vertical headroom: a rigid function (no more capacity at its limit
+    than at its request, as BERT-base) has none, so it keeps Knative's 30 % in-flight buffer; an
+    elastic one's buffer is its headroom to the limit."""
+    rigid = FunctionParams(target=4.0, burst_target=4.0, max_instances=20)
+    elastic = FunctionParams(target=4.0, burst_target=12.0, max_instances=20)
+    out = {}
+    for name, params in (("rigid", rigid), ("elastic", elastic)):
+        for u in (0.7, 1.0):
+            p = policy(mode="lazy", params=params, target_utilization=u)
+            ready(p, 1)
+            out[name, u] = feed(p, 0.0, 8.0, 4)[-1].desired  # 4 in flight: one rigid instance's whole target
+    assert out == {("rigid", 0.7): 2, ("rigid", 1.0): 1, ("elastic", 0.7): 1, ("elastic", 1.0): 1}
+    assert rigid.scaling_target("lazy", 1.0, 0.7) == pytest.approx(2.8)
+    assert elastic.scaling_target("lazy", 0.5, 0.7) == pytest.approx(8.0)  # halfway to its burst, whole
+    assert elastic.scaling_target("kpa", 1.0, 0.7) == pytest.approx(2.8)  # the baselines have no headroom
+    for bad in (0.0, -0.5, 1.01, float("nan")):
+        with pytest.raises(ValueError, match="target_utilization"):
+            HorizontalConfig(target_utilization=bad)
+
+
 # ---------------------------------------------------------------------- scale in and victims
 
 
 def test_scale_in_only_after_the_stable_window_stays_low_and_picks_idle_newest_first():
-    p = policy(mode="eager", stable_window_s=6.0, panic_window_s=1.0, keep_alive_s=1000.0)
+    p = policy(mode="eager", stable_window_s=6.0, panic_window_s=1.0, keep_alive_s=1000.0, target_utilization=1.0)
     ready(p, 2)
     p.instance_ready(FN, "busy", 0.0)
     p.instance_ready(FN, "new", 1.0)
