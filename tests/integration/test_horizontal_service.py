@@ -131,8 +131,9 @@ async def setup(nats_url, with_consumer=True, tick_s=0.1, place_backoff_max_s=10
             durable_name=consumer_name(FN), filter_subject=subjects.invoke(FN), ack_policy=AckPolicy.EXPLICIT))
     cluster = FakeCluster(nc)
     await cluster.start()
+    # target utilisation 1: a request in flight wants one instance (the parking and migration cases count them)
     cfg = HorizontalConfig(**{"mode": "lazy", "stable_window_s": 2.0, "panic_window_pct": 25.0, "keep_alive_s": 1.5,
-                              **config})
+                              "target_utilization": 1.0, **config})
     scaler = HorizontalScaler(cfg, tick_s=tick_s, place_backoff_max_s=place_backoff_max_s)
     shutdown = asyncio.Event()
     task = asyncio.create_task(serve(scaler, nats_url, shutdown=shutdown, install_signals=False))
