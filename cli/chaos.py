@@ -442,12 +442,15 @@ def chaos_cmd(minutes, kinds, soak, sample_s, functions, gpus, speedup, seed, tr
     opts = RunOptions(duration=minutes * 60.0, speedup=speedup, seed=seed, trace_dir=trace_dir, start_minute=None,
                       functions=functions, gpus=gpus, nats_url=None, log_dir=log_dir, training_jobs=0)
     console = make_console()
+    if (every_s := min(sample_s, length_s / 12)) < sample_s:  # the slopes need a dozen samples
+        console.print(f"--sample-s {sample_s:g} is more than a twelfth of this {length_s:,.0f}-s run: "
+                      f"sampling every {every_s:.3g} s")
     held: dict[str, asyncio.Event] = {}
 
     async def main() -> dict:
         stop = held["stop"] = asyncio.Event()
         _install_stop(stop, console)
-        return await run_chaos(opts, kinds, soak, min(sample_s, length_s / 12), console, stop)
+        return await run_chaos(opts, kinds, soak, every_s, console, stop)
 
     out = _run_or_explain(main)
     render(out, console)

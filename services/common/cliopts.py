@@ -318,7 +318,10 @@ def writable_dir(ctx, param, value):
             with tempfile.NamedTemporaryFile(dir=path):
                 pass
         except OSError as exc:
-            raise click.BadParameter(f"cannot write into {value}: {exc.strerror or exc}") from None
+            reason = exc.strerror or str(exc)
+            if exc.errno == errno.ENOENT and path.is_dir():  # e.g. /proc: "No such file" of a folder that is there
+                reason = "nothing can be created in it"
+            raise click.BadParameter(f"cannot write into {value}: {reason}") from None
         finally:
             for p in created:
                 with contextlib.suppress(OSError):  # one the failed mkdir never made

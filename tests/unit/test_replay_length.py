@@ -160,3 +160,22 @@ def test_chaos_help_says_units_cpu_and_its_variables():
     text = " ".join(CliRunner().invoke(main, ["chaos", "--help"]).output.split())
     assert "wall-clock minutes of load" in text and "'cpu'" in text and "trace seconds per wall-clock second" in text
     assert "[env var: DILU_MINUTES; default: 3.0]" in text and "env var: DILU_SPEEDUP" in text
+
+
+def test_a_soak_sampling_period_over_a_twelfth_of_the_run_is_shortened_and_said(monkeypatch):
+    """--sample-s above a twelfth of the run (the slopes need a dozen samples) samples at a
+    twelfth, and the run says so; one within it is kept, silently."""
+    from dilu.cli import chaos as chaos_cli
+    periods = []
+
+    async def run_chaos(opts, kinds, soak, sample_s, *args):
+        periods.append(sample_s)
+        raise RuntimeError("stub: nothing starts")
+
+    monkeypatch.setattr(chaos_cli, "run_chaos", run_chaos)
+    r = CliRunner().invoke(main, ["chaos", "--soak", "--minutes", "1", "--sample-s", "30"])
+    one_line_error(r, 1)
+    assert periods == [5.0] and "--sample-s 30 is more than a twelfth of this 60-s run: sampling every 5 s" in r.output
+    r = CliRunner().invoke(main, ["chaos", "--soak", "--minutes", "1", "--sample-s", "4"])
+    one_line_error(r, 1)
+    assert periods[1] == 4.0 and "twelfth" not in r.output

@@ -72,6 +72,12 @@ def test_a_folder_option_that_cannot_be_made_is_refused_as_bad_input(args):
     assert "cannot write into /proc/nope" in one_line_error(CliRunner().invoke(main, args), 2)
 
 
+@pytest.mark.parametrize("args", [["sim", "--plots", "/proc"], ["demo", "--log-dir", "/proc"]])
+def test_a_folder_that_exists_but_takes_no_file_is_refused_in_those_words(args):
+    """/proc is there, but nothing can be created in it (the kernel says "No such file")."""
+    assert "cannot write into /proc: nothing can be created in it" in one_line_error(CliRunner().invoke(main, args), 2)
+
+
 def _stub_run(monkeypatch):
     """Replace dilu chaos's run by one that only schedules the faults as the run would (from the
     run's own length and margins) and stops there, so a command that passes its checks starts nothing."""
