@@ -61,7 +61,12 @@ pending plus in flight: the concurrency Knative measures at its queue proxy) and
   share (the scheduler frees their placement) and keep their weights in host memory, so bringing
   one back costs a copy to the device, not a cold start (PipeSwitch, OSDI 2020, and Torpor swap
   models between host and GPU memory in milliseconds). A scale-out resumes parked instances
-  before it places new ones; when the keep-alive runs out they are retired with the rest. A
+  before it places new ones; when the keep-alive runs out they are retired with the rest.
+  A scale-in of a function that keeps serving parks its victims too (a ready one, not one a
+  migration is taking over from; a starting one is cancelled): a function that flaps
+  1 -> 2 -> 1 with its bursts gets its second instance back in a weight copy, on the GPU it
+  left, instead of a cold start wherever a new one finds room. Such an instance stays parked
+  a keep-alive window (from when it was parked), then goes. A
   function with ``min_instances`` keeps them on the GPU, and so does one with a ready instance
   whose code cannot move its weights (InstanceReady ``parkable``). Live, the scheduler marks the
   placement parked and the node agent has the process offload its weights (docs/operations.md,
@@ -796,7 +801,7 @@ class HorizontalPolicy:
         weights in host memory, brought back by the next scale-out before any new instance is
         placed."""
         for inst in self._to_park(f, d.now_s):
-            inst.state = "parked"
+            inst.state, inst.since_s = "parked", d.now_s
             d.park.append(inst.instance_id)
         d.desired = d.current - len(d.park)
         if d.park:
@@ -938,7 +943,16 @@ class HorizontalPolicy:
             d.direction = "resume" if not d.place else "prewarm" if d.current == 0 and not f.backlog else "out"
             return
         if d.desired < d.current:
-            d.retire = self._victims(f, d.current - d.desired, reach or {})
+            victims = self._victims(f, d.current - d.desired, reach or {})
+            if d.desired > 0 and self._parks_on_scale_in(f):
+                self._park_victims(f, d, victims)
+            else:
+                d.retire = victims
+        if 0 < d.desired <= d.current:
+            # parked by a scale-in while the function kept serving: kept a keep-alive window
+            keep_s = self._windows(f).keep_alive_s
+            d.retire += [i.instance_id for i in parked if d.now_s - i.since_s >= keep_s]
+        if d.retire:
             gone = set(d.retire)  # a victim's replacement would only take its place: it goes too
             d.retire += [i.instance_id for i in f.instances.values() if i.state == "moving" and i.replaces in gone]
         if d.desired == 0:  # the keep-alive ran out (or a pre-warm unloads): parked and moving ones go too
@@ -949,6 +963,27 @@ class HorizontalPolicy:
             inst.before_drain, inst.state = inst.state, "draining"
         if d.retire:
             d.direction = "zero" if d.desired == 0 else "in"
+
+    def _parks_on_scale_in(self, f: _Function) -> bool:
+        """Whether a scale-in of ``f`` parks its victims (see Parking): the policy parks, and
+        ``f``'s resume fits its SLO and its ready instances' code can move their weights."""
+        return (self.config.park_after_s > 0 and f.params.parkable
+                and all(i.parkable for i in f.instances.values() if i.state == "ready"))
+
+    @staticmethod
+    def _park_victims(f: _Function, d: Decision, victims: list[str]) -> None:
+        """Park the ready victims of a scale-in (``d.park``), retire the rest (``d.retire``):
+        a starting one, and one a migration's replacement is taking over from."""
+        replaced = {i.replaces for i in f.instances.values() if i.state == "moving"}
+        for iid in victims:
+            inst = f.instances[iid]
+            if inst.state == "ready" and iid not in replaced:
+                inst.state, inst.since_s = "parked", d.now_s
+                d.park.append(iid)
+            else:
+                d.retire.append(iid)
+        if d.park:
+            d.direction = "park"
 
     @staticmethod
     def _victims(f: _Function, n: int, reach: Mapping[str, float]) -> list[str]:

@@ -86,13 +86,64 @@ def test_a_scale_out_takes_the_parked_instance_first():
     p.record(FN, 0.5, 2, 2)
     p.decide(FN, 0.5)
     idle_until(p, 0.5, 20.0)
-    states = p.instances(FN)
-    assert sorted(states.values()) == ["draining", "parked"]  # scaled in to the one the keep-alive holds, parked
-    p.instance_retired(FN, next(i for i, s in states.items() if s == "draining"))
-    kept = next(i for i, s in states.items() if s == "parked")
-    p.record(FN, 20.5, 4, 4)  # a burst for several
+    # scaled in to the one the keep-alive holds (the other parked by the scale-in), then that one parked
+    assert p.instances(FN) == {"w0": "parked", "w1": "parked"}
+    p.record(FN, 20.5, 8, 8)  # a burst for several
     d = p.decide(FN, 20.5)
-    assert d.resume == [kept] and d.place == d.desired - 1 > 0 and d.direction == "out"
+    assert sorted(d.resume) == ["w0", "w1"] and d.place == d.desired - 2 > 0 and d.direction == "out"
+
+
+def busy_pair(p, backlog=2):
+    """Two ready instances serving ``backlog`` in flight for 10 s (ticks of 0.5 s)."""
+    for k in range(2):
+        p.instance_ready(FN, f"w{k}", 0.0)
+    t = 0.0
+    while t < 10.0:
+        t = round(t + 0.5, 6)
+        p.record(FN, t, backlog, 1)
+        p.decide(FN, t)
+    return t
+
+
+@pytest.mark.parametrize("park_after_s", [10.0, 0.0])
+def test_a_scale_in_of_a_serving_function_parks_its_victim_and_the_next_scale_out_resumes_it(park_after_s):
+    """A function that keeps serving scales in to one instance: a parking policy parks the
+    other (resumed in a copy, on the GPU it left, by the next scale-out: no launch, no new GPU);
+    one that does not park retires it."""
+    p = policy(park_after_s=park_after_s)
+    t = busy_pair(p)
+    decisions = []
+    while t < 30.0:  # one in flight: one instance, once the stable window says so
+        t = round(t + 0.5, 6)
+        p.record(FN, t, 1, 1)
+        decisions.append(p.decide(FN, t))
+    down = [d for d in decisions if d.park or d.retire]
+    assert len(down) == 1 and down[0].desired == 1
+    (victim,) = down[0].park or down[0].retire
+    if not park_after_s:
+        assert down[0].retire == [victim] and down[0].direction == "in"
+        return
+    assert down[0].park == [victim] and not down[0].retire and down[0].direction == "park"
+    assert sorted(p.instances(FN).values()) == ["parked", "ready"]
+    p.record(FN, t + 0.5, 2, 2)  # two in flight: two wanted again
+    d = p.decide(FN, t + 0.5)
+    assert d.resume == [victim] and d.place == 0 and d.direction == "resume"
+
+
+def test_an_instance_parked_by_a_scale_in_goes_after_a_keep_alive_window_while_the_function_serves():
+    p = policy(keep_alive_s=20.0)
+    t = busy_pair(p)
+    parked_at = None
+    gone = []
+    while t < 60.0:
+        t = round(t + 0.5, 6)
+        p.record(FN, t, 1, 1)
+        d = p.decide(FN, t)
+        parked_at = d.now_s if d.park else parked_at
+        gone += [(d.now_s, i) for i in d.retire]
+    assert parked_at is not None and len(gone) == 1
+    assert gone[0][0] == pytest.approx(parked_at + 20.0)  # the keep-alive window after it was parked
+    assert sorted(p.instances(FN).values()) == ["draining", "ready"]
 
 
 def test_parked_instances_go_when_the_keep_alive_ends():
