@@ -727,7 +727,8 @@ class HorizontalPolicy:
         scale-in retires the instance with the least reach first: the shared queue hands a burst
         to whichever instance pulls, so one pinned at its request serves its part at request
         capacity, and the instances kept are those that can rise. Victims in ``retire`` are marked
-        draining at once; the caller reports new instances with :meth:`instance_starting`.
+        draining at once, those in ``park`` parked (a parking policy's scale-in of a function that
+        keeps serving: see Parking); the caller reports new instances with :meth:`instance_starting`.
         ``backing_off``: the function's placements back off now (:meth:`PlacementBackoff.blocked`,
         after a refused placement or resume): nothing is resumed or placed (``resume`` empty,
         ``place`` 0), since a resume is refused as a placement is, for want of room.
