@@ -233,14 +233,17 @@ def scaler_windows(speedup: float, keep_alive_s: float | None = None) -> list[st
     compressed; at most doubling the ready instances per decision, since cold starts stay real
     time (seconds) and panic mode would otherwise launch the maximum while the first starts; and a
     scale-down delay of two stable windows, so a function hovering near one instance's capacity
-    does not flap 1 -> 2 -> 1 and pay a cold start each time."""
+    does not flap 1 -> 2 -> 1 and pay a cold start each time; and the target utilisation, named
+    so that a ``DILU_TARGET_UTILIZATION`` in the caller's environment cannot make a live run
+    differ from its simulated twin."""
     from dilu.services.horizontal_scaler.policy import HorizontalConfig as H
 
     keep = H.keep_alive_s if keep_alive_s is None else keep_alive_s
     return ["--stable-window-s", f"{max(1.0, 60.0 / speedup):g}", "--keep-alive-s", f"{keep / speedup:g}",
             "--scale-to-zero-grace-s", f"{H.scale_to_zero_grace_s / speedup:g}",
             "--idle-bin-s", f"{max(0.1, 60.0 / speedup):g}", "--max-scale-up-rate", "2",
-            "--scale-down-delay-s", f"{max(1.0, 120.0 / speedup):g}"]
+            "--scale-down-delay-s", f"{max(1.0, 120.0 / speedup):g}",
+            "--target-utilization", f"{H.target_utilization:g}"]
 
 
 def horizontal_config(mode: str, speedup: float = 1.0, keep_alive_s: float | None = None,

@@ -29,6 +29,21 @@ def test_the_horizontal_scaler_accepts_the_windows_of_every_documented_speedup(s
     HorizontalConfig(**{k: v for k, v in ctx.params.items() if k in given})
 
 
+def test_a_replay_names_the_target_utilisation_so_the_environment_cannot_change_it(monkeypatch):
+    """dilu demo and compare start the scaler with the caller's environment; the simulator has
+    no such variable. The replay's arguments name the value, which wins over the variable."""
+    from dilu.cli.demo import horizontal_config, scaler_windows
+    from dilu.services.horizontal_scaler.__main__ import main as scaler_main
+    from dilu.services.common.cliopts import ENV_PREFIX
+    from dilu.services.horizontal_scaler.policy import TARGET_UTILIZATION
+
+    monkeypatch.setenv("DILU_TARGET_UTILIZATION", "0.35")
+    ctx = scaler_main.make_context("horizontal_scaler", scaler_windows(10.0), auto_envvar_prefix=ENV_PREFIX)
+    assert ctx.params["target_utilization"] == TARGET_UTILIZATION == horizontal_config("lazy", 10.0).target_utilization
+    bare = scaler_main.make_context("horizontal_scaler", [], auto_envvar_prefix=ENV_PREFIX)
+    assert bare.params["target_utilization"] == 0.35  # the variable works where nothing names the option
+
+
 def _tiny_trace(tmp_path):
     """A 3-minute trace whose only function is idle for its first two minutes."""
     (tmp_path / "invocations.csv").write_text("HashOwner,HashApp,HashFunction,Trigger,1,2,3\no,a,f,http,0,0,5\n")
