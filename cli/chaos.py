@@ -255,6 +255,8 @@ def _faults(value: str) -> list[str]:
         raise click.BadParameter("an empty fault kind; for a run without faults use --soak")
     if len(set(kinds)) != len(kinds):
         raise click.BadParameter(f"a fault kind is named twice in {kinds}")
+    if "all" in kinds:
+        raise click.BadParameter(f"'all' stands alone (every kind, in order), not in a list: {value!r}")
     unknown = [k for k in kinds if k not in (*chaos.KINDS, chaos.LOSE_AGENT)]
     if unknown:
         raise click.BadParameter(f"unknown fault kinds {unknown}; choose from "

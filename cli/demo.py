@@ -28,7 +28,7 @@ from rich.console import Console
 from dilu.loadgen import arrivals, assign, generator, report, requestlog, trace
 from dilu.loadgen import llm as llmtrace
 from dilu.services.common import logging as dlog
-from dilu.services.common.cliopts import PARK_AFTER_S_TYPE, Finite, ZeroOrAtLeast, nonempty_url, writable_dir, writable_output
+from dilu.services.common.cliopts import PARK_AFTER_S_TYPE, Finite, ZeroOrAtLeast, optional_nats_urls, writable_dir, writable_output
 from dilu.services.common import models
 from dilu.services.common.bus import quiet_error_cb
 from dilu.services.common.console import PipeConsole, count_of
@@ -121,7 +121,7 @@ def run_options(f):
         click.option("--start-minute", type=int, default=None, help="trace minute to begin at (default: the first)"),
         click.option("--functions", type=str, default="16", show_default=True, callback=lambda c, p, v: _functions(v), help="K busiest functions of the span, or 'all'"),
         click.option("--gpus", default="4", show_default=True, callback=lambda c, p, v: _gpus(v), help="emulated A100 40 GB GPUs on the node (1..64; 'all': 4), or 'cpu'"),
-        click.option("--nats-url", default=None, callback=nonempty_url, help="use a running NATS server instead of starting one"),
+        click.option("--nats-url", default=None, callback=optional_nats_urls, help="use a running NATS server instead of starting one"),
         click.option("--log-dir", default=None, type=click.Path(file_okay=False), callback=writable_dir, help="where the services' JSON logs go, with the replay's requests.jsonl (every request with the platform's times) and report.json, one directory per policy (default: a new temp dir for each policy's run, printed as it starts)"),
         click.option("--training-jobs", type=click.IntRange(min=0, max=64), default=None, help="training jobs collocated with the inference functions, at most one per GPU (default: one per GPU in dilu demo, none in dilu compare; 0: none)"),
         click.option("--park-after-s", type=PARK_AFTER_S_TYPE, default=None, help=f"park an idle function's instances after this many trace seconds within its keep-alive (their GPU share and device memory given back but for their CUDA context, weights kept in host memory, resumed in the time they take to copy back: 10 ms for ResNet152, 1.1 s for LLaMA2-7B), every policy; compressed by --speedup like the keep-alive; 0: never (default: as each policy does, dilu after {PARK_AFTER_S:g} s, the others never)"),

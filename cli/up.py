@@ -24,7 +24,7 @@ import click
 import platformdirs
 
 from dilu.services.common.cliopts import (ENV_PREFIX, PARK_AFTER_S_TYPE, NonEmptyPath, ZeroOrAtLeast, check_node,
-                                         default_node)
+                                         default_node, write_failure)
 from dilu.services.common.natsserver import port_in_use
 from dilu.services.common.policies import DEFRAG_INTERVAL_MIN_S, DEFRAG_INTERVAL_S, PARK_AFTER_S
 from dilu.services.node_agent.__main__ import parse_gpus
@@ -137,7 +137,7 @@ def _directory(path: Path, what: str) -> Path:
         probe.touch()
         probe.unlink()
     except OSError as exc:
-        raise Refused(f"{what} {path} is not a writable directory: {exc.strerror or exc}") from None
+        raise Refused(f"{what} {path} is not a writable directory: {write_failure(exc, path)}") from None
     return path
 
 

@@ -279,9 +279,10 @@ class NonEmptyPath(click.Path):
         return super().convert(value, param, ctx)
 
 
-def nonempty_url(_ctx, _param, value):
-    """Click callback for a URL option whose default is None (``--nats-url``): see :func:`refuse_empty`."""
-    return refuse_empty(value, "URL")
+def optional_nats_urls(ctx, param, value):
+    """Click callback for a ``--nats-url`` whose default is None (the command starts its own
+    server): None, or URLs checked by :func:`check_nats_urls`."""
+    return None if value is None else check_nats_urls(ctx, param, value)
 
 
 def writable_output(ctx, param, value):
@@ -302,6 +303,14 @@ def writable_output(ctx, param, value):
     return value
 
 
+def write_failure(exc: OSError, folder: Path) -> str:
+    """Why a file could not be created in ``folder``, in words: the OS's, but for a folder that
+    is there and takes no file (/proc), of which the OS says "No such file or directory"."""
+    if exc.errno == errno.ENOENT and folder.is_dir():
+        return "nothing can be created in it"
+    return exc.strerror or str(exc)
+
+
 def writable_dir(ctx, param, value):
     """Click callback for an output directory option (``--plots``): created (with its parents)
     and written to once before the run, so a bad path fails in one line before minutes of work;
@@ -318,10 +327,7 @@ def writable_dir(ctx, param, value):
             with tempfile.NamedTemporaryFile(dir=path):
                 pass
         except OSError as exc:
-            reason = exc.strerror or str(exc)
-            if exc.errno == errno.ENOENT and path.is_dir():  # e.g. /proc: "No such file" of a folder that is there
-                reason = "nothing can be created in it"
-            raise click.BadParameter(f"cannot write into {value}: {reason}") from None
+            raise click.BadParameter(f"cannot write into {value}: {write_failure(exc, path)}") from None
         finally:
             for p in created:
                 with contextlib.suppress(OSError):  # one the failed mkdir never made
