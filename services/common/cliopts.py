@@ -296,18 +296,20 @@ def writable_output(ctx, param, value):
         try:  # O_NONBLOCK: a FIFO without a reader is refused (ENXIO), where a plain open would wait for one
             os.close(os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NONBLOCK, 0o666))
         except OSError as exc:
-            why = "a named pipe that nobody reads" if exc.errno == errno.ENXIO else exc.strerror or exc
+            why = ("a named pipe that nobody reads" if exc.errno == errno.ENXIO
+                   else write_failure(exc, path.parent, it=str(path.parent)))
             raise click.BadParameter(f"cannot write {value}: {why}") from None
         if not existed:
             path.unlink(missing_ok=True)
     return value
 
 
-def write_failure(exc: OSError, folder: Path) -> str:
+def write_failure(exc: OSError, folder: Path, it: str = "it") -> str:
     """Why a file could not be created in ``folder``, in words: the OS's, but for a folder that
-    is there and takes no file (/proc), of which the OS says "No such file or directory"."""
+    is there and takes no file (/proc), of which the OS says "No such file or directory"
+    ("nothing can be created in" ``it``, the words naming the folder)."""
     if exc.errno == errno.ENOENT and folder.is_dir():
-        return "nothing can be created in it"
+        return f"nothing can be created in {it}"
     return exc.strerror or str(exc)
 
 

@@ -68,6 +68,12 @@ def test_a_replay_checks_its_nats_url_as_every_other_command_does(args, words):
     assert words in one_line_error(CliRunner().invoke(main, args), 2)
 
 
+@pytest.mark.parametrize("cmd", [["sim"], ["summarize", "x.json"], ["calibrate", "x"]])
+def test_an_output_file_in_a_folder_that_takes_no_file_is_refused_in_those_words(cmd):
+    line = one_line_error(CliRunner().invoke(main, [*cmd, "--json", "/proc/x.json"]), 2)
+    assert "cannot write /proc/x.json: nothing can be created in /proc" in line  # was: No such file or directory
+
+
 def test_all_in_a_list_of_fault_kinds_is_refused_as_such():
     line = one_line_error(CliRunner().invoke(main, ["chaos", "--faults", "all,kill-profiler"]), 2)
     assert "'all' stands alone" in line and "unknown" not in line  # was: unknown fault kinds ['all']; ... or 'all'
