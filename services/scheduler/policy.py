@@ -22,8 +22,13 @@ quotas in the data carry float artefacts such as 0.5900000000000001):
   gain above it, e.g. BERT-base), and for any instance beside a rigid resident, Σ limits ≤ 1
   (:func:`rigid_fits`): the widths busy at once on a GPU slow each instance by their sum when it
   exceeds 1 (DESIGN.md section 7), a slowdown a wider grant makes up for an elastic instance but
-  not for a rigid one. A parked instance resuming on the GPU it left is exempt: its resume, a
-  weight copy, slowed by its neighbours' widths still beats a cold start elsewhere,
+  not for a rigid one. This rule yields to the cost of a GPU: when no active GPU keeps it,
+  :meth:`Cluster.choose` takes an active GPU that breaks it (best fit among them) before it
+  opens an empty one, since a GPU held for a whole keep-alive costs more than a slowdown only
+  while both widths are busy at once (they rarely are: each is paced to its grant). So it is not
+  a cap: :meth:`Cluster.assign` checks the caps above without it. A parked instance resuming on
+  the GPU it left is exempt: its resume, a weight copy, slowed by its neighbours' widths still
+  beats a cold start elsewhere,
 - for a training instance, no other training instance on it: a training job is always busy, so
   two on one GPU contend all the time, which no grant resolves (a kernel-cycle stretch cannot
   tell which of them to squeeze); "training on 10 % of the GPUs" (``dilu sim --training-jobs``,
@@ -535,10 +540,11 @@ class Cluster:
 
     # ------------------------------------------------------------------ feasibility and scoring
 
-    def fits(self, g: int, d: Demand, parked_id: str | None = None) -> bool:
+    def fits(self, g: int, d: Demand, parked_id: str | None = None, rigid: bool = True) -> bool:
         """Whether GPU ``g`` can take one more slot of ``d``: alive and healthy, under its instance
-        limit, Σ request ≤ 1, Σ limit ≤ γ, memory, no training beside training, and Σ limits ≤ 1
-        where a rigid instance is (:func:`rigid_fits`). Parked processes count against the memory
+        limit, Σ request ≤ 1, Σ limit ≤ γ, memory, no training beside training, and (unless
+        ``rigid`` is False: the caps alone) Σ limits ≤ 1 where a rigid instance is
+        (:func:`rigid_fits`). Parked processes count against the memory
         and the instance limit (each is still an MPS client), but ``parked_id``'s, when it is
         parked here: that is the instance coming back, and it comes back beside whatever widths
         are there (a resume slowed by them still beats a cold start elsewhere)."""
@@ -547,7 +553,7 @@ class Cluster:
         return (s.ok and _clients(s) - (own >= 0) < s.limit
                 and s.req + d.request_quota <= 1 + EPS and s.lim + d.burst_quota <= self.gamma + EPS
                 and s.mem - max(own, 0) + d.memory_bytes <= s.cap and not (s.training and d.kind == "training")
-                and (own >= 0 or rigid_fits(s.rigid, d, s.lim + d.burst_quota)))
+                and (own >= 0 or not rigid or rigid_fits(s.rigid, d, s.lim + d.burst_quota)))
 
     def score(self, g: int, d: Demand) -> float:
         """Lower is better: request and memory left over (best fit), adjusted by collocation
@@ -570,15 +576,16 @@ class Cluster:
     def _bucket_of(self, s: _Gpu) -> int:
         return min(BUCKETS, max(0, int((1 - s.req + EPS) * BUCKETS)))
 
-    def _candidates(self, d: Demand, exclude: set[int] | None = None) -> Iterable[int]:
+    def _candidates(self, d: Demand, exclude: set[int] | None = None, rigid: bool = True) -> Iterable[int]:
         """Feasible active GPUs in best-fit order of buckets (at most max_candidates of them).
         A GPU in the buckets is alive, healthy and under its instance limit, so only the sums are
-        checked here: :meth:`fits` for those GPUs, inlined (this is the hot loop)."""
+        checked here: :meth:`fits` for those GPUs (with its ``rigid``), inlined (this is the hot loop)."""
         found = 0
         start = max(0, int((d.request_quota - EPS) * BUCKETS))
         req, lim, mem = d.request_quota, d.burst_quota, d.memory_bytes
         one, cap_lim = 1 + EPS, self.gamma + EPS
-        training, rigid = d.kind == "training", d.rigid
+        training, own_rigid = d.kind == "training", d.rigid
+        keep_rule = one if rigid else cap_lim  # Σ limits beside a rigid instance (the caps alone: γ)
         gpus = self.gpus
         tables = self._tables[bisect.bisect_left(self.classes, mem):]  # memory classes large enough
         for k in range(start, BUCKETS + 1):
@@ -586,7 +593,7 @@ class Cluster:
                 for g in buckets[k]:
                     s = gpus[g]
                     if (s.req + req <= one and s.lim + lim <= cap_lim and s.mem + mem <= s.cap
-                            and not (training and s.training) and (s.lim + lim <= one or not (rigid or s.rigid))
+                            and not (training and s.training) and (s.lim + lim <= keep_rule or not (own_rigid or s.rigid))
                             and (exclude is None or g not in exclude)):
                         yield g
                         found += 1
@@ -596,9 +603,13 @@ class Cluster:
     # ------------------------------------------------------------------ decisions
 
     def choose(self, d: Demand, exclude: set[int] | None = None, allow_new: bool = True) -> tuple[int, ...]:
-        """The GPUs (global ids) for one instance of ``d``, without applying it. Raises NoCapacity."""
+        """The GPUs (global ids) for one instance of ``d``, without applying it: an active GPU that
+        keeps the rigid rule, else one that breaks it, else (``allow_new``) an empty one (see the
+        module's feasibility list). Raises NoCapacity."""
         if d.gpus == 1:
             best = min(self._candidates(d, exclude), key=lambda g: self.score(g, d), default=None)
+            if best is None:
+                best = min(self._candidates(d, exclude, rigid=False), key=lambda g: self.score(g, d), default=None)
             if best is not None:
                 return (best,)
         else:
@@ -731,7 +742,7 @@ class Cluster:
         gpus = tuple(self.gpu_id(s) for s in slots)
         if len(set(gpus)) != len(gpus) or len(gpus) != d.gpus:
             raise ValueError(f"{instance_id}: needs {d.gpus} distinct GPUs, got {slots}")
-        if check and not all(self.fits(g, d) for g in gpus):
+        if check and not all(self.fits(g, d, rigid=False) for g in gpus):
             raise ValueError(f"{instance_id}: placing it on {slots} would break a GPU's limits")
         self._apply(instance_id, d, gpus)
 

@@ -374,9 +374,8 @@ class MembershipMachine(RuleBasedStateMachine):
         slot = self.c.resume_target(d, self.c.slot(g), iid)
         assert self.c.unpark(iid) == self.c.slot(g) and iid not in self.c.parked
         if slot is not None:
-            # check=False as the scheduler's _resume does: assign's check knows no parked_id, so it
-            # would apply the rigid rule the instance coming back is exempt from; caps_hold checks
-            # that resume_target let nothing over-pack (Σ request, Σ limit ≤ γ, memory, clients)
+            # check=False as the scheduler's _resume does (resume_target has checked it); caps_hold
+            # checks that resume_target let nothing over-pack (Σ request, Σ limit ≤ γ, memory, clients)
             self.c.assign(iid, d, [slot], check=False)
 
     @precondition(lambda self: self.c.instances)
