@@ -81,8 +81,8 @@ def test_a_rigid_instance_keeps_clear_of_oversubscribed_widths_until_that_would_
     neighbours' widths above 1 and no grant makes up for it: it takes a GPU where Σ limits stays
     ≤ 1 over the better fit at 1.4, and no instance pushes a rigid resident's GPU above 1 while
     another active GPU takes it; elastic beside elastic stays best fit up to γ. When no active GPU
-    keeps the rule, one that breaks it is taken before an empty GPU is opened, and the caps
-    (what assign checks) still hold."""
+    keeps the rule, one that breaks it is taken before an empty GPU is opened (not by a move,
+    which opens none), and the caps (what assign checks) still hold."""
     c = cluster(1, 4)
     crowded, calm, loose = [Slot("n0", 0)], [Slot("n0", 1)], [Slot("n0", 2)]
     c.assign("e1", inf("e1", r=0.3, lim=0.65), crowded)
@@ -102,7 +102,9 @@ def test_a_rigid_instance_keeps_clear_of_oversubscribed_widths_until_that_would_
     assert not c2.frees_room("e", inf("y", r=0.2, lim=0.6))  # Σ limits 1.1 beside the rigid one
     assert c2.frees_room("e", inf("y", r=0.2, lim=0.5))
     assert c2.place("new", inf("gpt", r=0.2, lim=0.4)) == [Slot("n0", 0)]  # Σ limits 1.4, not a second GPU
-    assert c2.place("third", inf("bert", r=0.1), allow_new=False) == [Slot("n0", 0)]  # Σ limits 1.5 = γ
+    with pytest.raises(NoCapacity):  # a defragmentation move (no GPU to open) never breaks it
+        c2.place("moved", inf("bert", r=0.1), allow_new=False)
+    assert c2.place("third", inf("bert", r=0.1)) == [Slot("n0", 0)]  # Σ limits 1.5 = γ
     assert c2.place("fourth", inf("bert", r=0.1)) == [Slot("n0", 1)]  # Σ request would pass 1: a GPU opens
     with pytest.raises(ValueError, match="break a GPU's limits"):
         c2.assign("over", inf("z", r=0.1, lim=0.1), [Slot("n0", 0)])  # the caps: Σ request 1.1
