@@ -237,8 +237,8 @@ def synthetic(nodes: int = 1000, gpus_per_node: int = 4, instances: int = 10_000
               help="Nodes of the cluster, a count.")
 @click.option("--gpus-per-node", type=click.IntRange(min=1, max=64), default=4, show_default=True,
               help="GPUs of each node, a count.")
-@click.option("--gpu-memory-gib", type=Finite(min=0, min_open=True), default=40, show_default=True,
-              help="Memory of each GPU in GiB (2**30 bytes).")
+@click.option("--gpu-memory-gib", type=Finite(min=0, min_open=True, max=1024), default=40, show_default=True,
+              help="Memory of each GPU in GiB (2**30 bytes; at most 1 TiB, far above any GPU's).")
 @click.option("--max-gpu-instances", type=click.IntRange(min=0), default=0, show_default=True,
               help="Instances one GPU takes at most (MPS client limit, 48; 0: no cap).")
 @click.option("--gamma", type=Finite(min=1), default=1.5, show_default=True, help="Cap on Σ limit quotas per GPU.")

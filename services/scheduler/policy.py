@@ -24,7 +24,8 @@ quotas in the data carry float artefacts such as 0.5900000000000001):
   exceeds 1 (DESIGN.md section 7), a slowdown a wider grant makes up for an elastic instance but
   not for a rigid one. This rule yields to the cost of a GPU: when no active GPU keeps it,
   :meth:`Cluster.choose` takes an active GPU that breaks it (best fit among them) before it
-  opens an empty one, since a GPU held for a whole keep-alive costs more than a slowdown that
+  opens an empty one (for a one-GPU instance; a multi-GPU one, training spread over a node's
+  GPUs, keeps it), since a GPU held for a whole keep-alive costs more than a slowdown that
   lasts only while the widths are busy at once, each paced to its grant. A defragmentation move
   never breaks it: a move is a choice, and one that fills GPUs tighter also turns more resumes
   into cold starts (seed 1's 4-hour 200-function run without training jobs: 847 cold-start

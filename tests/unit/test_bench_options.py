@@ -27,6 +27,8 @@ def test_a_non_finite_number_is_refused_while_parsing(args):
     (["bench", "scheduler", "--gpu-memory-gib", "1e-300", "--nodes", "2", "--instances", "10", "--churn", "0"],
      "positive memory"),  # was a traceback
     (["bench", "scheduler", "--nodes", "100000000"], "--nodes"),  # was a MemoryError
+    (["bench", "scheduler", "--gpu-memory-gib", "1e300", "--nodes", "2", "--instances", "10", "--churn", "1"],
+     "--gpu-memory-gib"),  # was an OverflowError traceback
     (["bench", "scheduler", "--instances", "1", "--churn", "0", "--nodes", "1", "--json", "/dev/full"], "cannot write"),
 ])
 def test_a_bench_that_cannot_run_or_write_says_so_in_one_line(args, words):
