@@ -36,8 +36,9 @@ def summarize(run_files, json_path) -> None:
     the lowest and highest of that comparison run by run. One live run is one sample; read a
     direction from the means and how often the runs agree. Runs of other spans (trace, start
     minute, seed, duration, speed-up, functions), on other numbers of GPUs, with other numbers
-    of training jobs, of a policy with another parking delay or defragmentation interval, or a
-    simulated run beside a live one are refused, and so are a file given twice and one with no
+    of training jobs, of a policy with another parking delay or defragmentation interval,
+    simulated runs with another keep-alive, process start, overheads file or tick, or a
+    simulated run beside a live one are refused (draws of other --overheads-seed are not), and so are a file given twice and one with no
     run in it."""
     from dilu.cli.demo import make_console
     from dilu.loadgen import summary
@@ -49,6 +50,7 @@ def summarize(run_files, json_path) -> None:
         _distinct(run_files)
         runs = [(path, summary.read_runs(path)) for path in run_files]
         summary.check_comparable(runs)
+        summary.check_same_simulation(run_files)
         result = summary.summarize([reports for _, reports in runs])
     except ValueError as exc:
         raise click.BadParameter(str(exc), param_hint="RUN_FILES") from None

@@ -168,6 +168,43 @@ def check_comparable(runs: Sequence[tuple[str, Mapping[str, Report]]]) -> None:
                     raise ValueError(f"not runs of one comparison: {what} {seen[1]} in {seen[0]}, {value} in {name}")
 
 
+# what a simulated run was configured with beyond its span (``dilu sim --json``'s ``sim.config``):
+# runs that differ in one are other experiments; ``overheads_seed`` is left out (draws of one)
+_SAME_SIMULATION = (("nodes", "nodes"), ("gpus_per_node", "GPUs per node"), ("keep_alive_s", "keep-alive (s)"),
+                    ("process_start_ms", "process start (ms)"),
+                    ("process_start_by_starting_ms", "process start by instances starting (ms)"),
+                    ("overheads", "overheads file"), ("vertical_tick_ms", "vertical tick (ms)"),
+                    ("horizontal_tick_ms", "horizontal tick (ms)"), ("drain_s", "drain (s)"))
+
+
+def check_same_simulation(paths: Sequence[str | Path]) -> None:
+    """Raise ValueError, naming the setting and two of the files, when simulated runs in
+    ``paths`` (``dilu sim --json``) were configured differently beyond what
+    :func:`check_comparable` compares: nodes, keep-alive, process start, overheads file (by its
+    name), ticks, drain. A file without a ``sim.config`` (a live run) is skipped; one that cannot
+    be read raises as :func:`read_runs` does."""
+    first: dict[str, tuple[str, object]] = {}
+    for path in paths:
+        try:
+            data = msgspec.json.decode(files.read_bounded(path, rp.REPORT_MAX_BYTES))
+        except OSError as exc:
+            raise ValueError(f"{path}: cannot read it ({exc.strerror or exc})") from None
+        except msgspec.DecodeError as exc:
+            raise ValueError(f"{path}: not a dilu compare, sim or demo report ({exc})") from None
+        config = data.get("sim", {}).get("config") if isinstance(data, dict) and isinstance(data.get("sim"), dict) else None
+        if not isinstance(config, dict):
+            continue
+        for field, what in _SAME_SIMULATION:
+            if field not in config:
+                continue
+            value = config[field]
+            if field == "overheads" and value:
+                value = PurePath(str(value)).name
+            seen = first.setdefault(field, (str(path), value))
+            if seen[1] != value:
+                raise ValueError(f"not runs of one comparison: {what} {seen[1]} in {seen[0]}, {value} in {path}")
+
+
 def read_runs(path: str | Path) -> dict[str, Report]:
     """The reports of one run file: ``{"policies": {name: report}}`` (``dilu compare``/``dilu
     sim``) or one report (``dilu demo``, named by its ``run.policy``). Raises ValueError naming

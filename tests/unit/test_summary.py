@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -196,3 +197,30 @@ def test_a_narrow_console_puts_each_range_under_its_mean():
     lines = text.splitlines()
     at = next(i for i, x in enumerate(lines) if x.startswith("│ active GPU·s"))
     assert "136.0" in lines[at] and "(127.0–149.0)" in lines[at + 1]  # nothing cut
+
+
+def test_simulated_runs_configured_otherwise_are_refused_draws_of_other_overheads_seeds_are_not(tmp_path):
+    """A keep-alive or process start of its own makes another experiment (its sim.config says
+    so); the overheads seed only draws other samples of the same one."""
+    from dilu.loadgen.summary import check_same_simulation
+
+    def sim_file(name, **config):
+        base = {"nodes": 1, "gpus_per_node": 4, "keep_alive_s": 600.0, "process_start_ms": 436.0,
+                "process_start_by_starting_ms": [], "overheads": "/a/overheads.json", "overheads_seed": 1,
+                "vertical_tick_ms": 250.0, "horizontal_tick_ms": 500.0, "drain_s": 20.0}
+        p = tmp_path / name
+        run = RUNS[0]
+        p.write_text(json.dumps({"policies": {k: r.to_dict() for k, r in run.items()},
+                                 "sim": {"config": {**base, **config}, "policies": {}}}))
+        return str(p)
+
+    one, draw = sim_file("k1.json"), sim_file("k2.json", overheads_seed=2, overheads="/b/overheads.json")
+    check_same_simulation([one, draw])  # another draw, the same overheads file by name
+    live = tmp_path / "live.json"
+    live.write_text(json.dumps({"policies": {k: r.to_dict() for k, r in RUNS[0].items()}}))
+    check_same_simulation([one, str(live)])  # no sim.config: check_comparable refuses the mix
+    for name, change, what in (("ka.json", {"keep_alive_s": 30.0}, "keep-alive (s) 600.0"),
+                               ("ps.json", {"process_start_ms": 5000.0}, "process start (ms) 436.0"),
+                               ("oh.json", {"overheads": "/a/other.json"}, "overheads file overheads.json")):
+        with pytest.raises(ValueError, match=rf"{re.escape(what)} in .*k1.json, .* in .*{name}"):
+            check_same_simulation([one, sim_file(name, **change)])
