@@ -251,6 +251,10 @@ def _show(out: dict, console, functions, json_path: str | None, plots_dir: str |
     if isinstance(functions, int) and first["run"]["functions"] < functions:
         console.print(f"[yellow]--functions {functions}: the span has only {count_of(first['run']['functions'], 'function')} "
                       f"with invocations; simulated those[/yellow]")
+    asked = out["sim"]["config"].get("training_jobs") or 0
+    if asked and not first["run"]["training_jobs"]:  # round(fraction x GPUs), as the live demo places them
+        console.print(f"[yellow]--training-jobs {asked:g}: {asked:.0%} of {count_of(first['run']['gpus'], 'GPU')} "
+                      f"rounds to no job; simulated none[/yellow]")
     report.render_compare({k: report.Report.from_dict(v) for k, v in out["policies"].items()}, console, simulated=True)
     for name, s in out["sim"]["policies"].items():
         console.print(f"{name}: {s['events']:,} events in {s['wall_s']:.1f} s; peak {count_of(s['peak_active_gpus'], 'active GPU')}, "

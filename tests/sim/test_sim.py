@@ -53,6 +53,17 @@ def test_the_legend_says_simulated_seconds(tmp_path):
     assert "wall-clock" not in text
 
 
+def test_a_training_fraction_that_rounds_to_no_job_says_so():
+    def run(fraction):
+        r = CliRunner().invoke(main, ["sim", "--functions", "2", "--hours", "0.01", "--nodes", "1", "--gpus-per-node",
+                                      "2", "--policies", "dilu", "--training-jobs", fraction], env={"COLUMNS": "200"})
+        assert r.exit_code == 0, r.output
+        return " ".join(r.output.split())
+
+    assert "--training-jobs 0.1: 10% of 2 GPUs rounds to no job; simulated none" in run("0.1")
+    assert "rounds to no job" not in run("0.5")  # one job on one of the two GPUs
+
+
 def test_report_passes_check_report(tmp_path, check_report):
     data, _ = _run(["--functions", "8", "--hours", "0.05", "--policies",
                     "dilu,horizontal-only,static-mps,exclusive,dilu-published", "--training-jobs", "0.25"], tmp_path)
