@@ -38,8 +38,8 @@ def summarize(run_files, json_path) -> None:
     minute, seed, duration, speed-up, functions), on other numbers of GPUs, with other numbers
     of training jobs, of a policy with another parking delay or defragmentation interval,
     simulated runs with another keep-alive, process start, overheads file or tick, or a
-    simulated run beside a live one are refused (draws of other --overheads-seed are not), and so are a file given twice and one with no
-    run in it."""
+    simulated run beside a live one are refused (draws of other --overheads-seed are not), and
+    so are a file given twice and one with no run in it."""
     from dilu.cli.demo import make_console
     from dilu.loadgen import summary
 
