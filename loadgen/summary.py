@@ -182,15 +182,11 @@ def check_same_simulation(paths: Sequence[str | Path]) -> None:
     ``paths`` (``dilu sim --json``) were configured differently beyond what
     :func:`check_comparable` compares: nodes, keep-alive, process start, overheads file (by its
     name), ticks, drain. A file without a ``sim.config`` (a live run) is skipped; one that cannot
-    be read raises as :func:`read_runs` does."""
+    be read raises as :func:`read_runs` does (each file is read once more here: a
+    report does not carry its sim section, and run files are bounded)."""
     first: dict[str, tuple[str, object]] = {}
     for path in paths:
-        try:
-            data = msgspec.json.decode(files.read_bounded(path, rp.REPORT_MAX_BYTES))
-        except OSError as exc:
-            raise ValueError(f"{path}: cannot read it ({exc.strerror or exc})") from None
-        except msgspec.DecodeError as exc:
-            raise ValueError(f"{path}: not a dilu compare, sim or demo report ({exc})") from None
+        data = _decode(path)
         config = data.get("sim", {}).get("config") if isinstance(data, dict) and isinstance(data.get("sim"), dict) else None
         if not isinstance(config, dict):
             continue
@@ -209,18 +205,31 @@ def read_runs(path: str | Path) -> dict[str, Report]:
     """The reports of one run file: ``{"policies": {name: report}}`` (``dilu compare``/``dilu
     sim``) or one report (``dilu demo``, named by its ``run.policy``). Raises ValueError naming
     the file when it cannot be read or is neither."""
+    data = _decode(path)
     try:
-        data = msgspec.json.decode(files.read_bounded(path, rp.REPORT_MAX_BYTES))
         if isinstance(data, dict) and isinstance(data.get("policies"), dict):
             if not data["policies"]:
                 raise ValueError(f"{path}: no run in it (its policies are empty)")
             return {str(name): Report.from_dict(r) for name, r in data["policies"].items()}
         one = Report.from_dict(data)
         return {one.run.policy: one}
+    except msgspec.ValidationError as exc:
+        raise ValueError(_not_a_report(path, exc)) from None
+
+
+def _not_a_report(path, exc) -> str:
+    return f"{path}: not a dilu compare, sim or demo report ({exc})"
+
+
+def _decode(path: str | Path):
+    """The JSON of a run file, read within ``REPORT_MAX_BYTES``. Raises ValueError naming the
+    file when it cannot be read or is no JSON."""
+    try:
+        return msgspec.json.decode(files.read_bounded(path, rp.REPORT_MAX_BYTES))
     except OSError as exc:
         raise ValueError(f"{path}: cannot read it ({exc.strerror or exc})") from None
-    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-        raise ValueError(f"{path}: not a dilu compare, sim or demo report ({exc})") from None
+    except msgspec.DecodeError as exc:
+        raise ValueError(_not_a_report(path, exc)) from None
 
 
 def _show(v: float, fmt) -> str:

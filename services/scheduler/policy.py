@@ -29,8 +29,8 @@ quotas in the data carry float artefacts such as 0.5900000000000001):
   lasts only while the widths are busy at once, each paced to its grant. A defragmentation move
   never breaks it: a move is a choice, and one that fills GPUs tighter also turns more resumes
   into cold starts (seed 1's 4-hour 200-function run without training jobs: 847 cold-start
-  requests against 687, for 4.4 % fewer GPU·s). So it is not a cap: :meth:`Cluster.assign`
-  checks the caps above without it. A parked instance resuming on the GPU it left is exempt:
+  requests at commit aa25d0c against 687, for 4.4 % fewer GPU·s). So it is not a cap:
+  :meth:`Cluster.assign` checks the caps above without it. A parked instance resuming on the GPU it left is exempt:
   its resume, a weight copy, slowed by its neighbours' widths still beats a cold start elsewhere,
 - for a training instance, no other training instance on it: a training job is always busy, so
   two on one GPU contend all the time, which no grant resolves (a kernel-cycle stretch cannot
