@@ -57,8 +57,9 @@ class WorkloadError(ValueError):
 
 def parse_workload(path: str | Path) -> list[tuple[float, str, str, Demand]]:
     """Events as (time s, action, instance name, demand), one per non-blank line of the Dilu
-    authors' format (a Python dict literal, read with ast.literal_eval: nothing is executed).
-    Raises WorkloadError naming the file and line and saying what is wrong, also for a binary,
+    authors' format (a Python dict literal, read with ast.literal_eval: nothing is executed), in
+    time order, each start of an instance not running and each delete of one that is. Raises
+    WorkloadError naming the file and line and saying what is wrong, also for a binary,
     unreadable, non-regular, event-less or too large (over WORKLOAD_MAX_BYTES) file."""
     try:
         lines = files.read_bounded(path, WORKLOAD_MAX_BYTES).decode().splitlines()
@@ -67,18 +68,39 @@ def parse_workload(path: str | Path) -> list[tuple[float, str, str, Demand]]:
     except OSError as exc:  # missing, unreadable, not a regular file, over the limit
         raise WorkloadError(f"{path}: cannot read: {exc.strerror or exc}") from None
     events = []
+    running: set[str] = set()
     for n, line in enumerate(lines, start=1):
         if not line.strip():
             continue
         try:
-            events.append(_event(line))
+            event = _event(line)
+            _check_order(event, events[-1][0] if events else None, running)
         except (ValueError, TypeError) as exc:
             raise WorkloadError(f"{path}:{n}: {exc}") from None
+        events.append(event)
     if not events:
         raise WorkloadError(f"{path}: no events (expected one dict per line with 'Time', 'Action' and 'Instance')")
     return events
 
 
+def _check_order(event: tuple[float, str, str, Demand], last_t: float | None, running: set[str]) -> None:
+    """An event must not go back in time, start an instance that is running or delete one that
+    is not (``running``: the names started and not deleted so far, updated here). ValueError
+    says which."""
+    t, action, name, _ = event
+    if last_t is not None and t < last_t:
+        raise ValueError(f"its Time goes back {last_t - t:g} s: events must be in time order")
+    if action == "start":
+        if name in running:
+            raise ValueError(f"instance {name!r} is started again while running")
+        running.add(name)
+    elif name not in running:
+        raise ValueError(f"instance {name!r} is deleted but not running")
+    else:
+        running.discard(name)
+
+
+WORKLOAD_TYPES = ("inference", "training", "llm-inference")  # the format's kinds (workloads/ATTRIBUTION.md)
 MAX_GPU_NUM = 64  # GPUs one workload instance may span (the bundled workloads use 1 and 4)
 
 
@@ -100,6 +122,11 @@ def _event(line: str) -> tuple[float, str, str, Demand]:
     if action not in ("start", "delete"):
         raise ValueError(f"unknown action {action!r} (start or delete)")
     gpus = inst["gpu_num"]
+    if inst["type"] not in WORKLOAD_TYPES:
+        raise ValueError(f"unknown type {inst['type']!r} ({', '.join(WORKLOAD_TYPES)})")
+    for key in ("sm_requests", "sm_limits"):
+        if isinstance(inst[key], bool) or not isinstance(inst[key], (int, float)):
+            raise ValueError(f"{key} must be a number (a fraction of the GPU's SMs), got {inst[key]!r}")
     request, limit = float(inst["sm_requests"]), float(inst["sm_limits"])
     memory = inst["memory"] if isinstance(inst["memory"], list) else [inst["memory"]]
     if isinstance(gpus, bool) or not isinstance(gpus, int) or not 1 <= gpus <= MAX_GPU_NUM:
@@ -110,7 +137,7 @@ def _event(line: str) -> tuple[float, str, str, Demand]:
         raise ValueError(f"memory must be a list of GB per GPU, got {inst['memory']!r}")
     if isinstance(inst["memory"], list) and len(memory) != gpus:
         raise ValueError(f"memory lists {len(memory)} GPUs for gpu_num {gpus}")
-    kind = "training" if inst["type"] == "training" else "inference"
+    kind = "training" if inst["type"] == "training" else "inference"  # an LLM is served as inference
     d = Demand(function=str(inst["service_name"]), request_quota=request, limit_quota=limit,
                memory_bytes=int(max(memory) * GiB), kind=kind, gpus=gpus if kind == "training" else 1)
     return t, action, str(inst["service_name"]), d
@@ -145,9 +172,7 @@ def replay(path: str | Path, nodes: int = 1000, gpus_per_node: int = 4, gpu_memo
             frag_area += (cluster.active - live_req) * dt
             span += dt
         last_t = t
-        if action == "start":
-            if name in cluster.instances:
-                raise WorkloadError(f"{path}: instance {name!r} started twice")
+        if action == "start":  # parse_workload saw to it that the name is not running
             t0 = time.perf_counter_ns()
             try:
                 gpus = cluster.choose(d)
@@ -160,7 +185,7 @@ def replay(path: str | Path, nodes: int = 1000, gpus_per_node: int = 4, gpu_memo
             live_mem += d.memory_bytes * d.gpus
             live_big += d.gpus if d.memory_bytes > capacity / 2 else 0
             max_lim = max(max_lim, *(cluster.gpus[g].lim for g in gpus))
-        elif name in cluster.instances:
+        elif name in cluster.instances:  # else it was not placed (unplaced counts it)
             d, _ = cluster.remove(name)
             live_req -= d.request_quota * d.gpus
             live_mem -= d.memory_bytes * d.gpus
@@ -265,7 +290,9 @@ def bench_scheduler(nodes, gpus_per_node, gpu_memory_gib, max_gpu_instances, gam
                 out = replay(workload, nodes, gpus_per_node, gpu_memory_gib, gamma, max_gpu_instances)
             else:
                 out = synthetic(nodes, gpus_per_node, instances, churn, gpu_memory_gib, gamma, seed, max_gpu_instances)
-        except ValueError as exc:  # a bad workload line, or a cluster no GPU could exist in
+        except WorkloadError as exc:  # bad input: the file given (exit 2, as dilu sim says it)
+            raise click.BadParameter(str(exc), param_hint="'--workload'") from None
+        except ValueError as exc:  # a cluster no GPU could exist in
             raise click.ClickException(str(exc)) from None
         text = json.dumps(out, indent=2)
         click.echo(text)

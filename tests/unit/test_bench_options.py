@@ -58,3 +58,11 @@ def test_bench_scheduler_replays_a_workload_with_the_options_it_reads():
     r = CliRunner().invoke(main, ["bench", "scheduler", "--workload", str(WORKLOAD), "--nodes", "50"],
                            env={"DILU_SEED": "3"})
     assert r.exit_code == 0, r.output
+
+
+@pytest.mark.parametrize("command", [["bench", "scheduler"], ["sim"]])
+def test_a_bad_workload_file_is_bad_input_in_both_commands(tmp_path, command):
+    bad = tmp_path / "w.txt"
+    bad.write_text("not an event\n")
+    line = one_line_error(CliRunner().invoke(main, [*command, "--workload", str(bad)]), 2)  # bench scheduler: 1
+    assert f"{bad}:1: not a dict literal" in line and "--workload" in line

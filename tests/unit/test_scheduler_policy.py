@@ -283,6 +283,35 @@ def test_workload_parse_error_names_the_line(tmp_path):
         parse_workload(bad)
 
 
+def _line(t: str, action: str, name: str, **inst) -> str:
+    fields = {"service_name": name, "type": "inference", "gpu_num": 1, "sm_requests": 0.2, "sm_limits": 0.4,
+              "memory": [3], **inst}
+    return repr({"Time": f"2024-06-19 15:44:{t}", "Action": action, "Instance": fields})
+
+
+@pytest.mark.parametrize("second, says", [
+    (_line("31", "start", "b", type="gpu"), r":2: unknown type 'gpu' \(inference, training, llm-inference\)"),
+    (_line("31", "start", "b", sm_requests="0.2"), r":2: sm_requests must be a number .*got '0.2'"),
+    (_line("31", "start", "b", sm_limits=True), r":2: sm_limits must be a number"),
+    (_line("29", "start", "b"), r":2: its Time goes back 1 s: events must be in time order"),
+    (_line("31", "delete", "b"), r":2: instance 'b' is deleted but not running"),
+    (_line("31", "start", "a"), r":2: instance 'a' is started again while running"),
+])
+def test_a_workload_line_out_of_place_is_refused_by_line(tmp_path, second, says):
+    """Each line must be a known kind with numeric quotas, in time order, and start only what is
+    not running and delete only what is: else the replay would place or ignore what the file
+    does not mean."""
+    path = tmp_path / "w.txt"
+    path.write_text(_line("30", "start", "a") + "\n" + second + "\n")
+    with pytest.raises(WorkloadError, match=says):
+        parse_workload(path)
+    path.write_text("\n".join([_line("30", "start", "a"), _line("30", "start", "b", type="llm-inference"),
+                               _line("31", "delete", "a"), _line("31", "start", "a", type="training")]))
+    assert [(e[1], e[2], e[3].kind) for e in parse_workload(path)] == [
+        ("start", "a", "inference"), ("start", "b", "inference"), ("delete", "a", "inference"),
+        ("start", "a", "training")]
+
+
 def test_synthetic_bench_and_cli_write_figures(tmp_path):
     out = synthetic(nodes=100, gpus_per_node=4, instances=600, churn=100, seed=3)
     assert out["placements"] == 700 and out["violations"] == 0 and out["placements_per_second"] > 0
