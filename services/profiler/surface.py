@@ -125,7 +125,7 @@ def load_surface(path: str | Path, tokens_per_request: int | None = None) -> Sur
     ``tokens_per_request`` defaults to 32 for a file whose name starts with ``llama`` (per-token
     latency, DESIGN.md section 7) and 1 otherwise. Raises SurfaceError for an unknown header,
     a non-numeric or non-positive value, a percentage above 100, a batch that is not a whole
-    number, an empty or binary file.
+    number, a point (setting and batch) measured on two lines, an empty or binary file.
     """
     path = Path(path)
     if tokens_per_request is None:
@@ -148,6 +148,7 @@ def load_surface(path: str | Path, tokens_per_request: int | None = None) -> Sur
     else:
         raise SurfaceError(f"{path}: unknown header {header}; expected {A100_HEADER} or {V100_HEADER}")
     points: dict[tuple[Setting, int], Measurement] = {}
+    first_line: dict[tuple[Setting, int], int] = {}
     for line, row in enumerate(rows, start=2):
         batch = _batch(row, path, line)
         sm = _fraction(row, "sm_percent", path, line)
@@ -159,6 +160,10 @@ def load_surface(path: str | Path, tokens_per_request: int | None = None) -> Sur
             setting = (sm, _fraction(row, "time_quota_percent", path, line))
             latency = _num(row, "latency_ms", path, line)
             throughput = batch / latency * 1000
+        if (setting, batch) in first_line:  # two measurements of one point: which one is meant?
+            raise SurfaceError(f"{path}:{line}: measures again the point of line {first_line[setting, batch]} "
+                               f"(batch {batch} at {', '.join(f'{v:g}' for v in setting)})")
+        first_line[setting, batch] = line
         points[(setting, batch)] = Measurement(latency_ms=latency, throughput_rps=throughput)
     if not points:
         raise SurfaceError(f"{path}: no rows")

@@ -244,6 +244,9 @@ def test_bad_surface_file_is_a_clear_error(tmp_path):
     bad.write_text("batch,sm_percent,latency_s,throughput_rps\n1.5,50,0.01,3\n")  # was read as batch 1
     with pytest.raises(SurfaceError, match="'batch' must be a whole number, got 1.5"):
         load_surface(bad)
+    bad.write_text("batch,sm_percent,latency_s,throughput_rps\n1,50,0.01,100\n2,50,0.015,133\n1,50.0,0.02,50\n")
+    with pytest.raises(SurfaceError, match=r"bad.csv:4: measures again the point of line 2 \(batch 1 at 0.5\)"):
+        load_surface(bad)  # the last one was kept
 
 
 @pytest.mark.parametrize("args, words", [
