@@ -119,13 +119,26 @@ class DataDirLock:
 
 def _creatable(path: Path, what: str) -> None:
     """Refuse ``path`` before anything is created when it, or the nearest of its parents that
-    exists, is not a directory (:class:`Refused`, naming ``what``): then neither of ``dilu up``'s
-    directories is made when the other cannot be."""
+    exists, is not a directory or takes no file (:class:`Refused`, naming ``what``; a probe file
+    written and removed there, since root passes every access check): then neither of ``dilu
+    up``'s directories is made when the other cannot be."""
     there = path
     while not there.exists() and there != there.parent:
         there = there.parent
     if not there.is_dir():
         raise Refused(f"{what} {path} is not a writable directory: {there} is not a directory")
+    _probe(there, path, what)
+
+
+def _probe(folder: Path, path: Path, what: str) -> None:
+    """Create and remove a file in ``folder``; :class:`Refused` naming ``what`` ``path`` if that fails."""
+    probe = folder / f".dilu-write-check-{os.getpid()}"
+    try:
+        probe.touch()
+        probe.unlink()
+    except OSError as exc:
+        raise Refused(f"{what} {path} is not a writable directory: "
+                      f"{write_failure(exc, folder, 'it' if folder == path else str(folder))}") from None
 
 
 def _directory(path: Path, what: str) -> Path:
@@ -133,11 +146,9 @@ def _directory(path: Path, what: str) -> Path:
     root passes every access check). Raises :class:`Refused` (exit 2, bad input) naming ``what``."""
     try:
         path.mkdir(parents=True, exist_ok=True)
-        probe = path / f".dilu-write-check-{os.getpid()}"
-        probe.touch()
-        probe.unlink()
     except OSError as exc:
-        raise Refused(f"{what} {path} is not a writable directory: {write_failure(exc, path)}") from None
+        raise Refused(f"{what} {path} is not a writable directory: {write_failure(exc, path.parent)}") from None
+    _probe(path, path, what)
     return path
 
 

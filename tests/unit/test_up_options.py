@@ -76,6 +76,10 @@ def test_data_dir_that_cannot_be_created_or_written(tmp_path):
     out = one_line_error(up("--data-dir", str(tmp_path / "ok"), "--log-dir", str(blocker), *ports), 2)
     assert "--log-dir" in out and "not a writable directory" in out
     assert not (tmp_path / "ok").exists(), "a refused dilu up creates nothing, not even the data directory"
+    for log_dir in ("/proc", "/proc/dilu/logs"):  # directories that take no file, even from root
+        out = one_line_error(up("--data-dir", str(tmp_path / "ok"), "--log-dir", log_dir, *ports), 2)
+        assert "--log-dir" in out and "nothing can be created in" in out
+        assert not (tmp_path / "ok").exists(), "the data directory was made before the log directory was refused"
 
 
 @pytest.mark.skipif(os.geteuid() == 0, reason="root writes into read-only folders")
