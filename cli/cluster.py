@@ -34,7 +34,8 @@ from typing import Callable
 from prometheus_client.parser import text_string_to_metric_families
 
 from dilu.services.common.lifetime import tied_to_caller
-from dilu.services.common.natsconn import ENV_CREDS, ENV_INBOX_PREFIX, NatsOptions
+from dilu.client.errors import Unreachable
+from dilu.services.common.natsconn import ENV_CREDS, ENV_INBOX_PREFIX, NatsOptions, connect_failure
 from dilu.services.common.metrics import PID_HEADER
 from dilu.services.common.natsserver import MAX_PAYLOAD_BYTES, EmbeddedNats, free_ports
 from dilu.services.common.permissions import SERVICE_ROLES, inbox_prefix
@@ -63,7 +64,8 @@ STOP_STAGES = [[GATEWAY], ["horizontal_scaler", "vertical_scaler", "profiler", "
 
 def check_reachable(url: str, timeout_s: float = 3.0) -> None:
     """Fail fast on a NATS URL nothing listens on (services would wait for it forever).
-    Raises RuntimeError naming the URL and the reason."""
+    Raises :class:`Unreachable` (exit code 5, as for every command) naming the URL and the reason
+    in the words of :func:`connect_failure`; RuntimeError for a URL without a host or port."""
     parsed = urlsplit(url if "://" in url else f"nats://{url}")
     try:
         host, port = parsed.hostname, parsed.port or 4222
@@ -74,7 +76,7 @@ def check_reachable(url: str, timeout_s: float = 3.0) -> None:
     try:
         socket.create_connection((host, port), timeout=timeout_s).close()
     except OSError as exc:
-        raise RuntimeError(f"cannot reach NATS at {url}: {exc}") from None
+        raise Unreachable(f"cannot reach NATS at {url}: {connect_failure(exc, timeout_s)}") from None
 
 
 @dataclass
@@ -268,7 +270,7 @@ class Cluster:
             try:
                 check_reachable(self.url, timeout_s=0.5)
                 return True
-            except RuntimeError:
+            except Unreachable:
                 return False
         svc = self.services.get(name)
         return bool(svc and svc.proc.poll() is None and _answers_ready(svc))

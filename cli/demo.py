@@ -25,6 +25,7 @@ import click
 import uvloop
 from rich.console import Console
 
+from dilu.client.errors import DiluError, exit_code
 from dilu.loadgen import arrivals, assign, generator, report, requestlog, trace
 from dilu.loadgen import llm as llmtrace
 from dilu.services.common import logging as dlog
@@ -593,6 +594,10 @@ def _run_or_explain(main):
         raise SystemExit(128 + signal.SIGINT) from None
     except BrokenPipeError:  # the reader of the output left: the command line's 141, not a failure
         raise
+    except DiluError as exc:  # NATS unreachable: the exit code every command gives it (5)
+        error = click.ClickException(str(exc))
+        error.exit_code = exit_code(exc)
+        raise error from None
     except (trace.TraceError, ValueError, RuntimeError, TimeoutError, OSError) as exc:
         raise click.ClickException(str(exc)) from None
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import os
 import re
+import socket
 import ssl
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -198,6 +199,10 @@ def connect_failure(cause: BaseException, connect_timeout_s: float) -> str:
         return "connection refused (is nats-server running there?)"
     if isinstance(cause, TimeoutError):  # asyncio.TimeoutError is TimeoutError on 3.11
         return f"no answer within {connect_timeout_s:g} s"
+    if isinstance(cause, socket.gaierror):  # the host name does not resolve
+        return f"no such host ({cause.strerror})"
+    if isinstance(cause, OSError) and cause.strerror:  # the OS's words without "[Errno n]"
+        return cause.strerror[:1].lower() + cause.strerror[1:]
     reason = str(cause) or type(cause).__name__
     if is_authorization_violation(cause):
         reason += " (the server admits Dilu's roles only: --creds FILE or DILU_NATS_CREDS)"

@@ -9,6 +9,7 @@ from click.testing import CliRunner
 
 from cli_errors import one_line_error
 from dilu.cli.main import main
+from dilu.client.errors import Unreachable
 
 
 @pytest.mark.parametrize("args, words", [
@@ -164,7 +165,7 @@ def _failing_start(monkeypatch, logged: str = ""):
     def start(self, abort=None):
         if logged:
             (self.log_dir / "scheduler.log").write_text(logged)
-        raise RuntimeError("cannot reach NATS at nats://127.0.0.1:1")
+        raise Unreachable("cannot reach NATS at nats://127.0.0.1:1: connection refused")
 
     monkeypatch.setattr(demo_cli.Cluster, "start", start)
     monkeypatch.setattr(demo_cli.dlog, "configure", lambda *a, **k: None)
@@ -176,18 +177,18 @@ def test_a_run_that_fails_before_logging_leaves_no_temporary_log_directory(tmp_p
     _failing_start(monkeypatch)
     length = ["--minutes", "3"] if command == "chaos" else ["--duration", "5"]
     r = CliRunner(env={"TMPDIR": str(tmp_path)}).invoke(main, [command, *length, "--functions", "1"])
-    assert "cannot reach NATS" in one_line_error(r, 1)
+    assert "cannot reach NATS" in one_line_error(r, 5)  # the exit code every command gives it
     assert list(tmp_path.glob(f"{prefix}*")) == []
 
 
 def test_a_failed_run_keeps_the_users_log_directory_and_what_was_logged(tmp_path, monkeypatch):
     _failing_start(monkeypatch)
     mine = tmp_path / "mine"
-    one_line_error(CliRunner().invoke(main, ["demo", "--duration", "5", "--functions", "1", "--log-dir", str(mine)]), 1)
+    one_line_error(CliRunner().invoke(main, ["demo", "--duration", "5", "--functions", "1", "--log-dir", str(mine)]), 5)
     assert (mine / "dilu").is_dir()  # the user's, even empty
     _failing_start(monkeypatch, logged='{"event": "why it failed"}\n')
     r = CliRunner(env={"TMPDIR": str(tmp_path)}).invoke(main, ["demo", "--duration", "5", "--functions", "1"])
-    one_line_error(r, 1)
+    one_line_error(r, 5)
     assert [p.read_text() for p in tmp_path.glob("dilu-logs-*/dilu/scheduler.log")] == ['{"event": "why it failed"}\n']
 
 

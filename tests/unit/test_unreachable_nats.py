@@ -5,6 +5,7 @@ import socket
 import pytest
 
 from dilu.cli.cluster import check_reachable
+from dilu.client.errors import Unreachable
 from dilu.services.common.runner import serve
 
 
@@ -16,8 +17,10 @@ def closed_port() -> int:
 
 def test_check_reachable_names_the_url_and_the_reason():
     url = f"nats://127.0.0.1:{closed_port()}"
-    with pytest.raises(RuntimeError, match=f"cannot reach NATS at {url}"):
+    with pytest.raises(Unreachable, match=f"cannot reach NATS at {url}: connection refused"):
         check_reachable(url)
+    with pytest.raises(Unreachable, match=r"nats://nowhere.invalid:4222: no such host \("):  # not "[Errno -2] ..."
+        check_reachable("nats://nowhere.invalid:4222")
     with pytest.raises(RuntimeError, match="bad NATS URL"):
         check_reachable("nats://host:notaport")
     with pytest.raises(RuntimeError, match="no host"):
