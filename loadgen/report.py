@@ -330,10 +330,15 @@ def write_report(report: Report, path: str | Path) -> None:
 
 
 def read_report(path: str | Path) -> Report:
-    """Read a JSON report written by :func:`write_report`; raises ValueError naming the file."""
+    """Read a JSON report written by :func:`write_report`; raises ValueError naming the file and
+    what is wrong: it cannot be read (the OS's words), or it is not a report."""
     try:
-        return msgspec.json.decode(files.read_bounded(path, REPORT_MAX_BYTES), type=Report)
-    except (OSError, msgspec.DecodeError) as exc:
+        data = files.read_bounded(path, REPORT_MAX_BYTES)
+    except OSError as exc:
+        raise ValueError(f"{path}: cannot read: {exc.strerror or exc}") from exc
+    try:
+        return msgspec.json.decode(data, type=Report)
+    except msgspec.DecodeError as exc:
         raise ValueError(f"{path}: not a Dilu report ({exc})") from exc
 
 

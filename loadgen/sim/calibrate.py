@@ -214,6 +214,9 @@ def calibrate(log_dirs: list[Path], min_batches: int = MIN_BATCHES) -> Overheads
         if inner and not (d / requestlog.REPORT_FILENAME).exists():  # the --log-dir, not a policy's
             raise ValueError(f"{d} holds one log directory per policy: name them ("
                              + ", ".join(str(d / name) for name in inner) + ")")
+        if d.is_dir() and not (d / requestlog.REPORT_FILENAME).exists():
+            raise ValueError(f"{d} holds no {requestlog.REPORT_FILENAME}: not the log directory of a run "
+                             f"(dilu demo or compare --log-dir DIR writes one in DIR/<policy>)")
         rep = report.read_report(d / requestlog.REPORT_FILENAME)
         lines = requestlog.read(d / requestlog.FILENAME)
         if not lines:

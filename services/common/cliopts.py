@@ -329,7 +329,9 @@ def writable_dir(ctx, param, value):
             with tempfile.NamedTemporaryFile(dir=path):
                 pass
         except OSError as exc:
-            raise click.BadParameter(f"cannot write into {value}: {write_failure(exc, path)}") from None
+            there = next((p for p in (path, *path.parents) if p.exists()), path)  # where it failed
+            why = write_failure(exc, there, it="it" if there == path else str(there))
+            raise click.BadParameter(f"cannot write into {value}: {why}") from None
         finally:
             for p in created:
                 with contextlib.suppress(OSError):  # one the failed mkdir never made

@@ -202,6 +202,11 @@ def test_calibrate_names_the_file_it_cannot_use(tmp_path: Path, kw, words):
         cal.calibrate([_log_dir(tmp_path / "run", **kw)])
 
 
+def test_calibrate_says_what_a_folder_without_a_report_is_not(tmp_path: Path):
+    with pytest.raises(ValueError, match=rf"{tmp_path} holds no report.json: not the log directory of a run"):
+        cal.calibrate([tmp_path])  # was "not a Dilu report ([Errno 2] No such file or directory: ...)"
+
+
 def test_calibrate_names_a_log_that_is_not_text(tmp_path: Path):
     run = _log_dir(tmp_path / "run")
     (run / cal.NODE_AGENT_LOG).write_bytes(b"\x89PNG\r\n\x1a\n\xff\xfe")
