@@ -257,7 +257,7 @@ def _show(out: dict, console, functions, json_path: str | None, plots_dir: str |
                       f"rounds to no job; simulated none[/yellow]")
     report.render_compare({k: report.Report.from_dict(v) for k, v in out["policies"].items()}, console, simulated=True)
     for name, s in out["sim"]["policies"].items():
-        console.print(f"{name}: {s['events']:,} events in {s['wall_s']:.1f} s; peak {count_of(s['peak_active_gpus'], 'active GPU')}, "
+        console.print(f"{name}: {s['events']:,} events in {s['compute_s']:.1f} s of computing; peak {count_of(s['peak_active_gpus'], 'active GPU')}, "
                       f"largest Σ limits on a GPU {s['max_limit_sum']:.2f}")
         if s["parks"]:
             console.print(_parking_line(name, s))

@@ -43,8 +43,8 @@ def run_bench(nodes: int = 1000, gpus_per_node: int = 4, hours: float = 8.0, fun
         "hours": round(work.plan.duration_s * cfg.speedup / 3600.0, 6),  # what the trace held of those asked
         "functions": len(work.plan.functions), "training_jobs": len(work.specs) - len(work.plan.functions),
         "requests": len(work.plan.invocations), "seed": seed,
-        "events": facts.events, "wall_s": facts.wall_s,
-        "events_per_s": round(facts.events / facts.wall_s, 1) if facts.wall_s else None,
+        "events": facts.events, "wall_s": facts.compute_s,
+        "events_per_s": round(facts.events / facts.compute_s, 1) if facts.compute_s else None,
         "prepare_s": round(prepared, 3), "peak_rss_bytes": peak_rss_bytes(),
         "peak_active_gpus": facts.peak_active_gpus, "slo_violation_rate": t.slo_violation_rate,
         "cold_start_requests": t.cold_start_requests, "active_gpu_seconds": t.active_gpu_seconds,

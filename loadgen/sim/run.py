@@ -230,8 +230,8 @@ def warm_up_ms(cfg: SimConfig, work: Workload, mode: str) -> float:
 
 @dataclass
 class SimFacts:
-    """Simulator-only figures of one run (not in the Report): ``events`` processed, ``wall_s``
-    real seconds it took, ``peak_active_gpus``, ``max_limit_sum`` (the largest Σ against γ on one
+    """Simulator-only figures of one run (not in the Report): ``events`` processed, ``compute_s``
+    the real seconds computing it took (the report's ``run.wall_s`` is simulated seconds), ``peak_active_gpus``, ``max_limit_sum`` (the largest Σ against γ on one
     GPU, :meth:`Cluster.limit_sum`), instances ``parks`` and ``resumes`` (on the GPU they left; parking,
     :class:`SimConfig`), ``resumes_refused`` (the GPU it left had no room), of which ``relaunches``
     placed a new instance elsewhere and retired the parked one (a cold start; the others found no
@@ -243,7 +243,7 @@ class SimFacts:
     used by the plots."""
 
     events: int = 0
-    wall_s: float = 0.0
+    compute_s: float = 0.0
     peak_active_gpus: int = 0
     max_limit_sum: float = 0.0
     unplaced: int = 0
@@ -952,7 +952,7 @@ class Simulation:
         self._close()
         self.facts.events = loop.processed
         rep = self._report()
-        self.facts.wall_s = round(time.perf_counter() - started, 3)
+        self.facts.compute_s = round(time.perf_counter() - started, 3)
         return rep, self.facts
 
     def _close(self) -> None:
@@ -1032,7 +1032,7 @@ class Interrupted(Exception):
 def simulate(cfg: SimConfig, policies: list[str], progress=None, tick=None) -> dict:
     """Every policy over the same workload: ``{"policies": {name: report dict}, "sim": {...}}``
     (the format of ``dilu compare --json`` plus the simulator's own figures, in ``sim``:
-    configuration, and per policy ``events``, ``wall_s``, ``peak_active_gpus``,
+    configuration, and per policy ``events``, ``compute_s``, ``peak_active_gpus``,
     ``max_limit_sum``, ``unplaced``, the ``timeline`` rows ``[t_s, active GPUs, cold-start
     requests so far, allocation fragmentation, idle fragmentation]`` every ``sample_s`` and the
     ``latency_slo_cdf``: [fraction, latency / SLO] at 200 quantiles of the completed requests). ``progress(name)`` is called
@@ -1053,7 +1053,7 @@ def simulate(cfg: SimConfig, policies: list[str], progress=None, tick=None) -> d
             on = None if tick is None else (lambda done, total, p=p: tick(p, done, total))
             rep, f = Simulation(cfg, p, work, on_progress=on).run()
             reports[p] = rep.to_dict()
-            facts[p] = {"events": f.events, "wall_s": f.wall_s, "peak_active_gpus": f.peak_active_gpus,
+            facts[p] = {"events": f.events, "compute_s": f.compute_s, "peak_active_gpus": f.peak_active_gpus,
                         "max_limit_sum": f.max_limit_sum, "unplaced": f.unplaced, "parks": f.parks,
                         "resumes": f.resumes, "resumes_refused": f.resumes_refused, "relaunches": f.relaunches,
                         "migrations": f.migrations, "defrag_interval_s": f.defrag_interval_s,

@@ -65,7 +65,7 @@ def test_parking_is_deterministic_and_in_the_json(tmp_path):
         assert "instances parked" in r.output and "relaunched elsewhere" in r.output and "refused" in r.output
         data = json.loads(path.read_text())
         facts = data["sim"]["policies"]["dilu"]
-        facts.pop("wall_s")
+        facts.pop("compute_s")
         outs.append(data)
     assert outs[0] == outs[1]
     assert outs[0]["sim"]["config"]["park_after_s"] == 30.0
