@@ -15,6 +15,7 @@ import os
 import re
 import socket
 import ssl
+import stat
 import tempfile
 from pathlib import Path
 from urllib.parse import urlsplit
@@ -293,6 +294,8 @@ def writable_output(ctx, param, value):
     if refuse_empty(value) is not None:
         path = Path(value)
         existed = path.exists()
+        if existed and _kernel_file(path):  # opens for writing, then refuses the write itself
+            raise click.BadParameter(f"cannot write {value}: a file of the kernel's (/proc, /sys), not one for output")
         try:  # O_NONBLOCK: a FIFO without a reader is refused (ENXIO), where a plain open would wait for one
             os.close(os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NONBLOCK, 0o666))
         except OSError as exc:
@@ -302,6 +305,16 @@ def writable_output(ctx, param, value):
         if not existed:
             path.unlink(missing_ok=True)
     return value
+
+
+def _kernel_file(path: Path) -> bool:
+    """Whether ``path`` is a regular file of /proc or /sys (pipes and terminals reached through
+    /proc/self/fd, e.g. /dev/stdout, are not regular files)."""
+    try:
+        regular = stat.S_ISREG(path.stat().st_mode)
+    except OSError:
+        return False
+    return regular and path.resolve().parts[1:2] in (("proc",), ("sys",))
 
 
 def write_failure(exc: OSError, folder: Path, it: str = "it") -> str:

@@ -75,6 +75,12 @@ def test_an_output_file_in_a_folder_that_takes_no_file_is_refused_in_those_words
     assert "cannot write /proc/x.json: nothing can be created in /proc" in line  # was: No such file or directory
 
 
+@pytest.mark.parametrize("cmd", [["sim", "--functions", "1", "--hours", "0.01"], ["demo"], ["bench", "sim"]])
+def test_an_output_file_of_the_kernels_is_refused_before_the_run(cmd):
+    line = one_line_error(CliRunner().invoke(main, [*cmd, "--json", "/proc/self/status"]), 2)
+    assert "cannot write /proc/self/status: a file of the kernel's" in line  # was refused after the run
+
+
 def test_all_in_a_list_of_fault_kinds_is_refused_as_such():
     line = one_line_error(CliRunner().invoke(main, ["chaos", "--faults", "all,kill-profiler"]), 2)
     assert "'all' stands alone" in line and "unknown" not in line  # was: unknown fault kinds ['all']; ... or 'all'
