@@ -121,18 +121,22 @@ def nats_default_shown(text: str):
 
 
 def reachable_or_exit(nats: NatsOptions | str | None) -> None:
-    """Exit with one clear line (click error) when ``nats`` is given and none of its servers answers."""
+    """Exit with one clear line (click error) when ``nats`` is given and none of its servers answers:
+    exit code 5, as every command gives an unreachable NATS (:data:`dilu.client.errors.EXIT_CODES`)."""
     if nats:
         from dilu.cli.cluster import check_reachable
+        from dilu.client.errors import Unreachable, exit_code
 
-        error = None
+        error: Unreachable | None = None
         for url in NatsOptions.of(nats).servers:
             try:
                 check_reachable(url)
                 return
-            except RuntimeError as exc:
+            except Unreachable as exc:
                 error = exc
-        raise click.ClickException(str(error))
+        failed = click.ClickException(str(error))
+        failed.exit_code = exit_code(error)
+        raise failed
 
 
 @contextlib.contextmanager

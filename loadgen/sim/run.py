@@ -231,8 +231,9 @@ def warm_up_ms(cfg: SimConfig, work: Workload, mode: str) -> float:
 @dataclass
 class SimFacts:
     """Simulator-only figures of one run (not in the Report): ``events`` processed, ``compute_s``
-    the real seconds computing it took (the report's ``run.wall_s`` is simulated seconds), ``peak_active_gpus``, ``max_limit_sum`` (the largest Σ against γ on one
-    GPU, :meth:`Cluster.limit_sum`), instances ``parks`` and ``resumes`` (on the GPU they left; parking,
+    the real seconds computing it took (the report's ``run.wall_s`` is simulated seconds),
+    ``peak_active_gpus``, ``max_limit_sum`` (the largest Σ against γ on one GPU,
+    :meth:`Cluster.limit_sum`), instances ``parks`` and ``resumes`` (on the GPU they left; parking,
     :class:`SimConfig`), ``resumes_refused`` (the GPU it left had no room), of which ``relaunches``
     placed a new instance elsewhere and retired the parked one (a cold start; the others found no
     GPU with room: the instance stayed parked and the function's placements back off), and ``resume_waits``

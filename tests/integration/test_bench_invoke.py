@@ -41,6 +41,6 @@ def test_short_run_reports_overhead_baseline_and_max_rate(tmp_path, nats_url):
 def test_unreachable_nats_is_one_clear_line():
     url = f"nats://127.0.0.1:{closed_port()}"
     res = CliRunner().invoke(main, ["bench", "invoke", "--nats-url", url, "--seconds", "1"])
-    assert res.exit_code == 1
+    assert res.exit_code == 5  # every command's code for an unreachable NATS
     assert len(res.output.strip().splitlines()) == 1
     assert f"cannot reach NATS at {url}" in res.output

@@ -37,7 +37,7 @@ def test_command_fails_fast_with_one_line_when_nats_is_unreachable(name, tmp_pat
     proc = subprocess.run([sys.executable, "-m", "dilu.cli.main", *COMMANDS[name], "--nats-url", url],
                           capture_output=True, text=True, timeout=30, cwd=tmp_path, env=env,
                           stdin=subprocess.DEVNULL)
-    assert proc.returncode != 0
+    assert proc.returncode == 5, proc.stderr  # every command's code for an unreachable NATS
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1, proc.stderr
     assert "Traceback" not in proc.stderr
