@@ -14,6 +14,9 @@ import math
 from collections.abc import Callable
 
 
+POLL_EVERY = 1 << 16  # events between two calls of run's poll: well under 0.1 s of simulating
+
+
 class EventLoop:
     """``at(t_ms, fn, arg)`` schedules ``fn(arg)`` at simulated time ``t_ms``; :meth:`run` pops
     events in (time, scheduling order) until none is left or the next is after ``until_ms``.
@@ -36,8 +39,10 @@ class EventLoop:
         self._seq += 1
         heapq.heappush(self._heap, (t_ms if t_ms > self.now else self.now, self._seq, fn, arg))
 
-    def run(self, until_ms: float = math.inf) -> None:
-        """Run events up to and including ``until_ms``; ``now`` ends at ``until_ms`` when finite."""
+    def run(self, until_ms: float = math.inf, poll: Callable[[], None] | None = None) -> None:
+        """Run events up to and including ``until_ms``; ``now`` ends at ``until_ms`` when finite.
+        ``poll`` (e.g. :func:`interrupt.raise_if_stopped`) is called every :data:`POLL_EVERY`
+        events; what it raises ends the run there."""
         heap, pop = self._heap, heapq.heappop
         n = 0
         while heap and heap[0][0] <= until_ms:
@@ -45,6 +50,10 @@ class EventLoop:
             self.now = t
             fn(arg)
             n += 1
+            if not n % POLL_EVERY and poll is not None:
+                self.processed += n
+                n = 0
+                poll()
         self.processed += n
         if math.isfinite(until_ms):
             self.now = max(self.now, until_ms)

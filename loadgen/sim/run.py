@@ -61,6 +61,7 @@ from dilu.loadgen.arrivals import SPEEDUP_MAX, SPEEDUP_MIN
 from dilu.loadgen.generator import Record, RunResult
 from dilu.services.common import models
 from dilu.services.common.functions import GIB, STRETCH_RATIO, default_priority, yields_share
+from dilu.services.common.interrupt import raise_if_stopped
 from dilu.services.common.policies import DEFRAG_INTERVAL_MIN_S, modes
 from dilu.services.horizontal_scaler.policy import (InstanceShare, PlacementBackoff,
                                                     function_params, horizontal_policy, tick_order, vertical_room)
@@ -943,13 +944,13 @@ class Simulation:
             loop.at(self.defrag_every, self._defrag_tick)
         if self.sched:
             loop.at(self.sched[0], self._arrive, 0)
-        loop.run(self.t0)
+        loop.run(self.t0, raise_if_stopped)
         self._account()
         self.area = self.frag = self.consumed = 0.0  # GPU figures count from the replay's start
         self._sample_prev = (0.0, 0.0, 0.0)
         loop.at(self.t0, self._sample)
         loop.at(self.span_end, self._cut_if_done)
-        loop.run(self.end)
+        loop.run(self.end, raise_if_stopped)  # a stop whose KeyboardInterrupt was lost ends it too
         self._close()
         self.facts.events = loop.processed
         rep = self._report()

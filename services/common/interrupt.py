@@ -58,9 +58,11 @@ class SignalExit:
     def _raise(self, signum: int, _frame) -> None:
         if self.signum is None:
             self.signum = signum
+            _stopping.append(signum)
             raise Interrupt
 
     def __exit__(self, exc_type, exc, tb) -> bool:
+        _stopping.clear()
         try:
             if self.signum is None and exc_type is not None and issubclass(exc_type, KeyboardInterrupt):
                 # raised by someone else's handler, or by the block itself to stop
@@ -98,6 +100,18 @@ class SignalExit:
             for sig in SIGNALS:
                 loop.remove_signal_handler(sig)  # leaves the default handler ...
                 signal.signal(sig, self._raise)  # ... so put ours back until the block ends
+
+
+_stopping: list[int] = []  # the signal a SignalExit block was stopped by, until the block ends
+
+
+def raise_if_stopped() -> None:
+    """Raise :class:`Interrupt` again when a signal stopped the enclosing :class:`SignalExit` block
+    but the block runs on: its KeyboardInterrupt was lost where the handler happened to run (C
+    code that clears errors, an object's finaliser). For the loops of long computations (the
+    simulator's events), which no stop unwinds through; a no-op otherwise."""
+    if _stopping:
+        raise Interrupt
 
 
 def _main_thread() -> bool:

@@ -2,9 +2,12 @@
 the ticks of idle functions changes nothing in the report."""
 from __future__ import annotations
 
+import signal
+
 import pytest
 
-from dilu.loadgen.sim.engine import EventLoop
+from dilu.loadgen.sim.engine import POLL_EVERY, EventLoop
+from dilu.services.common.interrupt import SignalExit, raise_if_stopped
 from dilu.loadgen.sim.run import SimConfig, Simulation, prepare
 
 
@@ -18,6 +21,29 @@ def test_events_run_by_time_then_scheduling_order():
     assert seen == ["a", "a2", "b"] and loop.now == 4.0
     loop.run()
     assert seen == ["a", "a2", "b", "c", "d"] and loop.processed == 6
+
+
+def test_a_stop_whose_keyboardinterrupt_was_lost_still_ends_a_long_run():
+    """A signal handled where its exception is swallowed (C code that clears errors, a finaliser;
+    emulated here by catching it at once) must not let a simulation run on for minutes: the
+    loop's poll raises it again, and the block exits as the signal says."""
+    loop = EventLoop()
+    ran = []
+
+    def step(k):
+        ran.append(k)
+        loop.at(k + 1.0, step, k + 1)  # endless: only a stop ends it
+
+    loop.at(0.0, step, 0)
+    with pytest.raises(SystemExit) as out:
+        with SignalExit():
+            try:
+                signal.raise_signal(signal.SIGTERM)
+            except KeyboardInterrupt:
+                pass  # lost
+            loop.run(poll=raise_if_stopped)
+    assert out.value.code == 128 + signal.SIGTERM and len(ran) == POLL_EVERY == loop.processed
+    raise_if_stopped()  # the block has ended: nothing is pending any more
 
 
 def test_event_time_must_be_finite():
