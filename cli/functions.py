@@ -30,6 +30,7 @@ from dilu.client.errors import EXIT_CODES, DiluError, NoCapacity, NotPermitted, 
 from dilu.client.spec import SpecError, load_spec, name_problem
 from dilu.services.common import files
 from dilu.services.common.cliopts import ENV_PREFIX, Finite, NonEmptyPath, echo_json_error, nats_options
+from dilu.services.common.console import output_failed
 from dilu.services.common.invoke import MAX_TIMEOUT_S
 from dilu.services.common.natsconn import NatsOptions
 
@@ -103,6 +104,8 @@ def run(options: NatsOptions, work: Callable[[AsyncClient], Awaitable[T]]) -> T:
     except DiluError as exc:
         raise Failed(str(exc), exit_code(exc)) from None
     except (nats.errors.Error, OSError) as exc:  # e.g. the connection lost mid-call, JetStream off
+        if output_failed(exc):  # our own stdout on a full device, not NATS: the command line's line
+            raise
         hint = (f" (a request these credentials may not make goes unanswered: {ROLES_NEEDED})"
                 if options.creds and isinstance(exc, TimeoutError) else "")
         raise Failed(f"NATS at {options.url}: {type(exc).__name__}: {exc}{hint}", UNREACHABLE) from None

@@ -17,6 +17,7 @@ if __name__ == "__main__" or os.path.basename(sys.argv[0]) == "dilu":  # the com
 import click  # noqa: E402
 
 from dilu.services.common.cliopts import JsonUsageError, OneLineUsageError, asks_json, flag_envvars, name_envvar  # noqa: E402
+from dilu.services.common.console import output_failed  # noqa: E402
 
 # name -> "module:attribute" of a click command
 COMMANDS: dict[str, str] = {
@@ -97,6 +98,12 @@ class LazyGroup(click.Group):
             dlog.configure("dilu", level="error")
         try:
             return super().main(args, *rest, **kwargs)
+        except OSError as exc:  # stdout on a full device (>/dev/full): one line, not a traceback
+            if not output_failed(exc):
+                raise
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # so the exit's flush stays quiet
+            click.echo(f"Error: cannot write the output: {exc.strerror}", err=True)
+            raise SystemExit(1) from None
         finally:
             OutsideCommand.remove()
             if command_line:  # the command has ended: a signal while Python exits stops it at once

@@ -17,7 +17,7 @@ from dilu.loadgen.sim.calibrate import MIN_BATCHES, MIN_STARTS
 from dilu.services.common import models
 from dilu.services.common.cliopts import (PARK_AFTER_S_TYPE, Finite, ZeroOrAtLeast, flag_envvar, writable_dir,
                                          writable_output, write_output)
-from dilu.services.common.console import count_of
+from dilu.services.common.console import count_of, output_failed
 from dilu.services.common.interrupt import Interrupt, SignalExit
 from dilu.services.common.policies import DEFRAG_INTERVAL_MIN_S, DEFRAG_INTERVAL_S, PARK_AFTER_S, POLICIES
 from dilu.services.horizontal_scaler.policy import HorizontalConfig
@@ -194,7 +194,11 @@ def _simulate(console, stop: SignalExit, trace_dir, functions, hours, nodes, gpu
         raise click.BadParameter(str(exc), param_hint="--trace") from None
     except EmptySpan as exc:  # the options ask for nothing to replay (exit 2)
         raise click.BadParameter(str(exc), param_hint="--hours") from None
-    except (ValueError, OSError) as exc:
+    except OSError as exc:
+        if output_failed(exc):  # the command line says it in one line
+            raise
+        raise click.ClickException(exc.strerror or str(exc)) from None
+    except ValueError as exc:
         raise click.ClickException(str(exc)) from None
     except Interrupted as exc:
         done = list(exc.partial["policies"])

@@ -357,6 +357,8 @@ def write_output(path, text: str) -> None:
     checked) is one line (click.ClickException), not a traceback."""
     try:
         Path(path).write_text(text)
+    except BrokenPipeError:  # --json /dev/stdout | head -1: the reader left, 141 as for stdout itself
+        raise
     except OSError as exc:
         raise click.ClickException(f"cannot write {path}: {exc.strerror or exc}") from None
 

@@ -2,7 +2,18 @@
 counts in words."""
 from __future__ import annotations
 
+import errno
+
 from rich.console import Console
+
+# what a write to a full, broken or over-quota output says (the reader leaving is EPIPE, apart)
+OUTPUT_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EIO})
+
+
+def output_failed(exc: BaseException) -> bool:
+    """Whether ``exc`` is a write to the output that the device refused (``dilu status >/dev/full``):
+    an OSError of :data:`OUTPUT_ERRNOS`, which no network or bad-input error raises."""
+    return isinstance(exc, OSError) and exc.errno in OUTPUT_ERRNOS
 
 
 class PipeConsole(Console):

@@ -43,3 +43,23 @@ def test_counts_are_printed_in_their_number():
     assert count_of(0, "function") == "0 functions"
     assert count_of(2000, "request") == "2,000 requests"
     assert count_of(2, "replica", "replicas kept") == "2 replicas kept"
+
+
+def test_a_json_report_to_a_stdout_whose_reader_left_is_141_too():
+    # --json /dev/stdout | head -1: the write failed with EPIPE and was said as "cannot write" with exit 1
+    rc, err = _closed_stdout("bench", "scheduler", "--nodes", "2", "--instances", "5", "--churn", "0",
+                             "--json", "/dev/stdout")
+    assert rc == 141 and b"Error" not in err, err[-2000:]
+
+
+def _to_full_device(*args: str) -> tuple[int, str]:
+    with open("/dev/full", "wb") as full:
+        proc = subprocess.run([*DILU, *args], stdout=full, stderr=subprocess.PIPE, timeout=120)
+    return proc.returncode, proc.stderr.decode()
+
+
+def test_an_output_on_a_full_device_is_one_line():
+    # a traceback ending in OSError: [Errno 28] before, or "Error: [Errno 28] ..."
+    for args in (["--help"], ["sim", "--functions", "2", "--hours", "0.02", "--policies", "dilu"]):
+        rc, err = _to_full_device(*args)
+        assert rc == 1 and err.splitlines() == ["Error: cannot write the output: No space left on device"], err[-2000:]
