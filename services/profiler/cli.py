@@ -109,8 +109,8 @@ def profile(surface_path: Path | None, slo_ms: float | None, queueing_budget: fl
                 try:
                     rows.append(profile_surface(path, slo, stop_threshold, queueing_budget))
                 except NoFeasibleSetting as exc:
-                    if slo_ms:  # the SLO the user asked for: say why there is no answer
-                        raise click.ClickException(str(exc)) from None
+                    if slo_ms:  # the SLO the user asked for cannot be met: bad input (exit 2), saying why
+                        raise click.BadParameter(str(exc), param_hint="--slo-ms") from None
     except SurfaceError as exc:  # bad input: the surface given, or one of those bundled (exit 2)
         raise click.BadParameter(str(exc), param_hint="--surface") from None
     if json_path:  # first: the figures are kept even when the reader of the output leaves

@@ -155,6 +155,8 @@ def load_surface(path: str | Path, tokens_per_request: int | None = None) -> Sur
         if fmt == "a100-mps":
             setting: Setting = (sm,)
             latency = _num(row, "latency_s", path, line) * 1000 * tokens_per_request
+            if not math.isfinite(latency):  # 1e308 s passes as a number but not as ms
+                raise SurfaceError(f"{path}:{line}: column 'latency_s' is too large: {row['latency_s']}")
             throughput = _num(row, "throughput_rps", path, line)
         else:
             setting = (sm, _fraction(row, "time_quota_percent", path, line))

@@ -247,6 +247,9 @@ def test_bad_surface_file_is_a_clear_error(tmp_path):
     bad.write_text("batch,sm_percent,latency_s,throughput_rps\n1,50,0.01,100\n2,50,0.015,133\n1,50.0,0.02,50\n")
     with pytest.raises(SurfaceError, match=r"bad.csv:4: measures again the point of line 2 \(batch 1 at 0.5\)"):
         load_surface(bad)  # the last one was kept
+    bad.write_text("batch,sm_percent,latency_s,throughput_rps\n1,50,1e308,100\n")  # finite in s, infinite in ms
+    with pytest.raises(SurfaceError, match="bad.csv:2: column 'latency_s' is too large: 1e308"):
+        load_surface(bad)
 
 
 @pytest.mark.parametrize("args, words", [
@@ -297,7 +300,7 @@ def test_cli_profile_writes_choice_and_optimum(tmp_path):
     assert data["trials"] * 2 <= data["optimum"]["trials"]
     assert data["limit_quota"] >= data["request_quota"] and data["limit_throughput_rps"] > 0
     r = CliRunner().invoke(profile, ["--surface", str(path), "--slo-ms", "0.001"])
-    assert r.exit_code != 0 and "no grid point meets" in r.output
+    assert r.exit_code == 2 and "--slo-ms" in r.output and "no grid point meets" in r.output  # bad input
 
 
 @given(
