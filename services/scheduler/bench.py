@@ -8,7 +8,8 @@ With ``--workload FILE`` (a dilu-sim event list, see ``workloads/ATTRIBUTION.md`
 start/delete events in file order through the placement policy and writes ``peak_active_gpus``,
 ``mean_active_gpus`` (time-weighted over the events' timestamps), ``lower_bound_peak`` (the largest
 over time of max(⌈Σ SM requests⌉, ⌈Σ memory / GPU memory⌉, the number of live GPU slots needing
-more than half a GPU's memory, since no two of those can share a GPU)), ``max_limit_sum`` and
+more than half a GPU's memory, since no two of those can share a GPU, and the GPUs of the widest
+live training job)), ``max_limit_sum`` and
 ``allocation_fragmentation`` (time-weighted mean over active GPUs of 1 − Σ request quotas).
 Multi-GPU training takes distinct GPUs of one node; an instance is never split.
 
@@ -100,6 +101,7 @@ def _check_order(event: tuple[float, str, str, Demand], last_t: float | None, ru
         running.discard(name)
 
 
+TIME_FORMAT = "%Y-%m-%d %H:%M:%S"  # the format's timestamps, local time, whole seconds
 WORKLOAD_TYPES = ("inference", "training", "llm-inference")  # the format's kinds (workloads/ATTRIBUTION.md)
 MAX_GPU_NUM = 64  # GPUs one workload instance may span (the bundled workloads use 1 and 4)
 
@@ -117,7 +119,10 @@ def _event(line: str) -> tuple[float, str, str, Demand]:
         [k for k in ("service_name", "type", "gpu_num", "sm_requests", "sm_limits", "memory") if k not in inst]
     if missing:
         raise ValueError(f"missing {', '.join(map(repr, missing))}")
-    t = datetime.strptime(str(e["Time"]), "%Y-%m-%d %H:%M:%S").timestamp()
+    try:
+        t = datetime.strptime(str(e["Time"]), TIME_FORMAT).timestamp()
+    except ValueError:  # strptime's own words name its format codes
+        raise ValueError(f"Time must be like '2024-06-19 15:44:30', got {e['Time']!r}") from None
     action = e["Action"]
     if action not in ("start", "delete"):
         raise ValueError(f"unknown action {action!r} (start or delete)")
@@ -131,6 +136,10 @@ def _event(line: str) -> tuple[float, str, str, Demand]:
     memory = inst["memory"] if isinstance(inst["memory"], list) else [inst["memory"]]
     if isinstance(gpus, bool) or not isinstance(gpus, int) or not 1 <= gpus <= MAX_GPU_NUM:
         raise ValueError(f"gpu_num must be a whole number of GPUs from 1 to {MAX_GPU_NUM}, got {gpus!r}")
+    if gpus > 1 and inst["type"] != "training":  # an instance is never split; only training spans GPUs
+        raise ValueError(f"gpu_num {gpus} for an instance of type {inst['type']!r}: only training spans several GPUs")
+    if not isinstance(inst["service_name"], str) or not inst["service_name"].strip():
+        raise ValueError(f"service_name must be a non-empty string, got {inst['service_name']!r}")
     if not (0 < request <= limit <= 1):
         raise ValueError(f"need 0 < sm_requests <= sm_limits <= 1, got {request} and {limit}")
     if not memory or not all(isinstance(m, (int, float)) and 0 <= m < 1e6 for m in memory):
@@ -185,6 +194,7 @@ def replay(path: str | Path, nodes: int = 1000, gpus_per_node: int = 4, gpu_memo
             live_mem += d.memory_bytes * d.gpus
             live_big += d.gpus if d.memory_bytes > capacity / 2 else 0
             max_lim = max(max_lim, *(cluster.gpus[g].lim for g in gpus))
+            bound = max(bound, d.gpus)  # a job on k GPUs needs k of them, whatever its quotas
         elif name in cluster.instances:  # else it was not placed (unplaced counts it)
             d, _ = cluster.remove(name)
             live_req -= d.request_quota * d.gpus

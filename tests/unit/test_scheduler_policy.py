@@ -296,6 +296,11 @@ def _line(t: str, action: str, name: str, **inst) -> str:
     (_line("29", "start", "b"), r":2: its Time goes back 1 s: events must be in time order"),
     (_line("31", "delete", "b"), r":2: instance 'b' is deleted but not running"),
     (_line("31", "start", "a"), r":2: instance 'a' is started again while running"),
+    (_line("31", "start", "b", gpu_num=8), r":2: gpu_num 8 for an instance of type 'inference': only training spans"),
+    (_line("31", "start", 5), r":2: service_name must be a non-empty string, got 5"),
+    (_line("31", "start", " "), r":2: service_name must be a non-empty string"),
+    (_line("31", "start", "b").replace("2024-06-19 15:44:31", "yesterday"),
+     r":2: Time must be like '2024-06-19 15:44:30', got 'yesterday'"),
 ])
 def test_a_workload_line_out_of_place_is_refused_by_line(tmp_path, second, says):
     """Each line must be a known kind with numeric quotas, in time order, and start only what is
@@ -310,6 +315,14 @@ def test_a_workload_line_out_of_place_is_refused_by_line(tmp_path, second, says)
     assert [(e[1], e[2], e[3].kind) for e in parse_workload(path)] == [
         ("start", "a", "inference"), ("start", "b", "inference"), ("delete", "a", "inference"),
         ("start", "a", "training")]
+
+
+def test_the_lower_bound_counts_the_gpus_of_a_job_spanning_several(tmp_path):
+    path = tmp_path / "w.txt"
+    path.write_text(_line("30", "start", "t", type="training", gpu_num=4, sm_requests=0.1, sm_limits=0.2,
+                          memory=[1, 1, 1, 1]) + "\n")
+    out = replay(path, nodes=2, gpus_per_node=4)
+    assert out["peak_active_gpus"] == out["lower_bound_peak"] == 4  # Σ requests 0.4 alone said 1
 
 
 def test_synthetic_bench_and_cli_write_figures(tmp_path):
