@@ -210,11 +210,33 @@ def read_runs(path: str | Path) -> dict[str, Report]:
         if isinstance(data, dict) and isinstance(data.get("policies"), dict):
             if not data["policies"]:
                 raise ValueError(f"{path}: no run in it (its policies are empty)")
-            return {str(name): Report.from_dict(r) for name, r in data["policies"].items()}
-        one = Report.from_dict(data)
-        return {one.run.policy: one}
+            runs = {str(name): Report.from_dict(r) for name, r in data["policies"].items()}
+        else:
+            one = Report.from_dict(data)
+            runs = {one.run.policy: one}
     except msgspec.ValidationError as exc:
         raise ValueError(_not_a_report(path, exc)) from None
+    for name, rep in runs.items():
+        for where, fig in [("totals", rep.totals), *((f"function {f.name}", f) for f in rep.functions)]:
+            if problem := _impossible(fig):
+                raise ValueError(f"{path}: {name}'s {where}: {problem}: not a report dilu wrote")
+    return runs
+
+
+def _impossible(fig) -> str:
+    """What no report of a run can hold (``fig``: its totals or a function's figures, DESIGN.md
+    section 8): a negative count, requests that do not add up to those offered, a rate outside
+    0..1; empty when there is none."""
+    counts = {k: getattr(fig, k) for k in ("offered", "completed", "dropped", "failed", "timed_out",
+                                           "cold_start_requests", "instance_launches")}
+    if negative := [k for k, v in counts.items() if v < 0]:
+        return f"{', '.join(negative)} below 0"
+    ended = counts["completed"] + counts["dropped"] + counts["failed"] + counts["timed_out"]
+    if ended != counts["offered"]:
+        return f"completed + dropped + failed + timed_out = {ended:,}, not the {counts['offered']:,} offered"
+    if not 0.0 <= fig.slo_violation_rate <= 1.0:
+        return f"slo_violation_rate {fig.slo_violation_rate:g} outside 0..1"
+    return ""
 
 
 def _not_a_report(path, exc) -> str:

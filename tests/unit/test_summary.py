@@ -107,6 +107,20 @@ def test_read_runs_takes_compare_sim_and_demo_files_and_names_a_bad_one(tmp_path
         read_runs(fifo)  # refused, never waited on
 
 
+@pytest.mark.parametrize("change, why", [
+    (dict(offered=-5), "dilu's totals: offered below 0"),
+    (dict(completed=150), "dilu's totals: completed \\+ dropped \\+ failed \\+ timed_out = 150, not the 100 offered"),
+    (dict(slo_violation_rate=7.5), "dilu's totals: slo_violation_rate 7.5 outside 0..1"),
+])
+def test_a_report_holding_what_no_run_can_is_refused(tmp_path, change, why):
+    rep = RUNS[0]["dilu"].to_dict()
+    rep["totals"].update(change)  # summarised as 2.01x (-327.00 ... 1.00) or 375.0 % before
+    path = tmp_path / "bad.json"
+    path.write_text(json.dumps(rep))
+    with pytest.raises(ValueError, match=f"{path}: {why}: not a report dilu wrote"):
+        read_runs(path)
+
+
 def test_the_command_writes_json_and_refuses_a_bad_file_in_one_line(tmp_path):
     paths = []
     for i, run in enumerate(RUNS):
