@@ -227,6 +227,11 @@ def parse_spec(text: str | bytes, *, source: str = SPEC_FILE_NAME, base_dir: str
     # a UTF-8 byte-order mark (editors on Windows write one) says nothing; the TOML parser
     # would call it an "invalid statement"
     text = text.removeprefix(b"\xef\xbb\xbf") if isinstance(text, bytes) else text.removeprefix("\ufeff")
+    if isinstance(text, bytes):
+        try:
+            text.decode()
+        except UnicodeDecodeError:  # the parser would quote the codec's words about one byte
+            raise SpecError(f"{source}: not valid TOML: not a text file (not UTF-8)") from None
     try:
         raw = msgspec.toml.decode(text, type=SpecFile)
     except msgspec.ValidationError as exc:

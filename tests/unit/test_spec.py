@@ -122,6 +122,11 @@ def test_type_errors_name_the_field(text, expected):
     assert error(text).startswith(expected)
 
 
+def test_a_binary_spec_file_is_not_text():
+    with pytest.raises(SpecError, match=r"^function.toml: not valid TOML: not a text file \(not UTF-8\)$"):
+        parse(b"\x89PNG\r\n\x1a\n\xff\xfe")  # was the codec's "can't decode byte 0x89 in position 0"
+
+
 def test_a_typo_is_an_unknown_key_and_lists_the_known_ones():
     msg = error(EMULATED + "modle = 5\n")
     assert msg.startswith("function.toml: emulation.modle: unknown key (known keys of [emulation]: model)")
