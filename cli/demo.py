@@ -46,6 +46,7 @@ from dilu.services.common.digits import as_count
 from .cluster import POLICIES, POLICY_HELP, Cluster
 from .deploy import (WarmWatch, cluster_counters, cluster_facts, cpu_function_spec, deploy_all, function_spec, llm_spec, profile_all,
                      training_iterations, training_spec)
+from .functions import Failed
 
 DRAIN_GRACE_S = 20.0  # after the last send, how long answers may still arrive
 WARM_UP_TIMEOUT_S = 30.0  # longest wait for the functions' initial instances before the replay (warm_up_limit_s)
@@ -595,9 +596,7 @@ def _run_or_explain(main):
     except BrokenPipeError:  # the reader of the output left: the command line's 141, not a failure
         raise
     except DiluError as exc:  # NATS unreachable: the exit code every command gives it (5)
-        error = click.ClickException(str(exc))
-        error.exit_code = exit_code(exc)
-        raise error from None
+        raise Failed(str(exc), exit_code(exc)) from None
     except (trace.TraceError, ValueError, RuntimeError, TimeoutError, OSError) as exc:
         raise click.ClickException(str(exc)) from None
 

@@ -125,6 +125,7 @@ def reachable_or_exit(nats: NatsOptions | str | None) -> None:
     exit code 5, as every command gives an unreachable NATS (:data:`dilu.client.errors.EXIT_CODES`)."""
     if nats:
         from dilu.cli.cluster import check_reachable
+        from dilu.cli.functions import Failed
         from dilu.client.errors import Unreachable, exit_code
 
         error: Unreachable | None = None
@@ -134,9 +135,7 @@ def reachable_or_exit(nats: NatsOptions | str | None) -> None:
                 return
             except Unreachable as exc:
                 error = exc
-        failed = click.ClickException(str(error))
-        failed.exit_code = exit_code(error)
-        raise failed
+        raise Failed(str(error), exit_code(error))
 
 
 @contextlib.contextmanager
