@@ -311,7 +311,12 @@ def _print_workload(out: dict, console) -> None:
       help="write the overheads here, for dilu sim --overheads")
 @_opt("--min-batches", type=click.IntRange(min=1), default=MIN_BATCHES, show_default=True,
       help="leave out a function and batch size with fewer batches than this, live or simulated")
-def calibrate(log_dirs, json_path, min_batches) -> None:
+@_opt("--starts-from", "starts_from", multiple=True,
+      type=click.Path(exists=True, file_okay=False, path_type=Path),
+      help="measure the process start from these runs' log directories instead (repeat it; they may "
+           "include LOG_DIRS): one run launches too few instances for it, where its way in and back and "
+           "batch overhead are its own (README, At cluster scale); DILU_STARTS_FROM separates them with ':'")
+def calibrate(log_dirs, json_path, min_batches, starts_from) -> None:
     """Measure what the live node adds beyond the simulator's model, from the log directories of
     live runs (each a policy's directory under dilu demo/compare --log-dir, holding
     requests.jsonl, report.json and node_agent.log): the process start of an instance, the
@@ -325,7 +330,7 @@ def calibrate(log_dirs, json_path, min_batches) -> None:
 
     console = make_console()
     try:
-        ov = cal.calibrate(list(log_dirs), min_batches)
+        ov = cal.calibrate(list(log_dirs), min_batches, list(starts_from) or None)
     except OSError as exc:  # bad input, the log directories given (exit 2)
         raise click.BadParameter(f"cannot calibrate: cannot read {exc.filename or ''}: {exc.strerror or exc}",
                                  param_hint="LOG_DIRS") from None

@@ -10,7 +10,8 @@ Input: the log directories ``dilu demo`` / ``dilu compare`` leave per policy und
   by how many other instances were starting on the node when it launched (any instance, the
   initial ones too; its start is its ready time less its cold start): starting processes share
   the node's CPU, so one launched beside three others starts several times slower than one alone
-  (:func:`starts_by_starting`).
+  (:func:`starts_by_starting`). Those of other runs of the same node may stand in
+  (``starts_from``): one run launches too few instances to measure it alone.
 - **transport**: per answered request, way in + way back (:mod:`.overheads`).
 - **batch**: the live service of each batch (the first reply of each (instance, start) pair:
   handler called -> reply published) against the simulator's service of the batches of the same
@@ -198,12 +199,9 @@ def batch_overheads_ms(live: dict, simulated: dict, min_batches: int = MIN_BATCH
     return out
 
 
-def calibrate(log_dirs: list[Path], min_batches: int = MIN_BATCHES) -> Overheads:
-    """The overheads measured from the live runs' log directories (module docstring). Raises
-    OSError for a missing file, ValueError (OverheadsError) naming what cannot be used."""
-    transport: list[float] = []
-    batch: list[float] = []
-    starts: list[float] = []
+def _read_runs(log_dirs: list[Path]) -> list[tuple[Path, report.Report, list[requestlog.RequestLine]]]:
+    """Each log directory's report and request log, refusing a directory given twice or one that
+    is not a policy's log directory of a run. Raises OSError, ValueError naming what is wrong."""
     runs = []
     seen: set[Path] = set()
     for d in log_dirs:
@@ -221,11 +219,30 @@ def calibrate(log_dirs: list[Path], min_batches: int = MIN_BATCHES) -> Overheads
         lines = requestlog.read(d / requestlog.FILENAME)
         if not lines:
             raise ValueError(f"{d / requestlog.FILENAME}: holds no request")
-        starts += process_starts_ms(d / NODE_AGENT_LOG, {f.name: f.model for f in rep.functions})
-        runs.append((rep, lines))
+        runs.append((d, rep, lines))
+    return runs
+
+
+def _starts(runs: list[tuple[Path, report.Report, list]]) -> list[tuple[int, float]]:
+    """The process starts (:func:`process_starts_ms`) of every run's node agent log."""
+    return [s for d, rep, _ in runs
+            for s in process_starts_ms(d / NODE_AGENT_LOG, {f.name: f.model for f in rep.functions})]
+
+
+def calibrate(log_dirs: list[Path], min_batches: int = MIN_BATCHES,
+              starts_from: list[Path] | None = None) -> Overheads:
+    """The overheads measured from the live runs' log directories (module docstring).
+    ``starts_from``: the log directories whose launches give the process start instead of
+    ``log_dirs`` (they may overlap): the node's process start needs tens of launches, where one
+    run's way in and back and batch overhead are its own and say how loaded its machine was.
+    Raises OSError for a missing file, ValueError (OverheadsError) naming what cannot be used."""
+    runs = _read_runs(log_dirs)
+    starts = _starts(runs if starts_from is None else _read_runs(starts_from))
     start_ms = statistics.median(ms for _, ms in starts) if starts else models.PROCESS_START_MS
     by_starting = starts_by_starting(starts)
-    for rep, lines in runs:
+    transport: list[float] = []
+    batch: list[float] = []
+    for _, rep, lines in runs:
         transport += transport_ms(lines)
         simulated = simulated_services(rep.run, len(rep.training), start_ms, by_starting)
         batch += batch_overheads_ms(live_services(lines), simulated, min_batches)
@@ -234,4 +251,6 @@ def calibrate(log_dirs: list[Path], min_batches: int = MIN_BATCHES) -> Overheads
                              "and their simulation: give longer or busier runs")
     source = {"runs": [str(d) for d in log_dirs], "transport_samples": len(transport),
               "batch_samples": len(batch), "process_start_samples": len(starts)}
+    if starts_from is not None:
+        source["process_starts_from"] = [str(d) for d in starts_from]
     return Overheads.from_samples(transport, batch, start_ms if starts else None, source, by_starting)

@@ -242,3 +242,25 @@ def test_calibrate_refuses_a_directory_given_twice(tmp_path: Path):
     d = _log_dir(tmp_path / "run")
     with pytest.raises(ValueError, match="given twice"):
         cal.calibrate([d, tmp_path / "." / "run"])
+
+
+def test_the_process_start_can_come_from_other_runs_of_the_node(tmp_path: Path, monkeypatch):
+    """``--starts-from``: one run's way in and back with the process start of other runs of the
+    node; the run's own launches are not read then (its malformed log stops nothing), theirs are."""
+    cold = models.cold_start_ms("bert_base")
+    request = dict(id="r", function="f", status="ok", instance="f-0000000001", batch=1, scheduled_ns=1_000_000,
+                   sent_ns=1_000_000, enqueued_ns=3_000_000, started_ns=4_000_000, replied_ns=6_000_000,
+                   done_ns=10_000_000)
+    run = _log_dir(tmp_path / "run", requests=json.dumps(request) + "\n", node_log="{not json\n")
+    other = _log_dir(tmp_path / "other", node_log="\n".join([
+        _ready("f-0000000001", cold + 900, 10.0), _ready("f-0000000002", cold + 250, 20.0 + (cold + 250) / 1000)]))
+    monkeypatch.setattr(cal, "simulated_services", lambda *a, **kw: {})  # no batch to set against the model
+    monkeypatch.setattr(cal, "batch_overheads_ms", lambda *a, **kw: [2.0])
+    ov = cal.calibrate([run], starts_from=[other])
+    assert ov.transport_ms[50] == pytest.approx(6.0)  # the run's own: 2 ms in, 4 ms back
+    assert ov.process_start_ms == pytest.approx(250.0)  # the other run's launch after its initial one
+    assert ov.source["process_starts_from"] == [str(other)]
+    with pytest.raises(ValueError, match="run/node_agent.log:1: not a JSON log line"):
+        cal.calibrate([run])  # its own launches, unreadable
+    with pytest.raises(ValueError, match="given twice"):
+        cal.calibrate([run], starts_from=[other, tmp_path / "." / "other"])
