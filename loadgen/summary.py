@@ -181,7 +181,8 @@ def check_same_simulation(paths: Sequence[str | Path]) -> None:
     """Raise ValueError, naming the setting and two of the files, when simulated runs in
     ``paths`` (``dilu sim --json``) were configured differently beyond what
     :func:`check_comparable` compares: nodes, keep-alive, process start, overheads file (by its
-    name), ticks, drain. A file without a ``sim.config`` (a live run) is skipped; one that cannot
+    name, so that each live run's own calibration under one name, ``dilu calibrate RUN
+    --json RUN/overheads.json``, counts as one: README, At cluster scale), ticks, drain. A file without a ``sim.config`` (a live run) is skipped; one that cannot
     be read raises as :func:`read_runs` does (each file is read once more here: a
     report does not carry its sim section, and run files are bounded)."""
     first: dict[str, tuple[str, object]] = {}
