@@ -35,6 +35,7 @@ COMMANDS: dict[str, str] = {
     "events": "dilu.cli.events:events",
     "sim": "dilu.cli.sim:sim",
     "calibrate": "dilu.cli.sim:calibrate",
+    "crosscheck": "dilu.cli.sim:crosscheck",
     "summarize": "dilu.cli.summarize:summarize",
 }
 BENCHES: dict[str, str] = {

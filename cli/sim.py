@@ -14,6 +14,7 @@ import click
 
 from dilu.loadgen.arrivals import SPEEDUP_MAX, SPEEDUP_MIN
 from dilu.loadgen.sim.calibrate import MIN_BATCHES, MIN_STARTS
+from dilu.loadgen.sim.crosscheck import DRAWS
 from dilu.services.common import models
 from dilu.services.common.cliopts import (PARK_AFTER_S_TYPE, Finite, ZeroOrAtLeast, flag_envvar, writable_dir,
                                          writable_output, write_output)
@@ -169,8 +170,7 @@ def _simulate(console, stop: SignalExit, trace_dir, functions, hours, nodes, gpu
         raise click.BadParameter(str(exc), param_hint="--overheads") from None
     by_starting: tuple[float, ...] = ()  # the file's process starts by launches in progress, unless one is given
     if process_start_ms is None:
-        measured = overheads.process_start_ms if overheads is not None else None
-        process_start_ms = models.PROCESS_START_MS if measured is None else measured
+        process_start_ms = overheads.start_ms if overheads is not None else models.PROCESS_START_MS
         by_starting = overheads.process_start_by_starting_ms if overheads is not None else ()
     if overheads is not None:
         start = (f"process start {_by_starting(by_starting)}" if by_starting
@@ -361,3 +361,73 @@ def _by_starting(table: tuple[float, ...]) -> str:
     """A process start table for people: "0: 450 ms, 1: 600 ms, 2+: 900 ms" (the last also for more)."""
     last = len(table) - 1
     return ", ".join(f"{k}{'+' if k == last else ''}: {ms:g} ms" for k, ms in enumerate(table))
+
+
+@click.command("crosscheck")
+@click.argument("log_dirs", nargs=-1, required=True, type=click.Path(exists=True, file_okay=False, path_type=Path))
+@_opt("--draws", type=click.IntRange(min=1, max=1000), default=DRAWS, show_default=True,
+      help="simulations of each run, drawing its overheads with --overheads-seed 1, 2, ...")
+@_opt("--json", "json_path", type=click.Path(dir_okay=False), default=None, callback=writable_output,
+      help='also write {"tolerance", "draws", "rows": [{seed, policy, runs, figures: {figure: {live, sim, '
+           'sim_runs, relative_difference, within_tolerance, standard_errors}}}]} here')
+@_opt("--min-batches", type=click.IntRange(min=1), default=MIN_BATCHES, show_default=True,
+      help="as dilu calibrate's")
+def crosscheck(log_dirs, draws, json_path, min_batches) -> None:
+    """Set live runs against their simulation: each run's log directory (a policy's, under dilu
+    demo/compare --log-dir) is calibrated alone (its way in and back and batch overhead; the
+    process start from all LOG_DIRS, as dilu calibrate --starts-from) and simulated --draws times
+    on its own plan and policy. Runs of one comparison and policy form a row; for the SLO
+    violation rate, cold-start requests, instance launches and active GPU·s it prints the live
+    mean (lowest–highest), the simulated mean over every draw (lowest–highest), their difference
+    relative to the live mean, and that difference in standard errors (the live runs' and the
+    runs' simulated means' together; SE: the standard deviation over the square root of the
+    number of runs). Agreement: within 15 % of the live mean."""
+    with SignalExit():
+        from rich.table import Table
+
+        from dilu.cli.demo import make_console
+        from dilu.loadgen.sim import crosscheck as xc
+        from dilu.loadgen.trace import TraceError
+
+        console = make_console()
+        try:
+            rows = xc.crosscheck(list(log_dirs), draws, min_batches,
+                                 progress=lambda d: console.print(f"[dim]calibrating and simulating {d}[/dim]",
+                                                                  highlight=False))
+        except OSError as exc:
+            if output_failed(exc):
+                raise
+            raise click.BadParameter(f"cannot cross-check: cannot read {exc.filename or ''}: {exc.strerror or exc}",
+                                     param_hint="LOG_DIRS") from None
+        except (ValueError, TraceError) as exc:
+            raise click.BadParameter(f"cannot cross-check: {exc}", param_hint="LOG_DIRS") from None
+        table = Table(title=f"Live runs and their simulation ({draws} draws of each run's overheads)")
+        for name, justify in (("seed, policy", "left"), ("figure", "left"), ("live", "right"),
+                              ("simulated", "right"), ("sim - live", "right"), ("SE", "right")):
+            table.add_column(name, justify=justify, no_wrap=name != "seed, policy")
+        for row in rows:
+            label = f"{row.seed}, {row.policy}\n{count_of(len(row.runs), 'run')}"
+            for name, f in row.figures.items():
+                rate = name == "SLO violation rate"
+                z = f.standard_errors
+                table.add_row(label, "SLO violations %" if rate else name, _spread(f.live, rate),
+                              _spread(f.sim, rate),
+                              "–" if f.relative is None else f"{100 * f.relative:+.0f} %" + (" *" if f.within else ""),
+                              "–" if z is None else f"{z:+.1f}")
+                label = ""
+            table.add_section()
+        console.print(table)
+        counts = ", ".join(f"{name} {sum(r.figures[name].within for r in rows)}" for name in xc.FIGURES)
+        console.print(f"* within {100 * xc.TOLERANCE:g} % of the live mean, rows of {len(rows)}: {counts}",
+                      highlight=False)
+        if json_path:
+            out = {"tolerance": xc.TOLERANCE, "draws": draws, "rows": [r.to_dict() for r in rows]}
+            write_output(json_path, json.dumps(out, indent=2) + "\n")
+            console.print(f"written to {json_path}")
+
+
+def _spread(s, rate: bool) -> str:
+    """A row's figure over runs for people: "1.2 (0.7–2.1)" (a rate, in %), "188.1 (175–198)"."""
+    if rate:
+        return f"{100 * s.mean:.1f} ({100 * s.low:.1f}–{100 * s.high:.1f})"
+    return f"{s.mean:,.1f} ({s.low:,.0f}–{s.high:,.0f})"

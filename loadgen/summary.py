@@ -13,6 +13,7 @@ Pure but for :func:`read_runs`; :func:`render_summary` prints.
 """
 from __future__ import annotations
 
+import math
 import statistics
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -45,6 +46,13 @@ class Spread:
         if not values:
             raise ValueError("no values")
         return cls(statistics.fmean(values), min(values), max(values), tuple(values))
+
+    @property
+    def stderr(self) -> float | None:
+        """The standard error of the mean: the sample standard deviation over the square root of
+        the number of values; None for one value."""
+        n = len(self.values)
+        return statistics.stdev(self.values) / math.sqrt(n) if n > 1 else None
 
 
 @dataclass(frozen=True)
@@ -144,6 +152,12 @@ def _comparable(field: str, value):
     if isinstance(value, float):
         return round(value, 1 if field == "duration_s" else 9)
     return value
+
+
+def span_key(run: rp.RunInfo) -> tuple:
+    """What runs of one comparison share (:func:`check_comparable`), as a key: the span, GPUs,
+    training jobs, live or simulated, and the policy's parking and defragmentation settings."""
+    return tuple(_comparable(f, getattr(run, f)) for f, _ in _SAME + _SAME_PER_POLICY)
 
 
 def check_comparable(runs: Sequence[tuple[str, Mapping[str, Report]]]) -> None:

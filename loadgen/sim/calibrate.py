@@ -147,23 +147,34 @@ def live_services(lines: list[requestlog.RequestLine]) -> dict[tuple[str, int], 
     return dict(out)
 
 
-def simulated_services(run: report.RunInfo, training_jobs: int, process_start_ms: float,
-                       by_starting: tuple[float, ...] = ()) -> dict[tuple[str, int], list[float]]:
-    """(function, batch size) -> the simulated service (ms) of each batch of a simulation of the
-    live run described by ``run`` (a report's ``run`` section), under its policy, with the
-    process start ``process_start_ms`` or by those starting (``by_starting``, :class:`SimConfig`). Raises
+def sim_config(run: report.RunInfo, training_jobs: int, **settings):
+    """The :class:`SimConfig` that replays the live run described by ``run`` (a report's ``run``
+    section; ``training_jobs`` beside it, its ``training`` list's length): its trace, span, seed,
+    speed-up and GPUs, with ``settings`` (process start, overheads, ...) on top. Raises
     ValueError for a run the simulator cannot replay (an llm trace beside it, a CPU node)."""
-    from .run import SimConfig, Simulation, prepare
+    from .run import SimConfig
 
     if run.llm:
         raise ValueError("the run replayed the LLM trace beside the functions (--llm-share), "
                          "which the simulator does not: calibrate from runs without it")
     if run.gpus < 1:
         raise ValueError("the run had no emulated GPU (--gpus cpu): nothing to calibrate")
-    cfg = SimConfig(trace_dir=_trace_dir(run.trace), functions=run.functions, hours=run.duration_s * run.speedup / 3600.0,
-                    gpus_per_node=run.gpus, seed=run.seed, start_minute=run.start_minute, speedup=run.speedup,
-                    training_jobs=training_jobs / run.gpus, process_start_ms=process_start_ms,
-                    process_start_by_starting_ms=tuple(by_starting), keep_records=False)
+    return SimConfig(trace_dir=_trace_dir(run.trace), functions=run.functions,
+                     hours=run.duration_s * run.speedup / 3600.0, gpus_per_node=run.gpus, seed=run.seed,
+                     start_minute=run.start_minute, speedup=run.speedup, training_jobs=training_jobs / run.gpus,
+                     **settings)
+
+
+def simulated_services(run: report.RunInfo, training_jobs: int, process_start_ms: float,
+                       by_starting: tuple[float, ...] = ()) -> dict[tuple[str, int], list[float]]:
+    """(function, batch size) -> the simulated service (ms) of each batch of a simulation of the
+    live run described by ``run`` (:func:`sim_config`), under its policy, with the process start
+    ``process_start_ms`` or by those starting (``by_starting``, :class:`SimConfig`). Raises
+    ValueError for a run the simulator cannot replay."""
+    from .run import Simulation, prepare
+
+    cfg = sim_config(run, training_jobs, process_start_ms=process_start_ms,
+                     process_start_by_starting_ms=tuple(by_starting), keep_records=False)
     sim = Simulation(cfg, run.policy, prepare(cfg))
     sim.batch_log = []
     sim.run()
@@ -199,7 +210,7 @@ def batch_overheads_ms(live: dict, simulated: dict, min_batches: int = MIN_BATCH
     return out
 
 
-def _read_runs(log_dirs: list[Path]) -> list[tuple[Path, report.Report, list[requestlog.RequestLine]]]:
+def read_runs(log_dirs: list[Path]) -> list[tuple[Path, report.Report, list[requestlog.RequestLine]]]:
     """Each log directory's report and request log, refusing a directory given twice or one that
     is not a policy's log directory of a run. Raises OSError, ValueError naming what is wrong."""
     runs = []
@@ -223,8 +234,9 @@ def _read_runs(log_dirs: list[Path]) -> list[tuple[Path, report.Report, list[req
     return runs
 
 
-def _starts(runs: list[tuple[Path, report.Report, list]]) -> list[tuple[int, float]]:
-    """The process starts (:func:`process_starts_ms`) of every run's node agent log."""
+def starts_of(runs: list[tuple[Path, report.Report, list]]) -> list[tuple[int, float]]:
+    """The process starts (:func:`process_starts_ms`) of every run's node agent log (``runs``:
+    :func:`read_runs`'s)."""
     return [s for d, rep, _ in runs
             for s in process_starts_ms(d / NODE_AGENT_LOG, {f.name: f.model for f in rep.functions})]
 
@@ -236,8 +248,15 @@ def calibrate(log_dirs: list[Path], min_batches: int = MIN_BATCHES,
     ``log_dirs`` (they may overlap): the node's process start needs tens of launches, where one
     run's way in and back and batch overhead are its own and say how loaded its machine was.
     Raises OSError for a missing file, ValueError (OverheadsError) naming what cannot be used."""
-    runs = _read_runs(log_dirs)
-    starts = _starts(runs if starts_from is None else _read_runs(starts_from))
+    runs = read_runs(log_dirs)
+    starts = starts_of(runs if starts_from is None else read_runs(starts_from))
+    return measure(runs, starts, min_batches, starts_from)
+
+
+def measure(runs: list[tuple[Path, report.Report, list]], starts: list[tuple[int, float]],
+            min_batches: int = MIN_BATCHES, starts_from: list[Path] | None = None) -> Overheads:
+    """:func:`calibrate` of runs already read (:func:`read_runs`) with the process starts
+    ``starts`` (:func:`starts_of`; ``starts_from``: where they come from, for the ``source``)."""
     start_ms = statistics.median(ms for _, ms in starts) if starts else models.PROCESS_START_MS
     by_starting = starts_by_starting(starts)
     transport: list[float] = []
@@ -249,7 +268,7 @@ def calibrate(log_dirs: list[Path], min_batches: int = MIN_BATCHES,
     if not batch:
         raise OverheadsError(f"no function served {min_batches} batches of one size in both the live runs "
                              "and their simulation: give longer or busier runs")
-    source = {"runs": [str(d) for d in log_dirs], "transport_samples": len(transport),
+    source = {"runs": [str(d) for d, _, _ in runs], "transport_samples": len(transport),
               "batch_samples": len(batch), "process_start_samples": len(starts)}
     if starts_from is not None:
         source["process_starts_from"] = [str(d) for d in starts_from]

@@ -83,6 +83,12 @@ class Overheads(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
                    None if process_start_ms is None else round(process_start_ms, 1),
                    tuple(round(v, 1) for v in process_start_by_starting_ms), dict(source or {}))
 
+    @property
+    def start_ms(self) -> float:
+        """The process start a simulation takes from this file: the measured median, else the
+        model's (:data:`models.PROCESS_START_MS`)."""
+        return models.PROCESS_START_MS if self.process_start_ms is None else self.process_start_ms
+
     def to_json(self) -> bytes:
         return msgspec.json.format(msgspec.json.encode(self), indent=2) + b"\n"
 

@@ -1,0 +1,118 @@
+"""``dilu crosscheck``: live runs against their simulation, each with its own run's overheads.
+
+Each live run (a policy's log directory under ``dilu demo`` / ``dilu compare --log-dir``) is
+simulated on its own plan and policy, ``draws`` times (``--overheads-seed`` 1..draws), with the
+overheads :mod:`.calibrate` measures from that run alone: its way in and back and its batch
+overhead, which say how loaded its machine was (one run's tail can be twenty times another's on
+the same machine), and the process start of all the runs given (one run launches too few
+instances for it). Runs of one comparison (:func:`dilu.loadgen.summary.span_key`) and policy form
+a row; for each figure of :data:`FIGURES` a row holds the live runs' spread, the draws' spread,
+the relative difference of the means and that difference in standard errors. README, At cluster
+scale: the cross-check.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+from dilu.loadgen import report as rp
+from dilu.loadgen.summary import Spread, span_key
+
+from . import calibrate as cal
+
+FIGURES = ("SLO violation rate", "cold-start requests", "instance launches", "active GPU·s")
+TOLERANCE = 0.15  # agreement: the simulated mean within 15 % of the live mean (the cross-check's margin)
+DRAWS = 8  # draws of each run's overheads: the README's table
+
+
+@dataclass(frozen=True)
+class Figure:
+    """One figure of one row: ``live`` over the live runs, ``sim`` over every draw of every run,
+    ``sim_runs`` each run's mean over its draws (the samples of the simulated mean's standard
+    error, as the live runs are of the live one's)."""
+
+    live: Spread
+    sim: Spread
+    sim_runs: Spread
+
+    @property
+    def relative(self) -> float | None:
+        """(simulated mean - live mean) / live mean; None when the live mean is 0."""
+        return (self.sim.mean - self.live.mean) / self.live.mean if self.live.mean else None
+
+    @property
+    def within(self) -> bool:
+        """Whether the simulated mean lies within :data:`TOLERANCE` of the live mean."""
+        return abs(self.sim.mean - self.live.mean) <= TOLERANCE * abs(self.live.mean)
+
+    @property
+    def standard_errors(self) -> float | None:
+        """The difference of the means over their combined standard error (live runs' and the
+        runs' simulated means'); None with fewer than two runs or no spread at all."""
+        a, b = self.live.stderr, self.sim_runs.stderr
+        if a is None or b is None or math.hypot(a, b) == 0:
+            return None
+        return (self.sim.mean - self.live.mean) / math.hypot(a, b)
+
+
+@dataclass(frozen=True)
+class Row:
+    """The runs of one comparison under one policy: their ``seed``, ``policy``, log directories
+    (``runs``) and one :class:`Figure` per name of :data:`FIGURES`."""
+
+    seed: int
+    policy: str
+    runs: tuple[str, ...]
+    figures: dict[str, Figure]
+
+    def to_dict(self) -> dict:
+        def spread(s: Spread) -> dict:
+            return {"mean": s.mean, "min": s.low, "max": s.high, "stderr": s.stderr, "values": list(s.values)}
+
+        return {"seed": self.seed, "policy": self.policy, "runs": list(self.runs),
+                "figures": {name: {"live": spread(f.live), "sim": spread(f.sim), "sim_runs": spread(f.sim_runs),
+                                   "relative_difference": f.relative, "within_tolerance": f.within,
+                                   "standard_errors": f.standard_errors} for name, f in self.figures.items()}}
+
+
+def crosscheck(log_dirs: list[Path], draws: int = DRAWS, min_batches: int = cal.MIN_BATCHES,
+               progress=None) -> list[Row]:
+    """The rows of ``log_dirs`` (module docstring), in the order their first run is given.
+    ``progress(log_dir)`` is called before each run's calibration and draws. Raises OSError,
+    ValueError (:func:`calibrate.calibrate`'s) naming what cannot be used, ValueError for
+    ``draws`` < 1 or for a live run whose simulation offers other requests (stopped early)."""
+    from .run import Simulation, prepare
+
+    if draws < 1:
+        raise ValueError(f"draws must be at least 1, got {draws}")
+    runs = cal.read_runs(log_dirs)
+    starts = cal.starts_of(runs)
+    getters = {label: get for label, get, _fmt, _better in rp._COMPARE_ROWS if label in FIGURES}
+    groups: dict[tuple, list[tuple[str, rp.Report, list[rp.Report]]]] = {}
+    for run in runs:
+        d, live, _ = run
+        if progress is not None:
+            progress(d)
+        ov = cal.measure([run], starts, min_batches, log_dirs)
+        simulated = []
+        for k in range(1, draws + 1):
+            cfg = cal.sim_config(live.run, len(live.training), overheads=ov, overheads_seed=k,
+                                 process_start_ms=ov.start_ms, process_start_by_starting_ms=ov.process_start_by_starting_ms, keep_records=False)
+            sim = Simulation(cfg, live.run.policy, prepare(cfg)).run()[0]
+            if sim.totals.offered != live.totals.offered:
+                raise ValueError(f"{d}: its simulation offers {sim.totals.offered:,} requests where the live run "
+                                 f"offered {live.totals.offered:,}: not a replay of one plan (a run stopped early?)")
+            simulated.append(sim)
+        groups.setdefault((span_key(live.run), live.run.policy), []).append((str(d), live, simulated))
+    rows = []
+    for members in groups.values():
+        figures = {}
+        for name in FIGURES:
+            get = getters[name]
+            figures[name] = Figure(Spread.of([get(live) for _, live, _ in members]),
+                                   Spread.of([get(s) for _, _, sims in members for s in sims]),
+                                   Spread.of([sum(get(s) for s in sims) / len(sims) for _, _, sims in members]))
+        first = members[0][1].run
+        rows.append(Row(first.seed, first.policy, tuple(d for d, _, _ in members), figures))
+    return rows
