@@ -95,7 +95,8 @@ def _opt(*decls, **kw):
            "4 GB/s); set it to what your node measures (the node agent logs cold_start_ms per instance; "
            f"dilu calibrate measures it) (default: the --overheads file's, else {models.PROCESS_START_MS:g})")
 @_opt("--overheads", "overheads_path", type=click.Path(exists=True, dir_okay=False), default=None,
-      help="add what a live node adds to each request and batch beyond the modelled GPU time, as measured by "
+      help="add what a live node adds to each request and batch (and between batches) beyond the modelled GPU "
+           "time, as measured by "
            "dilu calibrate --json (for a cross-check against the emulated node; default: nothing)")
 @_opt("--overheads-seed", type=click.IntRange(min=0), default=None,
       help="seeds the draws of --overheads alone (default: --seed): the same requests meet other overheads, "
@@ -320,8 +321,9 @@ def calibrate(log_dirs, json_path, min_batches, starts_from) -> None:
     """Measure what the live node adds beyond the simulator's model, from the log directories of
     live runs (each a policy's directory under dilu demo/compare --log-dir, holding
     requests.jsonl, report.json and node_agent.log): the process start of an instance, the
-    way in and back of a request, and how much longer a batch's service takes than simulated
-    on the run's own plan. Prints the quantiles; --json writes them for dilu sim --overheads."""
+    way in and back of a request, how much longer a batch's service takes than simulated on
+    the run's own plan, and the pickup between two batches of an instance while requests wait.
+    Prints the quantiles; --json writes them for dilu sim --overheads."""
     from rich.table import Table
 
     from dilu.cli.demo import make_console
@@ -341,11 +343,14 @@ def calibrate(log_dirs, json_path, min_batches, starts_from) -> None:
     for q in ("p10", "p50", "p90", "p99", "max"):
         table.add_column(q, justify="right")
     for name, tab in (("way in + way back of a request", ov.transport_ms),
-                      ("a batch's service beyond the simulated one", ov.batch_ms)):
-        table.add_row(name, *(f"{tab[k]:.1f}" for k in (10, 50, 90, 99, 100)))
+                      ("a batch's service beyond the simulated one", ov.batch_ms),
+                      ("pickup of the next batch while requests wait", ov.pickup_ms)):
+        if tab:
+            table.add_row(name, *(f"{tab[k]:.1f}" for k in (10, 50, 90, 99, 100)))
     console.print(table)
     src = ov.source
-    console.print(f"{src['transport_samples']:,} requests, {src['batch_samples']:,} batches; process start "
+    console.print(f"{src['transport_samples']:,} requests, {src['batch_samples']:,} batches, "
+                  f"{src['pickup_samples']:,} pickups; process start "
                   + (f"{ov.process_start_ms:g} ms (median of {count_of(src['process_start_samples'], 'launch', 'launches')})"
                      if ov.process_start_ms is not None else "not measured (no launch after the initial ones)"),
                   highlight=False)

@@ -13,6 +13,8 @@ Input: the log directories ``dilu demo`` / ``dilu compare`` leave per policy und
   (:func:`starts_by_starting`). Those of other runs of the same node may stand in
   (``starts_from``): one run launches too few instances to measure it alone.
 - **transport**: per answered request, way in + way back (:mod:`.overheads`).
+- **pickup**: per instance, from a batch's last reply to its next batch's start, where a request
+  of that next batch was already stored before that reply (the instance had work waiting).
 - **batch**: the live service of each batch (the first reply of each (instance, start) pair:
   handler called -> reply published) against the simulator's service of the batches of the same
   function and size, simulated on the run's own plan, policy and process start: the k-th of n
@@ -127,6 +129,26 @@ def transport_ms(lines: list[requestlog.RequestLine]) -> list[float]:
     """Way in + way back (ms) of each answered request whose reply carried its timings."""
     return [((r.enqueued_ns - r.scheduled_ns) + (r.done_ns - r.replied_ns)) / 1e6
             for r in lines if r.status == "ok" and r.enqueued_ns and r.replied_ns]
+
+
+def pickups_ms(lines: list[requestlog.RequestLine]) -> list[float]:
+    """The pickups (ms) of the live run's instances (module docstring): for each instance's
+    consecutive batches (a batch: the answered requests of one (instance, start) pair), the next
+    one's start less the last reply of the one before, where the next one's first request was
+    stored before that reply."""
+    batches: dict[str, dict[int, list[int]]] = defaultdict(dict)  # instance -> start -> [last reply, first stored]
+    for r in lines:
+        if r.status != "ok" or not (r.started_ns and r.replied_ns and r.enqueued_ns and r.batch):
+            continue
+        b = batches[r.instance].setdefault(r.started_ns, [r.replied_ns, r.enqueued_ns])
+        b[0], b[1] = max(b[0], r.replied_ns), min(b[1], r.enqueued_ns)
+    out: list[float] = []
+    for starts in batches.values():
+        ordered = sorted(starts.items())
+        for (_, (replied, _)), (start, (_, stored)) in zip(ordered, ordered[1:]):
+            if stored < replied:
+                out.append((start - replied) / 1e6)
+    return out
 
 
 def live_services(lines: list[requestlog.RequestLine]) -> dict[tuple[str, int], list[float]]:
@@ -261,15 +283,17 @@ def measure(runs: list[tuple[Path, report.Report, list]], starts: list[tuple[int
     by_starting = starts_by_starting(starts)
     transport: list[float] = []
     batch: list[float] = []
+    pickup: list[float] = []
     for _, rep, lines in runs:
         transport += transport_ms(lines)
+        pickup += pickups_ms(lines)
         simulated = simulated_services(rep.run, len(rep.training), start_ms, by_starting)
         batch += batch_overheads_ms(live_services(lines), simulated, min_batches)
     if not batch:
         raise OverheadsError(f"no function served {min_batches} batches of one size in both the live runs "
                              "and their simulation: give longer or busier runs")
     source = {"runs": [str(d) for d, _, _ in runs], "transport_samples": len(transport),
-              "batch_samples": len(batch), "process_start_samples": len(starts)}
+              "batch_samples": len(batch), "pickup_samples": len(pickup), "process_start_samples": len(starts)}
     if starts_from is not None:
         source["process_starts_from"] = [str(d) for d in starts_from]
-    return Overheads.from_samples(transport, batch, start_ms if starts else None, source, by_starting)
+    return Overheads.from_samples(transport, batch, start_ms if starts else None, source, by_starting, pickup)

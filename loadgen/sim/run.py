@@ -340,6 +340,7 @@ class Simulation:
         ov_seed = cfg.seed if cfg.overheads_seed is None else cfg.overheads_seed
         self.transport = Sampler(ov.transport_ms, f"transport-{ov_seed}") if ov else None
         self.batch_extra = Sampler(ov.batch_ms, f"batch-{ov_seed}") if ov else None
+        self.pickup = Sampler(ov.pickup_ms, f"pickup-{ov_seed}") if ov and ov.pickup_ms else None
         # (function, batch size, modelled service ms) of each batch of the replay, when a caller
         # (dilu calibrate) sets a list here; None: not kept
         self.batch_log: list[tuple[str, int, float]] | None = None
@@ -739,6 +740,17 @@ class Simulation:
         if worst > inst.win_lat_ms:
             inst.win_lat_ms = worst
         inst.inflight = []
+        pickup = self.pickup() if self.pickup is not None and inst.state == "ready" and inst.fn.pending else 0.0
+        if pickup > 0.0:  # the live puller acks, fetches what is queued then and decodes it meanwhile
+            inst.busy = True  # takes no batch meanwhile; what arrives joins the next one
+            self.loop.at(now + pickup, self._picked_up, inst)
+        else:
+            self._picked_up(inst)
+
+    def _picked_up(self, inst: Instance) -> None:
+        """After a batch (and the pickup of the next, :attr:`Overheads.pickup_ms`): the instance
+        serves its queue, or leaves when it was drained meanwhile."""
+        inst.busy = False
         if inst.state == "draining":
             self._gone(inst)
         elif inst.state == "ready":

@@ -592,3 +592,38 @@ def test_drawn_overheads_repeat_per_seed_and_differ_by_overheads_seed():
     a = policies()
     assert a == policies() and a == policies(overheads_seed=2)  # the default stream is --seed's
     assert a != policies(overheads_seed=3)
+
+
+def test_a_pickup_parts_an_instances_batches_while_requests_wait():
+    """pickup_ms (``dilu calibrate``'s): an instance whose function has requests waiting when its
+    batch ends starts the next batch the pickup later, as the live puller acks and fetches
+    first; without a pickup table it starts at once. The requests wait longer for it."""
+    from dilu.loadgen.sim.overheads import QUANTILE_POINTS, Overheads
+
+    def run(pickup_ms: float) -> tuple[list[float], dict]:
+        ov = Overheads((0.0,) * QUANTILE_POINTS, (0.0,) * QUANTILE_POINTS,
+                       pickup_ms=(pickup_ms,) * QUANTILE_POINTS if pickup_ms else ())
+        cfg = SimConfig(**SMALL, seed=2, overheads=ov)
+        sim = Simulation(cfg, "dilu", prepare(cfg))
+        ended: dict[str, tuple[float, bool]] = {}
+        gaps: list[float] = []
+        start, end = sim._start_batch, sim._end_batch
+
+        def started(inst):
+            start(inst)
+            at, waited = ended.pop(inst.iid, (None, False))
+            if inst.inflight and waited:
+                gaps.append(sim.loop.now - at)
+
+        def finished(inst):
+            ended[inst.iid] = (sim.loop.now, bool(inst.fn.pending))
+            end(inst)
+
+        sim._start_batch, sim._end_batch = started, finished
+        rep, _ = sim.run()
+        return gaps, rep.to_dict()["totals"]
+
+    (none, base), (some, slow) = run(0.0), run(3.0)
+    assert len(none) > 100 and set(none) == {0.0}
+    assert len(some) > 100 and some == pytest.approx([3.0] * len(some))
+    assert slow["latency_ms"]["p50"] > base["latency_ms"]["p50"]

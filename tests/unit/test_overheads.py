@@ -264,3 +264,20 @@ def test_the_process_start_can_come_from_other_runs_of_the_node(tmp_path: Path, 
         cal.calibrate([run])  # its own launches, unreadable
     with pytest.raises(ValueError, match="given twice"):
         cal.calibrate([run], starts_from=[other, tmp_path / "." / "other"])
+
+
+def test_a_pickup_is_counted_where_the_next_batch_was_waiting():
+    """From a batch's last reply to the next batch's start on one instance, when a request of the
+    next batch was stored before that reply; a batch that came to an idle instance is no pickup."""
+    def line(i, started, replied, enqueued, instance="f-1"):
+        return requestlog.RequestLine(id=str(i), function="f", status="ok", scheduled_ns=enqueued, sent_ns=enqueued,
+                                      done_ns=replied + 1, instance=instance, enqueued_ns=enqueued,
+                                      started_ns=started, replied_ns=replied, batch=1)
+    ms = 1_000_000
+    lines = [line(1, 10 * ms, 20 * ms, 9 * ms), line(2, 10 * ms, 21 * ms, 9 * ms),  # one batch of two
+             line(3, 23 * ms, 30 * ms, 15 * ms),  # waiting since 15 ms: picked up 2 ms after the last reply
+             line(4, 50 * ms, 60 * ms, 45 * ms),  # came after 30 ms, to an idle instance: no pickup
+             line(5, 61 * ms, 70 * ms, 55 * ms, instance="f-2")]  # another instance's first batch
+    assert cal.pickups_ms(lines) == pytest.approx([2.0])
+    ov = Overheads.from_samples([1.0], [1.0], pickup_ms=[2.0])
+    assert ov.pickup_ms == flat(2.0) and Overheads.from_samples([1.0], [1.0]).pickup_ms == ()
