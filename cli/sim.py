@@ -315,8 +315,8 @@ def _print_workload(out: dict, console) -> None:
 @_opt("--starts-from", "starts_from", multiple=True,
       type=click.Path(exists=True, file_okay=False, path_type=Path),
       help="measure the process start from these runs' log directories instead (repeat it; they may "
-           "include LOG_DIRS): one run launches too few instances for it, where its way in and back and "
-           "batch overhead are its own (README, At cluster scale); DILU_STARTS_FROM separates them with ':'")
+           "include LOG_DIRS): one run launches too few instances for it, where its way in and back, "
+           "batch overhead and pickups are its own (README, At cluster scale); DILU_STARTS_FROM separates them with ':'")
 def calibrate(log_dirs, json_path, min_batches, starts_from) -> None:
     """Measure what the live node adds beyond the simulator's model, from the log directories of
     live runs (each a policy's directory under dilu demo/compare --log-dir, holding
@@ -379,8 +379,8 @@ def _by_starting(table: tuple[float, ...]) -> str:
       help="as dilu calibrate's")
 def crosscheck(log_dirs, draws, json_path, min_batches) -> None:
     """Set live runs against their simulation: each run's log directory (a policy's, under dilu
-    demo/compare --log-dir) is calibrated alone (its way in and back and batch overhead; the
-    process start from all LOG_DIRS, as dilu calibrate --starts-from) and simulated --draws times
+    demo/compare --log-dir) is calibrated alone (its way in and back, batch overhead and pickups;
+    the process start from all LOG_DIRS, as dilu calibrate --starts-from) and simulated --draws times
     on its own plan and policy. Runs of one comparison and policy form a row; for the SLO
     violation rate, cold-start requests, instance launches and active GPU·s it prints the live
     mean (lowest–highest), the simulated mean over every draw (lowest–highest), their difference
@@ -423,8 +423,8 @@ def crosscheck(log_dirs, draws, json_path, min_batches) -> None:
             table.add_section()
         console.print(table)
         counts = ", ".join(f"{name} {sum(r.figures[name].within for r in rows)}" for name in xc.FIGURES)
-        console.print(f"* within {100 * xc.TOLERANCE:g} % of the live mean, rows of {len(rows)}: {counts}",
-                      highlight=False)
+        console.print(f"* within {100 * xc.TOLERANCE:g} % of the live mean, rows of {len(rows)}: {counts}; "
+                      "SE: sim - live in standard errors of the two means together", highlight=False)
         if json_path:
             out = {"tolerance": xc.TOLERANCE, "draws": draws, "rows": [r.to_dict() for r in rows]}
             write_output(json_path, json.dumps(out, indent=2) + "\n")

@@ -2,8 +2,8 @@
 
 Each live run (a policy's log directory under ``dilu demo`` / ``dilu compare --log-dir``) is
 simulated on its own plan and policy, ``draws`` times (``--overheads-seed`` 1..draws), with the
-overheads :mod:`.calibrate` measures from that run alone: its way in and back and its batch
-overhead, which say how loaded its machine was (one run's tail can be twenty times another's on
+overheads :mod:`.calibrate` measures from that run alone: its way in and back, its batch
+overhead and its pickups, which say how loaded its machine was (one run's tail can be twenty times another's on
 the same machine), and the process start of all the runs given (one run launches too few
 instances for it). Runs of one comparison (:func:`dilu.loadgen.summary.span_key`) and policy form
 a row; for each figure of :data:`FIGURES` a row holds the live runs' spread, the draws' spread,
@@ -94,7 +94,10 @@ def crosscheck(log_dirs: list[Path], draws: int = DRAWS, min_batches: int = cal.
         d, live, _ = run
         if progress is not None:
             progress(d)
-        ov = cal.measure([run], starts, min_batches, log_dirs)
+        try:
+            ov = cal.measure([run], starts, min_batches, log_dirs)
+        except ValueError as exc:  # one run of many: say which
+            raise ValueError(f"{d}: {exc}") from None
         simulated = []
         for k in range(1, draws + 1):
             cfg = cal.sim_config(live.run, len(live.training), overheads=ov, overheads_seed=k,
