@@ -384,9 +384,11 @@ def crosscheck(log_dirs, draws, json_path, min_batches) -> None:
     on its own plan and policy. Runs of one comparison and policy form a row; for the SLO
     violation rate, cold-start requests, instance launches and active GPU·s it prints the live
     mean (lowest–highest), the simulated mean over every draw (lowest–highest), their difference
-    relative to the live mean, and that difference in standard errors (the live runs' and the
-    runs' simulated means' together; SE: the standard deviation over the square root of the
-    number of runs). Agreement: within 15 % of the live mean."""
+    relative to the live mean, and that difference in standard errors (SE: the live mean's and
+    the simulated mean's, over each run's mean of its draws, combined as the square root of the
+    sum of their squares; a standard error is the standard deviation over the square root of the
+    number of runs). Agreement: within 15 % of the live mean. The JSON keys figures by these
+    names; sim_runs holds each run's mean over its draws."""
     with SignalExit():
         from rich.table import Table
 
@@ -406,7 +408,7 @@ def crosscheck(log_dirs, draws, json_path, min_batches) -> None:
                                      param_hint="LOG_DIRS") from None
         except (ValueError, TraceError) as exc:
             raise click.BadParameter(f"cannot cross-check: {exc}", param_hint="LOG_DIRS") from None
-        table = Table(title=f"Live runs and their simulation ({draws} draws of each run's overheads)")
+        table = Table(title=f"Live runs and their simulation ({count_of(draws, 'draw')} of each run's overheads)")
         for name, justify in (("seed, policy", "left"), ("figure", "left"), ("live", "right"),
                               ("simulated", "right"), ("sim - live", "right"), ("SE", "right")):
             table.add_column(name, justify=justify, no_wrap=name != "seed, policy")
@@ -432,7 +434,10 @@ def crosscheck(log_dirs, draws, json_path, min_batches) -> None:
 
 
 def _spread(s, rate: bool) -> str:
-    """A row's figure over runs for people: "1.2 (0.7–2.1)" (a rate, in %), "188.1 (175–198)"."""
+    """A row's figure over runs for people: "1.2 (0.7–2.1)" (a rate, in %), "16.2 (7–22)" (a
+    count or GPU·s: lowest and highest to the unit, so a mean of counts keeps its decimal)."""
     if rate:
         return f"{100 * s.mean:.1f} ({100 * s.low:.1f}–{100 * s.high:.1f})"
+    if s.low != round(s.low):  # GPU·s: the mean to the unit too, never outside its range as printed
+        return f"{s.mean:,.0f} ({s.low:,.0f}–{s.high:,.0f})"
     return f"{s.mean:,.1f} ({s.low:,.0f}–{s.high:,.0f})"

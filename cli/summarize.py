@@ -37,10 +37,10 @@ def summarize(run_files, json_path) -> None:
     direction from the means and how often the runs agree. Runs of other spans (trace, start
     minute, seed, duration, speed-up, functions), on other numbers of GPUs, with other numbers
     of training jobs, of a policy with another parking delay or defragmentation interval,
-    simulated runs with another keep-alive, process start, overheads file (by its name: each
-    live run's own calibration, written as overheads.json in its log directory, is one) or
-    tick, or a simulated run beside a live one are refused (draws of other --overheads-seed are
-    not), and so are a file given twice and one with no run in it."""
+    simulated runs with another keep-alive, process start or tick, with --overheads beside
+    runs without, or a simulated run beside a live one are refused (other overheads files and
+    draws of other --overheads-seed are not: each live run's calibration is its machine's), and
+    so are a file given twice and one with no run in it."""
     from dilu.cli.demo import make_console
     from dilu.loadgen import summary
 

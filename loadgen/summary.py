@@ -187,16 +187,16 @@ def check_comparable(runs: Sequence[tuple[str, Mapping[str, Report]]]) -> None:
 _SAME_SIMULATION = (("nodes", "nodes"), ("gpus_per_node", "GPUs per node"), ("keep_alive_s", "keep-alive (s)"),
                     ("process_start_ms", "process start (ms)"),
                     ("process_start_by_starting_ms", "process start by instances starting (ms)"),
-                    ("overheads", "overheads file"), ("vertical_tick_ms", "vertical tick (ms)"),
+                    ("overheads", "--overheads given"), ("vertical_tick_ms", "vertical tick (ms)"),
                     ("horizontal_tick_ms", "horizontal tick (ms)"), ("drain_s", "drain (s)"))
 
 
 def check_same_simulation(paths: Sequence[str | Path]) -> None:
     """Raise ValueError, naming the setting and two of the files, when simulated runs in
     ``paths`` (``dilu sim --json``) were configured differently beyond what
-    :func:`check_comparable` compares: nodes, keep-alive, process start, overheads file (by its
-    name, so that each live run's own calibration under one name, ``dilu calibrate RUN
-    --json RUN/overheads.json``, counts as one: README, At cluster scale), ticks, drain. A file without a ``sim.config`` (a live run) is skipped; one that cannot
+    :func:`check_comparable` compares: nodes, keep-alive, process start, whether overheads were
+    drawn (not which file: each live run's own calibration is that run's machine, as live runs of
+    one comparison meet other loads; README, At cluster scale), ticks, drain. A file without a ``sim.config`` (a live run) is skipped; one that cannot
     be read raises as :func:`read_runs` does (each file is read once more here: a
     report does not carry its sim section, and run files are bounded)."""
     first: dict[str, tuple[str, object]] = {}
@@ -209,8 +209,8 @@ def check_same_simulation(paths: Sequence[str | Path]) -> None:
             if field not in config:
                 continue
             value = config[field]
-            if field == "overheads" and value:
-                value = PurePath(str(value)).name
+            if field == "overheads":  # its calibration's source; each live run's own is one environment
+                value = value is not None
             seen = first.setdefault(field, (str(path), value))
             if seen[1] != value:
                 raise ValueError(f"not runs of one comparison: {what} {seen[1]} in {seen[0]}, {value} in {path}")

@@ -249,11 +249,26 @@ def read_runs(log_dirs: list[Path]) -> list[tuple[Path, report.Report, list[requ
             raise ValueError(f"{d} holds no {requestlog.REPORT_FILENAME}: not the log directory of a run "
                              f"(dilu demo or compare --log-dir DIR writes one in DIR/<policy>)")
         rep = report.read_report(d / requestlog.REPORT_FILENAME)
+        if rep.run.simulated:
+            raise ValueError(f"{d / requestlog.REPORT_FILENAME}: a simulated run's report: calibrate from live runs")
         lines = requestlog.read(d / requestlog.FILENAME)
         if not lines:
             raise ValueError(f"{d / requestlog.FILENAME}: holds no request")
+        _check_belongs(d, rep, lines)
         runs.append((d, rep, lines))
     return runs
+
+
+def _check_belongs(d: Path, rep: report.Report, lines: list[requestlog.RequestLine]) -> None:
+    """Raise ValueError unless the request log is the report's run's: one line per request it
+    offered, each of one of its functions (a log cut short or another run's is refused)."""
+    if len(lines) != rep.totals.offered:
+        raise ValueError(f"{d / requestlog.FILENAME} holds {len(lines):,} requests where its report offered "
+                         f"{rep.totals.offered:,}: not that run's whole request log")
+    names = {f.name for f in rep.functions}
+    if stray := next((r.function for r in lines if r.function not in names), None):
+        raise ValueError(f"{d / requestlog.FILENAME} holds requests of {stray}, which its report does not "
+                         f"replay: not that run's request log")
 
 
 def starts_of(runs: list[tuple[Path, report.Report, list]]) -> list[tuple[int, float]]:

@@ -76,6 +76,11 @@ class Row:
                                    "standard_errors": f.standard_errors} for name, f in self.figures.items()}}
 
 
+def _plan(rep: rp.Report) -> dict[str, tuple[str, int]]:
+    """What a run replays: function -> (model, requests offered)."""
+    return {f.name: (f.model, f.offered) for f in rep.functions}
+
+
 def crosscheck(log_dirs: list[Path], draws: int = DRAWS, min_batches: int = cal.MIN_BATCHES,
                progress=None) -> list[Row]:
     """The rows of ``log_dirs`` (module docstring), in the order their first run is given.
@@ -103,9 +108,10 @@ def crosscheck(log_dirs: list[Path], draws: int = DRAWS, min_batches: int = cal.
             cfg = cal.sim_config(live.run, len(live.training), overheads=ov, overheads_seed=k,
                                  process_start_ms=ov.start_ms, process_start_by_starting_ms=ov.process_start_by_starting_ms, keep_records=False)
             sim = Simulation(cfg, live.run.policy, prepare(cfg)).run()[0]
-            if sim.totals.offered != live.totals.offered:
-                raise ValueError(f"{d}: its simulation offers {sim.totals.offered:,} requests where the live run "
-                                 f"offered {live.totals.offered:,}: not a replay of one plan (a run stopped early?)")
+            if (sim.totals.offered, _plan(sim)) != (live.totals.offered, _plan(live)):
+                raise ValueError(f"{d}: its simulation offers {sim.totals.offered:,} requests of other functions or "
+                                 f"models than the live run's {live.totals.offered:,}: not a replay of its plan "
+                                 f"(a run stopped early, or a report edited?)")
             simulated.append(sim)
         groups.setdefault((span_key(live.run), live.run.policy), []).append((str(d), live, simulated))
     rows = []

@@ -167,11 +167,14 @@ def test_a_request_log_whose_times_go_backwards_or_negative_is_refused(tmp_path:
             requestlog.read(path)
 
 
+ONE = [Record(id="r", function="f", scheduled_ns=1, sent_ns=1, done_ns=9, status="ok")]  # _log_dir's request
+
+
 def _log_dir(d: Path, report: object = None, requests: str | None = None, node_log: str | None = None) -> Path:
     d.mkdir()
     if report is None:  # a live run's report as dilu demo writes it, of one function
         run = RunInfo(wall_s=10.0, policy="dilu", trace="t", functions=1, duration_s=10.0, speedup=10.0, seed=1, gpus=4)
-        report = build_report([], {"f": FunctionMeta(model="bert_base", slo_ms=80.0)}, RunFacts(), run).to_dict()
+        report = build_report(ONE, {"f": FunctionMeta(model="bert_base", slo_ms=80.0)}, RunFacts(), run).to_dict()
     (d / requestlog.REPORT_FILENAME).write_text(json.dumps(report))
     (d / requestlog.FILENAME).write_text(requests if requests is not None else json.dumps(
         dict(id="r", function="f", status="ok", scheduled_ns=1, sent_ns=1, done_ns=9)) + "\n")
@@ -223,7 +226,7 @@ def test_logs_moved_off_their_checkout_calibrate_against_the_bundled_sample(tmp_
     gone = f"/nonexistent/checkout/{default_trace_dir().name}"
     run = RunInfo(wall_s=10.0, policy="dilu", trace=gone, functions=1, duration_s=10.0, speedup=10.0, seed=1, gpus=4,
                   start_minute=480)
-    rep = build_report([], {"f": FunctionMeta(model="bert_base", slo_ms=80.0)}, RunFacts(), run).to_dict()
+    rep = build_report(ONE, {"f": FunctionMeta(model="bert_base", slo_ms=80.0)}, RunFacts(), run).to_dict()
     with pytest.raises(OverheadsError, match="no function served 20 batches"):
         cal.calibrate([_log_dir(tmp_path / "run", report=rep)])
     rep["run"]["trace"] = "/nonexistent/other-trace"
@@ -281,3 +284,23 @@ def test_a_pickup_is_counted_where_the_next_batch_was_waiting():
     assert cal.pickups_ms(lines) == pytest.approx([2.0])
     ov = Overheads.from_samples([1.0], [1.0], pickup_ms=[2.0])
     assert ov.pickup_ms == flat(2.0) and Overheads.from_samples([1.0], [1.0]).pickup_ms == ()
+
+
+@pytest.mark.parametrize("change, words", [
+    (dict(requests="\n".join([json.dumps(dict(id=f"r{i}", function="f", status="ok", scheduled_ns=1, sent_ns=1,
+                                                done_ns=9)) for i in range(2)]) + "\n"),
+     "holds 2 requests where its report offered 1: not that run's whole request log"),
+    (dict(requests=json.dumps(dict(id="r", function="g", status="ok", scheduled_ns=1, sent_ns=1, done_ns=9)) + "\n"),
+     "holds requests of g, which its report does not replay"),
+])
+def test_calibrate_refuses_a_request_log_that_is_not_its_reports_runs(tmp_path: Path, change, words):
+    with pytest.raises(ValueError, match=words):
+        cal.calibrate([_log_dir(tmp_path / "run", **change)])
+
+
+def test_calibrate_refuses_a_simulated_runs_report(tmp_path: Path):
+    run = RunInfo(wall_s=10.0, policy="dilu", trace="t", functions=1, duration_s=10.0, speedup=10.0, seed=1, gpus=4,
+                  simulated=True)
+    rep = build_report(ONE, {"f": FunctionMeta(model="bert_base", slo_ms=80.0)}, RunFacts(), run).to_dict()
+    with pytest.raises(ValueError, match="a simulated run's report: calibrate from live runs"):
+        cal.calibrate([_log_dir(tmp_path / "run", report=rep)])

@@ -220,7 +220,7 @@ def test_simulated_runs_configured_otherwise_are_refused_draws_of_other_overhead
 
     def sim_file(name, **config):
         base = {"nodes": 1, "gpus_per_node": 4, "keep_alive_s": 600.0, "process_start_ms": 436.0,
-                "process_start_by_starting_ms": [], "overheads": "/a/overheads.json", "overheads_seed": 1,
+                "process_start_by_starting_ms": [], "overheads": None, "overheads_seed": 1,
                 "vertical_tick_ms": 250.0, "horizontal_tick_ms": 500.0, "drain_s": 20.0}
         p = tmp_path / name
         run = RUNS[0]
@@ -228,13 +228,15 @@ def test_simulated_runs_configured_otherwise_are_refused_draws_of_other_overhead
                                  "sim": {"config": {**base, **config}, "policies": {}}}))
         return str(p)
 
-    one, draw = sim_file("k1.json"), sim_file("k2.json", overheads_seed=2, overheads="/b/overheads.json")
-    check_same_simulation([one, draw])  # another draw, the same overheads file by name
+    overheads = {"runs": ["s1-r1/dilu"], "transport_samples": 6162}  # sim.config's: the calibration's source
+    one = sim_file("k1.json", overheads=overheads)
+    draw = sim_file("k2.json", overheads_seed=2, overheads={**overheads, "runs": ["s1-r2/dilu"]})
+    check_same_simulation([one, draw])  # another draw of another run's overheads: one comparison
     live = tmp_path / "live.json"
     live.write_text(json.dumps({"policies": {k: r.to_dict() for k, r in RUNS[0].items()}}))
     check_same_simulation([one, str(live)])  # no sim.config: check_comparable refuses the mix
     for name, change, what in (("ka.json", {"keep_alive_s": 30.0}, "keep-alive (s) 600.0"),
                                ("ps.json", {"process_start_ms": 5000.0}, "process start (ms) 436.0"),
-                               ("oh.json", {"overheads": "/a/other.json"}, "overheads file overheads.json")):
+                               ("oh.json", {"overheads": None}, "--overheads given True")):
         with pytest.raises(ValueError, match=rf"{re.escape(what)} in .*k1.json, .* in .*{name}"):
             check_same_simulation([one, sim_file(name, **change)])
