@@ -223,6 +223,7 @@ struct cost {
 };
 
 #define COST_SLOTS 8192
+#define WARM_CYCLES 16 /* the first cycles set the baseline to their shortest at once (start-up) */
 #define MAX_PENDING 64
 
 struct sample {
@@ -631,12 +632,15 @@ static void note_cycle(uint64_t arrival)
         uint64_t span_us = (end - S.cycle_start_ns) / 1000;
         S.cycles++;
         S.last_cycle_us = span_us;
-        if (S.baseline_cycle_us == 0 || span_us < S.baseline_cycle_us)
+        int shorter = S.baseline_cycle_us == 0 || span_us < S.baseline_cycle_us;
+        if (shorter && (S.cycles <= WARM_CYCLES || 2 * span_us >= S.baseline_cycle_us))
             S.baseline_cycle_us = span_us;
-        else /* drift up over about a minute, so a lasting change of workload re-baselines while
-              * a contention episode still reads as stretch */
-            S.baseline_cycle_us += (uint64_t)((double)(span_us - S.baseline_cycle_us) *
-                                              fmin(1.0, (double)(arrival - S.cycle_start_ns) / 60e9));
+        else /* drift over about a minute, so a lasting change of workload re-baselines while a
+              * contention episode still reads as stretch, and a cycle cut short (a launcher
+              * preempted mid-cycle ends it early, leaving a fraction of one) does not reset it */
+            S.baseline_cycle_us = (uint64_t)((double)S.baseline_cycle_us +
+                                             ((double)span_us - (double)S.baseline_cycle_us) *
+                                                 fmin(1.0, (double)(arrival - S.cycle_start_ns) / 60e9));
         S.cycle_start_ns = arrival;
     }
     if (!S.cycle_start_ns)

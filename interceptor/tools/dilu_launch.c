@@ -2,7 +2,7 @@
  * interceptor's tests and benchmark (no interpreter start-up in the way).
  *
  *   dilu_launch [-m MODE] [-k KERNEL] [-n COUNT] [-t SECONDS] [-s SYNC_EVERY] [-g GRAPH_LEN]
- *               [-p PAUSE_US] [-D KEYS] [-f] [-b]
+ *               [-p PAUSE_US] [-S STALL_US] [-D KEYS] [-f] [-b]
  *
  * MODE: direct (linked cuLaunchKernel, default), ptsz (linked cuLaunchKernel_ptsz), dlsym
  * (dlopen + dlsym), gpa0 / gpa2 (cuGetProcAddress_v2 with flags 0 / 2), gpa4 (4-argument
@@ -13,6 +13,8 @@
  * KERNEL: a fake-driver kernel name, e.g. k_50 (50 µs). Launches COUNT times, or for SECONDS
  * (when -t is given), synchronising every SYNC_EVERY launches (0: only at the end).
  * -p PAUSE_US: sleep that long after each synchronisation (idle gaps between launch cycles).
+ * -S STALL_US: sleep that long once, after the first launch of cycle STALL_CYCLE + 1 (with -s):
+ * a launcher preempted mid-cycle, which cuts one cycle in two.
  * -D KEYS: cycle through KEYS distinct launch geometries (grid x 1..KEYS) of KERNEL, so the
  * interceptor sees KEYS distinct kernels of the same duration (like a model's first forward pass).
  * -f: fork after the first half; parent and child each run the second half.
@@ -91,6 +93,8 @@ static unsigned long long now_ns(void)
     clock_gettime(CLOCK_MONOTONIC, &ts);
     return (unsigned long long)ts.tv_sec * 1000000000ull + (unsigned long long)ts.tv_nsec;
 }
+
+#define STALL_CYCLE 20 /* -S stalls the cycle after this many whole ones */
 
 #define CHECK(call)                                                                  \
     do {                                                                             \
@@ -301,11 +305,11 @@ int main(int argc, char **argv)
     long count = 1000, sync_every = 0, graph_len = 10, keys = 1;
     double seconds = -1.0;
     int do_fork = 0, bench = 0, c;
-    long pause_us = 0;
+    long pause_us = 0, stall_us = 0;
     long long alloc_bytes = -1;
     const char *entry = "alloc";
     int free_each = 0, hold = 0, leak = 0;
-    while ((c = getopt(argc, argv, "m:k:n:t:s:g:p:D:fbA:e:FHL")) != -1) {
+    while ((c = getopt(argc, argv, "m:k:n:t:s:g:p:S:D:fbA:e:FHL")) != -1) {
         switch (c) {
         case 'm': mode = optarg; break;
         case 'k': kernel = optarg; break;
@@ -316,6 +320,7 @@ int main(int argc, char **argv)
         case 'f': do_fork = 1; break;
         case 'b': bench = 1; break;
         case 'p': pause_us = atol(optarg); break;
+        case 'S': stall_us = atol(optarg); break;
         case 'D': keys = atol(optarg); break;
         case 'A': alloc_bytes = atoll(optarg); break;
         case 'e': entry = optarg; break;
@@ -324,7 +329,7 @@ int main(int argc, char **argv)
         case 'L': leak = 1; break;
         default:
             fprintf(stderr, "usage: dilu_launch [-m MODE] [-k KERNEL] [-n COUNT] [-t SECONDS] "
-                            "[-s SYNC_EVERY] [-g GRAPH_LEN] [-p PAUSE_US] [-D KEYS] [-f] [-b]\n"
+                            "[-s SYNC_EVERY] [-g GRAPH_LEN] [-p PAUSE_US] [-S STALL_US] [-D KEYS] [-f] [-b]\n"
                             "       dilu_launch -A BYTES [-n COUNT] [-m MODE] [-e ENTRY] [-F] [-H] [-L] [-f]\n");
             return 1;
         }
@@ -410,6 +415,9 @@ int main(int argc, char **argv)
         if (!first_ns)
             first_ns = now_ns();
         done++;
+        if (stall_us > 0 && sync_every > 0 && done == STALL_CYCLE * sync_every + 1)
+            usleep((useconds_t)stall_us); /* one host stall after the first launch of a cycle: a
+                                           * launcher preempted mid-cycle */
         if (sync_every > 0 && done % sync_every == 0) {
             CHECK(sync13 ? sync13(ctx) : cuCtxSynchronize());
             if (pause_us > 0) /* host-side think time: an idle gap between cycles */

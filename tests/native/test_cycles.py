@@ -42,3 +42,14 @@ def test_cycles_are_counted_and_stretch_under_contention(agent, gpu):
     assert contended.cycles > alone.cycles
     assert contended.last_cycle_us >= 1.5 * contended.baseline_cycle_us
     assert contended.baseline_cycle_us == pytest.approx(alone.baseline_cycle_us, rel=0.15)
+
+
+def test_a_cycle_cut_short_by_a_stalled_launcher_keeps_the_baseline(agent, gpu):
+    """A launcher preempted mid-cycle (``-S``: 20 ms after the first launch of its 21st cycle) ends
+    that cycle after one 200 µs kernel; that fragment is no baseline, or every later cycle would
+    read as a tenfold stretch. The baseline stays near the 2 ms of a whole cycle."""
+    cb = agent.block(request_quota=1.0)
+    finish(spawn(launch_env(cb.path, gpu), "-k", "k_200", "-s", "10", "-p", "3000", "-S", "20000", "-t", "0.6"))
+    snap = cb.snapshot()
+    assert snap.cycles > 40
+    assert snap.baseline_cycle_us == pytest.approx(2000, rel=0.15)
