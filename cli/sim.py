@@ -336,6 +336,8 @@ def calibrate(log_dirs, json_path, min_batches, starts_from) -> None:
     except OSError as exc:  # bad input, the log directories given (exit 2)
         raise click.BadParameter(f"cannot calibrate: cannot read {exc.filename or ''}: {exc.strerror or exc}",
                                  param_hint="LOG_DIRS") from None
+    except cal.StartsFromError as exc:
+        raise click.BadParameter(f"cannot calibrate: {exc}", param_hint="--starts-from") from None
     except (ValueError, TraceError) as exc:
         raise click.BadParameter(f"cannot calibrate: {exc}", param_hint="LOG_DIRS") from None
     table = Table(title="Overheads of the live node beyond the simulated GPU time (ms)")

@@ -278,16 +278,27 @@ def starts_of(runs: list[tuple[Path, report.Report, list]]) -> list[tuple[int, f
             for s in process_starts_ms(d / NODE_AGENT_LOG, {f.name: f.model for f in rep.functions})]
 
 
+class StartsFromError(ValueError):
+    """A directory of :func:`calibrate`'s ``starts_from`` that cannot be used (``--starts-from``)."""
+
+
 def calibrate(log_dirs: list[Path], min_batches: int = MIN_BATCHES,
               starts_from: list[Path] | None = None) -> Overheads:
     """The overheads measured from the live runs' log directories (module docstring).
     ``starts_from``: the log directories whose launches give the process start instead of
     ``log_dirs`` (they may overlap): the node's process start needs tens of launches, where one
     run's way in and back and batch overhead are its own and say how loaded its machine was.
-    Raises OSError for a missing file, ValueError (OverheadsError) naming what cannot be used."""
+    Raises OSError for a missing file, ValueError (OverheadsError) naming what cannot be used,
+    :class:`StartsFromError` for a directory of ``starts_from``."""
     runs = read_runs(log_dirs)
-    starts = starts_of(runs if starts_from is None else read_runs(starts_from))
+    if starts_from is None:
+        return measure(runs, starts_of(runs), min_batches)
+    try:
+        starts = starts_of(read_runs(starts_from))
+    except ValueError as exc:
+        raise StartsFromError(str(exc)) from None
     return measure(runs, starts, min_batches, starts_from)
+
 
 
 def measure(runs: list[tuple[Path, report.Report, list]], starts: list[tuple[int, float]],

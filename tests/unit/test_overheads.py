@@ -265,7 +265,7 @@ def test_the_process_start_can_come_from_other_runs_of_the_node(tmp_path: Path, 
     assert ov.source["process_starts_from"] == [str(other)]
     with pytest.raises(ValueError, match="run/node_agent.log:1: not a JSON log line"):
         cal.calibrate([run])  # its own launches, unreadable
-    with pytest.raises(ValueError, match="given twice"):
+    with pytest.raises(cal.StartsFromError, match="given twice"):  # said of --starts-from, not LOG_DIRS
         cal.calibrate([run], starts_from=[other, tmp_path / "." / "other"])
 
 
