@@ -104,10 +104,13 @@ def crosscheck(log_dirs: list[Path], draws: int = DRAWS, min_batches: int = cal.
         except ValueError as exc:  # one run of many: say which
             raise ValueError(f"{d}: {exc}") from None
         simulated = []
+        work = None  # the run's plan and profiles, the same for every draw (as simulate() shares them)
         for k in range(1, draws + 1):
             cfg = cal.sim_config(live.run, len(live.training), overheads=ov, overheads_seed=k,
-                                 process_start_ms=ov.start_ms, process_start_by_starting_ms=ov.process_start_by_starting_ms, keep_records=False)
-            sim = Simulation(cfg, live.run.policy, prepare(cfg)).run()[0]
+                                 process_start_ms=ov.start_ms,
+                                 process_start_by_starting_ms=ov.process_start_by_starting_ms, keep_records=False)
+            work = work or prepare(cfg)
+            sim = Simulation(cfg, live.run.policy, work).run()[0]
             if (sim.totals.offered, _plan(sim)) != (live.totals.offered, _plan(live)):
                 raise ValueError(f"{d}: its simulation offers {sim.totals.offered:,} requests of other functions or "
                                  f"models than the live run's {live.totals.offered:,}: not a replay of its plan "
