@@ -27,7 +27,7 @@ def _distinct(run_files) -> None:
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None, callback=writable_output,
               envvar=flag_envvar("--json"), show_envvar=True,
               help='also write the summary as JSON: {"files", "runs", "policies": {P: {figure: {mean, min, max, '
-                   'values}}}, "versus": {"P / FIRST": {figure: {of_means, per_run}}}}')
+                   'stderr, values}}}, "versus": {"P / FIRST": {figure: {of_means, per_run}}}}')
 def summarize(run_files, json_path) -> None:
     """Summarise RUN_FILES, each written by dilu compare --json, dilu sim --json or dilu demo
     --json (runs of the same comparison): per policy, each

@@ -54,6 +54,11 @@ class Spread:
         n = len(self.values)
         return statistics.stdev(self.values) / math.sqrt(n) if n > 1 else None
 
+    def to_dict(self) -> dict:
+        """JSON-ready: ``{"mean", "min", "max", "stderr", "values"}``."""
+        return {"mean": self.mean, "min": self.low, "max": self.high, "stderr": self.stderr,
+                "values": list(self.values)}
+
 
 @dataclass(frozen=True)
 class Row:
@@ -83,15 +88,14 @@ class Summary:
 
     def to_dict(self) -> dict:
         """JSON-ready: ``{"runs": {policy: n}, "policies": {policy: {figure: {mean, min, max,
-        values}}}, "versus": {"P / FIRST": {figure: {"of_means", "per_run"}}}}``; a ratio is a
+        stderr, values}}}, "versus": {"P / FIRST": {figure: {"of_means", "per_run"}}}}``; a ratio is a
         number (0.53 for 0.53x), a rate's difference a number of percentage points."""
         first = self.policies[0]
         out: dict = {"runs": dict(self.runs), "policies": {p: {} for p in self.policies}, "versus": {}}
         for row in self.rows:
             for p, s in row.spreads.items():
                 if s is not None:
-                    out["policies"][p][row.label] = {"mean": s.mean, "min": s.low, "max": s.high,
-                                                     "values": list(s.values)}
+                    out["policies"][p][row.label] = s.to_dict()
             for p in self.policies[1:]:
                 out["versus"].setdefault(f"{p} / {first}", {})[row.label] = {
                     "of_means": row.of_means[p], "per_run": list(row.per_run[p])}

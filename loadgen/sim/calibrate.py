@@ -239,7 +239,7 @@ def read_runs(log_dirs: list[Path]) -> list[tuple[Path, report.Report, list[requ
     seen: set[Path] = set()
     for d in log_dirs:
         if d.resolve() in seen:
-            raise ValueError(f"{d} is given twice: its requests would count twice")
+            raise ValueError(f"{d} is given twice: what it holds would count twice")
         seen.add(d.resolve())
         inner = sorted(p.parent.name for p in d.glob(f"*/{requestlog.REPORT_FILENAME}"))
         if inner and not (d / requestlog.REPORT_FILENAME).exists():  # the --log-dir, not a policy's

@@ -67,11 +67,8 @@ class Row:
     figures: dict[str, Figure]
 
     def to_dict(self) -> dict:
-        def spread(s: Spread) -> dict:
-            return {"mean": s.mean, "min": s.low, "max": s.high, "stderr": s.stderr, "values": list(s.values)}
-
         return {"seed": self.seed, "policy": self.policy, "runs": list(self.runs),
-                "figures": {name: {"live": spread(f.live), "sim": spread(f.sim), "sim_runs": spread(f.sim_runs),
+                "figures": {name: {"live": f.live.to_dict(), "sim": f.sim.to_dict(), "sim_runs": f.sim_runs.to_dict(),
                                    "relative_difference": f.relative, "within_tolerance": f.within,
                                    "standard_errors": f.standard_errors} for name, f in self.figures.items()}}
 

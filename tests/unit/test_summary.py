@@ -134,6 +134,7 @@ def test_the_command_writes_json_and_refuses_a_bad_file_in_one_line(tmp_path):
     js = json.loads((tmp_path / "sum.json").read_text())
     assert js["runs"] == {"dilu": 3, "horizontal-only": 3}
     assert js["policies"]["dilu"]["active GPU·s"]["values"] == [127.0, 149.0, 132.0]
+    assert js["policies"]["dilu"]["active GPU·s"]["stderr"] == pytest.approx((266 / 2) ** 0.5 / 3 ** 0.5)  # sd / √n
     assert js["versus"]["horizontal-only / dilu"]["active GPU·s"]["of_means"] == pytest.approx(422 / 408)
     assert js["files"] == paths
     for args, param, why in (([paths[0], paths[0]], "RUN_FILES", "is given twice"),
