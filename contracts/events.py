@@ -360,7 +360,12 @@ class InstanceTelemetry(msgspec.Struct, kw_only=True):
 
     ``busy_share``: fraction (0..1) of the window with one of its kernels on the device;
     ``sm_time_share`` = busy_share x width; ``wait_us``: time launches waited for tokens in the
-    window; counters ending in ``_total`` are cumulative since launch. ``memory_used_bytes``:
+    window; counters ending in ``_total`` are cumulative since launch. ``latency_ms_recent``:
+    the instance's recent-latency average (ms from each request's scheduled send to the end of
+    its batch; :func:`dilu.services.common.functions.recent_latency`, kept across windows, 0
+    before its first request); ``queue_depth``: the requests of the batch it has in hand at the
+    sample (0 when idle; not its function's work queue, which the horizontal scaler reads).
+    ``memory_used_bytes``:
     device memory the instance holds through the interceptor's accounting, against its
     reservation ``memory_limit_bytes`` (0: none); ``oom_refusals``: allocations the interceptor
     refused with CUDA_ERROR_OUT_OF_MEMORY since launch.

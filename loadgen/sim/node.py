@@ -66,13 +66,16 @@ class Gpu:
 class Instance:
     """One instance: ``state`` starting | ready | draining | parked | gone; ``width`` its limit quota as
     placed; ``grant`` the quota in force; ``batch`` the largest batch it pulls; ``ready_ms`` when
-    its cold start ends. Window counters (``win_*``) feed the next telemetry. ``tokens``: its
+    its cold start ends. Window counters (``win_*``: busy ms on the device, token-wait ms, worst
+    latency ms) and ``recent_ms`` feed the next telemetry; a batch's busy and wait go into them
+    as time passes (``accrued_at``), so one that spans windows is busy in each. ``tokens``: its
     token bucket's balance (ms of busy time) at ``tokens_at`` (ms), as the interceptor keeps it
     (:func:`models.bucket_paced_ms`); full when it starts."""
 
     __slots__ = ("iid", "fn", "gpu", "request", "width", "grant", "batch", "ready_ms", "state", "busy",
                  "inflight", "quota_since", "win_busy_ms", "win_wait_ms", "win_lat_ms", "training",
-                 "iterations", "train_since", "priority", "tokens", "tokens_at", "resumed_ms", "replaces")
+                 "iterations", "train_since", "priority", "tokens", "tokens_at", "resumed_ms", "replaces",
+                 "recent_ms", "answered", "batch_to", "accrued_at", "device_share")
 
     def __init__(self, iid: str, fn, gpu: Gpu, request: float, width: float, grant: float, batch: int,
                  ready_ms: float, now_ms: float, training: bool, priority: str) -> None:
@@ -99,6 +102,11 @@ class Instance:
         self.tokens_at = ready_ms
         self.resumed_ms = 0.0  # when its last resume from parking ended (0: never parked)
         self.replaces = ""  # a migration's replacement: the instance it drains once ready
+        self.recent_ms = 0.0  # recent-latency average (functions.recent_latency), as its process keeps it
+        self.answered = 0  # requests averaged into it
+        self.batch_to = 0.0  # when the batch in hand leaves the device (ms)
+        self.accrued_at = 0.0  # its busy and wait are in the window counters up to here (ms)
+        self.device_share = 1.0  # of its time on the device: busy (the rest waits for tokens)
 
 
 class Function:

@@ -18,8 +18,11 @@ What drives what, as in the live cluster (services/*/service.py):
   :func:`node_agent.grants.fit_quota`; it is ready after process start + the model's
   :func:`models.cold_start_ms`; ready instances pull batches from the function's work queue.
   Every ``vertical_tick_ms`` (the agent's 250 ms telemetry) each GPU with instances sends its
-  instances' :class:`InstanceTelemetry` to the vertical policy; a batch that starts stretched by
-  ``STRETCH_RATIO`` or more reports a kernel-cycle stretch at once.
+  instances' :class:`InstanceTelemetry` to the vertical policy, with the fields as the node agent
+  reads them from the control block: busy share = time on the device (waiting for tokens is not
+  busy), the recent-latency average (:func:`functions.recent_latency`, kept across windows), the
+  batch in hand as ``queue_depth``; a batch that starts stretched by ``STRETCH_RATIO`` or more
+  reports a kernel-cycle stretch at once.
 - **Vertical scaler.** :func:`vertical_policy` of the policy's mode; its grants are fitted on the
   GPU as the node agent fits them; a retired instance is reported to it at once
   (:meth:`VerticalPolicy.on_retired`), as the node agent's InstanceRetired reports it live.
@@ -29,6 +32,13 @@ What drives what, as in the live cluster (services/*/service.py):
   backlog (waiting + in flight) and arrivals, decides
   with its :func:`vertical_headroom` and :func:`burst_reach`, and places (:class:`PlacementBackoff` after a refusal) or
   retires (draining: an instance finishes its batch, then leaves).
+
+Control loops tick on their own clocks, as the live services do: the horizontal scaler's from the
+deploy, the node agent's telemetry and the scheduler's defragmentation rounds each at a phase of
+its own. Without overheads every phase is 0; with them (a live node's run, :mod:`.overheads`)
+each is drawn from ``overheads_seed`` (the replay starts up to a horizontal tick after the
+initial instances are ready), since a live run meets its loops at any phase and a decision on
+a threshold (a scale-in one tick before a burst or one after) turns on it.
 
 The replay starts when every function's initial instance is ready, as the demo starts it once
 :class:`cli.deploy.WarmWatch` has seen them all (the longest cold start of the deployed models,
@@ -46,6 +56,7 @@ from __future__ import annotations
 
 import bisect
 import math
+import random
 import time
 from collections import defaultdict
 from collections.abc import Callable
@@ -60,7 +71,7 @@ from dilu.loadgen import report
 from dilu.loadgen.arrivals import SPEEDUP_MAX, SPEEDUP_MIN
 from dilu.loadgen.generator import Record, RunResult
 from dilu.services.common import models
-from dilu.services.common.functions import GIB, STRETCH_RATIO, default_priority, yields_share
+from dilu.services.common.functions import GIB, STRETCH_RATIO, default_priority, recent_latency, yields_share
 from dilu.services.common.interrupt import raise_if_stopped
 from dilu.services.common.policies import DEFRAG_INTERVAL_MIN_S, modes
 from dilu.services.horizontal_scaler.policy import (InstanceShare, PlacementBackoff,
@@ -113,8 +124,9 @@ class SimConfig:
     for more; :attr:`Overheads.process_start_by_starting_ms`); ``overheads``: what a live node
     adds to each request and batch beyond the modelled GPU time (:mod:`.overheads`, measured by
     ``dilu calibrate``; None: nothing), drawn from streams seeded by ``overheads_seed`` (None:
-    ``seed``; another value draws other overheads over the same requests, as a live rerun would
-    meet them); ticks in ms; ``sample_s``: timeline resolution."""
+    ``seed``; another value draws other overheads and control-loop phases over the same requests,
+    as a live rerun would meet them: :func:`loop_phases`); ticks in ms; ``sample_s``: timeline
+    resolution."""
 
     trace_dir: str | None = None
     functions: int | str = 16
@@ -229,6 +241,18 @@ def warm_up_ms(cfg: SimConfig, work: Workload, mode: str) -> float:
     return min(start + longest, warm_up_limit_s(mode, cfg.speedup, cfg.keep_alive_s) * 1000.0)
 
 
+def loop_phases(cfg: SimConfig, defrag_every_ms: float) -> tuple[float, float, float]:
+    """(replay start after the warm-up, first telemetry, first defragmentation round), ms on the
+    simulated clock (module docstring, Control loops): (0, 0, ``defrag_every_ms``) without
+    overheads; with them, uniform in [0, tick) each, drawn from their own stream of
+    ``overheads_seed`` (``seed`` when None), so the other draws do not move."""
+    if cfg.overheads is None:
+        return 0.0, 0.0, defrag_every_ms
+    rng = random.Random(f"phases-{cfg.seed if cfg.overheads_seed is None else cfg.overheads_seed}")
+    return (rng.random() * cfg.horizontal_tick_ms, rng.random() * cfg.vertical_tick_ms,
+            defrag_every_ms * (1.0 - rng.random()))
+
+
 @dataclass
 class SimFacts:
     """Simulator-only figures of one run (not in the Report): ``events`` processed, ``compute_s``
@@ -312,7 +336,9 @@ class Simulation:
         self.ticked: list[Function] = []  # functions with a profile, in horizontal tick order
         self.mech = report.Mechanism(vertical_reaction_ms_p50=None, vertical_reaction_ms_p99=None)  # not modelled
         self.facts = SimFacts(defrag_interval_s=every, park_after_s=park)
+        self.phases = loop_phases(cfg, self.defrag_every)
         self.t0 = warm_up_ms(cfg, work, m.horizontal)  # the replay's start on the simulated clock
+        self.t0 += self.phases[0]
         self.facts.warm_up_s = round(self.t0 / 1000.0, 6)
         self.span_end = self.t0 + work.plan.duration_s * 1000.0
         self.end = self.span_end + cfg.drain_s * 1000.0
@@ -696,20 +722,21 @@ class Simulation:
         gpu.busy_width += inst.width
         stretch = gpu.busy_width if gpu.busy_width > 1.0 else 1.0
         dur = base * stretch
+        wait = 0.0
         if slow > 1.0:  # paced: the token bucket lets the first kernels ride its burst
             rate = 1.0 / slow
             balance = min(models.BURST_MS, inst.tokens + (now - inst.tokens_at) * rate)
             dur, inst.tokens = models.bucket_paced_ms(base, f.kernels, rate, balance, stretch)
             wait = dur - base * stretch
             self.mech.token_wait_ms += wait
-            inst.win_wait_ms += wait
         else:
             inst.tokens = models.BURST_MS
         inst.tokens_at = now + dur
         inst.busy = True
         if gpu.quiet:
             self._wake(gpu)
-        inst.win_busy_ms += dur
+        inst.accrued_at, inst.batch_to = now, now + dur
+        inst.device_share = (dur - wait) / dur if dur > 0 else 1.0  # waiting for tokens is not busy
         if now >= self.t0:
             self.consumed += inst.width * base
             if self.batch_log is not None:
@@ -724,8 +751,20 @@ class Simulation:
                 if target is not None:
                     self._fit(gpu, target, g.quota)
 
+    @staticmethod
+    def _accrue(inst: Instance, upto_ms: float) -> None:
+        """Put the batch in hand's busy and token wait up to ``upto_ms`` (at most its end on the
+        device) into the window counters, as the interceptor charges them kernel by kernel."""
+        t = min(upto_ms, inst.batch_to)
+        if t > inst.accrued_at:
+            span = t - inst.accrued_at
+            inst.win_busy_ms += span * inst.device_share
+            inst.win_wait_ms += span * (1.0 - inst.device_share)
+            inst.accrued_at = t
+
     def _end_batch(self, inst: Instance) -> None:
         now = self.loop.now
+        self._accrue(inst, now)
         inst.busy = False
         inst.gpu.busy_width -= inst.width
         ready_ms, sched, transport = inst.ready_ms, self.sched, self.transport
@@ -737,6 +776,8 @@ class Simulation:
             lat = now - sched[i]
             if lat > worst:
                 worst = lat
+            inst.recent_ms = recent_latency(inst.recent_ms, lat, inst.answered)
+            inst.answered += 1
         if worst > inst.win_lat_ms:
             inst.win_lat_ms = worst
         inst.inflight = []
@@ -826,7 +867,10 @@ class Simulation:
             for inst in gpu.instances.values():
                 if inst.training:
                     self._train_progress(inst)
-                elif inst.win_busy_ms or inst.win_lat_ms or inst.fn.pending or inst.state == "starting":
+                    continue
+                if inst.inflight:
+                    self._accrue(inst, now)
+                if inst.win_busy_ms or inst.win_lat_ms or inst.fn.pending or inst.state == "starting":
                     active = True
             gpu.quiet = 0 if active else gpu.quiet + 1
             if gpu.quiet > QUIET_WINDOWS and not self.vertical.windows_to_settle(gpu.gid):
@@ -843,7 +887,7 @@ class Simulation:
                     instance_id=inst.iid, function=f.name, priority=inst.priority, quota=inst.grant,
                     request_quota=inst.request, limit_quota=inst.width, width=inst.width, busy_share=busy,
                     sm_time_share=busy * inst.width, wait_us=int(inst.win_wait_ms * 1000), slo_ms=f.slo_ms,
-                    latency_ms_recent=inst.win_lat_ms, queue_depth=len(f.pending)))
+                    latency_ms_recent=inst.recent_ms, queue_depth=len(inst.inflight) if inst.busy else 0))
                 if not inst.training:
                     if inst.state != "starting":
                         self.horizontal.set_busy(f.name, inst.iid, busy)
@@ -853,7 +897,7 @@ class Simulation:
                 if target is not None:
                     self._fit(gpu, target, g.quota)
         self.vtick += 1
-        nxt = self.vtick * window
+        nxt = self.phases[1] + self.vtick * window
         if nxt <= self.end:
             self.loop.at(nxt, self._vertical_tick)
 
@@ -950,10 +994,10 @@ class Simulation:
         """Simulate to the end; the live demo's Report of the run and the simulator's own facts."""
         started = time.perf_counter()
         loop = self.loop
-        loop.at(0.0, self._vertical_tick)
+        loop.at(self.phases[1], self._vertical_tick)
         loop.at(0.0, self._horizontal_tick)
         if self.defrag_every:
-            loop.at(self.defrag_every, self._defrag_tick)
+            loop.at(self.phases[2], self._defrag_tick)
         if self.sched:
             loop.at(self.sched[0], self._arrive, 0)
         loop.run(self.t0, raise_if_stopped)

@@ -7,6 +7,8 @@
 - :data:`LLM_REFERENCE_TOKENS`: the output length an ``llm`` function is sized for;
 - :data:`STRETCH_RATIO`: the kernel-cycle stretch that is contention (the node agent detects it,
   the vertical scaler acts on it);
+- :func:`recent_latency`: the recent-latency average an instance reports in its telemetry (its
+  process keeps it, the simulator mirrors it);
 - priority classes (:data:`LATENCY_SENSITIVE`, :data:`TRAINING`, :data:`BEST_EFFORT`, ranked by
   :data:`PRIORITY_RANK`) and who gives share back: :func:`yields_share`, :func:`reclaimable_share`;
 - memory units: :data:`MIB`, :data:`GIB` (bytes).
@@ -29,6 +31,10 @@ DEVICE_KINDS = ("nvml", "emulated", "cpu")
 # DESIGN.md section 7): the node agent reports it, the vertical scaler raises the instance for it.
 STRETCH_RATIO = 1.5
 
+# Weight of the newest request in an instance's recent-latency average (InstanceTelemetry's
+# latency_ms_recent): the last ten or so requests dominate it.
+LATENCY_EWMA_ALPHA = 0.2
+
 # Memory is bytes; these are the units sizes are written in.
 MIB = 2**20
 GIB = 2**30
@@ -38,6 +44,14 @@ LATENCY_SENSITIVE, TRAINING, BEST_EFFORT = "latency-sensitive", "training", "bes
 PRIORITY_RANK = {LATENCY_SENSITIVE: 0, TRAINING: 1, BEST_EFFORT: 2}
 if set(PRIORITY_RANK) != set(get_args(ev.PriorityClass)):  # one truth with the contracts' Literal
     raise ImportError(f"priority classes {sorted(PRIORITY_RANK)} differ from the contracts' PriorityClass")
+
+
+def recent_latency(average: float, latency: float, count: int) -> float:
+    """The recent-latency average after one more request of ``latency`` (ms or µs, as
+    ``average``), ``count`` requests having been averaged before it (0: it sets the average):
+    an exponentially weighted mean, weight :data:`LATENCY_EWMA_ALPHA`. It persists across
+    telemetry windows; an idle window leaves it as it was."""
+    return latency if count == 0 else average + LATENCY_EWMA_ALPHA * (latency - average)
 
 
 def yields_share(priority: str) -> bool:

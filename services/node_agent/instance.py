@@ -63,6 +63,7 @@ from dilu.services.common import logging as dlog
 from dilu.services.common.cliopts import nats_options
 from dilu.services.common.lifetime import ORPHANED_EXIT, signal_on_parent_death
 from dilu.services.common.digits import as_count
+from dilu.services.common.functions import recent_latency
 from dilu.services.common.jsresources import ride_out
 from dilu.services.common.natsconn import NatsOptions, connect
 from dilu.services.common.workqueue import BatchPuller, Request, ensure_consumer, ensure_stream
@@ -71,7 +72,6 @@ from . import runtime
 
 AGENT_PID_ENV = "DILU_AGENT_PID"  # the node agent's pid, set in each instance's environment
 DRAIN_TIMEOUT_S = 25.0  # a drain (SIGTERM to exit) takes at most this (s); the agent kills after it too
-LATENCY_EWMA_ALPHA = 0.2  # weight of the newest batch in the latency EWMA written to the block
 STATS_PERIOD_S = 1.0  # FunctionStats period: per-function metrics a second behind at most
 
 
@@ -91,8 +91,7 @@ class RuntimeStats:
 
     def record(self, latencies_us: list[float]) -> None:
         for lat in latencies_us:
-            alpha = LATENCY_EWMA_ALPHA if self.requests else 1.0
-            self.latency_us_ewma += alpha * (lat - self.latency_us_ewma)
+            self.latency_us_ewma = recent_latency(self.latency_us_ewma, lat, self.requests)
             self.requests += 1
         self.flush()
 

@@ -513,12 +513,13 @@ def test_functions_place_in_the_live_scalers_tick_order():
 def test_overheads_add_the_live_nodes_time_and_nothing_else():
     """--overheads (what ``dilu calibrate`` measures): a way in and back of 5 ms adds exactly 5 ms
     to every answered request and changes no decision, holding no instance; 5 ms more per batch
-    holds the instance, so requests wait longer still."""
+    holds the instance, so requests wait longer still. (Overheads of 0 as the base: any
+    overheads draw the control loops' phases, the same ones for the same seed.)"""
     from dilu.loadgen.sim.overheads import QUANTILE_POINTS, Overheads
 
     def totals(transport_ms: float, batch_ms: float) -> dict:
         ov = Overheads((transport_ms,) * QUANTILE_POINTS, (batch_ms,) * QUANTILE_POINTS)
-        cfg = SimConfig(**SMALL, seed=2, overheads=ov if transport_ms or batch_ms else None)
+        cfg = SimConfig(**SMALL, seed=2, overheads=ov)
         return simulate(cfg, ["dilu"])["policies"]["dilu"]["totals"]
 
     base, way, batch = totals(0, 0), totals(5.0, 0), totals(0, 5.0)
@@ -528,6 +529,30 @@ def test_overheads_add_the_live_nodes_time_and_nothing_else():
     assert way["latency_ms"]["p99"] == pytest.approx(base["latency_ms"]["p99"] + 5.0, rel=0.002)
     assert batch["latency_ms"]["p50"] >= base["latency_ms"]["p50"] + 5.0 * 0.998
     assert batch["latency_ms"]["p99"] > way["latency_ms"]["p99"]
+
+
+def test_a_live_nodes_control_loops_tick_at_drawn_phases():
+    """With overheads (a live node's run) each draw meets the control loops at other phases, as
+    live reruns do: the replay starts up to a horizontal tick after the warm-up, the telemetry
+    and the defragmentation rounds at phases of their own; the same draw, the same phases.
+    Without overheads every loop starts with the deploy (the idealised run)."""
+    from dilu.loadgen.sim.overheads import QUANTILE_POINTS, Overheads
+    from dilu.loadgen.sim.run import loop_phases
+
+    plain = SimConfig(**SMALL, seed=2)
+    assert loop_phases(plain, 3000.0) == (0.0, 0.0, 3000.0)
+    ov = Overheads((0.0,) * QUANTILE_POINTS, (0.0,) * QUANTILE_POINTS)
+    draws = [loop_phases(SimConfig(**SMALL, seed=2, overheads=ov, overheads_seed=k), 3000.0) for k in range(1, 41)]
+    assert draws[0] == loop_phases(SimConfig(**SMALL, seed=2, overheads=ov, overheads_seed=1), 3000.0)
+    for i, tick in enumerate((plain.horizontal_tick_ms, plain.vertical_tick_ms)):
+        values = [d[i] for d in draws]
+        assert all(0.0 <= v < tick for v in values) and max(values) - min(values) > tick / 2
+    assert all(0.0 < d[2] <= 3000.0 for d in draws) and len({d[2] for d in draws}) == len(draws)
+    work = prepare(SimConfig(**SMALL, seed=2))
+    starts = {Simulation(SimConfig(**SMALL, seed=2, overheads=ov, overheads_seed=k), "dilu", work).t0 for k in (1, 2)}
+    assert starts == {Simulation(plain, "dilu", work).t0 + loop_phases(SimConfig(**SMALL, seed=2, overheads=ov,
+                                                                                  overheads_seed=k), 0.0)[0]
+                      for k in (1, 2)}
 
 
 def test_an_overheads_file_sets_the_process_start_unless_it_is_given(tmp_path):
@@ -626,4 +651,40 @@ def test_a_pickup_parts_an_instances_batches_while_requests_wait():
     (none, base), (some, slow) = run(0.0), run(3.0)
     assert len(none) > 100 and set(none) == {0.0}
     assert len(some) > 100 and some == pytest.approx([3.0] * len(some))
-    assert slow["latency_ms"]["p50"] > base["latency_ms"]["p50"]
+    assert slow["latency_ms"]["p99"] > base["latency_ms"]["p99"]  # the requests that waited: the tail
+
+
+def test_simulated_telemetry_means_what_the_node_agents_does():
+    """The vertical policy reads the same fields live and simulated: the recent-latency average
+    of the instance's process (RuntimeStats, through functions.recent_latency) kept across an idle
+    window, the batch in hand as queue_depth (0 when idle), busy share = time on the device and
+    token waits charged to the windows they fall in."""
+    from dilu.services.common.functions import recent_latency
+    from dilu.services.node_agent.instance import RuntimeStats
+
+    stats = RuntimeStats(None)
+    stats.record([100.0, 50.0, 200.0])
+    avg = 0.0
+    for n, lat in enumerate([100.0, 50.0, 200.0]):
+        avg = recent_latency(avg, lat, n)
+    assert stats.latency_us_ewma == pytest.approx(avg) and avg == pytest.approx(100.0 + 0.2 * -50.0 + 0.2 * (200.0 - 90.0))
+
+    work = prepare(SimConfig(**SMALL, seed=2))
+    sim = Simulation(SimConfig(**SMALL, seed=2), "dilu", work)
+    rows: list = []
+    seen = sim.vertical.on_telemetry
+
+    def capture(gpu, now, tel):
+        rows.extend(tel)
+        return seen(gpu, now, tel)
+
+    sim.vertical.on_telemetry = capture
+    sim.run()
+    batches = {s.name: s.max_batch for s in work.specs}
+    served = [r for r in rows if r.latency_ms_recent > 0]
+    assert served and all(r.queue_depth <= batches[r.function] for r in rows)
+    assert any(r.busy_share == 0 and r.latency_ms_recent > 0 for r in served)  # kept over an idle window
+    # a batch in hand is busy in every window it spans, not only in the one it started in
+    assert any(r.queue_depth > 0 for r in rows) and all(r.queue_depth == 0 for r in rows if r.busy_share == 0)
+    reported_wait_ms = sum(r.wait_us for r in rows) / 1000.0  # token waits, window by window
+    assert reported_wait_ms > 0 and reported_wait_ms == pytest.approx(sim.mech.token_wait_ms, rel=0.05)
