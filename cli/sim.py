@@ -100,7 +100,8 @@ def _opt(*decls, **kw):
            "dilu calibrate --json (for a cross-check against the emulated node; default: nothing)")
 @_opt("--overheads-seed", type=click.IntRange(min=0), default=None,
       help="seeds the draws of --overheads alone (default: --seed): the same requests meet other overheads, "
-           "as a live rerun of the same plan does")
+           "and the control loops (the horizontal tick, the telemetry, the defragmentation round) other "
+           "phases, as a live rerun of the same plan does")
 @_opt("--json", "json_path", type=click.Path(dir_okay=False), default=None, callback=writable_output,
       help='write {"policies": {name: report}, "sim": {...}} here (the format of dilu compare --json)')
 @_opt("--plots", "plots_dir", type=click.Path(file_okay=False), default=None, callback=writable_dir,
@@ -373,7 +374,7 @@ def _by_starting(table: tuple[float, ...]) -> str:
 @click.command("crosscheck")
 @click.argument("log_dirs", nargs=-1, required=True, type=click.Path(exists=True, file_okay=False, path_type=Path))
 @_opt("--draws", type=click.IntRange(min=1, max=1000), default=DRAWS, show_default=True,
-      help="simulations of each run, drawing its overheads with --overheads-seed 1, 2, ...")
+      help="simulations of each run, drawing its overheads and loop phases with --overheads-seed 1, 2, ...")
 @_opt("--json", "json_path", type=click.Path(dir_okay=False), default=None, callback=writable_output,
       help='also write {"tolerance", "draws", "rows": [{seed, policy, runs, figures: {figure: {live, sim, '
            'sim_runs, relative_difference, within_tolerance, standard_errors}}}]} here')

@@ -27,7 +27,8 @@ The rules, in order of strength:
    algorithms for congestion avoidance in computer networks", Computer Networks and ISDN Systems
    17(1), 1989. A pressured instance stays at its limit for ``pressure_hold_ms`` after its last
    signal, then follows its demand again.
-5. **Work conserving.** An instance that can use more (it waited for tokens, has a queue, or used
+5. **Work conserving.** An instance that can use more (it waited for tokens, had a batch in hand
+   at the sample (``queue_depth``), or used
    ≥ ``hungry_util`` of its grant) wants its limit (capped by its AIMD ceiling); one that cannot
    wants ``used × (1 + idle_margin)``, never under its floor, approached at most
    ``release_per_s`` quota per second. Share nobody can use is left unallocated by default,

@@ -5,11 +5,11 @@ with the overheads ``dilu calibrate`` measures from the live run's own logs (pro
 request's way in and back, a batch's service beyond the simulated one), four draws of them, as
 ``dilu crosscheck`` does (it refuses a simulation that offers other requests than the live
 run); README, At cluster scale, the cross-check table. On this 30 s span they must agree within
-30 % on active GPU·s (the last run: 95.1 live, 90.0 simulated, the mean of four draws): the
+30 % on active GPU·s (the last run: 90.0 live, 91.7 simulated, the mean of four draws): the
 start-up weighs more on 30 s than on the README's 60 s runs, where GPU·s agree within 15 % of
-the mean of repeated live runs (within 5 % in all six rows). The SLO violation rate, the
-cold-start requests and the launches are reported, not asserted (2.3 %, 2 and 27 live against
-1.6 %, 6.8 and 20.8 simulated in that run). The live run is also the end-to-end check of a
+the mean of repeated live runs (within 4 % in all six rows). The SLO violation rate, the
+cold-start requests and the launches are reported, not asserted (1.7 %, 2 and 20 live against
+2.0 %, 8.8 and 25.8 simulated in that run). The live run is also the end-to-end check of a
 whole demo and of what it leaves for calibration: its report accounts for every request, every
 answer carried the instance's times into ``requests.jsonl``, and it leaves no process behind."""
 import json
