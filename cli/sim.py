@@ -384,7 +384,9 @@ def crosscheck(log_dirs, draws, json_path, min_batches) -> None:
     """Set live runs against their simulation: each run's log directory (a policy's, under dilu
     demo/compare --log-dir) is calibrated alone (its way in and back, batch overhead and pickups;
     the process start from all LOG_DIRS, as dilu calibrate --starts-from) and simulated --draws times
-    on its own plan and policy. Runs of one comparison and policy form a row; for the SLO
+    on its own plan and policy. Runs of one comparison (the same trace, start minute, seed,
+    duration, speed-up, functions, GPUs, training jobs and parking and defragmentation settings,
+    as dilu summarize asks) and policy form a row; for the SLO
     violation rate, cold-start requests, instance launches and active GPU·s it prints the live
     mean (lowest–highest), the simulated mean over every draw (lowest–highest), their difference
     relative to the live mean, and that difference in standard errors (SE: the live mean's and
