@@ -66,14 +66,14 @@ class Gpu:
 class Instance:
     """One instance: ``state`` starting | ready | draining | parked | gone; ``width`` its limit quota as
     placed; ``grant`` the quota in force; ``batch`` the largest batch it pulls; ``ready_ms`` when
-    its cold start ends. Window counters (``win_*``: busy ms on the device, token-wait ms, worst
-    latency ms) and ``recent_ms`` feed the next telemetry; a batch's busy and wait go into them
+    its cold start ends. Window counters (``win_*``: busy ms on the device, token-wait ms, whether
+    a batch ended) and ``recent_ms`` feed the next telemetry; a batch's busy and wait go into them
     as time passes (``accrued_at``), so one that spans windows is busy in each. ``tokens``: its
     token bucket's balance (ms of busy time) at ``tokens_at`` (ms), as the interceptor keeps it
     (:func:`models.bucket_paced_ms`); full when it starts."""
 
     __slots__ = ("iid", "fn", "gpu", "request", "width", "grant", "batch", "ready_ms", "state", "busy",
-                 "inflight", "quota_since", "win_busy_ms", "win_wait_ms", "win_lat_ms", "training",
+                 "inflight", "quota_since", "win_busy_ms", "win_wait_ms", "win_served", "training",
                  "iterations", "train_since", "priority", "tokens", "tokens_at", "resumed_ms", "replaces",
                  "recent_ms", "answered", "batch_to", "accrued_at", "device_share")
 
@@ -93,7 +93,7 @@ class Instance:
         self.quota_since = now_ms
         self.win_busy_ms = 0.0
         self.win_wait_ms = 0.0
-        self.win_lat_ms = 0.0
+        self.win_served = False
         self.training = training
         self.iterations = 0.0
         self.train_since = ready_ms

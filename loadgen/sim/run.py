@@ -768,18 +768,13 @@ class Simulation:
         inst.busy = False
         inst.gpu.busy_width -= inst.width
         ready_ms, sched, transport = inst.ready_ms, self.sched, self.transport
-        worst = 0.0
         for i in inst.inflight:
             self._finish(i, now + transport() if transport is not None else now, "ok", ready_ms > sched[i])
             if inst.resumed_ms > sched[i]:
                 self.facts.resume_waits += 1
-            lat = now - sched[i]
-            if lat > worst:
-                worst = lat
-            inst.recent_ms = recent_latency(inst.recent_ms, lat, inst.answered)
+            inst.recent_ms = recent_latency(inst.recent_ms, now - sched[i], inst.answered)
             inst.answered += 1
-        if worst > inst.win_lat_ms:
-            inst.win_lat_ms = worst
+        inst.win_served = True
         inst.inflight = []
         pickup = self.pickup() if self.pickup is not None and inst.state == "ready" and inst.fn.pending else 0.0
         if pickup > 0.0:  # the live puller acks, fetches what is queued then and decodes it meanwhile
@@ -870,7 +865,7 @@ class Simulation:
                     continue
                 if inst.inflight:
                     self._accrue(inst, now)
-                if inst.win_busy_ms or inst.win_lat_ms or inst.fn.pending or inst.state == "starting":
+                if inst.win_busy_ms or inst.win_served or inst.fn.pending or inst.state == "starting":
                     active = True
             gpu.quiet = 0 if active else gpu.quiet + 1
             if gpu.quiet > QUIET_WINDOWS and not self.vertical.windows_to_settle(gpu.gid):
@@ -891,7 +886,8 @@ class Simulation:
                 if not inst.training:
                     if inst.state != "starting":
                         self.horizontal.set_busy(f.name, inst.iid, busy)
-                    inst.win_busy_ms = inst.win_wait_ms = inst.win_lat_ms = 0.0
+                    inst.win_busy_ms = inst.win_wait_ms = 0.0
+                    inst.win_served = False
             for g in self.vertical.on_telemetry(gpu.gid, now, rows):
                 target = gpu.instances.get(g.instance_id)
                 if target is not None:
