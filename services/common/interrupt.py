@@ -42,18 +42,28 @@ class SignalExit:
     the process with ``line`` ("interrupted" unless the block says more) on stderr and exit
     status 128 + the signal's number, whatever the block raised while stopping (a lost
     connection, a click error). Later signals are ignored: they would cut the cleanup short, and
-    that cleanup is what stops the nats-server (at most 10 s, then SIGKILL). ``signum`` is the
-    signal that stopped it (None: none did)."""
+    that cleanup is what stops the nats-server (at most 10 s, then SIGKILL). A stop lost in an
+    object's finaliser is not printed as "Exception ignored" (:func:`raise_if_stopped` raises it
+    again). ``signum`` is the signal that stopped it (None: none did)."""
 
     def __init__(self) -> None:
         self.signum: int | None = None
         self.line = "interrupted"
         self._previous: dict[int, object] = {}
+        self._unraisable = None
 
     def __enter__(self) -> "SignalExit":
         if _main_thread():  # only there can Python handle signals (a command run by a test's thread)
             self._previous = {sig: signal.signal(sig, self._raise) for sig in SIGNALS}
+            self._unraisable, sys.unraisablehook = sys.unraisablehook, self._unraisable_hook
         return self
+
+    def _unraisable_hook(self, unraisable) -> None:
+        """Our Interrupt raised where Python cannot raise it (an object's finaliser) is not
+        printed as "Exception ignored in ...": the stop goes on (:func:`raise_if_stopped`) and
+        its one line says it. Anything else goes to the hook we replaced."""
+        if not isinstance(unraisable.exc_value, Interrupt):
+            self._unraisable(unraisable)
 
     def _raise(self, signum: int, _frame) -> None:
         if self.signum is None:
@@ -75,6 +85,8 @@ class SignalExit:
         finally:  # after the line: a second Ctrl-C must not turn it into click's "Aborted!"
             for sig, handler in self._previous.items():
                 signal.signal(sig, handler)
+            if self._unraisable is not None:
+                sys.unraisablehook = self._unraisable
         sys.exit(128 + self.signum)
 
     async def cancelling(self, main: Awaitable[T]) -> T:

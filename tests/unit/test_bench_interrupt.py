@@ -37,6 +37,7 @@ def test_a_signal_in_plain_code_runs_the_cleanup_and_exits_with_its_status(sig, 
     assert {s: signal.getsignal(s) for s in before} == before  # handlers given back
 
 
+
 STOP_IN_EXEC = """
 import os, signal, sys
 from dilu.services.common.interrupt import SignalExit
@@ -55,6 +56,33 @@ def test_a_signal_inside_exec_still_exits_with_its_status(sig, tmp_path):
                          capture_output=True, text=True, timeout=60)
     assert (run.returncode, run.stderr) == (128 + sig, "interrupted\n")
 
+
+STOP_IN_FINALISER = """
+import signal, sys
+from dilu.services.common.interrupt import SignalExit, raise_if_stopped
+hook = sys.unraisablehook
+class Finalised:
+    def __del__(self):
+        signal.raise_signal(signal.SIGTERM)
+try:
+    with SignalExit():
+        Finalised()  # dropped at once: the handler runs inside __del__, where its exception is lost
+        raise_if_stopped()
+        print("the lost stop was not raised again", file=sys.stderr)
+finally:
+    assert sys.unraisablehook is hook, "the hook was not given back"
+"""
+
+
+def test_a_stop_lost_in_a_finaliser_prints_only_its_line_and_still_stops(tmp_path):
+    """A signal handled in an object's finaliser (the simulator drops many): Python cannot raise
+    its exception there and would print it as "Exception ignored in ..." with a traceback; the
+    stop goes on, with its one line. In a process of its own: pytest catches unraisable
+    exceptions itself."""
+    (tmp_path / "stop_in_finaliser.py").write_text(STOP_IN_FINALISER)
+    run = subprocess.run([sys.executable, "-m", "stop_in_finaliser"], cwd=tmp_path,
+                         capture_output=True, text=True, timeout=60)
+    assert (run.returncode, run.stderr) == (128 + signal.SIGTERM, "interrupted\n")
 
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
 def test_a_signal_while_the_command_line_imports_its_command_is_one_line_and_its_status(sig):
