@@ -663,8 +663,9 @@ class Simulation:
         training: its progress would be lost); the old one drains once its replacement is ready,
         and a GPU holding only such leaving instances or starting ones takes no one."""
         now = self.loop.now
-        start_ms = self.cfg.process_start_ms
-        placed = {iid: Placed(i.state, i.replaces, i.training, start_ms + models.cold_start_ms(i.fn.model), i.request)
+        # priced with what the live scheduler knows of a move: the spec's cold start (the model's
+        # load); the process start is the node's, which it is not told
+        placed = {iid: Placed(i.state, i.replaces, i.training, i.fn.spec.cold_start_ms, i.request)
                   for iid, i in self.instances.items()}
         plan = self.cluster.plan_round(placed)
         for m in plan.migrations:

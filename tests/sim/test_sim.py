@@ -531,6 +531,19 @@ def test_overheads_add_the_live_nodes_time_and_nothing_else():
     assert batch["latency_ms"]["p99"] > way["latency_ms"]["p99"]
 
 
+def test_a_defragmentation_round_prices_moves_with_what_the_live_scheduler_knows():
+    """The live scheduler prices a move with the spec's cold start (the model's load,
+    ``Placement.cold_start_ms``); it is not told a node's process start, so the simulated
+    round is not either, whatever ``--process-start-ms`` says."""
+    cfg = SimConfig(**SMALL, seed=2, process_start_ms=9000.0, defrag_interval_s=5.0)
+    sim = Simulation(cfg, "dilu", prepare(cfg))
+    rounds = []
+    plan_round = sim.cluster.plan_round
+    sim.cluster.plan_round = lambda placed: rounds.append(placed) or plan_round(placed)
+    sim.run()
+    priced = {p.cold_start_ms for placed in rounds for p in placed.values()}
+    assert priced and priced <= {s.cold_start_ms for s in sim.work.specs}, priced
+
 def test_a_live_nodes_control_loops_tick_at_drawn_phases():
     """With overheads (a live node's run) each draw meets the control loops at other phases, as
     live reruns do: the replay starts up to a horizontal tick after the warm-up, the telemetry
