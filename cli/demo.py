@@ -32,7 +32,7 @@ from dilu.services.common import logging as dlog
 from dilu.services.common.cliopts import PARK_AFTER_S_TYPE, Finite, ZeroOrAtLeast, optional_nats_urls, writable_dir, writable_output
 from dilu.services.common import models
 from dilu.services.common.bus import quiet_error_cb
-from dilu.services.common.console import PipeConsole, count_of
+from dilu.services.common.console import PROGRESS_EVERY_S, PipeConsole, count_of
 from dilu.services.common.invoke import InvokeClient
 from dilu.services.common.natsconn import connect
 from dilu.services.common.workqueue import ensure_stream
@@ -51,7 +51,6 @@ from .functions import Failed
 DRAIN_GRACE_S = 20.0  # after the last send, how long answers may still arrive
 WARM_UP_TIMEOUT_S = 30.0  # longest wait for the functions' initial instances before the replay (warm_up_limit_s)
 REQUEST_TIMEOUT_MIN_S = 30.0  # a request unanswered this long (or 10 x its SLO) counts as timed out
-PROGRESS_EVERY_S = 10.0  # a progress line this often when the output is not a terminal
 REPORT_WIDTH = 100  # columns of the report in a file or pipe (COLUMNS overrides); the tables split to fit
 REPORT_MIN_WIDTH = 40  # a narrower COLUMNS (0 prints nothing) is raised to it: a table's key column still fits
 

@@ -404,8 +404,9 @@ def crosscheck(log_dirs, draws, json_path, min_batches) -> None:
         console = make_console()
         try:
             rows = xc.crosscheck(list(log_dirs), draws, min_batches,
-                                 progress=lambda d: console.print(f"[dim]calibrating and simulating {d}[/dim]",
-                                                                  highlight=False))
+                                 progress=lambda d, done: console.print(
+                                     f"[dim]calibrating and simulating {d}[/dim]" if not done else
+                                     f"[dim]{d}: {done:,} of {count_of(draws, 'draw')}[/dim]", highlight=False))
         except OSError as exc:
             if output_failed(exc):
                 raise

@@ -279,7 +279,8 @@ def starts_of(runs: list[tuple[Path, report.Report, list]]) -> list[tuple[int, f
 
 
 class StartsFromError(ValueError):
-    """A directory of :func:`calibrate`'s ``starts_from`` that cannot be used (``--starts-from``)."""
+    """A directory of :func:`calibrate`'s ``starts_from`` that cannot be used or read
+    (``--starts-from``)."""
 
 
 def calibrate(log_dirs: list[Path], min_batches: int = MIN_BATCHES,
@@ -288,8 +289,9 @@ def calibrate(log_dirs: list[Path], min_batches: int = MIN_BATCHES,
     ``starts_from``: the log directories whose launches give the process start instead of
     ``log_dirs`` (they may overlap): the node's process start needs tens of launches, where one
     run's way in and back and batch overhead are its own and say how loaded its machine was.
-    Raises OSError for a missing file, ValueError (OverheadsError) naming what cannot be used,
-    :class:`StartsFromError` for a directory of ``starts_from``."""
+    Raises OSError for a file of ``log_dirs`` missing or unreadable, ValueError (OverheadsError)
+    naming what cannot be used, :class:`StartsFromError` for a directory of ``starts_from`` (one
+    that cannot be read too)."""
     runs = read_runs(log_dirs)
     if starts_from is None:
         return measure(runs, starts_of(runs), min_batches)
@@ -297,6 +299,8 @@ def calibrate(log_dirs: list[Path], min_batches: int = MIN_BATCHES,
         starts = starts_of(read_runs(starts_from))
     except ValueError as exc:
         raise StartsFromError(str(exc)) from None
+    except OSError as exc:  # said of --starts-from, not of the LOG_DIRS read before
+        raise StartsFromError(f"cannot read {exc.filename or ''}: {exc.strerror or exc}") from None
     return measure(runs, starts, min_batches, starts_from)
 
 

@@ -14,11 +14,14 @@ scale: the cross-check.
 from __future__ import annotations
 
 import math
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 from dilu.loadgen import report as rp
 from dilu.loadgen.summary import Spread, span_key
+from dilu.services.common.console import PROGRESS_EVERY_S
 
 from . import calibrate as cal
 
@@ -85,9 +88,12 @@ def _plan(rep: rp.Report) -> dict[str, tuple[str, int]]:
 
 
 def crosscheck(log_dirs: list[Path], draws: int = DRAWS, min_batches: int = cal.MIN_BATCHES,
-               progress=None) -> list[Row]:
+               progress: Callable[[Path, int], None] | None = None,
+               clock: Callable[[], float] = time.monotonic) -> list[Row]:
     """The rows of ``log_dirs`` (module docstring), in the order their first run is given.
-    ``progress(log_dir)`` is called before each run's calibration and draws. Raises OSError,
+    ``progress(log_dir, draws_done)`` is called before each run's calibration (0 done) and after
+    a draw when :data:`PROGRESS_EVERY_S` have passed on ``clock`` (monotonic s) since it was
+    last called, so that a long run (``--draws 1000``) shows it is alive. Raises OSError,
     ValueError (:func:`calibrate.calibrate`'s) naming what cannot be used, ValueError for
     ``draws`` < 1 or for a live run whose simulation offers other requests (stopped early)."""
     from .run import Simulation, prepare
@@ -101,7 +107,8 @@ def crosscheck(log_dirs: list[Path], draws: int = DRAWS, min_batches: int = cal.
     for run in runs:
         d, live, _ = run
         if progress is not None:
-            progress(d)
+            progress(d, 0)
+            said = clock()
         try:
             ov = cal.measure([run], starts, min_batches, log_dirs)
         except ValueError as exc:  # one run of many: say which
@@ -119,6 +126,9 @@ def crosscheck(log_dirs: list[Path], draws: int = DRAWS, min_batches: int = cal.
                                  f"models than the live run's {live.totals.offered:,}: not a replay of its plan "
                                  f"(a run stopped early, or a report edited?)")
             simulated.append(sim)
+            if progress is not None and k < draws and clock() - said >= PROGRESS_EVERY_S:
+                progress(d, k)
+                said = clock()
         groups.setdefault((span_key(live.run), live.run.policy), []).append((str(d), live, simulated))
     rows = []
     for members in groups.values():

@@ -71,6 +71,7 @@ from dilu.loadgen import report
 from dilu.loadgen.arrivals import SPEEDUP_MAX, SPEEDUP_MIN
 from dilu.loadgen.generator import Record, RunResult
 from dilu.services.common import models
+from dilu.services.common.console import PROGRESS_EVERY_S
 from dilu.services.common.functions import GIB, STRETCH_RATIO, default_priority, recent_latency, yields_share
 from dilu.services.common.interrupt import raise_if_stopped
 from dilu.services.common.policies import DEFRAG_INTERVAL_MIN_S, modes
@@ -100,7 +101,6 @@ TIMEOUT_SLO_FACTOR = 10.0
 QUIET_WINDOWS = 12
 RUN_ID = "sim"
 CDF_POINTS = 200  # quantiles of latency / SLO kept per policy (the plots' CDF)
-PROGRESS_EVERY_S = 10.0  # wall seconds between progress reports (the live demo's line period)
 
 
 @dataclass

@@ -6,6 +6,9 @@ import errno
 
 from rich.console import Console
 
+# wall seconds between two progress lines of a long command (dilu demo, compare, sim, crosscheck)
+# whose output is not a terminal: often enough that a log or CI shows it alive
+PROGRESS_EVERY_S = 10.0
 # what a write to a full, broken or over-quota output says (the reader leaving is EPIPE, apart)
 OUTPUT_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EIO})
 

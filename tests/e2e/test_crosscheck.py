@@ -91,3 +91,13 @@ def test_live_and_simulated_runs_agree(tmp_path: Path):
     said = {k: measured[k][50::49] for k in ("transport_ms", "batch_ms")}  # p50 and p99
     print("live, sim: active GPU·s", gpu_s, reported, "process start ms", measured["process_start_ms"], said)
     assert abs(gpu_s[0] - gpu_s[1]) <= GPU_S_REL * max(gpu_s), f"active GPU·s (live, sim) {gpu_s}; also {reported}"
+
+    # a long cross-check says it is alive: before each run's calibration, then after a draw once
+    # the progress period has passed (here every draw: each clock reading is 11 s on)
+    from dilu.loadgen.sim import crosscheck as xcmod
+
+    readings = iter(range(0, 10_000, 11))
+    alive_at = []
+    xcmod.crosscheck([logs / "dilu"], draws=3, progress=lambda d, done: alive_at.append((d, done)),
+                     clock=lambda: next(readings))
+    assert alive_at == [(logs / "dilu", 0), (logs / "dilu", 1), (logs / "dilu", 2)]

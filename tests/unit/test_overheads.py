@@ -267,6 +267,9 @@ def test_the_process_start_can_come_from_other_runs_of_the_node(tmp_path: Path, 
         cal.calibrate([run])  # its own launches, unreadable
     with pytest.raises(cal.StartsFromError, match="given twice"):  # said of --starts-from, not LOG_DIRS
         cal.calibrate([run], starts_from=[other, tmp_path / "." / "other"])
+    (other / cal.NODE_AGENT_LOG).unlink()
+    with pytest.raises(cal.StartsFromError, match=r"cannot read .*other/node_agent.log: No such file"):
+        cal.calibrate([run], starts_from=[other])  # unreadable too: said of --starts-from
 
 
 def test_a_pickup_is_counted_where_the_next_batch_was_waiting():
