@@ -116,6 +116,12 @@ class LazyGroup(click.Group):
             return stops_itself(flag_envvars(getattr(importlib.import_module(module), attr)))
         return super().get_command(ctx, name)
 
+    def _unparsed_context(self, ctx: click.Context, name: str) -> click.Context | None:
+        """A context of subcommand ``name`` under ``ctx`` with nothing parsed (None: no such
+        command), for an error raised before its own context existed."""
+        command = self.get_command(ctx, name)
+        return None if command is None else click.Context(command, info_name=name, parent=ctx)
+
     def invoke(self, ctx):
         try:
             return super().invoke(ctx)
@@ -132,6 +138,10 @@ class LazyGroup(click.Group):
         except _NO_ARGS_IS_HELP:  # a group named without its command (dilu bench): its help, as `dilu` shows
             raise
         except click.UsageError as exc:  # a subcommand's: both its parsing and its body run in here
+            if exc.ctx is None and ctx.invoked_subcommand:  # the parser's own (an option without its
+                # value) names no context: the subcommand's, so the error says its --help and
+                # answers as JSON under --json as every other bad option does
+                exc.ctx = self._unparsed_context(ctx, ctx.invoked_subcommand)
             if isinstance(exc, click.BadParameter):
                 name_envvar(exc)
             if asks_json(exc.ctx, getattr(self, "_argv", [])):

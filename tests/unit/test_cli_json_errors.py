@@ -30,6 +30,24 @@ def test_a_usage_error_under_json_is_a_json_result(args, says):
     assert plain.stderr.startswith("Error: ") and says in plain.stderr and "--help')" in plain.stderr
 
 
+@pytest.mark.parametrize("args, command", [(["calibrate", ".", "--json"], "dilu calibrate"),
+                                           (["sim", "--json"], "dilu sim"),
+                                           (["bench", "sim", "--json"], "dilu bench sim")])
+def test_an_option_without_its_value_says_the_commands_help(args, command):
+    """The parser raises that error before the command's context exists: it still names the
+    command's --help, in one line."""
+    res = CliRunner().invoke(main, args, prog_name="dilu")
+    assert res.exit_code == 2 and res.stdout == "" and res.stderr.count("\n") == 1, res.stderr
+    assert res.stderr == f"Error: Option '--json' requires an argument. (see '{command} --help')\n"
+
+
+def test_an_option_without_its_value_under_json_is_a_json_result():
+    for env in ({}, {"DILU_JSON": "1"}):
+        args = ["invoke", "x", "--timeout"] if env else ["invoke", "x", "--json", "--timeout"]
+        res = CliRunner().invoke(main, args, env=env, prog_name="dilu")
+        assert res.exit_code == 2, res.output
+        assert json.loads(res.stdout) == {"error": "Option '--timeout' requires an argument.", "exit_code": 2}
+
 def test_json_from_its_variable_makes_a_usage_error_json_too():
     res = CliRunner().invoke(main, ["invoke", "x", "--timeout", "abc"], env={"DILU_JSON": "1"}, prog_name="dilu")
     assert res.exit_code == 2 and json.loads(res.stdout)["exit_code"] == 2
