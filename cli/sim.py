@@ -171,12 +171,16 @@ def _simulate(console, stop: SignalExit, trace_dir, functions, hours, nodes, gpu
     except OverheadsError as exc:
         raise click.BadParameter(str(exc), param_hint="--overheads") from None
     by_starting: tuple[float, ...] = ()  # the file's process starts by launches in progress, unless one is given
+    initial: float | None = None  # and the file's of the deploy's launches
     if process_start_ms is None:
         process_start_ms = overheads.start_ms if overheads is not None else models.PROCESS_START_MS
         by_starting = overheads.process_start_by_starting_ms if overheads is not None else ()
+        initial = overheads.process_start_initial_ms if overheads is not None else None
     if overheads is not None:
         start = (f"process start {_by_starting(by_starting)}" if by_starting
                  else f"process start {process_start_ms:g} ms")
+        if initial is not None:
+            start += f", {initial:g} ms at the deploy"
         console.print(f"[dim]with the overheads of {overheads_path} (drawn with seed "
                       f"{seed if overheads_seed is None else overheads_seed}); {start}[/dim]", highlight=False)
 
@@ -186,7 +190,8 @@ def _simulate(console, stop: SignalExit, trace_dir, functions, hours, nodes, gpu
                         seed=seed, training_jobs=training_jobs, start_minute=start_minute,
                         speedup=speedup, keep_alive_s=keep_alive_s, park_after_s=park_after_s,
                         defrag_interval_s=defrag_interval_s, process_start_ms=process_start_ms,
-                        process_start_by_starting_ms=by_starting, overheads=overheads, overheads_seed=overheads_seed)
+                        process_start_by_starting_ms=by_starting, process_start_initial_ms=initial,
+                        overheads=overheads, overheads_seed=overheads_seed)
         out = simulate(cfg, policies, progress=lambda p: console.print(f"[dim]simulating policy {p}[/dim]"),
                        tick=lambda p, done, total: console.print(
                            f"[dim]{p}: {done:,.0f} of {total:,.0f} simulated s[/dim]", highlight=False))
@@ -347,19 +352,24 @@ def calibrate(log_dirs, json_path, min_batches, starts_from) -> None:
         table.add_column(q, justify="right")
     for name, tab in (("way in + way back of a request", ov.transport_ms),
                       ("a batch's service beyond the simulated one", ov.batch_ms),
-                      ("pickup of the next batch while requests wait", ov.pickup_ms)):
+                      ("pickup of the next batch while requests wait", ov.pickup_ms),
+                      ("dispatch of a request to an idle instance", ov.dispatch_ms)):
         if tab:
             table.add_row(name, *(f"{tab[k]:.1f}" for k in (10, 50, 90, 99, 100)))
     console.print(table)
     src = ov.source
     console.print(f"{src['transport_samples']:,} requests, {src['batch_samples']:,} batches, "
-                  f"{src['pickup_samples']:,} pickups; process start "
+                  f"{src['pickup_samples']:,} pickups, {src.get('dispatch_samples', 0):,} dispatches; process start "
                   + (f"{ov.process_start_ms:g} ms (median of {count_of(src['process_start_samples'], 'launch', 'launches')})"
                      if ov.process_start_ms is not None else "not measured (no launch after the initial ones)"),
                   highlight=False)
     by_starting = (_by_starting(ov.process_start_by_starting_ms) if ov.process_start_by_starting_ms else
                    f"not measured (an entry needs {MIN_STARTS} launches after the initial ones)")
     console.print(f"process start by the other instances starting on the node: {by_starting}", highlight=False)
+    initial = (f"{ov.process_start_initial_ms:g} ms (median of "
+               f"{count_of(src['initial_process_start_samples'], 'launch', 'launches')})"
+               if ov.process_start_initial_ms is not None else "not measured")
+    console.print(f"process start of the deploy's launches (all at once): {initial}", highlight=False)
     if json_path:
         write_output(json_path, ov.to_json().decode())
         console.print(f"written to {json_path}")

@@ -191,6 +191,7 @@ def check_comparable(runs: Sequence[tuple[str, Mapping[str, Report]]]) -> None:
 _SAME_SIMULATION = (("nodes", "nodes"), ("gpus_per_node", "GPUs per node"), ("keep_alive_s", "keep-alive (s)"),
                     ("process_start_ms", "process start (ms)"),
                     ("process_start_by_starting_ms", "process start by instances starting (ms)"),
+                    ("process_start_initial_ms", "process start of the deploy's launches (ms)"),
                     ("overheads", "--overheads given"), ("vertical_tick_ms", "vertical tick (ms)"),
                     ("horizontal_tick_ms", "horizontal tick (ms)"), ("drain_s", "drain (s)"))
 

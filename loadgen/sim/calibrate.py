@@ -10,11 +10,15 @@ Input: the log directories ``dilu demo`` / ``dilu compare`` leave per policy und
   by how many other instances were starting on the node when it launched (any instance, the
   initial ones too; its start is its ready time less its cold start): starting processes share
   the node's CPU, so one launched beside three others starts several times slower than one alone
-  (:func:`starts_by_starting`). Those of other runs of the same node may stand in
-  (``starts_from``): one run launches too few instances to measure it alone.
+  (:func:`starts_by_starting`). The initial launches (each function's first instance) have their
+  median apart: the deploy launches them all at once. Those of other runs of the same node may
+  stand in (``starts_from``): one run launches too few instances to measure it alone.
 - **transport**: per answered request, way in + way back (:mod:`.overheads`).
 - **pickup**: per instance, from a batch's last reply to its next batch's start, where a request
   of that next batch was already stored before that reply (the instance had work waiting).
+- **dispatch**: per instance, from the first stored request of a batch to the batch's start, where
+  that request was stored after the batch before had its last reply (the instance was idle) and
+  the instance was not parked in between (a resume is modelled apart, :func:`models.resume_ms`).
 - **batch**: the live service of each batch (the first reply of each (instance, start) pair:
   handler called -> reply published) against the simulator's service of the batches of the same
   function and size, simulated on the run's own plan, policy and process start: the k-th of n
@@ -24,11 +28,12 @@ Input: the log directories ``dilu demo`` / ``dilu compare`` leave per policy und
 """
 from __future__ import annotations
 
+import bisect
 import statistics
 from collections import defaultdict
 from datetime import datetime
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Iterator, NamedTuple
 
 import msgspec
 import numpy as np
@@ -53,13 +58,26 @@ class _Ready(msgspec.Struct):
     timestamp: datetime
 
 
-def process_starts_ms(log: Path, model_of: dict[str, str]) -> list[tuple[int, float]]:
-    """The process starts of the instances a live run launched once its initial ones were up, from
-    the node agent's JSON log (module docstring): (other instances starting on the node at its
-    launch, process start in ms) each; empty when it launched none then. ``model_of``: function
-    name -> model. Raises OSError, or ValueError naming the log (and line) when it is not UTF-8
-    text, a line is not JSON, a ready line is malformed or no instance became ready in it."""
-    ready: list[_Ready] = []
+class _Parked(msgspec.Struct):
+    """The node agent's log line of an instance parked: its id and when it was logged."""
+
+    instance: str
+    timestamp: datetime
+
+
+class Starts(NamedTuple):
+    """The process starts (ms) read from node agents' logs: ``initial``, those of each function's
+    first instance (the deploy's launches); ``later``, (other instances starting on the node at
+    its launch, process start) of each instance launched once the initial ones were all ready."""
+
+    initial: list[float]
+    later: list[tuple[int, float]]
+
+
+def _log_events(log: Path, events: tuple[str, ...]) -> Iterator[tuple[int, dict]]:
+    """(line number, decoded line) of each JSON line of the node agent's log ``log`` whose
+    ``event`` is one of ``events``. Raises OSError, or ValueError naming the log (and line) when
+    it is not UTF-8 text or a line is not JSON."""
     try:
         text = files.read_bounded(log, LOG_MAX_BYTES).decode()
     except UnicodeDecodeError:
@@ -71,7 +89,20 @@ def process_starts_ms(log: Path, model_of: dict[str, str]) -> list[tuple[int, fl
             e = msgspec.json.decode(line)
         except msgspec.DecodeError:
             raise ValueError(f"{log}:{n}: not a JSON log line") from None
-        if isinstance(e, dict) and e.get("event") == "instance ready" and "cold_start_ms" in e:
+        if isinstance(e, dict) and e.get("event") in events:
+            yield n, e
+
+
+def process_starts_ms(log: Path, model_of: dict[str, str]) -> Starts:
+    """The process starts of the instances a live run launched, from the node agent's JSON log
+    (module docstring): the initial ones, and those launched once the initial ones were up with
+    the other instances starting on the node at their launch (empty when it launched none then).
+    ``model_of``: function name -> model. Raises OSError, or ValueError naming the log (and line)
+    when it is not UTF-8 text, a line is not JSON, a ready line is malformed or no instance became
+    ready in it."""
+    ready: list[_Ready] = []
+    for n, e in _log_events(log, ("instance ready",)):
+        if "cold_start_ms" in e:
             try:
                 ready.append(msgspec.convert(e, _Ready))
             except msgspec.ValidationError as exc:
@@ -84,14 +115,31 @@ def process_starts_ms(log: Path, model_of: dict[str, str]) -> list[tuple[int, fl
     for k, r in enumerate(ready):
         first.setdefault(_function(r.instance), k)
     last_initial = max(first.values(), default=-1)
-    out = []
+    initial, later = [], []
     for k, r in enumerate(ready):
         fn = _function(r.instance)
-        if k > last_initial and fn in model_of:
+        if fn not in model_of:
+            continue
+        start = max(0.0, r.cold_start_ms - models.cold_start_ms(model_of[fn]))
+        if first[fn] == k:
+            initial.append(start)
+        elif k > last_initial:
             at = spans[k][0]
-            starting = sum(1 for j, (a, b) in enumerate(spans) if j != k and a <= at < b)
-            out.append((starting, max(0.0, r.cold_start_ms - models.cold_start_ms(model_of[fn]))))
-    return out
+            later.append((sum(1 for j, (a, b) in enumerate(spans) if j != k and a <= at < b), start))
+    return Starts(initial, later)
+
+
+def parked_ns(log: Path) -> dict[str, list[int]]:
+    """Instance id -> when it was parked (Unix ns, ascending), from the node agent's log
+    (``instance parked``). Raises as :func:`process_starts_ms`."""
+    out: dict[str, list[int]] = defaultdict(list)
+    for n, e in _log_events(log, ("instance parked",)):
+        try:
+            p = msgspec.convert(e, _Parked)
+        except msgspec.ValidationError as exc:
+            raise ValueError(f"{log}:{n}: not an 'instance parked' line of the node agent: {exc}") from None
+        out[p.instance].append(int(p.timestamp.timestamp() * 1e9))
+    return {k: sorted(v) for k, v in out.items()}
 
 
 def starts_by_starting(starts: list[tuple[int, float]], min_starts: int = MIN_STARTS) -> list[float]:
@@ -131,23 +179,45 @@ def transport_ms(lines: list[requestlog.RequestLine]) -> list[float]:
             for r in lines if r.status == "ok" and r.enqueued_ns and r.replied_ns]
 
 
-def pickups_ms(lines: list[requestlog.RequestLine]) -> list[float]:
-    """The pickups (ms) of the live run's instances (module docstring): for each instance's
-    consecutive batches (a batch: the answered requests of one (instance, start) pair), the next
-    one's start less the last reply of the one before, where the next one's first request was
-    stored before that reply."""
-    batches: dict[str, dict[int, list[int]]] = defaultdict(dict)  # instance -> start -> [last reply, first stored]
+def _batches(lines: list[requestlog.RequestLine]) -> dict[str, dict[int, list[int]]]:
+    """instance -> batch start (ns) -> [its last reply, its first request's storage] (ns), over
+    the answered requests with their timings (a batch: those of one (instance, start) pair)."""
+    batches: dict[str, dict[int, list[int]]] = defaultdict(dict)
     for r in lines:
         if r.status != "ok" or not (r.started_ns and r.replied_ns and r.enqueued_ns and r.batch):
             continue
         b = batches[r.instance].setdefault(r.started_ns, [r.replied_ns, r.enqueued_ns])
         b[0], b[1] = max(b[0], r.replied_ns), min(b[1], r.enqueued_ns)
+    return batches
+
+
+def pickups_ms(lines: list[requestlog.RequestLine]) -> list[float]:
+    """The pickups (ms) of the live run's instances (module docstring): for each instance's
+    consecutive batches, the next one's start less the last reply of the one before, where the
+    next one's first request was stored before that reply."""
     out: list[float] = []
-    for starts in batches.values():
+    for starts in _batches(lines).values():
         ordered = sorted(starts.items())
         for (_, (replied, _)), (start, (_, stored)) in zip(ordered, ordered[1:]):
             if stored < replied:
                 out.append((start - replied) / 1e6)
+    return out
+
+
+def dispatches_ms(lines: list[requestlog.RequestLine], parked: dict[str, list[int]]) -> list[float]:
+    """The dispatches (ms) of the live run's instances (module docstring): for each instance's
+    consecutive batches, the next one's start less its first request's storage, where that
+    request was stored at or after the last reply of the batch before and the instance was not
+    parked in between (``parked``: :func:`parked_ns`)."""
+    out: list[float] = []
+    for instance, starts in _batches(lines).items():
+        parks = parked.get(instance, ())
+        ordered = sorted(starts.items())
+        for (_, (replied, _)), (start, (_, stored)) in zip(ordered, ordered[1:]):
+            if stored >= replied:
+                k = bisect.bisect_left(parks, replied)
+                if k == len(parks) or parks[k] > start:
+                    out.append((start - stored) / 1e6)
     return out
 
 
@@ -188,15 +258,17 @@ def sim_config(run: report.RunInfo, training_jobs: int, **settings):
 
 
 def simulated_services(run: report.RunInfo, training_jobs: int, process_start_ms: float,
-                       by_starting: tuple[float, ...] = ()) -> dict[tuple[str, int], list[float]]:
+                       by_starting: tuple[float, ...] = (),
+                       initial_ms: float | None = None) -> dict[tuple[str, int], list[float]]:
     """(function, batch size) -> the simulated service (ms) of each batch of a simulation of the
     live run described by ``run`` (:func:`sim_config`), under its policy, with the process start
-    ``process_start_ms`` or by those starting (``by_starting``, :class:`SimConfig`). Raises
-    ValueError for a run the simulator cannot replay."""
+    ``process_start_ms`` or by those starting (``by_starting``) and that of the deploy's launches
+    (``initial_ms``; :class:`SimConfig`). Raises ValueError for a run the simulator cannot replay."""
     from .run import Simulation, prepare
 
     cfg = sim_config(run, training_jobs, process_start_ms=process_start_ms,
-                     process_start_by_starting_ms=tuple(by_starting), keep_records=False)
+                     process_start_by_starting_ms=tuple(by_starting), process_start_initial_ms=initial_ms,
+                     keep_records=False)
     sim = Simulation(cfg, run.policy, prepare(cfg))
     sim.batch_log = []
     sim.run()
@@ -271,11 +343,15 @@ def _check_belongs(d: Path, rep: report.Report, lines: list[requestlog.RequestLi
                          f"replay: not that run's request log")
 
 
-def starts_of(runs: list[tuple[Path, report.Report, list]]) -> list[tuple[int, float]]:
+def starts_of(runs: list[tuple[Path, report.Report, list]]) -> Starts:
     """The process starts (:func:`process_starts_ms`) of every run's node agent log (``runs``:
-    :func:`read_runs`'s)."""
-    return [s for d, rep, _ in runs
-            for s in process_starts_ms(d / NODE_AGENT_LOG, {f.name: f.model for f in rep.functions})]
+    :func:`read_runs`'s), pooled."""
+    out = Starts([], [])
+    for d, rep, _ in runs:
+        got = process_starts_ms(d / NODE_AGENT_LOG, {f.name: f.model for f in rep.functions})
+        out.initial.extend(got.initial)
+        out.later.extend(got.later)
+    return out
 
 
 class StartsFromError(ValueError):
@@ -305,25 +381,33 @@ def calibrate(log_dirs: list[Path], min_batches: int = MIN_BATCHES,
 
 
 
-def measure(runs: list[tuple[Path, report.Report, list]], starts: list[tuple[int, float]],
+def measure(runs: list[tuple[Path, report.Report, list]], starts: Starts,
             min_batches: int = MIN_BATCHES, starts_from: list[Path] | None = None) -> Overheads:
     """:func:`calibrate` of runs already read (:func:`read_runs`) with the process starts
-    ``starts`` (:func:`starts_of`; ``starts_from``: where they come from, for the ``source``)."""
-    start_ms = statistics.median(ms for _, ms in starts) if starts else models.PROCESS_START_MS
-    by_starting = starts_by_starting(starts)
+    ``starts`` (:func:`starts_of`; ``starts_from``: where they come from, for the ``source``).
+    Each run's own node agent log gives its parks (:func:`parked_ns`); raises as
+    :func:`calibrate`."""
+    later = starts.later
+    start_ms = statistics.median(ms for _, ms in later) if later else models.PROCESS_START_MS
+    by_starting = starts_by_starting(later)
+    initial_ms = statistics.median(starts.initial) if starts.initial else None
     transport: list[float] = []
     batch: list[float] = []
     pickup: list[float] = []
-    for _, rep, lines in runs:
+    dispatch: list[float] = []
+    for d, rep, lines in runs:
         transport += transport_ms(lines)
         pickup += pickups_ms(lines)
-        simulated = simulated_services(rep.run, len(rep.training), start_ms, by_starting)
+        dispatch += dispatches_ms(lines, parked_ns(d / NODE_AGENT_LOG))
+        simulated = simulated_services(rep.run, len(rep.training), start_ms, by_starting, initial_ms)
         batch += batch_overheads_ms(live_services(lines), simulated, min_batches)
     if not batch:
         raise OverheadsError(f"no function served {min_batches} batches of one size in both the live runs "
                              "and their simulation: give longer or busier runs")
     source = {"runs": [str(d) for d, _, _ in runs], "transport_samples": len(transport),
-              "batch_samples": len(batch), "pickup_samples": len(pickup), "process_start_samples": len(starts)}
+              "batch_samples": len(batch), "pickup_samples": len(pickup), "dispatch_samples": len(dispatch),
+              "process_start_samples": len(later), "initial_process_start_samples": len(starts.initial)}
     if starts_from is not None:
         source["process_starts_from"] = [str(d) for d in starts_from]
-    return Overheads.from_samples(transport, batch, start_ms if starts else None, source, by_starting, pickup)
+    return Overheads.from_samples(transport, batch, start_ms if later else None, source, by_starting, pickup,
+                                  dispatch, initial_ms)

@@ -118,7 +118,8 @@ def crosscheck(log_dirs: list[Path], draws: int = DRAWS, min_batches: int = cal.
         for k in range(1, draws + 1):
             cfg = cal.sim_config(live.run, len(live.training), overheads=ov, overheads_seed=k,
                                  process_start_ms=ov.start_ms,
-                                 process_start_by_starting_ms=ov.process_start_by_starting_ms, keep_records=False)
+                                 process_start_by_starting_ms=ov.process_start_by_starting_ms,
+                                 process_start_initial_ms=ov.process_start_initial_ms, keep_records=False)
             work = work or prepare(cfg)
             sim = Simulation(cfg, live.run.policy, work).run()[0]
             if (sim.totals.offered, _plan(sim)) != (live.totals.offered, _plan(live)):

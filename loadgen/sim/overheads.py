@@ -1,7 +1,7 @@
 """What a live node adds to a request beyond the GPU time the simulator models, as quantile tables
 measured by ``dilu calibrate`` (:mod:`.calibrate`) and replayed by ``dilu sim --overheads``.
 
-Three tables, split by the serving instance's own times in its reply (``Dilu-Started-Ns``,
+Four tables, split by the serving instance's own times in its reply (``Dilu-Started-Ns``,
 ``Dilu-Replied-Ns``; :class:`dilu.loadgen.generator.Timings`):
 
 - ``transport_ms``: the way in (scheduled send -> stored by JetStream) plus the way back (reply
@@ -15,10 +15,19 @@ Three tables, split by the serving instance's own times in its reply (``Dilu-Sta
   requests were waiting (the puller acks, fetches what is queued and decodes it): the instance
   takes no request meanwhile, so on a busy function it costs capacity (a median of 1.1 ms on the
   emulated node, 6 % of a BERT-base batch of 19 ms). Empty in a file of an older build: no pickup.
+- ``dispatch_ms``: from a request's storage to its batch's start when it came to an idle instance
+  (waiting in its fetch; not parked): JetStream's delivery to the pending fetch and the decode.
+  The instance takes no other request meanwhile, and the request waits that much longer: on a
+  busy function it adds to the backlog the horizontal scaler sizes by (a median of 0.7 ms on the
+  emulated node, 80 rps x 0.7 ms = 0.06 requests in flight, near a KPA target such as 2.8 per
+  instance). Empty in a file of an older build: no dispatch.
 
 Beside them, the node's process start (before the weights load), as a median and by how many
 other instances were starting on the node at the launch: on a 2-core node the starting
 processes share the CPU, so a burst of launches starts several times slower than one launch.
+The deploy's initial launches (every function's first instance, all at once) have a median of
+their own: they start beside all the others, longer than any launch of the replay (2.1 s against
+0.4-0.5 s on the emulated node).
 
 On a real GPU node the tables are small against the GPU's time; on the emulated node of a
 2-core machine they are not (README, At cluster scale: the cross-check). ``dilu sim`` without
@@ -50,8 +59,11 @@ class Overheads(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     (``process_start_ms``, ms; None: not measured), the median process start by the number of
     other instances already starting on the node (``process_start_by_starting_ms``: entry k for
     k of them, the last entry also for more; empty: not measured; on a 2-core node the starting
-    processes share the CPU), the pickup between batches while requests wait (``pickup_ms``,
-    ms, a table as the two first; empty: not measured) and where they come from (``source``:
+    processes share the CPU), the median process start of the deploy's initial launches
+    (``process_start_initial_ms``, ms; None: not measured), the pickup between batches while
+    requests wait (``pickup_ms``, ms, a table as the two first; empty: not measured), the
+    dispatch of a request to an idle instance (``dispatch_ms``, likewise) and where they come
+    from (``source``:
     free JSON, e.g. the runs measured and how many samples); the JSON of ``dilu calibrate
     --json`` is this struct's. Raises :class:`OverheadsError` when a table is malformed."""
 
@@ -61,11 +73,13 @@ class Overheads(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     process_start_by_starting_ms: tuple[float, ...] = ()
     source: dict = {}
     pickup_ms: tuple[float, ...] = ()
+    dispatch_ms: tuple[float, ...] = ()
+    process_start_initial_ms: float | None = None
 
     def __post_init__(self) -> None:
-        for name in ("transport_ms", "batch_ms", "pickup_ms"):
+        for name in ("transport_ms", "batch_ms", "pickup_ms", "dispatch_ms"):
             q = getattr(self, name)
-            if name == "pickup_ms" and not q:
+            if name in ("pickup_ms", "dispatch_ms") and not q:
                 continue
             if len(q) != QUANTILE_POINTS:
                 raise OverheadsError(f"{name} must hold {QUANTILE_POINTS} quantiles, got {len(q)}")
@@ -73,9 +87,10 @@ class Overheads(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
                 raise OverheadsError(f"{name} holds a negative or non-finite value")
             if any(b < a for a, b in zip(q, q[1:])):
                 raise OverheadsError(f"{name} is not non-decreasing (quantiles)")
-        ps = self.process_start_ms
-        if ps is not None and not (math.isfinite(ps) and 0 <= ps <= models.PROCESS_START_MAX_MS):
-            raise OverheadsError(f"process_start_ms must be in [0, {models.PROCESS_START_MAX_MS:g}] ms, got {ps}")
+        for name in ("process_start_ms", "process_start_initial_ms"):
+            ps = getattr(self, name)
+            if ps is not None and not (math.isfinite(ps) and 0 <= ps <= models.PROCESS_START_MAX_MS):
+                raise OverheadsError(f"{name} must be in [0, {models.PROCESS_START_MAX_MS:g}] ms, got {ps}")
         if any(not (math.isfinite(v) and 0 <= v <= models.PROCESS_START_MAX_MS)
                for v in self.process_start_by_starting_ms):
             raise OverheadsError(f"process_start_by_starting_ms must hold values in "
@@ -85,14 +100,17 @@ class Overheads(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     def from_samples(cls, transport_ms: Sequence[float], batch_ms: Sequence[float],
                      process_start_ms: float | None = None, source: dict | None = None,
                      process_start_by_starting_ms: Sequence[float] = (),
-                     pickup_ms: Sequence[float] = ()) -> Overheads:
+                     pickup_ms: Sequence[float] = (), dispatch_ms: Sequence[float] = (),
+                     process_start_initial_ms: float | None = None) -> Overheads:
         """The tables of the samples (ms; negative values count as 0: a batch served faster than
-        modelled adds nothing; no pickup sample: no pickup table). Raises
+        modelled adds nothing; no pickup or dispatch sample: no such table). Raises
         :class:`OverheadsError` when the transport or batch sample is empty."""
         return cls(quantiles(transport_ms, "transport"), quantiles(batch_ms, "batch"),
                    None if process_start_ms is None else round(process_start_ms, 1),
                    tuple(round(v, 1) for v in process_start_by_starting_ms), dict(source or {}),
-                   quantiles(pickup_ms, "pickup") if len(pickup_ms) else ())
+                   quantiles(pickup_ms, "pickup") if len(pickup_ms) else (),
+                   quantiles(dispatch_ms, "dispatch") if len(dispatch_ms) else (),
+                   None if process_start_initial_ms is None else round(process_start_initial_ms, 1))
 
     @property
     def start_ms(self) -> float:

@@ -36,13 +36,17 @@ What drives what, as in the live cluster (services/*/service.py):
 Control loops tick on their own clocks, as the live services do: the horizontal scaler's from the
 deploy, the node agent's telemetry and the scheduler's defragmentation rounds each at a phase of
 its own. Without overheads every phase is 0; with them (a live node's run, :mod:`.overheads`)
-each is drawn from ``overheads_seed`` (the replay starts up to a horizontal tick after the
-initial instances are ready), since a live run meets its loops at any phase and a decision on
-a threshold (a scale-in one tick before a burst or one after) turns on it.
+each is drawn from ``overheads_seed``, since a live run meets its loops at any phase and a
+decision on a threshold (a scale-in one tick before a burst or one after) turns on it. The
+replay meets the horizontal tick at any phase too, yet starts as the last initial instance
+is ready, as live: the deploy's launches take their process start moved by a jitter uniform over
+one horizontal tick, centred on it (live it varies by more than a tick from run to run, and the
+scaler's tick drifts), and the replay starts with them.
 
 The replay starts when every function's initial instance is ready, as the demo starts it once
-:class:`cli.deploy.WarmWatch` has seen them all (the longest cold start of the deployed models,
-at most the demo's wait, :func:`cli.demo.warm_up_limit_s`; ``warm_up_s`` fixes it instead).
+:class:`cli.deploy.WarmWatch` has seen them all (the initial launches' process start plus the
+longest weight load of the deployed models, at most the demo's wait,
+:func:`cli.demo.warm_up_limit_s`; ``warm_up_s`` fixes it instead).
 Starting later would let a short keep-alive (Knative's) unload them before the first request.
 Requests unanswered after max(30 s, 10 x SLO) time out, those left ``drain_s`` after the span
 are timed out. GPU figures (active GPU·s, fragmentations, quota·s)
@@ -121,7 +125,9 @@ class SimConfig:
     an instance's process start before its weights load (a cold start is that plus the weights
     at 4 GB/s); ``process_start_by_starting_ms``: if not empty, the process start instead by how
     many other instances are starting on the node at the launch (entry k for k, the last also
-    for more; :attr:`Overheads.process_start_by_starting_ms`); ``overheads``: what a live node
+    for more; :attr:`Overheads.process_start_by_starting_ms`); ``process_start_initial_ms``:
+    if set, the process start of the deploy's launches instead (all at once, beside each other;
+    :attr:`Overheads.process_start_initial_ms`); ``overheads``: what a live node
     adds to each request and batch beyond the modelled GPU time (:mod:`.overheads`, measured by
     ``dilu calibrate``; None: nothing), drawn from streams seeded by ``overheads_seed`` (None:
     ``seed``; another value draws other overheads and control-loop phases over the same requests,
@@ -142,6 +148,7 @@ class SimConfig:
     defrag_interval_s: float | None = None
     process_start_ms: float = models.PROCESS_START_MS
     process_start_by_starting_ms: tuple[float, ...] = ()
+    process_start_initial_ms: float | None = None
     overheads: Overheads | None = None
     overheads_seed: int | None = None
     vertical_tick_ms: float = 250.0
@@ -166,8 +173,10 @@ class SimConfig:
                 self.defrag_interval_s == 0 or DEFRAG_INTERVAL_MIN_S <= self.defrag_interval_s <= 86_400):
             raise ValueError(f"defrag_interval_s must be 0 or in [{DEFRAG_INTERVAL_MIN_S:g}, 86400] s, "
                              f"got {self.defrag_interval_s}")
+        initial = () if self.process_start_initial_ms is None else (self.process_start_initial_ms,)
         for name, values in (("process_start_ms", (self.process_start_ms,)),
-                             ("process_start_by_starting_ms", self.process_start_by_starting_ms)):
+                             ("process_start_by_starting_ms", self.process_start_by_starting_ms),
+                             ("process_start_initial_ms", initial)):
             for ms in values:
                 if not (0 <= ms <= models.PROCESS_START_MAX_MS):
                     raise ValueError(f"{name} must be in [0, {models.PROCESS_START_MAX_MS:g}] ms, got {ms}")
@@ -228,28 +237,39 @@ def prepare(cfg: SimConfig) -> Workload:
     return Workload(plan, specs, profiles)
 
 
-def warm_up_ms(cfg: SimConfig, work: Workload, mode: str) -> float:
+def deploy_start_ms(cfg: SimConfig, jitter_ms: float = 0.0) -> float:
+    """The process start (ms) of the instances the deploy launches (the initial ones and the
+    training jobs, all at once): ``process_start_initial_ms`` when measured, else the longest of
+    the process start table (the last of them to launch finds the others starting) or the
+    constant; moved by ``jitter_ms`` (:func:`loop_phases`), at least 0."""
+    start = cfg.process_start_initial_ms
+    if start is None:
+        start = max(cfg.process_start_by_starting_ms, default=cfg.process_start_ms)
+    return max(0.0, start + jitter_ms)
+
+
+def warm_up_ms(cfg: SimConfig, work: Workload, mode: str, jitter_ms: float = 0.0) -> float:
     """When the replay under the horizontal ``mode`` starts (ms after the deploy):
     ``cfg.warm_up_s`` if set, else when the initial instances placed at 0 ms (the first
-    horizontal tick) are all ready: the longest process start (the last of them to launch finds
-    the others starting) plus the longest weight load among the deployed models, at most the
-    demo's wait (:func:`cli.demo.warm_up_limit_s`: within a new function's keep-alive)."""
+    horizontal tick) are all ready: the deploy's process start (:func:`deploy_start_ms`, moved
+    by ``jitter_ms``) plus the longest weight load among the deployed models, at most the demo's
+    wait (:func:`cli.demo.warm_up_limit_s`: within a new function's keep-alive)."""
     if cfg.warm_up_s is not None:
         return cfg.warm_up_s * 1000.0
     longest = max((models.cold_start_ms(s.model) for s in work.specs), default=0.0)
-    start = max(cfg.process_start_by_starting_ms, default=cfg.process_start_ms)
-    return min(start + longest, warm_up_limit_s(mode, cfg.speedup, cfg.keep_alive_s) * 1000.0)
+    return min(deploy_start_ms(cfg, jitter_ms) + longest, warm_up_limit_s(mode, cfg.speedup, cfg.keep_alive_s) * 1000.0)
 
 
 def loop_phases(cfg: SimConfig, defrag_every_ms: float) -> tuple[float, float, float]:
-    """(replay start after the warm-up, first telemetry, first defragmentation round), ms on the
-    simulated clock (module docstring, Control loops): (0, 0, ``defrag_every_ms``) without
-    overheads; with them, uniform in [0, tick) each, drawn from their own stream of
-    ``overheads_seed`` (``seed`` when None), so the other draws do not move."""
+    """(the deploy's jitter, first telemetry, first defragmentation round), ms on the simulated
+    clock (module docstring, Control loops): (0, 0, ``defrag_every_ms``) without overheads; with
+    them, the jitter uniform in [-tick/2, tick/2) of the horizontal tick, the others uniform in
+    [0, tick) each, drawn from their own stream of ``overheads_seed`` (``seed`` when None), so the
+    other draws do not move."""
     if cfg.overheads is None:
         return 0.0, 0.0, defrag_every_ms
     rng = random.Random(f"phases-{cfg.seed if cfg.overheads_seed is None else cfg.overheads_seed}")
-    return (rng.random() * cfg.horizontal_tick_ms, rng.random() * cfg.vertical_tick_ms,
+    return ((rng.random() - 0.5) * cfg.horizontal_tick_ms, rng.random() * cfg.vertical_tick_ms,
             defrag_every_ms * (1.0 - rng.random()))
 
 
@@ -337,8 +357,7 @@ class Simulation:
         self.mech = report.Mechanism(vertical_reaction_ms_p50=None, vertical_reaction_ms_p99=None)  # not modelled
         self.facts = SimFacts(defrag_interval_s=every, park_after_s=park)
         self.phases = loop_phases(cfg, self.defrag_every)
-        self.t0 = warm_up_ms(cfg, work, m.horizontal)  # the replay's start on the simulated clock
-        self.t0 += self.phases[0]
+        self.t0 = warm_up_ms(cfg, work, m.horizontal, self.phases[0])  # the replay's start on the simulated clock
         self.facts.warm_up_s = round(self.t0 / 1000.0, 6)
         self.span_end = self.t0 + work.plan.duration_s * 1000.0
         self.end = self.span_end + cfg.drain_s * 1000.0
@@ -367,6 +386,7 @@ class Simulation:
         self.transport = Sampler(ov.transport_ms, f"transport-{ov_seed}") if ov else None
         self.batch_extra = Sampler(ov.batch_ms, f"batch-{ov_seed}") if ov else None
         self.pickup = Sampler(ov.pickup_ms, f"pickup-{ov_seed}") if ov and ov.pickup_ms else None
+        self.dispatch = Sampler(ov.dispatch_ms, f"dispatch-{ov_seed}") if ov and ov.dispatch_ms else None
         # (function, batch size, modelled service ms) of each batch of the replay, when a caller
         # (dilu calibrate) sets a list here; None: not kept
         self.batch_log: list[tuple[str, int, float]] | None = None
@@ -487,9 +507,12 @@ class Simulation:
         return gpu
 
     def _process_start_ms(self, node: str) -> float:
-        """The process start (ms) of an instance launched now on ``node``: by the instances already
-        starting there when the config has a table for it (resumes are no process start), else
-        the configured one."""
+        """The process start (ms) of an instance launched now on ``node``: the deploy's
+        (:func:`deploy_start_ms`) at the deploy (0 ms); else by the instances already starting
+        there when the config has a table for it (resumes are no process start), else the
+        configured one."""
+        if self.loop.now == 0.0:
+            return deploy_start_ms(self.cfg, self.phases[0])
         table = self.cfg.process_start_by_starting_ms
         if not table:
             return self.cfg.process_start_ms
@@ -693,7 +716,11 @@ class Simulation:
             self.loop.at(self.sched[nxt], self._arrive, nxt)
         for inst in f.ready:
             if not inst.busy:
-                self._start_batch(inst)
+                if self.dispatch is None:
+                    self._start_batch(inst)
+                else:  # the idle puller's fetch delivers and decodes it: busy meanwhile
+                    inst.busy = True
+                    self.loop.at(self.loop.now + self.dispatch(), self._picked_up, inst)
                 break
         else:
             if self.hconf.park_after_s and not f.ready:
@@ -785,8 +812,9 @@ class Simulation:
             self._picked_up(inst)
 
     def _picked_up(self, inst: Instance) -> None:
-        """After a batch (and the pickup of the next, :attr:`Overheads.pickup_ms`): the instance
-        serves its queue, or leaves when it was drained meanwhile."""
+        """After a batch (and the pickup of the next, :attr:`Overheads.pickup_ms`), or the dispatch
+        of a request to it while idle (:attr:`Overheads.dispatch_ms`): the instance serves its
+        queue, or leaves when it was drained meanwhile."""
         inst.busy = False
         if inst.state == "draining":
             self._gone(inst)
@@ -1127,6 +1155,7 @@ def _output(cfg: SimConfig, work: Workload, reports: dict, facts: dict) -> dict:
             "defrag_interval_s": cfg.defrag_interval_s,
             "process_start_ms": cfg.process_start_ms,
             "process_start_by_starting_ms": list(cfg.process_start_by_starting_ms),
+            "process_start_initial_ms": cfg.process_start_initial_ms,
             "overheads": None if cfg.overheads is None else cfg.overheads.source,
             "overheads_seed": None if cfg.overheads is None else
             (cfg.seed if cfg.overheads_seed is None else cfg.overheads_seed),

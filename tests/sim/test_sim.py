@@ -546,9 +546,10 @@ def test_a_defragmentation_round_prices_moves_with_what_the_live_scheduler_knows
 
 def test_a_live_nodes_control_loops_tick_at_drawn_phases():
     """With overheads (a live node's run) each draw meets the control loops at other phases, as
-    live reruns do: the replay starts up to a horizontal tick after the warm-up, the telemetry
-    and the defragmentation rounds at phases of their own; the same draw, the same phases.
-    Without overheads every loop starts with the deploy (the idealised run)."""
+    live reruns do: the deploy's launches start up to half a horizontal tick sooner or later, and
+    the replay with them; the telemetry and the defragmentation rounds at phases of their own;
+    the same draw, the same phases. Without overheads every loop starts with the deploy (the
+    idealised run)."""
     from dilu.loadgen.sim.overheads import QUANTILE_POINTS, Overheads
     from dilu.loadgen.sim.run import loop_phases
 
@@ -557,9 +558,9 @@ def test_a_live_nodes_control_loops_tick_at_drawn_phases():
     ov = Overheads((0.0,) * QUANTILE_POINTS, (0.0,) * QUANTILE_POINTS)
     draws = [loop_phases(SimConfig(**SMALL, seed=2, overheads=ov, overheads_seed=k), 3000.0) for k in range(1, 41)]
     assert draws[0] == loop_phases(SimConfig(**SMALL, seed=2, overheads=ov, overheads_seed=1), 3000.0)
-    for i, tick in enumerate((plain.horizontal_tick_ms, plain.vertical_tick_ms)):
+    for i, (tick, low) in enumerate(((plain.horizontal_tick_ms, -0.5), (plain.vertical_tick_ms, 0.0))):
         values = [d[i] for d in draws]
-        assert all(0.0 <= v < tick for v in values) and max(values) - min(values) > tick / 2
+        assert all(low * tick <= v < (low + 1.0) * tick for v in values) and max(values) - min(values) > tick / 2
     assert all(0.0 < d[2] <= 3000.0 for d in draws) and len({d[2] for d in draws}) == len(draws)
     work = prepare(SimConfig(**SMALL, seed=2))
     starts = {Simulation(SimConfig(**SMALL, seed=2, overheads=ov, overheads_seed=k), "dilu", work).t0 for k in (1, 2)}
@@ -594,8 +595,9 @@ def test_an_overheads_file_sets_the_process_start_unless_it_is_given(tmp_path):
 
 def test_a_launch_beside_others_starting_takes_the_tables_process_start():
     """process_start_by_starting_ms (``dilu calibrate``'s, from the overheads file): an instance
-    launched while k others start on its node takes entry k. The initial instances start at once:
-    the first alone, the others beside it; a table flat at the constant changes nothing."""
+    launched while k others start on its node takes entry k. The deploy's launches start at once,
+    each beside the others: they take the last entry (without a start of their own,
+    process_start_initial_ms); a table flat at the constant changes nothing."""
     flat = SimConfig(**SMALL, seed=2, process_start_ms=500.0, process_start_by_starting_ms=(500.0,))
     const = SimConfig(**SMALL, seed=2, process_start_ms=500.0)
     assert simulate(flat, ["dilu"])["policies"] == simulate(const, ["dilu"])["policies"]
@@ -605,15 +607,19 @@ def test_a_launch_beside_others_starting_takes_the_tables_process_start():
     place = sim._place
 
     def logged(f, slot=None):
+        starting = sum(1 for i in sim.instances.values() if i.state == "starting")
         inst = place(f, slot)
         if inst is not None:
-            starts.append(inst.ready_ms - sim.loop.now - models.cold_start_ms(f.model))
+            starts.append((sim.loop.now, starting, inst.ready_ms - sim.loop.now - models.cold_start_ms(f.model)))
         return inst
 
     sim._place = logged
     sim.run()
-    assert starts[:2] == pytest.approx([500.0, 3000.0])  # the first alone, the second beside it
-    assert set(round(s) for s in starts) == {500, 3000}
+    deploy = [ms for at, _, ms in starts if at == 0.0]
+    later = [(k, ms) for at, k, ms in starts if at > 0.0]
+    assert len(deploy) > 2 and set(deploy) == {3000.0}
+    assert [ms for _, ms in later] == pytest.approx([500.0 if k == 0 else 3000.0 for k, _ in later])
+    assert {k for k, _ in later} >= {0, 1}  # one alone, one beside another
     assert warm_up_ms(cfg, sim.work, "lazy") == warm_up_ms(const, sim.work, "lazy") + 2500.0  # the last initial one
     with pytest.raises(ValueError, match="process_start_by_starting_ms must be in"):
         SimConfig(process_start_by_starting_ms=(400.0, -1.0))
@@ -665,6 +671,79 @@ def test_a_pickup_parts_an_instances_batches_while_requests_wait():
     assert len(none) > 100 and set(none) == {0.0}
     assert len(some) > 100 and some == pytest.approx([3.0] * len(some))
     assert slow["latency_ms"]["p99"] > base["latency_ms"]["p99"]  # the requests that waited: the tail
+
+
+def test_a_request_to_an_idle_instance_waits_for_its_dispatch():
+    """dispatch_ms (``dilu calibrate``'s): a request that finds an idle instance starts its batch
+    the dispatch later, as the live puller's fetch delivers and decodes it; requests that come
+    meanwhile join that batch. Without a dispatch table the batch starts at once."""
+    from dilu.loadgen.sim.overheads import QUANTILE_POINTS, Overheads
+
+    def run(dispatch_ms: float) -> tuple[list[float], dict]:
+        ov = Overheads((0.0,) * QUANTILE_POINTS, (0.0,) * QUANTILE_POINTS,
+                       dispatch_ms=(dispatch_ms,) * QUANTILE_POINTS if dispatch_ms else ())
+        cfg = SimConfig(**SMALL, seed=2, overheads=ov)
+        sim = Simulation(cfg, "dilu", prepare(cfg))
+        idle_waits: list[float] = []
+        start, arrive = sim._start_batch, sim._arrive
+        came: dict[str, float] = {}
+
+        def arrived(i):
+            if any(not inst.busy for inst in sim.by_fn[i].ready):  # an idle instance takes it
+                came.setdefault(sim.by_fn[i].name, sim.loop.now)
+            arrive(i)
+
+        def started(inst):
+            at = came.pop(inst.fn.name, None)
+            start(inst)
+            if at is not None and inst.inflight:
+                idle_waits.append(sim.loop.now - at)
+
+        sim._start_batch, sim._arrive = started, arrived
+        rep, _ = sim.run()
+        return idle_waits, rep.to_dict()["totals"]
+
+    (none, base), (some, slow) = run(0.0), run(4.0)
+    assert len(none) > 100 and set(none) == {0.0}
+    assert len(some) > 100 and some == pytest.approx([4.0] * len(some))
+    assert slow["latency_ms"]["p50"] >= base["latency_ms"]["p50"] + 4.0 * 0.99
+
+
+def test_the_replay_starts_as_the_last_initial_instance_is_ready_at_any_phase_of_the_tick():
+    """process_start_initial_ms (``dilu calibrate``'s, the deploy's launches all at once): the
+    initial instances start with it, and the replay starts as the last of them is ready, as the
+    live demo's does (WarmWatch); each draw moves both by its jitter, so the replay meets the
+    horizontal tick at any phase while the initial instances are as fresh at its start."""
+    from dilu.loadgen.sim.overheads import QUANTILE_POINTS, Overheads
+
+    ov = Overheads((0.0,) * QUANTILE_POINTS, (0.0,) * QUANTILE_POINTS)
+    work = prepare(SimConfig(**SMALL, seed=2))
+    longest = max(models.cold_start_ms(s.model) for s in work.specs)
+    phases, ahead = set(), set()
+    for k in range(1, 9):
+        cfg = SimConfig(**SMALL, seed=2, process_start_initial_ms=2000.0, process_start_ms=400.0, overheads=ov,
+                        overheads_seed=k)
+        sim = Simulation(cfg, "dilu", work)
+        ready: dict[str, float] = {}
+        place = sim._place
+
+        def logged(f, slot=None, sim=sim, ready=ready, place=place):
+            inst = place(f, slot)
+            if inst is not None and sim.loop.now == 0.0 and not f.training:
+                ready[f.name] = inst.ready_ms
+            return inst
+
+        sim._place = logged
+        sim.run()
+        jitter = sim.phases[0]
+        assert sim.t0 == pytest.approx(max(ready.values())) == pytest.approx(2000.0 + jitter + longest)
+        ahead.add(tuple(round(sim.t0 - r, 6) for r in ready.values()))  # how long before the replay each was ready
+        phases.add(round(sim.t0 % cfg.horizontal_tick_ms, 3))
+    assert len(ahead) == 1 and len(phases) == 8
+    plain = SimConfig(**SMALL, seed=2, process_start_initial_ms=2000.0, process_start_ms=400.0)
+    assert warm_up_ms(plain, work, "lazy") == pytest.approx(2000.0 + longest)
+    with pytest.raises(ValueError, match="process_start_initial_ms must be in"):
+        SimConfig(process_start_initial_ms=-1.0)
 
 
 def test_simulated_telemetry_means_what_the_node_agents_does():

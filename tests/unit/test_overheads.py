@@ -117,8 +117,9 @@ def test_process_starts_count_the_launches_after_the_initial_ones_and_those_star
              _ready("b-0000000005", cold + 1200, 30.1 + (cold + 1200) / 1000)]
     log.write_text("not json\n" + "\n".join(lines) + "\n")
     got = cal.process_starts_ms(log, {"a": "bert_base", "b": "bert_base"})
-    assert [k for k, _ in got] == [0, 0, 1]  # a-4 found none starting, b-5 found a-4
-    assert [ms for _, ms in got] == pytest.approx([400.0, 1000.0, 1200.0], abs=0.01)
+    assert [k for k, _ in got.later] == [0, 0, 1]  # a-4 found none starting, b-5 found a-4
+    assert [ms for _, ms in got.later] == pytest.approx([400.0, 1000.0, 1200.0], abs=0.01)
+    assert got.initial == pytest.approx([900.0, 800.0], abs=0.01)  # each function's first instance
     log.write_text(json.dumps({"event": "instance ready", "instance": "a-1", "cold_start_ms": 1.0}) + "\n")
     with pytest.raises(ValueError, match="node_agent.log:1: not an 'instance ready' line .* field `timestamp`"):
         cal.process_starts_ms(log, {"a": "bert_base"})
@@ -249,12 +250,14 @@ def test_calibrate_refuses_a_directory_given_twice(tmp_path: Path):
 
 def test_the_process_start_can_come_from_other_runs_of_the_node(tmp_path: Path, monkeypatch):
     """``--starts-from``: one run's way in and back with the process start of other runs of the
-    node; the run's own launches are not read then (its malformed log stops nothing), theirs are."""
+    node; the run's own launches are not counted then, theirs are (its own log still gives its
+    parks: a malformed one stops it)."""
     cold = models.cold_start_ms("bert_base")
     request = dict(id="r", function="f", status="ok", instance="f-0000000001", batch=1, scheduled_ns=1_000_000,
                    sent_ns=1_000_000, enqueued_ns=3_000_000, started_ns=4_000_000, replied_ns=6_000_000,
                    done_ns=10_000_000)
-    run = _log_dir(tmp_path / "run", requests=json.dumps(request) + "\n", node_log="{not json\n")
+    run = _log_dir(tmp_path / "run", requests=json.dumps(request) + "\n",
+                   node_log=_ready("f-0000000001", cold + 5000, 10.0) + "\n")
     other = _log_dir(tmp_path / "other", node_log="\n".join([
         _ready("f-0000000001", cold + 900, 10.0), _ready("f-0000000002", cold + 250, 20.0 + (cold + 250) / 1000)]))
     monkeypatch.setattr(cal, "simulated_services", lambda *a, **kw: {})  # no batch to set against the model
@@ -262,9 +265,14 @@ def test_the_process_start_can_come_from_other_runs_of_the_node(tmp_path: Path, 
     ov = cal.calibrate([run], starts_from=[other])
     assert ov.transport_ms[50] == pytest.approx(6.0)  # the run's own: 2 ms in, 4 ms back
     assert ov.process_start_ms == pytest.approx(250.0)  # the other run's launch after its initial one
+    assert ov.process_start_initial_ms == pytest.approx(900.0)  # and its initial one, not the run's 5 s
     assert ov.source["process_starts_from"] == [str(other)]
+    assert cal.calibrate([run]).process_start_initial_ms == pytest.approx(5000.0)
+    (run / cal.NODE_AGENT_LOG).write_text("{not json\n")
     with pytest.raises(ValueError, match="run/node_agent.log:1: not a JSON log line"):
         cal.calibrate([run])  # its own launches, unreadable
+    with pytest.raises(ValueError, match="run/node_agent.log:1: not a JSON log line"):
+        cal.calibrate([run], starts_from=[other])  # its own parks, unreadable
     with pytest.raises(cal.StartsFromError, match="given twice"):  # said of --starts-from, not LOG_DIRS
         cal.calibrate([run], starts_from=[other, tmp_path / "." / "other"])
     (other / cal.NODE_AGENT_LOG).unlink()
@@ -287,6 +295,39 @@ def test_a_pickup_is_counted_where_the_next_batch_was_waiting():
     assert cal.pickups_ms(lines) == pytest.approx([2.0])
     ov = Overheads.from_samples([1.0], [1.0], pickup_ms=[2.0])
     assert ov.pickup_ms == flat(2.0) and Overheads.from_samples([1.0], [1.0]).pickup_ms == ()
+
+
+def test_a_dispatch_is_counted_where_the_batch_came_to_an_idle_instance_not_parked():
+    """From a batch's first stored request to its start on one instance, when that request was
+    stored after the batch before had its last reply; where the instance was parked in between,
+    the wait was its resume (modelled apart), no dispatch."""
+    def line(i, started, replied, enqueued, instance="f-1"):
+        return requestlog.RequestLine(id=str(i), function="f", status="ok", scheduled_ns=enqueued, sent_ns=enqueued,
+                                      done_ns=replied + 1, instance=instance, enqueued_ns=enqueued,
+                                      started_ns=started, replied_ns=replied, batch=1)
+    ms = 1_000_000
+    lines = [line(1, 10 * ms, 20 * ms, 9 * ms),
+             line(2, 23 * ms, 30 * ms, 15 * ms),  # waiting since 15 ms: a pickup, no dispatch
+             line(3, 51 * ms, 60 * ms, 50 * ms),  # stored at 50 ms on an idle instance: 1 ms dispatch
+             line(4, 130 * ms, 140 * ms, 100 * ms),  # idle, but parked at 80 ms: a resume, no dispatch
+             line(5, 203 * ms, 210 * ms, 200 * ms, instance="f-2"),  # another instance's first batch
+             line(6, 302 * ms, 310 * ms, 300 * ms, instance="f-2")]  # its next, idle: 2 ms (f-1's park is f-1's)
+    assert cal.dispatches_ms(lines, {"f-1": [80 * ms]}) == pytest.approx([1.0, 2.0])
+    assert cal.dispatches_ms(lines, {}) == pytest.approx([1.0, 30.0, 2.0])
+    ov = Overheads.from_samples([1.0], [1.0], dispatch_ms=[2.0])
+    assert ov.dispatch_ms == flat(2.0) and Overheads.from_samples([1.0], [1.0]).dispatch_ms == ()
+
+
+def test_parks_are_read_from_the_node_agents_log_and_a_bad_line_is_named(tmp_path: Path):
+    log = tmp_path / "node_agent.log"
+    parked = [json.dumps({"event": "instance parked", "instance": "f-1", "timestamp": f"2026-01-01T12:00:0{s}Z"})
+              for s in (5, 1)]
+    log.write_text("\n".join([_ready("f-1", 900.0, 0.5), *parked]) + "\n")
+    base = 1767268800 * 10**9  # 2026-01-01T12:00:00Z
+    assert cal.parked_ns(log) == {"f-1": [base + 1 * 10**9, base + 5 * 10**9]}
+    log.write_text(json.dumps({"event": "instance parked", "instance": "f-1"}) + "\n")
+    with pytest.raises(ValueError, match="node_agent.log:1: not an 'instance parked' line .* `timestamp`"):
+        cal.parked_ns(log)
 
 
 @pytest.mark.parametrize("change, words", [
