@@ -171,16 +171,16 @@ def _simulate(console, stop: SignalExit, trace_dir, functions, hours, nodes, gpu
     except OverheadsError as exc:
         raise click.BadParameter(str(exc), param_hint="--overheads") from None
     by_starting: tuple[float, ...] = ()  # the file's process starts by launches in progress, unless one is given
-    initial: float | None = None  # and the file's of the deploy's launches
+    initial: tuple[float, ...] = ()  # and the file's of the deploy's launches
     if process_start_ms is None:
         process_start_ms = overheads.start_ms if overheads is not None else models.PROCESS_START_MS
         by_starting = overheads.process_start_by_starting_ms if overheads is not None else ()
-        initial = overheads.process_start_initial_ms if overheads is not None else None
+        initial = overheads.process_start_initial_ms if overheads is not None else ()
     if overheads is not None:
         start = (f"process start {_by_starting(by_starting)}" if by_starting
                  else f"process start {process_start_ms:g} ms")
-        if initial is not None:
-            start += f", {initial:g} ms at the deploy"
+        if initial:
+            start += f"; the deploy's launches up, by launch order, {_by_starting(initial)}"
         console.print(f"[dim]with the overheads of {overheads_path} (drawn with seed "
                       f"{seed if overheads_seed is None else overheads_seed}); {start}[/dim]", highlight=False)
 
@@ -366,10 +366,11 @@ def calibrate(log_dirs, json_path, min_batches, starts_from) -> None:
     by_starting = (_by_starting(ov.process_start_by_starting_ms) if ov.process_start_by_starting_ms else
                    f"not measured (an entry needs {MIN_STARTS} launches after the initial ones)")
     console.print(f"process start by the other instances starting on the node: {by_starting}", highlight=False)
-    initial = (f"{ov.process_start_initial_ms:g} ms (median of "
-               f"{count_of(src['initial_process_start_samples'], 'launch', 'launches')})"
-               if ov.process_start_initial_ms is not None else "not measured")
-    console.print(f"process start of the deploy's launches (all at once): {initial}", highlight=False)
+    initial = (f"{_by_starting(ov.process_start_initial_ms)} "
+               f"({count_of(src['initial_process_start_samples'], 'launch', 'launches')})"
+               if ov.process_start_initial_ms else "not measured")
+    console.print(f"the deploy's launches (all at once), up after its first, by launch order: {initial}",
+                  highlight=False)
     if json_path:
         write_output(json_path, ov.to_json().decode())
         console.print(f"written to {json_path}")

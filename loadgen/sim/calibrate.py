@@ -10,9 +10,11 @@ Input: the log directories ``dilu demo`` / ``dilu compare`` leave per policy und
   by how many other instances were starting on the node when it launched (any instance, the
   initial ones too; its start is its ready time less its cold start): starting processes share
   the node's CPU, so one launched beside three others starts several times slower than one alone
-  (:func:`starts_by_starting`). The initial launches (each function's first instance) have their
-  median apart: the deploy launches them all at once. Those of other runs of the same node may
-  stand in (``starts_from``): one run launches too few instances to measure it alone.
+  (:func:`starts_by_starting`). The deploy's launches (each function's first instance, all at
+  once) are measured apart, by launch order: the k-th is up (launched after the first, plus its
+  process start) a median of ``process_start_initial_ms[k]`` after the first's launch
+  (:func:`initial_by_order`). Those of other runs of the same node may stand in
+  (``starts_from``): one run launches too few instances to measure it alone.
 - **transport**: per answered request, way in + way back (:mod:`.overheads`).
 - **pickup**: per instance, from a batch's last reply to its next batch's start, where a request
   of that next batch was already stored before that reply (the instance had work waiting).
@@ -33,7 +35,7 @@ import statistics
 from collections import defaultdict
 from datetime import datetime
 from pathlib import Path
-from typing import Annotated, Iterator, NamedTuple
+from typing import Annotated, Iterator, NamedTuple, Sequence
 
 import msgspec
 import numpy as np
@@ -66,11 +68,12 @@ class _Parked(msgspec.Struct):
 
 
 class Starts(NamedTuple):
-    """The process starts (ms) read from node agents' logs: ``initial``, those of each function's
-    first instance (the deploy's launches); ``later``, (other instances starting on the node at
-    its launch, process start) of each instance launched once the initial ones were all ready."""
+    """The process starts (ms) read from node agents' logs: ``initial``, (launch order k, ms from
+    the first launch until its process was up) of the deploy's launches (each function's first
+    instance); ``later``, (other instances starting on the node at its launch, process start) of
+    each instance launched once the initial ones were all ready."""
 
-    initial: list[float]
+    initial: list[tuple[int, float]]
     later: list[tuple[int, float]]
 
 
@@ -122,11 +125,25 @@ def process_starts_ms(log: Path, model_of: dict[str, str]) -> Starts:
             continue
         start = max(0.0, r.cold_start_ms - models.cold_start_ms(model_of[fn]))
         if first[fn] == k:
-            initial.append(start)
+            initial.append((spans[k][0], start))
         elif k > last_initial:
             at = spans[k][0]
             later.append((sum(1 for j, (a, b) in enumerate(spans) if j != k and a <= at < b), start))
-    return Starts(initial, later)
+    initial.sort()
+    deploy = initial[0][0] if initial else 0.0
+    return Starts([(k, at - deploy + start) for k, (at, start) in enumerate(initial)], later)
+
+
+def initial_by_order(initial: list[tuple[int, float]]) -> list[float]:
+    """The median (ms) of each launch order k of the deploy's launches, k = 0 up to the largest
+    (``initial``: :attr:`Starts.initial`'s pairs, pooled over runs); made non-decreasing (a later
+    launch is up no sooner: the medians of neighbouring orders cross by chance). Empty when
+    ``initial`` is."""
+    by_k: dict[int, list[float]] = defaultdict(list)
+    for k, ms in initial:
+        by_k[k].append(ms)
+    table = [statistics.median(by_k[k]) for k in sorted(by_k)]
+    return [max(table[:i + 1]) for i in range(len(table))]
 
 
 def parked_ns(log: Path) -> dict[str, list[int]]:
@@ -258,16 +275,17 @@ def sim_config(run: report.RunInfo, training_jobs: int, **settings):
 
 
 def simulated_services(run: report.RunInfo, training_jobs: int, process_start_ms: float,
-                       by_starting: tuple[float, ...] = (),
-                       initial_ms: float | None = None) -> dict[tuple[str, int], list[float]]:
+                       by_starting: Sequence[float] = (),
+                       initial: Sequence[float] = ()) -> dict[tuple[str, int], list[float]]:
     """(function, batch size) -> the simulated service (ms) of each batch of a simulation of the
     live run described by ``run`` (:func:`sim_config`), under its policy, with the process start
-    ``process_start_ms`` or by those starting (``by_starting``) and that of the deploy's launches
-    (``initial_ms``; :class:`SimConfig`). Raises ValueError for a run the simulator cannot replay."""
+    ``process_start_ms`` or by those starting (``by_starting``) and the deploy's launches' by
+    launch order (``initial``; :class:`SimConfig`). Raises ValueError for a run the simulator
+    cannot replay."""
     from .run import Simulation, prepare
 
     cfg = sim_config(run, training_jobs, process_start_ms=process_start_ms,
-                     process_start_by_starting_ms=tuple(by_starting), process_start_initial_ms=initial_ms,
+                     process_start_by_starting_ms=tuple(by_starting), process_start_initial_ms=tuple(initial),
                      keep_records=False)
     sim = Simulation(cfg, run.policy, prepare(cfg))
     sim.batch_log = []
@@ -390,7 +408,7 @@ def measure(runs: list[tuple[Path, report.Report, list]], starts: Starts,
     later = starts.later
     start_ms = statistics.median(ms for _, ms in later) if later else models.PROCESS_START_MS
     by_starting = starts_by_starting(later)
-    initial_ms = statistics.median(starts.initial) if starts.initial else None
+    initial = initial_by_order(starts.initial)
     transport: list[float] = []
     batch: list[float] = []
     pickup: list[float] = []
@@ -399,7 +417,7 @@ def measure(runs: list[tuple[Path, report.Report, list]], starts: Starts,
         transport += transport_ms(lines)
         pickup += pickups_ms(lines)
         dispatch += dispatches_ms(lines, parked_ns(d / NODE_AGENT_LOG))
-        simulated = simulated_services(rep.run, len(rep.training), start_ms, by_starting, initial_ms)
+        simulated = simulated_services(rep.run, len(rep.training), start_ms, by_starting, initial)
         batch += batch_overheads_ms(live_services(lines), simulated, min_batches)
     if not batch:
         raise OverheadsError(f"no function served {min_batches} batches of one size in both the live runs "
@@ -410,4 +428,4 @@ def measure(runs: list[tuple[Path, report.Report, list]], starts: Starts,
     if starts_from is not None:
         source["process_starts_from"] = [str(d) for d in starts_from]
     return Overheads.from_samples(transport, batch, start_ms if later else None, source, by_starting, pickup,
-                                  dispatch, initial_ms)
+                                  dispatch, initial)

@@ -25,9 +25,10 @@ Four tables, split by the serving instance's own times in its reply (``Dilu-Star
 Beside them, the node's process start (before the weights load), as a median and by how many
 other instances were starting on the node at the launch: on a 2-core node the starting
 processes share the CPU, so a burst of launches starts several times slower than one launch.
-The deploy's initial launches (every function's first instance, all at once) have a median of
-their own: they start beside all the others, longer than any launch of the replay (2.1 s against
-0.4-0.5 s on the emulated node).
+The deploy's initial launches (every function's first instance, all at once) are measured apart,
+by launch order: they start beside all the others, longer than any launch of the replay, and a
+later one is up later (on the emulated node the first 2.0 s after the deploy, the sixteenth 2.5 s,
+against 0.4-0.5 s for a launch of the replay).
 
 On a real GPU node the tables are small against the GPU's time; on the emulated node of a
 2-core machine they are not (README, At cluster scale: the cross-check). ``dilu sim`` without
@@ -59,8 +60,9 @@ class Overheads(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     (``process_start_ms``, ms; None: not measured), the median process start by the number of
     other instances already starting on the node (``process_start_by_starting_ms``: entry k for
     k of them, the last entry also for more; empty: not measured; on a 2-core node the starting
-    processes share the CPU), the median process start of the deploy's initial launches
-    (``process_start_initial_ms``, ms; None: not measured), the pickup between batches while
+    processes share the CPU), when the deploy's launches are up by launch order
+    (``process_start_initial_ms``: entry k, ms from the first launch, for the k-th, the last
+    entry also for more; empty: not measured), the pickup between batches while
     requests wait (``pickup_ms``, ms, a table as the two first; empty: not measured), the
     dispatch of a request to an idle instance (``dispatch_ms``, likewise) and where they come
     from (``source``:
@@ -74,7 +76,7 @@ class Overheads(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     source: dict = {}
     pickup_ms: tuple[float, ...] = ()
     dispatch_ms: tuple[float, ...] = ()
-    process_start_initial_ms: float | None = None
+    process_start_initial_ms: tuple[float, ...] = ()
 
     def __post_init__(self) -> None:
         for name in ("transport_ms", "batch_ms", "pickup_ms", "dispatch_ms"):
@@ -87,21 +89,19 @@ class Overheads(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
                 raise OverheadsError(f"{name} holds a negative or non-finite value")
             if any(b < a for a, b in zip(q, q[1:])):
                 raise OverheadsError(f"{name} is not non-decreasing (quantiles)")
-        for name in ("process_start_ms", "process_start_initial_ms"):
-            ps = getattr(self, name)
-            if ps is not None and not (math.isfinite(ps) and 0 <= ps <= models.PROCESS_START_MAX_MS):
-                raise OverheadsError(f"{name} must be in [0, {models.PROCESS_START_MAX_MS:g}] ms, got {ps}")
-        if any(not (math.isfinite(v) and 0 <= v <= models.PROCESS_START_MAX_MS)
-               for v in self.process_start_by_starting_ms):
-            raise OverheadsError(f"process_start_by_starting_ms must hold values in "
-                                 f"[0, {models.PROCESS_START_MAX_MS:g}] ms")
+        ps = self.process_start_ms
+        if ps is not None and not (math.isfinite(ps) and 0 <= ps <= models.PROCESS_START_MAX_MS):
+            raise OverheadsError(f"process_start_ms must be in [0, {models.PROCESS_START_MAX_MS:g}] ms, got {ps}")
+        for name in ("process_start_by_starting_ms", "process_start_initial_ms"):
+            if any(not (math.isfinite(v) and 0 <= v <= models.PROCESS_START_MAX_MS) for v in getattr(self, name)):
+                raise OverheadsError(f"{name} must hold values in [0, {models.PROCESS_START_MAX_MS:g}] ms")
 
     @classmethod
     def from_samples(cls, transport_ms: Sequence[float], batch_ms: Sequence[float],
                      process_start_ms: float | None = None, source: dict | None = None,
                      process_start_by_starting_ms: Sequence[float] = (),
                      pickup_ms: Sequence[float] = (), dispatch_ms: Sequence[float] = (),
-                     process_start_initial_ms: float | None = None) -> Overheads:
+                     process_start_initial_ms: Sequence[float] = ()) -> Overheads:
         """The tables of the samples (ms; negative values count as 0: a batch served faster than
         modelled adds nothing; no pickup or dispatch sample: no such table). Raises
         :class:`OverheadsError` when the transport or batch sample is empty."""
@@ -110,7 +110,7 @@ class Overheads(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
                    tuple(round(v, 1) for v in process_start_by_starting_ms), dict(source or {}),
                    quantiles(pickup_ms, "pickup") if len(pickup_ms) else (),
                    quantiles(dispatch_ms, "dispatch") if len(dispatch_ms) else (),
-                   None if process_start_initial_ms is None else round(process_start_initial_ms, 1))
+                   tuple(round(v, 1) for v in process_start_initial_ms))
 
     @property
     def start_ms(self) -> float:

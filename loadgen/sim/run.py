@@ -63,7 +63,7 @@ import math
 import random
 import time
 from collections import defaultdict
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import msgspec
@@ -126,8 +126,8 @@ class SimConfig:
     at 4 GB/s); ``process_start_by_starting_ms``: if not empty, the process start instead by how
     many other instances are starting on the node at the launch (entry k for k, the last also
     for more; :attr:`Overheads.process_start_by_starting_ms`); ``process_start_initial_ms``:
-    if set, the process start of the deploy's launches instead (all at once, beside each other;
-    :attr:`Overheads.process_start_initial_ms`); ``overheads``: what a live node
+    if not empty, when the deploy's launches are up instead, by launch order (all at once, beside
+    each other; :attr:`Overheads.process_start_initial_ms`); ``overheads``: what a live node
     adds to each request and batch beyond the modelled GPU time (:mod:`.overheads`, measured by
     ``dilu calibrate``; None: nothing), drawn from streams seeded by ``overheads_seed`` (None:
     ``seed``; another value draws other overheads and control-loop phases over the same requests,
@@ -148,7 +148,7 @@ class SimConfig:
     defrag_interval_s: float | None = None
     process_start_ms: float = models.PROCESS_START_MS
     process_start_by_starting_ms: tuple[float, ...] = ()
-    process_start_initial_ms: float | None = None
+    process_start_initial_ms: tuple[float, ...] = ()
     overheads: Overheads | None = None
     overheads_seed: int | None = None
     vertical_tick_ms: float = 250.0
@@ -173,10 +173,9 @@ class SimConfig:
                 self.defrag_interval_s == 0 or DEFRAG_INTERVAL_MIN_S <= self.defrag_interval_s <= 86_400):
             raise ValueError(f"defrag_interval_s must be 0 or in [{DEFRAG_INTERVAL_MIN_S:g}, 86400] s, "
                              f"got {self.defrag_interval_s}")
-        initial = () if self.process_start_initial_ms is None else (self.process_start_initial_ms,)
         for name, values in (("process_start_ms", (self.process_start_ms,)),
                              ("process_start_by_starting_ms", self.process_start_by_starting_ms),
-                             ("process_start_initial_ms", initial)):
+                             ("process_start_initial_ms", self.process_start_initial_ms)):
             for ms in values:
                 if not (0 <= ms <= models.PROCESS_START_MAX_MS):
                     raise ValueError(f"{name} must be in [0, {models.PROCESS_START_MAX_MS:g}] ms, got {ms}")
@@ -237,27 +236,28 @@ def prepare(cfg: SimConfig) -> Workload:
     return Workload(plan, specs, profiles)
 
 
-def deploy_start_ms(cfg: SimConfig, jitter_ms: float = 0.0) -> float:
-    """The process start (ms) of the instances the deploy launches (the initial ones and the
-    training jobs, all at once): ``process_start_initial_ms`` when measured, else the longest of
-    the process start table (the last of them to launch finds the others starting) or the
-    constant; moved by ``jitter_ms`` (:func:`loop_phases`), at least 0."""
-    start = cfg.process_start_initial_ms
-    if start is None:
-        start = max(cfg.process_start_by_starting_ms, default=cfg.process_start_ms)
+def deploy_start_ms(cfg: SimConfig, k: int, jitter_ms: float = 0.0) -> float:
+    """When the process of the deploy's ``k``-th launch (0: its first) is up, ms after the deploy:
+    entry k of ``process_start_initial_ms`` (the last also for more) when measured, else the
+    longest of the process start table (each finds the others starting) or the constant; moved
+    by ``jitter_ms`` (:func:`loop_phases`), at least 0."""
+    table = cfg.process_start_initial_ms
+    start = table[min(k, len(table) - 1)] if table else max(cfg.process_start_by_starting_ms,
+                                                            default=cfg.process_start_ms)
     return max(0.0, start + jitter_ms)
 
 
-def warm_up_ms(cfg: SimConfig, work: Workload, mode: str, jitter_ms: float = 0.0) -> float:
+def warm_up_ms(cfg: SimConfig, launches: Sequence[str], mode: str, jitter_ms: float = 0.0) -> float:
     """When the replay under the horizontal ``mode`` starts (ms after the deploy):
-    ``cfg.warm_up_s`` if set, else when the initial instances placed at 0 ms (the first
-    horizontal tick) are all ready: the deploy's process start (:func:`deploy_start_ms`, moved
-    by ``jitter_ms``) plus the longest weight load among the deployed models, at most the demo's
-    wait (:func:`cli.demo.warm_up_limit_s`: within a new function's keep-alive)."""
+    ``cfg.warm_up_s`` if set, else when the deploy's launches (``launches``: their models, in
+    launch order) are all ready: the latest of each one's process start (:func:`deploy_start_ms`,
+    moved by ``jitter_ms``) plus its model's weight load, at most the demo's wait
+    (:func:`cli.demo.warm_up_limit_s`: within a new function's keep-alive)."""
     if cfg.warm_up_s is not None:
         return cfg.warm_up_s * 1000.0
-    longest = max((models.cold_start_ms(s.model) for s in work.specs), default=0.0)
-    return min(deploy_start_ms(cfg, jitter_ms) + longest, warm_up_limit_s(mode, cfg.speedup, cfg.keep_alive_s) * 1000.0)
+    ready = max((deploy_start_ms(cfg, k, jitter_ms) + models.cold_start_ms(m) for k, m in enumerate(launches)),
+                default=deploy_start_ms(cfg, 0, jitter_ms))
+    return min(ready, warm_up_limit_s(mode, cfg.speedup, cfg.keep_alive_s) * 1000.0)
 
 
 def loop_phases(cfg: SimConfig, defrag_every_ms: float) -> tuple[float, float, float]:
@@ -357,11 +357,14 @@ class Simulation:
         self.mech = report.Mechanism(vertical_reaction_ms_p50=None, vertical_reaction_ms_p99=None)  # not modelled
         self.facts = SimFacts(defrag_interval_s=every, park_after_s=park)
         self.phases = loop_phases(cfg, self.defrag_every)
-        self.t0 = warm_up_ms(cfg, work, m.horizontal, self.phases[0])  # the replay's start on the simulated clock
+        self.deploy_launches = 0  # instances placed at the deploy so far (their launch order)
+        self.seq = 0
+        for s in work.specs:
+            self._deploy(s)
+        self.t0 = warm_up_ms(cfg, self._deploy_models(), m.horizontal, self.phases[0])  # the replay's start
         self.facts.warm_up_s = round(self.t0 / 1000.0, 6)
         self.span_end = self.t0 + work.plan.duration_s * 1000.0
         self.end = self.span_end + cfg.drain_s * 1000.0
-        self.seq = 0
         invs = work.plan.invocations
         self.inv = invs
         self.sched = [self.t0 + i.scheduled_ns / 1e6 for i in invs]
@@ -378,8 +381,6 @@ class Simulation:
         self.finished = 0  # requests ended (answered, failed or timed out)
         self.cut: _Cut | None = None  # the integrals when the replay ended (None: at self.end)
         self.train_iters: dict[str, float] = {}
-        for s in work.specs:
-            self._deploy(s)
         self.by_fn = [self.fns[i.function] for i in invs]
         ov = cfg.overheads  # each its own seeded stream: the same draws whatever else is random
         ov_seed = cfg.seed if cfg.overheads_seed is None else cfg.overheads_seed
@@ -416,6 +417,15 @@ class Simulation:
         elif demand is not None:
             self.horizontal.add_function(spec.name, function_params(spec, profile, None, slo_ms=slo))
             self.horizontal.deployed(spec.name, 0.0)
+
+    def _deploy_models(self) -> list[str]:
+        """The models of the instances the deploy launches, in launch order: the training jobs as
+        they were deployed (their launches come first at 0 ms), then each inference function's
+        initial scale in the horizontal tick order (:func:`tick_order`), as its first tick places
+        them."""
+        training = [f.model for f in self.fns.values() if f.training and f.demand is not None]
+        return training + [f.model for f in self.ticked if not f.training and f.demand is not None
+                           for _ in range(self.horizontal.initial_scale(f.name))]
 
     # ------------------------------------------------------------------ accounting
 
@@ -512,7 +522,8 @@ class Simulation:
         there when the config has a table for it (resumes are no process start), else the
         configured one."""
         if self.loop.now == 0.0:
-            return deploy_start_ms(self.cfg, self.phases[0])
+            self.deploy_launches += 1
+            return deploy_start_ms(self.cfg, self.deploy_launches - 1, self.phases[0])
         table = self.cfg.process_start_by_starting_ms
         if not table:
             return self.cfg.process_start_ms
@@ -1155,7 +1166,7 @@ def _output(cfg: SimConfig, work: Workload, reports: dict, facts: dict) -> dict:
             "defrag_interval_s": cfg.defrag_interval_s,
             "process_start_ms": cfg.process_start_ms,
             "process_start_by_starting_ms": list(cfg.process_start_by_starting_ms),
-            "process_start_initial_ms": cfg.process_start_initial_ms,
+            "process_start_initial_ms": list(cfg.process_start_initial_ms),
             "overheads": None if cfg.overheads is None else cfg.overheads.source,
             "overheads_seed": None if cfg.overheads is None else
             (cfg.seed if cfg.overheads_seed is None else cfg.overheads_seed),

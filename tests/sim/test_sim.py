@@ -374,7 +374,8 @@ def test_the_replay_starts_when_the_initial_instances_are_ready():
     cfg = SimConfig(functions=16, hours=0.05, speedup=10, seed=2)
     work = prepare(cfg)
     longest = max(models.cold_start_ms(s.model) for s in work.specs)
-    assert warm_up_ms(cfg, work, "kpa") == pytest.approx(cfg.process_start_ms + longest)
+    launched = [s.model for s in work.specs]
+    assert warm_up_ms(cfg, launched, "kpa") == pytest.approx(cfg.process_start_ms + longest)
     sim = Simulation(cfg, "horizontal-only", work)
     sim.run()
     first = {}
@@ -402,8 +403,9 @@ def test_the_replay_starts_within_a_new_functions_keep_alive():
     # the span (18 s from 9 s) ends before any initial instance has been ready for 9 s
     cfg = SimConfig(functions=16, hours=0.05, speedup=10, seed=2, process_start_ms=20_000.0, drain_s=1.0)
     work = prepare(cfg)
-    assert warm_up_ms(cfg, work, "kpa") == pytest.approx(9000.0)
-    assert warm_up_ms(cfg, work, "lazy") > 20_000.0  # the cold start itself: within dilu's 30 s
+    launched = [s.model for s in work.specs]
+    assert warm_up_ms(cfg, launched, "kpa") == pytest.approx(9000.0)
+    assert warm_up_ms(cfg, launched, "lazy") > 20_000.0  # the cold start itself: within dilu's 30 s
     sim = Simulation(cfg, "horizontal-only", work)
     rep, facts = sim.run()
     assert facts.warm_up_s == pytest.approx(9.0) and sim.t0 == pytest.approx(9000.0)
@@ -620,7 +622,8 @@ def test_a_launch_beside_others_starting_takes_the_tables_process_start():
     assert len(deploy) > 2 and set(deploy) == {3000.0}
     assert [ms for _, ms in later] == pytest.approx([500.0 if k == 0 else 3000.0 for k, _ in later])
     assert {k for k, _ in later} >= {0, 1}  # one alone, one beside another
-    assert warm_up_ms(cfg, sim.work, "lazy") == warm_up_ms(const, sim.work, "lazy") + 2500.0  # the last initial one
+    launched = [s.model for s in sim.work.specs]
+    assert warm_up_ms(cfg, launched, "lazy") == warm_up_ms(const, launched, "lazy") + 2500.0  # the last initial one
     with pytest.raises(ValueError, match="process_start_by_starting_ms must be in"):
         SimConfig(process_start_by_starting_ms=(400.0, -1.0))
 
@@ -711,39 +714,42 @@ def test_a_request_to_an_idle_instance_waits_for_its_dispatch():
 
 def test_the_replay_starts_as_the_last_initial_instance_is_ready_at_any_phase_of_the_tick():
     """process_start_initial_ms (``dilu calibrate``'s, the deploy's launches all at once): the
-    initial instances start with it, and the replay starts as the last of them is ready, as the
-    live demo's does (WarmWatch); each draw moves both by its jitter, so the replay meets the
-    horizontal tick at any phase while the initial instances are as fresh at its start."""
+    k-th launch of the deploy is up at entry k (the last also for more), and the replay starts as
+    the last of them is ready, as the live demo's does (WarmWatch); each draw moves all by its
+    jitter, so the replay meets the horizontal tick at any phase while the initial instances are
+    as fresh at its start."""
     from dilu.loadgen.sim.overheads import QUANTILE_POINTS, Overheads
 
     ov = Overheads((0.0,) * QUANTILE_POINTS, (0.0,) * QUANTILE_POINTS)
     work = prepare(SimConfig(**SMALL, seed=2))
-    longest = max(models.cold_start_ms(s.model) for s in work.specs)
+    table = (2000.0, 2100.0, 2150.0, 2400.0)
     phases, ahead = set(), set()
     for k in range(1, 9):
-        cfg = SimConfig(**SMALL, seed=2, process_start_initial_ms=2000.0, process_start_ms=400.0, overheads=ov,
+        cfg = SimConfig(**SMALL, seed=2, process_start_initial_ms=table, process_start_ms=400.0, overheads=ov,
                         overheads_seed=k)
         sim = Simulation(cfg, "dilu", work)
-        ready: dict[str, float] = {}
+        ready: list[tuple[float, float]] = []  # (up, ready) of each launch at the deploy, in launch order
         place = sim._place
 
         def logged(f, slot=None, sim=sim, ready=ready, place=place):
             inst = place(f, slot)
-            if inst is not None and sim.loop.now == 0.0 and not f.training:
-                ready[f.name] = inst.ready_ms
+            if inst is not None and sim.loop.now == 0.0:
+                ready.append((inst.ready_ms - models.cold_start_ms(f.model), inst.ready_ms))
             return inst
 
         sim._place = logged
         sim.run()
         jitter = sim.phases[0]
-        assert sim.t0 == pytest.approx(max(ready.values())) == pytest.approx(2000.0 + jitter + longest)
-        ahead.add(tuple(round(sim.t0 - r, 6) for r in ready.values()))  # how long before the replay each was ready
+        assert len(ready) == 8 and [up for up, _ in ready] == pytest.approx([v + jitter for v in table + (2400.0,) * 4])
+        assert sim.t0 == pytest.approx(max(r for _, r in ready))
+        ahead.add(tuple(round(sim.t0 - r, 6) for _, r in ready))  # how long before the replay each was ready
         phases.add(round(sim.t0 % cfg.horizontal_tick_ms, 3))
     assert len(ahead) == 1 and len(phases) == 8
-    plain = SimConfig(**SMALL, seed=2, process_start_initial_ms=2000.0, process_start_ms=400.0)
-    assert warm_up_ms(plain, work, "lazy") == pytest.approx(2000.0 + longest)
+    plain = SimConfig(**SMALL, seed=2, process_start_initial_ms=(2000.0,), process_start_ms=400.0)
+    longest = max(models.cold_start_ms(s.model) for s in work.specs)
+    assert warm_up_ms(plain, [s.model for s in work.specs], "lazy") == pytest.approx(2000.0 + longest)
     with pytest.raises(ValueError, match="process_start_initial_ms must be in"):
-        SimConfig(process_start_initial_ms=-1.0)
+        SimConfig(process_start_initial_ms=(-1.0,))
 
 
 def test_simulated_telemetry_means_what_the_node_agents_does():

@@ -119,10 +119,22 @@ def test_process_starts_count_the_launches_after_the_initial_ones_and_those_star
     got = cal.process_starts_ms(log, {"a": "bert_base", "b": "bert_base"})
     assert [k for k, _ in got.later] == [0, 0, 1]  # a-4 found none starting, b-5 found a-4
     assert [ms for _, ms in got.later] == pytest.approx([400.0, 1000.0, 1200.0], abs=0.01)
-    assert got.initial == pytest.approx([900.0, 800.0], abs=0.01)  # each function's first instance
+    # each function's first instance, in launch order: a-1 launched first, b-2 600 ms later
+    assert [k for k, _ in got.initial] == [0, 1]
+    assert [ms for _, ms in got.initial] == pytest.approx([900.0, 600.0 + 800.0], abs=0.01)
     log.write_text(json.dumps({"event": "instance ready", "instance": "a-1", "cold_start_ms": 1.0}) + "\n")
     with pytest.raises(ValueError, match="node_agent.log:1: not an 'instance ready' line .* field `timestamp`"):
         cal.process_starts_ms(log, {"a": "bert_base"})
+
+
+def test_the_deploys_launches_are_up_by_launch_order_the_median_of_the_runs():
+    initial = [(0, 2000.0), (1, 2100.0), (2, 2500.0),  # one run's three launches
+               (0, 1800.0), (1, 2300.0), (2, 2200.0), (3, 2600.0),  # another's four
+               (0, 2100.0), (1, 2000.0)]
+    # medians 2000, 2100, 2350, 2600; a later launch is never up sooner than one before it
+    assert cal.initial_by_order(initial) == pytest.approx([2000.0, 2100.0, 2350.0, 2600.0])
+    assert cal.initial_by_order([(0, 900.0), (1, 800.0)]) == pytest.approx([900.0, 900.0])
+    assert cal.initial_by_order([]) == []
 
 
 @pytest.mark.parametrize("starts, table", [
@@ -265,9 +277,9 @@ def test_the_process_start_can_come_from_other_runs_of_the_node(tmp_path: Path, 
     ov = cal.calibrate([run], starts_from=[other])
     assert ov.transport_ms[50] == pytest.approx(6.0)  # the run's own: 2 ms in, 4 ms back
     assert ov.process_start_ms == pytest.approx(250.0)  # the other run's launch after its initial one
-    assert ov.process_start_initial_ms == pytest.approx(900.0)  # and its initial one, not the run's 5 s
+    assert ov.process_start_initial_ms == pytest.approx((900.0,))  # and its initial one, not the run's 5 s
     assert ov.source["process_starts_from"] == [str(other)]
-    assert cal.calibrate([run]).process_start_initial_ms == pytest.approx(5000.0)
+    assert cal.calibrate([run]).process_start_initial_ms == pytest.approx((5000.0,))
     (run / cal.NODE_AGENT_LOG).write_text("{not json\n")
     with pytest.raises(ValueError, match="run/node_agent.log:1: not a JSON log line"):
         cal.calibrate([run])  # its own launches, unreadable
