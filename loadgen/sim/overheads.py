@@ -28,7 +28,7 @@ processes share the CPU, so a burst of launches starts several times slower than
 The deploy's initial launches (every function's first instance, all at once) are measured apart,
 by launch order: they start beside all the others, longer than any launch of the replay, and a
 later one is up later (on the emulated node the first 2.0 s after the deploy, the sixteenth 2.5 s,
-against 0.4-0.5 s for a launch of the replay).
+against 0.3-0.8 s for a launch of the replay).
 
 On a real GPU node the tables are small against the GPU's time; on the emulated node of a
 2-core machine they are not (README, At cluster scale: the cross-check). ``dilu sim`` without

@@ -44,8 +44,8 @@ one horizontal tick, centred on it (live it varies by more than a tick from run 
 scaler's tick drifts), and the replay starts with them.
 
 The replay starts when every function's initial instance is ready, as the demo starts it once
-:class:`cli.deploy.WarmWatch` has seen them all (the initial launches' process start plus the
-longest weight load of the deployed models, at most the demo's wait,
+:class:`cli.deploy.WarmWatch` has seen them all (the latest of the deploy's launches, each up
+by its launch order, :func:`deploy_start_ms`, then loading its weights; at most the demo's wait,
 :func:`cli.demo.warm_up_limit_s`; ``warm_up_s`` fixes it instead).
 Starting later would let a short keep-alive (Knative's) unload them before the first request.
 Requests unanswered after max(30 s, 10 x SLO) time out, those left ``drain_s`` after the span
