@@ -323,10 +323,12 @@ def batch_overheads_ms(live: dict, simulated: dict, min_batches: int = MIN_BATCH
 
 
 def read_runs(log_dirs: list[Path]) -> list[tuple[Path, report.Report, list[requestlog.RequestLine]]]:
-    """Each log directory's report and request log, refusing a directory given twice or one that
-    is not a policy's log directory of a run. Raises OSError, ValueError naming what is wrong."""
+    """Each log directory's report and request log, refusing a directory given twice, a copy of
+    one given (the same requests) or one that is not a policy's log directory of a run. Raises
+    OSError, ValueError naming what is wrong."""
     runs = []
     seen: set[Path] = set()
+    first: dict[tuple[str, int], Path] = {}  # each run's first request (its id, when it was scheduled)
     for d in log_dirs:
         if d.resolve() in seen:
             raise ValueError(f"{d} is given twice: what it holds would count twice")
@@ -345,6 +347,13 @@ def read_runs(log_dirs: list[Path]) -> list[tuple[Path, report.Report, list[requ
         if not lines:
             raise ValueError(f"{d / requestlog.FILENAME}: holds no request")
         _check_belongs(d, rep, lines)
+        # a copy of a run under another path holds the same requests: ids are drawn per run and
+        # times are Unix ns, so two runs never share their first request
+        key = (lines[0].id, lines[0].scheduled_ns)
+        if key in first:
+            raise ValueError(f"{d} holds the same run as {first[key]} (the same requests): "
+                             f"what it holds would count twice")
+        first[key] = d
         runs.append((d, rep, lines))
     return runs
 

@@ -260,6 +260,20 @@ def test_calibrate_refuses_a_directory_given_twice(tmp_path: Path):
         cal.calibrate([d, tmp_path / "." / "run"])
 
 
+def test_calibrate_refuses_a_copy_of_a_run_given_beside_it(tmp_path: Path):
+    """The same requests under another path would count twice; another run (its own request
+    ids and times) is another sample."""
+    import shutil
+
+    d = _log_dir(tmp_path / "run")
+    shutil.copytree(d, tmp_path / "copy")
+    with pytest.raises(ValueError, match=r"copy holds the same run as .*run \(the same requests\)"):
+        cal.read_runs([d, tmp_path / "copy"])
+    other = _log_dir(tmp_path / "other", requests=json.dumps(
+        dict(id="s", function="f", status="ok", scheduled_ns=1, sent_ns=1, done_ns=9)) + "\n")
+    assert len(cal.read_runs([d, other])) == 2
+
+
 def test_the_process_start_can_come_from_other_runs_of_the_node(tmp_path: Path, monkeypatch):
     """``--starts-from``: one run's way in and back with the process start of other runs of the
     node; the run's own launches are not counted then, theirs are (its own log still gives its
