@@ -295,16 +295,29 @@ def dumps(out: dict) -> str:
     return json.dumps(out, indent=2) + "\n"
 
 
+# the figures of a scheduling workload's replay (services/scheduler/bench.py defines them), in words
+_WORKLOAD_FIGURES = (
+    ("events", "start and delete events replayed"),
+    ("peak_active_gpus", "peak active GPUs"),
+    ("lower_bound_peak", "fewest GPUs any placement needs at the peak"),
+    ("mean_active_gpus", "mean active GPUs (time-weighted)"),
+    ("max_limit_sum", "largest Σ limit quotas on one GPU (cap: γ)"),
+    ("allocation_fragmentation", "allocation fragmentation (1 − Σ requests, mean, 0..1)"),
+    ("unplaced", "instances no GPU had room for"),
+    ("violations", "broken placement invariants"),
+)
+
+
 def _print_workload(out: dict, console) -> None:
     from rich.table import Table
 
     table = Table(title=f"Scheduling workload {out['workload']} on {out['nodes']} x {out['gpus_per_node']} GPUs")
     table.add_column("figure")
     table.add_column("value", justify="right")
-    for k in ("events", "peak_active_gpus", "lower_bound_peak", "mean_active_gpus", "max_limit_sum",
-              "allocation_fragmentation", "unplaced", "violations"):
+    table.add_column("JSON key", style="dim")
+    for k, label in _WORKLOAD_FIGURES:
         v = out[k]
-        table.add_row(k, f"{v:.3f}" if isinstance(v, float) else str(v))
+        table.add_row(label, f"{v:.3f}" if isinstance(v, float) else f"{v:,}", k)
     console.print(table)
     if out["unplaced"]:
         console.print(f"[yellow]{count_of(out['unplaced'], 'instance')} found no GPU with room on {out['nodes']} x "
@@ -441,9 +454,12 @@ def crosscheck(log_dirs, draws, json_path, min_batches) -> None:
                 label = ""
             table.add_section()
         console.print(table)
-        counts = ", ".join(f"{name} {sum(r.figures[name].within for r in rows)}" for name in xc.FIGURES)
-        console.print(f"* within {100 * xc.TOLERANCE:g} % of the live mean, rows of {len(rows)}: {counts}; "
-                      "SE: sim - live in standard errors of the two means together", highlight=False)
+        counts = ", ".join(f"{name} in {sum(r.figures[name].within for r in rows)}" for name in xc.FIGURES)
+        console.print(f"*: the simulated mean is within {100 * xc.TOLERANCE:g} % of the live mean; of "
+                      f"{count_of(len(rows), 'seed and policy row', 'seed and policy rows')}, "
+                      f"within it: {counts}.", highlight=False)
+        console.print("SE: the difference (sim - live) in standard errors of the two means together "
+                      "(|SE| > 2: more than chance between runs explains)", highlight=False)
         if json_path:
             out = {"tolerance": xc.TOLERANCE, "draws": draws, "rows": [r.to_dict() for r in rows]}
             write_output(json_path, json.dumps(out, indent=2) + "\n")

@@ -13,6 +13,7 @@ cold-start requests and the launches are reported, not asserted (1.7 %, 2 and 20
 whole demo and of what it leaves for calibration: its report accounts for every request, every
 answer carried the instance's times into ``requests.jsonl``, and it leaves no process behind."""
 import json
+import os
 import subprocess
 import sys
 import time
@@ -29,10 +30,12 @@ DRAWS = 4  # simulations of the live run, each drawing its overheads anew (dilu 
 GPU_S_REL = 0.30  # the live spread on this span (see above); the issue's 15 % is for the 60 s runs
 
 
-def _run(args, path: Path, timeout_s: float) -> dict:
-    out = subprocess.run([*DILU, *args, "--json", str(path)], capture_output=True, text=True, timeout=timeout_s)
+def _run(args, path: Path, timeout_s: float) -> tuple[dict, str]:
+    """The command's JSON and what it printed (a line never wrapped: as piped)."""
+    out = subprocess.run([*DILU, *args, "--json", str(path)], capture_output=True, text=True, timeout=timeout_s,
+                         env={**os.environ, "COLUMNS": "400"})
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
-    return json.loads(path.read_text())
+    return json.loads(path.read_text()), out.stdout
 
 
 def _demo(args, path: Path, timeout_s: float) -> dict:
@@ -79,7 +82,10 @@ def test_live_and_simulated_runs_agree(tmp_path: Path):
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     measured = json.loads(ov.read_text())
     assert measured["source"]["transport_samples"] == live["completed"]  # every answer carried the instance's times
-    xc = _run(["crosscheck", str(logs / "dilu"), "--draws", str(DRAWS)], tmp_path / "xc.json", 300)
+    xc, said_xc = _run(["crosscheck", str(logs / "dilu"), "--draws", str(DRAWS)], tmp_path / "xc.json", 300)
+    # the footer says what the marks and the last column mean, and counts the rows within 15 %
+    assert "*: the simulated mean is within 15 % of the live mean; of 1 seed and policy row, within it: SLO" in said_xc
+    assert "SE: the difference (sim - live) in standard errors of the two means together" in said_xc
     (row,) = xc["rows"]
     assert row["seed"] == SEED and row["policy"] == "dilu" and row["runs"] == [str(logs / "dilu")]
     fig = row["figures"]

@@ -126,6 +126,13 @@ def test_workload_limits_within_capacity(tmp_path, name):
     assert 0 < s["peak_active_gpus"] <= 400
     assert s["max_limit_sum"] <= s["gamma"] + 1e-9  # Σ limits on a GPU within the cap
     assert s["violations"] == 0 and s["lower_bound_peak"] <= s["peak_active_gpus"]
+    # the table says each figure in words, beside its JSON key, within 100 columns
+    rows = {line.split("│")[3].strip(): line.split("│")[1:3] for line in r.output.splitlines() if line.count("│") == 4}
+    assert rows["peak_active_gpus"][0].strip() == "peak active GPUs"
+    assert set(rows) == {"events", "peak_active_gpus", "lower_bound_peak", "mean_active_gpus", "max_limit_sum",
+                         "allocation_fragmentation", "unplaced", "violations"}
+    assert int(rows["peak_active_gpus"][1].replace(",", "")) == s["peak_active_gpus"]
+    assert max(len(line) for line in r.output.splitlines()) <= 100
 
 
 def test_workload_too_big_for_the_cluster_says_so(tmp_path):
