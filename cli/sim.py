@@ -459,7 +459,7 @@ def crosscheck(log_dirs, draws, json_path, min_batches) -> None:
                       f"{count_of(len(rows), 'seed and policy row', 'seed and policy rows')}, "
                       f"within it: {counts}.", highlight=False)
         console.print("SE: the difference (sim - live) in standard errors of the two means together "
-                      "(|SE| > 2: more than chance between runs explains)", highlight=False)
+                      "(beyond ±2: a difference chance between runs would rarely make)", highlight=False)
         if json_path:
             out = {"tolerance": xc.TOLERANCE, "draws": draws, "rows": [r.to_dict() for r in rows]}
             write_output(json_path, json.dumps(out, indent=2) + "\n")
