@@ -120,7 +120,8 @@ def test_vertical_headroom_saves_cold_starts_on_a_bursty_trace():
 @pytest.mark.parametrize("name", ["instances-100.txt", "instances-400.txt"])
 def test_workload_limits_within_capacity(tmp_path, name):
     out = tmp_path / "w.json"
-    r = CliRunner().invoke(main, ["sim", "--workload", str(WORKLOADS / name), "--nodes", "100", "--json", str(out)])
+    r = CliRunner().invoke(main, ["sim", "--workload", str(WORKLOADS / name), "--nodes", "100", "--json", str(out)],
+                           env={"COLUMNS": "100"})  # as piped: REPORT_WIDTH, whatever this shell's width
     assert r.exit_code == 0, r.output
     s = json.loads(out.read_text())["sim"]
     assert 0 < s["peak_active_gpus"] <= 400
