@@ -333,16 +333,19 @@ def _print_workload(out: dict, console) -> None:
       help="leave out a function and batch size with fewer batches than this, live or simulated")
 @_opt("--starts-from", "starts_from", multiple=True,
       type=click.Path(exists=True, file_okay=False, path_type=Path),
-      help="measure the process start from these runs' log directories instead (repeat it; they may "
-           "include LOG_DIRS): one run launches too few instances for it, where its way in and back, "
-           "batch overhead and pickups are its own (README, At cluster scale); DILU_STARTS_FROM separates them with ':'")
+      help="measure the process starts (the deploy's launches too) from these runs' log directories instead "
+           "(repeat it; they may include LOG_DIRS): one run launches too few instances for them, where its way "
+           "in and back, batch overhead, pickups and dispatches are its own (README, At cluster scale); "
+           "DILU_STARTS_FROM separates them with ':'")
 def calibrate(log_dirs, json_path, min_batches, starts_from) -> None:
     """Measure what the live node adds beyond the simulator's model, from the log directories of
     live runs (each a policy's directory under dilu demo/compare --log-dir, holding
     requests.jsonl, report.json and node_agent.log): the process start of an instance, the
     way in and back of a request, how much longer a batch's service takes than simulated on
-    the run's own plan, and the pickup between two batches of an instance while requests wait.
-    Prints the quantiles; --json writes them for dilu sim --overheads."""
+    the run's own plan, the pickup between two batches of an instance while requests wait, the
+    dispatch of a request to an idle instance, and when the deploy's launches (every function's
+    first instance, all at once) are up, by launch order. Prints the quantiles; --json writes
+    them for dilu sim --overheads."""
     from rich.table import Table
 
     from dilu.cli.demo import make_console
@@ -406,8 +409,9 @@ def _by_starting(table: tuple[float, ...]) -> str:
       help="as dilu calibrate's")
 def crosscheck(log_dirs, draws, json_path, min_batches) -> None:
     """Set live runs against their simulation: each run's log directory (a policy's, under dilu
-    demo/compare --log-dir) is calibrated alone (its way in and back, batch overhead and pickups;
-    the process start from all LOG_DIRS, as dilu calibrate --starts-from) and simulated --draws times
+    demo/compare --log-dir) is calibrated alone (its way in and back, batch overhead, pickups and
+    dispatches; the process starts, the deploy's launches too, from all LOG_DIRS, as dilu
+    calibrate --starts-from) and simulated --draws times
     on its own plan and policy. Runs of one comparison (the same trace, start minute, seed,
     duration, speed-up, functions, GPUs, training jobs and parking and defragmentation settings,
     as dilu summarize asks) and policy form a row; for the SLO

@@ -4,9 +4,9 @@ Each live run (a policy's log directory under ``dilu demo`` / ``dilu compare --l
 simulated on its own plan and policy, ``draws`` times (``--overheads-seed`` 1..draws: other
 overheads and other phases of the control loops, as live reruns meet them), with the
 overheads :mod:`.calibrate` measures from that run alone: its way in and back, its batch
-overhead and its pickups, which say how loaded its machine was (one run's tail can be twenty times another's on
-the same machine), and the process start of all the runs given (one run launches too few
-instances for it). Runs of one comparison (:func:`dilu.loadgen.summary.span_key`) and policy form
+overhead, its pickups and dispatches, which say how loaded its machine was (one run's tail can be
+twenty times another's on the same machine), and the process starts of all the runs given, the
+deploy's launches by launch order too (one run launches too few instances for them). Runs of one comparison (:func:`dilu.loadgen.summary.span_key`) and policy form
 a row; for each figure of :data:`FIGURES` a row holds the live runs' spread, the draws' spread,
 the relative difference of the means and that difference in standard errors. README, At cluster
 scale: the cross-check.
