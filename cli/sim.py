@@ -181,6 +181,10 @@ def _simulate(console, stop: SignalExit, trace_dir, functions, hours, nodes, gpu
                  else f"process start {process_start_ms:g} ms")
         if initial:
             start += f"; the deploy's launches up, by launch order, {_by_starting(initial)}"
+        missing = [what for what, table in (("pickup", overheads.pickup_ms), ("dispatch", overheads.dispatch_ms))
+                   if not table]
+        if missing:  # a file of an older build
+            start += f"; no {' or '.join(missing)} in the file: none drawn"
         console.print(f"[dim]with the overheads of {overheads_path} (drawn with seed "
                       f"{seed if overheads_seed is None else overheads_seed}); {start}[/dim]", highlight=False)
 
@@ -346,50 +350,53 @@ def calibrate(log_dirs, json_path, min_batches, starts_from) -> None:
     dispatch of a request to an idle instance, and when the deploy's launches (every function's
     first instance, all at once) are up, by launch order. Prints the quantiles; --json writes
     them for dilu sim --overheads."""
-    from rich.table import Table
+    with SignalExit():  # a stop says "interrupted" and exits 130 / 143, as every long command
+        from rich.table import Table
 
-    from dilu.cli.demo import make_console
-    from dilu.loadgen.sim import calibrate as cal
-    from dilu.loadgen.trace import TraceError
+        from dilu.cli.demo import make_console
+        from dilu.loadgen.sim import calibrate as cal
+        from dilu.loadgen.trace import TraceError
 
-    console = make_console()
-    try:
-        ov = cal.calibrate(list(log_dirs), min_batches, list(starts_from) or None)
-    except OSError as exc:  # bad input, the log directories given (exit 2)
-        raise click.BadParameter(f"cannot calibrate: cannot read {exc.filename or ''}: {exc.strerror or exc}",
-                                 param_hint="LOG_DIRS") from None
-    except cal.StartsFromError as exc:
-        raise click.BadParameter(f"cannot calibrate: {exc}", param_hint="--starts-from") from None
-    except (ValueError, TraceError) as exc:
-        raise click.BadParameter(f"cannot calibrate: {exc}", param_hint="LOG_DIRS") from None
-    table = Table(title="Overheads of the live node beyond the simulated GPU time (ms)")
-    table.add_column("overhead")
-    for q in ("p10", "p50", "p90", "p99", "max"):
-        table.add_column(q, justify="right")
-    for name, tab in (("way in + way back of a request", ov.transport_ms),
-                      ("a batch's service beyond the simulated one", ov.batch_ms),
-                      ("pickup of the next batch while requests wait", ov.pickup_ms),
-                      ("dispatch of a request to an idle instance", ov.dispatch_ms)):
-        if tab:
-            table.add_row(name, *(f"{tab[k]:.1f}" for k in (10, 50, 90, 99, 100)))
-    console.print(table)
-    src = ov.source
-    console.print(f"{src['transport_samples']:,} requests, {src['batch_samples']:,} batches, "
-                  f"{src['pickup_samples']:,} pickups, {src.get('dispatch_samples', 0):,} dispatches; process start "
-                  + (f"{ov.process_start_ms:g} ms (median of {count_of(src['process_start_samples'], 'launch', 'launches')})"
-                     if ov.process_start_ms is not None else "not measured (no launch after the initial ones)"),
-                  highlight=False)
-    by_starting = (_by_starting(ov.process_start_by_starting_ms) if ov.process_start_by_starting_ms else
-                   f"not measured (an entry needs {MIN_STARTS} launches after the initial ones)")
-    console.print(f"process start by the other instances starting on the node: {by_starting}", highlight=False)
-    initial = (f"{_by_starting(ov.process_start_initial_ms)} "
-               f"({count_of(src['initial_process_start_samples'], 'launch', 'launches')})"
-               if ov.process_start_initial_ms else "not measured")
-    console.print(f"the deploy's launches (all at once), up after its first, by launch order: {initial}",
-                  highlight=False)
-    if json_path:
-        write_output(json_path, ov.to_json().decode())
-        console.print(f"written to {json_path}")
+        console = make_console()
+        try:
+            ov = cal.calibrate(list(log_dirs), min_batches, list(starts_from) or None)
+        except OSError as exc:  # bad input, the log directories given (exit 2)
+            raise click.BadParameter(f"cannot calibrate: cannot read {exc.filename or ''}: {exc.strerror or exc}",
+                                     param_hint="LOG_DIRS") from None
+        except cal.StartsFromError as exc:
+            raise click.BadParameter(f"cannot calibrate: {exc}", param_hint="--starts-from") from None
+        except (ValueError, TraceError) as exc:
+            raise click.BadParameter(f"cannot calibrate: {exc}", param_hint="LOG_DIRS") from None
+        table = Table(title="Overheads of the live node beyond the simulated GPU time (ms)")
+        table.add_column("overhead")
+        for q in ("p10", "p50", "p90", "p99", "max"):
+            table.add_column(q, justify="right")
+        for name, tab in (("way in + way back of a request", ov.transport_ms),
+                          ("a batch's service beyond the simulated one", ov.batch_ms),
+                          ("pickup of the next batch while requests wait", ov.pickup_ms),
+                          ("dispatch of a request to an idle instance", ov.dispatch_ms)):
+            if tab:
+                table.add_row(name, *(f"{tab[k]:.1f}" for k in (10, 50, 90, 99, 100)))
+        console.print(table)
+        src = ov.source
+        console.print(f"{src['transport_samples']:,} requests, {src['batch_samples']:,} batches, "
+                      f"{src['pickup_samples']:,} pickups, {src.get('dispatch_samples', 0):,} dispatches; process start "
+                      + (f"{ov.process_start_ms:g} ms (median of {count_of(src['process_start_samples'], 'launch', 'launches')})"
+                         if ov.process_start_ms is not None else "not measured (no launch after the initial ones)"),
+                      highlight=False)
+        by_starting = (_by_starting(ov.process_start_by_starting_ms) if ov.process_start_by_starting_ms else
+                       f"not measured (an entry needs {MIN_STARTS} launches after the initial ones)")
+        console.print(f"process start (ms) with k other instances starting on the node, k: {by_starting}",
+                      highlight=False)
+        initial = (f"{_by_starting(ov.process_start_initial_ms)} "
+                   f"({count_of(src['initial_process_start_samples'], 'launch', 'launches')})"
+                   if ov.process_start_initial_ms else "not measured")
+        console.print("the deploy's launches (every function's first instance, all at once; a later one starts "
+                      f"beside more): ms from the first launch until the k-th one's process is up, k: {initial}",
+                      highlight=False)
+        if json_path:
+            write_output(json_path, ov.to_json().decode())
+            console.print(f"written to {json_path}")
 
 
 def _by_starting(table: tuple[float, ...]) -> str:
@@ -462,8 +469,9 @@ def crosscheck(log_dirs, draws, json_path, min_batches) -> None:
         console.print(f"*: the simulated mean is within {100 * xc.TOLERANCE:g} % of the live mean; of "
                       f"{count_of(len(rows), 'seed and policy row', 'seed and policy rows')}, "
                       f"within it: {counts}.", highlight=False)
-        console.print("SE: the difference (sim - live) in standard errors of the two means together "
-                      "(beyond ±2: a difference chance between runs would rarely make)", highlight=False)
+        console.print("SE: the difference (sim - live) in standard errors of the two means together; beyond "
+                      "±2, chance between runs alone would rarely make it (–: one live run, no standard error). "
+                      "Each mean has its lowest–highest beside it.", highlight=False)
         if json_path:
             out = {"tolerance": xc.TOLERANCE, "draws": draws, "rows": [r.to_dict() for r in rows]}
             write_output(json_path, json.dumps(out, indent=2) + "\n")

@@ -328,7 +328,7 @@ def read_runs(log_dirs: list[Path]) -> list[tuple[Path, report.Report, list[requ
     OSError, ValueError naming what is wrong."""
     runs = []
     seen: set[Path] = set()
-    first: dict[tuple[str, int], Path] = {}  # each run's first request (its id, when it was scheduled)
+    owner: dict[tuple[str, int], Path] = {}  # each request read (its id, when it was scheduled) -> its run
     for d in log_dirs:
         if d.resolve() in seen:
             raise ValueError(f"{d} is given twice: what it holds would count twice")
@@ -347,13 +347,14 @@ def read_runs(log_dirs: list[Path]) -> list[tuple[Path, report.Report, list[requ
         if not lines:
             raise ValueError(f"{d / requestlog.FILENAME}: holds no request")
         _check_belongs(d, rep, lines)
-        # a copy of a run under another path holds the same requests: ids are drawn per run and
-        # times are Unix ns, so two runs never share their first request
-        key = (lines[0].id, lines[0].scheduled_ns)
-        if key in first:
-            raise ValueError(f"{d} holds the same run as {first[key]} (the same requests): "
-                             f"what it holds would count twice")
-        first[key] = d
+        # a copy of a run under another path (reordered or edited, too) holds its requests: ids are
+        # drawn per run and times are Unix ns, so two runs never share a request
+        keys = [(r.id, r.scheduled_ns) for r in lines]
+        if (other := next((owner[k] for k in keys if k in owner), None)) is not None:
+            raise ValueError(f"{d} holds requests of {other} (the same run): what it holds would count twice")
+        if len(set(keys)) < len(keys):
+            raise ValueError(f"{d / requestlog.FILENAME} holds a request twice: not a run's request log")
+        owner.update(dict.fromkeys(keys, d))
         runs.append((d, rep, lines))
     return runs
 

@@ -47,6 +47,9 @@ import numpy as np
 from dilu.services.common import files, models
 
 QUANTILE_POINTS = 101  # each table: the 0th, 1st, ..., 100th percentile
+# the largest overhead a table may hold (ms): ten minutes, far past any request's timeout (max(30 s,
+# 10 x SLO)); a larger value is a hand-edited or corrupt file, not a node's
+OVERHEAD_MAX_MS = 600_000.0
 OVERHEADS_MAX_BYTES = 16 * files.MiB  # a few tables of QUANTILE_POINTS numbers: tens of KB
 
 
@@ -85,8 +88,9 @@ class Overheads(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
                 continue
             if len(q) != QUANTILE_POINTS:
                 raise OverheadsError(f"{name} must hold {QUANTILE_POINTS} quantiles, got {len(q)}")
-            if any(not (math.isfinite(v) and v >= 0) for v in q):
-                raise OverheadsError(f"{name} holds a negative or non-finite value")
+            if any(not (math.isfinite(v) and 0 <= v <= OVERHEAD_MAX_MS) for v in q):
+                raise OverheadsError(f"{name} holds a value that is negative, non-finite or above "
+                                     f"{OVERHEAD_MAX_MS:,.0f} ms")
             if any(b < a for a, b in zip(q, q[1:])):
                 raise OverheadsError(f"{name} is not non-decreasing (quantiles)")
         ps = self.process_start_ms
@@ -95,6 +99,9 @@ class Overheads(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         for name in ("process_start_by_starting_ms", "process_start_initial_ms"):
             if any(not (math.isfinite(v) and 0 <= v <= models.PROCESS_START_MAX_MS) for v in getattr(self, name)):
                 raise OverheadsError(f"{name} must hold values in [0, {models.PROCESS_START_MAX_MS:g}] ms")
+        ups = self.process_start_initial_ms
+        if any(b < a for a, b in zip(ups, ups[1:])):  # a later launch of the deploy is up no sooner
+            raise OverheadsError("process_start_initial_ms is not non-decreasing (by launch order)")
 
     @classmethod
     def from_samples(cls, transport_ms: Sequence[float], batch_ms: Sequence[float],

@@ -29,12 +29,22 @@ def test_quantiles_are_the_percentiles_with_negatives_as_zero():
 @pytest.mark.parametrize("table, error", [
     ((1.0,) * 10, "must hold 101 quantiles"),
     ((2.0, *(1.0,) * 100), "not non-decreasing"),
-    ((-1.0, *(1.0,) * 100), "negative or non-finite"),
-    ((float("nan"),) * 101, "negative or non-finite"),
+    ((-1.0, *(1.0,) * 100), "negative, non-finite or above 600,000 ms"),
+    ((float("nan"),) * 101, "negative, non-finite or above 600,000 ms"),
+    ((1e12,) * 101, "transport_ms holds a value that is negative, non-finite or above 600,000 ms"),
 ])
 def test_a_malformed_table_is_refused(table, error):
     with pytest.raises(OverheadsError, match=error):
         Overheads(table, flat(1.0))
+    for name in ("batch_ms", "pickup_ms", "dispatch_ms"):  # every table, by its name
+        with pytest.raises(OverheadsError, match=name):
+            Overheads(**{"transport_ms": flat(1.0), "batch_ms": flat(1.0), name: table})
+
+
+def test_a_deploy_table_that_falls_is_refused():
+    assert Overheads(flat(1.0), flat(1.0), process_start_initial_ms=(2000.0, 2000.0, 2100.0))
+    with pytest.raises(OverheadsError, match="process_start_initial_ms is not non-decreasing"):
+        Overheads(flat(1.0), flat(1.0), process_start_initial_ms=(2100.0, 2000.0))
 
 
 @pytest.mark.parametrize("starts", [(400.0, -1.0), (float("nan"),), (4e9,)])
@@ -265,12 +275,23 @@ def test_calibrate_refuses_a_copy_of_a_run_given_beside_it(tmp_path: Path):
     ids and times) is another sample."""
     import shutil
 
-    d = _log_dir(tmp_path / "run")
+    two = [dict(id=f"r{i}", function="f", status="ok", scheduled_ns=i, sent_ns=i, done_ns=9) for i in (1, 2)]
+    report = {**json.loads((_log_dir(tmp_path / "proto").joinpath("report.json")).read_text())}
+    report["totals"]["offered"] = 2
+    d = _log_dir(tmp_path / "run", report=report, requests="".join(json.dumps(r) + "\n" for r in two))
     shutil.copytree(d, tmp_path / "copy")
-    with pytest.raises(ValueError, match=r"copy holds the same run as .*run \(the same requests\)"):
+    with pytest.raises(ValueError, match=r"copy holds requests of .*run \(the same run\)"):
         cal.read_runs([d, tmp_path / "copy"])
-    other = _log_dir(tmp_path / "other", requests=json.dumps(
-        dict(id="s", function="f", status="ok", scheduled_ns=1, sent_ns=1, done_ns=9)) + "\n")
+    # reordered, its first request's id edited: still the same run's requests
+    edited = [dict(two[1]), dict(two[0], id="x0")]
+    (tmp_path / "copy" / "requests.jsonl").write_text("".join(json.dumps(r) + "\n" for r in edited))
+    with pytest.raises(ValueError, match=r"copy holds requests of .*run \(the same run\)"):
+        cal.read_runs([d, tmp_path / "copy"])
+    (tmp_path / "copy" / "requests.jsonl").write_text("".join(json.dumps(r) + "\n" for r in [two[0], two[0]]))
+    with pytest.raises(ValueError, match=r"copy/requests.jsonl holds a request twice"):
+        cal.read_runs([tmp_path / "copy"])
+    other = _log_dir(tmp_path / "other", report=report, requests="".join(
+        json.dumps(dict(r, id="s" + r["id"])) + "\n" for r in two))
     assert len(cal.read_runs([d, other])) == 2
 
 
@@ -374,3 +395,18 @@ def test_calibrate_refuses_a_simulated_runs_report(tmp_path: Path):
     rep = build_report(ONE, {"f": FunctionMeta(model="bert_base", slo_ms=80.0)}, RunFacts(), run).to_dict()
     with pytest.raises(ValueError, match="a simulated run's report: calibrate from live runs"):
         cal.calibrate([_log_dir(tmp_path / "run", report=rep)])
+
+
+def test_an_interrupted_calibration_says_so_and_exits_with_the_signals_status(tmp_path: Path, monkeypatch):
+    """Ctrl-C during dilu calibrate (its simulations take seconds on many runs): the one line every
+    long command prints, and 130, as crosscheck and sim end."""
+    from click.testing import CliRunner
+
+    from dilu.cli.main import main
+
+    def stopped(*_a, **_kw):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(cal, "calibrate", stopped)
+    r = CliRunner().invoke(main, ["calibrate", str(_log_dir(tmp_path / "run"))])
+    assert r.exit_code == 130 and r.output.strip() == "interrupted", r.output
