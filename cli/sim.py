@@ -380,7 +380,7 @@ def calibrate(log_dirs, json_path, min_batches, starts_from) -> None:
         console.print(table)
         src = ov.source
         console.print(f"{src['transport_samples']:,} requests, {src['batch_samples']:,} batches, "
-                      f"{src['pickup_samples']:,} pickups, {src.get('dispatch_samples', 0):,} dispatches; process start "
+                      f"{src['pickup_samples']:,} pickups, {src['dispatch_samples']:,} dispatches; process start "
                       + (f"{ov.process_start_ms:g} ms (median of {count_of(src['process_start_samples'], 'launch', 'launches')})"
                          if ov.process_start_ms is not None else "not measured (no launch after the initial ones)"),
                       highlight=False)
