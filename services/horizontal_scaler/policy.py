@@ -364,7 +364,9 @@ class Decision:
     ones included; ``park``: ready instances to park, ``resume``: parked instances to bring back
     before any new one is placed (both already marked in the policy: parked, starting);
     ``direction``: out, in, zero, prewarm, park, resume or "" (no change); estimates are instance
-    counts from the stable and panic windows.
+    counts from the stable and panic windows; ``reach``: the least :func:`burst_reach` (0..1) of
+    the ready instances the function was sized by (1 outside ``lazy`` mode); ``target``: the
+    in-flight requests per instance the estimates divide by (0 when the backlog was unknown).
     """
 
     function: str
@@ -382,6 +384,8 @@ class Decision:
     direction: str = ""
     reason: str = ""
     breach: Breach | None = None
+    reach: float = 1.0
+    target: float = 0.0
 
 
 @dataclass
@@ -744,6 +748,7 @@ class HorizontalPolicy:
         reach = (reach or {}) if cfg.mode == "lazy" else {}
         least = min((reach.get(i.instance_id, 1.0) for i in f.instances.values() if i.state == "ready"), default=1.0)
         target = f.params.scaling_target(cfg.mode, least, cfg.target_utilization)
+        d.reach, d.target = least, target
         stable_avg = f.stable.mean_since(now_s - cfg.stable_window_s)
         panic_avg = f.panic.mean_since(now_s - cfg.panic_window)
         desired, reason = self._kpa(f, d, now_s, stable_avg, panic_avg, target)

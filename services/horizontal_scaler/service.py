@@ -458,6 +458,10 @@ class HorizontalScaler:
         self.policy.record(fn, now, backlog, arrivals, stored=stored)
         d = self.policy.decide(fn, now, headroom, backing_off=self._backoff.blocked(fn, now), reach=reach)
         DESIRED.labels(fn).set(d.desired)
+        assert self.bus is not None
+        self.bus.log.debug("tick", function=fn, backlog=backlog, ready=d.ready, current=d.current, desired=d.desired,
+                           panic=d.panic, reach=round(d.reach, 3), target=round(d.target, 2),
+                           headroom=round(headroom, 3))
         if d.breach is not None:
             await self._publish_breach(d)
         if d.park:

@@ -463,3 +463,30 @@ async def test_a_restored_instance_whose_placement_vanishes_unheard_of_is_forgot
     stop.set()
     await task
     await nc.close()
+
+
+async def test_at_debug_level_each_tick_logs_what_the_function_was_sized_by(nats_url):
+    """DILU_LOG_LEVEL=debug (docs/operations.md, Logs): every tick logs the function's backlog,
+    instances, decision, the least burst reach of its ready instances and the in-flight target
+    it was sized by; at info it logs none of it."""
+    from structlog.testing import capture_logs
+
+    from dilu.services.common import logging as dlog
+
+    nc, js, cluster, scaler, shutdown, task = await setup(nats_url, tick_s=1000.0)
+    try:
+        await js.publish(subjects.invoke(FN), b"one")
+        with capture_logs() as quiet:
+            await scaler.tick(FN, scaler._now() + 1.0)
+        dlog.configure("horizontal_scaler", "debug")
+        with capture_logs() as logs:
+            d = await scaler.tick(FN, scaler._now() + 2.0)
+        assert not [e for e in quiet if e["event"] == "tick"]
+        (line,) = [e for e in logs if e["event"] == "tick"]
+        assert line["function"] == FN and line["backlog"] == 1 and line["desired"] == d.desired >= 1
+        assert line["reach"] == d.reach and line["target"] == round(d.target, 2) > 0
+    finally:
+        dlog.configure("horizontal_scaler", "info")
+        shutdown.set()
+        await task
+        await nc.close()

@@ -140,3 +140,37 @@ async def test_bench_measures_every_reaction(nats_url):
     # the cores busy), so one miss is tolerated and two are a fault
     assert result["missed"] <= 1 and result["samples"] >= 19, result
     assert 0 < result["reaction_ms_p50"] <= result["reaction_ms_p99"] <= result["reaction_ms_max"]
+
+
+async def test_at_debug_level_each_window_and_stretch_logs_its_inputs_and_grants(nats_url):
+    """DILU_LOG_LEVEL=debug (docs/operations.md, Logs): each telemetry window logs every row's
+    quota, busy share, token wait, batch in hand and recent latency with the grants answered
+    (reasons included), each stretch its ratio and grants."""
+    from structlog.testing import capture_logs
+
+    from dilu.services.common import logging as dlog
+
+    scaler, shutdown, task = await start(nats_url, VerticalConfig(park_idle=False))
+    nc = await nats.connect(nats_url)
+    dlog.configure("vertical_scaler", "debug")
+    try:
+        with capture_logs() as logs:
+            await nc.publish(subjects.telemetry_gpu(NODE, 1), encode(telemetry({"ls": 0.3, "be": 0.2})))
+            await nc.publish(subjects.kernel_cycle_stretch(NODE, 1), encode(KernelCycleStretch(
+                node=NODE, gpu=1, instance_id="ls", ratio=2.5, detected_ns=time.time_ns())))
+            for _ in range(500):
+                if any(e["event"] == "stretch" for e in logs):
+                    break
+                await asyncio.sleep(0.01)
+        (window,) = [e for e in logs if e["event"] == "window"]
+        assert window["gpu"] == 1
+        assert window["rows"] == [("ls", 0.3, 0.5, 0, 0, 0.0), ("be", 0.2, 0.5, 3000, 0, 0.0)]
+        assert [g[:2] for g in window["grants"]] == [("be", 0.6)] and window["grants"][0][2]
+        (stretch,) = [e for e in logs if e["event"] == "stretch"]
+        assert stretch["instance"] == "ls" and stretch["ratio"] == 2.5
+        assert {g[0] for g in stretch["grants"]} == {"be", "ls"} and any("stretch" in g[2] for g in stretch["grants"])
+    finally:
+        dlog.configure("vertical_scaler", "info")
+        await nc.close()
+        shutdown.set()
+        await task

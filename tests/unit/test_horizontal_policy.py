@@ -352,6 +352,8 @@ def test_lazy_sizes_by_the_share_the_gpus_can_give():
         ds = feed(p, 0.0, 8.0, 10, reach={"w0": reach})  # 10 in flight
         desired[reach] = ds[-1].desired
         assert any(d.breach for d in ds) == (reach < 1.0)
+        # the decision says what it was sized by (the scaler's debug tick line logs both)
+        assert ds[0].reach == reach and ds[0].target == sized.sizing("lazy", reach)[0]
     assert desired == {1.0: 1, 0.5: 2, 0.0: 3}
 
 
