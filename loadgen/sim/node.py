@@ -7,6 +7,10 @@ section 7, handlers/emulated.py):
 - when the widths of the instances busy at once on one GPU sum to W > 1, each progresses W times
   slower (the contention that kernel-cycle stretch detects). First order: the stretch of a batch
   is fixed when it starts, from the instances busy at that instant;
+- an instance's kernel-launch cycles are the interceptor's (:class:`Cycles`): batches with idle
+  gaps of at most ``CYCLE_GAP_MS`` between them are one cycle, and a cycle ``STRETCH_RATIO``
+  times its baseline reads as a stretch, whether a neighbour slowed it or its own queue kept it
+  busy;
 - a training job always has work; paced to q it holds its width w a fraction q/w of the time, so
   it adds min(q, w) to the busy widths (:func:`train_load`; first order: the mean, not each
   kernel); its iterations last ``TRAIN_PASSES`` x L(b, w), paced and stretched alike;
@@ -18,6 +22,7 @@ from collections import deque
 from functools import lru_cache
 
 from dilu.services.common import models
+from dilu.services.common.functions import SAMPLE_MS, STRETCH_RATIO
 from dilu.services.node_agent.handlers.emulated import TRAIN_PASSES
 
 @lru_cache(maxsize=None)
@@ -44,6 +49,57 @@ def train_load(inst: "Instance") -> float:
     counts a process's width only while its kernels run, and a job paced to grant q < w runs them
     a fraction q/w of the time, so on average it holds min(q, w); with no grant written yet, w."""
     return min(inst.grant, inst.width) if inst.grant > 0 else inst.width
+
+
+class Cycles:
+    """One instance's kernel-launch cycles as the interceptor delimits them and its node agent
+    tests them for stretch (times in ms on the simulated clock).
+
+    A batch is one burst of launches ended by a synchronisation (handlers/emulated.py); a cycle
+    runs from a launch after an idle gap longer than ``models.CYCLE_GAP_MS`` to the end of the
+    last batch before the next such gap, so batches that follow each other closer than that are
+    one cycle (interceptor.c, ``note_cycle``). The baseline is the shortest of the first
+    ``models.WARM_CYCLES`` cycles, then a shorter cycle (at least half of it) or a drift of
+    span / ``models.BASELINE_DRIFT_MS`` towards each cycle. A cycle closes at the next launch;
+    the node agent's next sample tests it (``accounting.stretch``): its span less the token wait
+    of the last ``SAMPLE_MS``, over the baseline, at least ``STRETCH_RATIO``. A busy instance
+    whose queue keeps it launching (live: 0.7 ms from one batch to the next, the pickup) thus
+    reads as stretched, as live."""
+
+    __slots__ = ("start", "end", "count", "baseline", "tail_wait")
+
+    def __init__(self) -> None:
+        self.start = -1.0  # first launch of the cycle under way (-1: none yet)
+        self.end = 0.0  # when the last batch's work left the device
+        self.count = 0
+        self.baseline = 0.0
+        self.tail_wait = 0.0  # token wait within the last SAMPLE_MS before ``end``
+
+    def launch(self, now: float) -> float | None:
+        """A batch's first launch at ``now``: closes the cycle under way if an idle gap longer
+        than the cycle gap came before it; returns that cycle's stretch ratio when it is one
+        (>= ``STRETCH_RATIO``), else None."""
+        if self.start < 0.0:
+            self.start = now
+            return None
+        if now - self.end <= models.CYCLE_GAP_MS:
+            return None
+        span = self.end - self.start
+        self.count += 1
+        if self.baseline <= 0.0 or (span < self.baseline and (self.count <= models.WARM_CYCLES
+                                                              or 2.0 * span >= self.baseline)):
+            self.baseline = span
+        else:
+            self.baseline += (span - self.baseline) * min(1.0, (now - self.start) / models.BASELINE_DRIFT_MS)
+        self.start = now
+        ratio = max(0.0, span - self.tail_wait) / self.baseline if self.baseline > 0.0 else 0.0
+        return ratio if ratio >= STRETCH_RATIO else None
+
+    def served(self, end: float, dur: float, wait: float) -> None:
+        """The batch launched last leaves the device at ``end`` after ``dur`` ms, ``wait`` of
+        them waiting for tokens (spread evenly over it, first order)."""
+        self.end = end
+        self.tail_wait = wait * min(1.0, SAMPLE_MS / dur) if dur > 0.0 else 0.0
 
 
 class Gpu:
@@ -75,7 +131,7 @@ class Instance:
     __slots__ = ("iid", "fn", "gpu", "request", "width", "grant", "batch", "ready_ms", "state", "busy",
                  "inflight", "quota_since", "win_busy_ms", "win_wait_ms", "win_served", "training",
                  "iterations", "train_since", "priority", "tokens", "tokens_at", "resumed_ms", "replaces",
-                 "recent_ms", "answered", "batch_to", "accrued_at", "device_share")
+                 "recent_ms", "answered", "batch_to", "accrued_at", "device_share", "cycles")
 
     def __init__(self, iid: str, fn, gpu: Gpu, request: float, width: float, grant: float, batch: int,
                  ready_ms: float, now_ms: float, training: bool, priority: str) -> None:
@@ -107,6 +163,7 @@ class Instance:
         self.batch_to = 0.0  # when the batch in hand leaves the device (ms)
         self.accrued_at = 0.0  # its busy and wait are in the window counters up to here (ms)
         self.device_share = 1.0  # of its time on the device: busy (the rest waits for tokens)
+        self.cycles = Cycles()
 
 
 class Function:

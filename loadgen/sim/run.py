@@ -21,8 +21,9 @@ What drives what, as in the live cluster (services/*/service.py):
   instances' :class:`InstanceTelemetry` to the vertical policy, with the fields as the node agent
   reads them from the control block: busy share = time on the device (waiting for tokens is not
   busy), the recent-latency average (:func:`functions.recent_latency`, kept across windows), the
-  batch in hand as ``queue_depth``; a batch that starts stretched by ``STRETCH_RATIO`` or more
-  reports a kernel-cycle stretch at once.
+  batch in hand as ``queue_depth``; an instance's kernel-launch cycles are the interceptor's
+  (:class:`node.Cycles`), and one that closes stretched by ``STRETCH_RATIO`` or more is reported
+  at the launch that closes it, as the node agent's next sample reports it.
 - **Vertical scaler.** :func:`vertical_policy` of the policy's mode; its grants are fitted on the
   GPU as the node agent fits them; a retired instance is reported to it at once
   (:meth:`VerticalPolicy.on_retired`), as the node agent's InstanceRetired reports it live.
@@ -76,7 +77,7 @@ from dilu.loadgen.arrivals import SPEEDUP_MAX, SPEEDUP_MIN
 from dilu.loadgen.generator import Record, RunResult
 from dilu.services.common import models
 from dilu.services.common.console import PROGRESS_EVERY_S
-from dilu.services.common.functions import GIB, STRETCH_RATIO, default_priority, recent_latency, yields_share
+from dilu.services.common.functions import GIB, default_priority, recent_latency, yields_share
 from dilu.services.common.interrupt import raise_if_stopped
 from dilu.services.common.policies import DEFRAG_INTERVAL_MIN_S, modes
 from dilu.services.horizontal_scaler.policy import (InstanceShare, PlacementBackoff,
@@ -756,6 +757,7 @@ class Simulation:
         if not reqs:
             return
         gpu = inst.gpu
+        stretched = inst.cycles.launch(now)
         base = batch_ms(f.model, len(reqs), inst.width)
         slow = pace(inst.width, inst.grant)
         gpu.busy_width += inst.width
@@ -775,6 +777,7 @@ class Simulation:
         if gpu.quiet:
             self._wake(gpu)
         inst.accrued_at, inst.batch_to = now, now + dur
+        inst.cycles.served(now + dur, dur, wait)
         inst.device_share = (dur - wait) / dur if dur > 0 else 1.0  # waiting for tokens is not busy
         if now >= self.t0:
             self.consumed += inst.width * base
@@ -784,8 +787,8 @@ class Simulation:
         # holds its width on the GPU meanwhile)
         extra = self.batch_extra() if self.batch_extra is not None else 0.0
         self.loop.at(now + dur + extra, self._end_batch, inst)
-        if stretch >= STRETCH_RATIO and not yields_share(inst.priority):
-            for g in self.vertical.on_stretch(gpu.gid, now, inst.iid, stretch):
+        if stretched is not None and inst.state == "ready" and not yields_share(inst.priority):
+            for g in self.vertical.on_stretch(gpu.gid, now, inst.iid, stretched):
                 target = gpu.instances.get(g.instance_id)
                 if target is not None:
                     self._fit(gpu, target, g.quota)

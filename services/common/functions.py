@@ -6,7 +6,7 @@
 - :func:`runs_on`: whether a node of a device kind can run a function (and why not);
 - :data:`LLM_REFERENCE_TOKENS`: the output length an ``llm`` function is sized for;
 - :data:`STRETCH_RATIO`: the kernel-cycle stretch that is contention (the node agent detects it,
-  the vertical scaler acts on it);
+  the vertical scaler acts on it), tested every :data:`SAMPLE_MS`;
 - :func:`recent_latency`: the recent-latency average an instance reports in its telemetry (its
   process keeps it, the simulator mirrors it);
 - priority classes (:data:`LATENCY_SENSITIVE`, :data:`TRAINING`, :data:`BEST_EFFORT`, ranked by
@@ -30,6 +30,9 @@ DEVICE_KINDS = ("nvml", "emulated", "cpu")
 # A kernel cycle this many times its baseline is contention (the Dilu paper's kernel-cycle stretch,
 # DESIGN.md section 7): the node agent reports it, the vertical scaler raises the instance for it.
 STRETCH_RATIO = 1.5
+# The node agent samples every control block this often (ms): a stretch is tested once a sample,
+# on a cycle that closed since the last, with the instance's own token wait since then taken out.
+SAMPLE_MS = 10.0
 
 # Weight of the newest request in an instance's recent-latency average (InstanceTelemetry's
 # latency_ms_recent): the last ten or so requests dominate it.

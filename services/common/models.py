@@ -144,6 +144,10 @@ def pacing_stretch(width: float, grant: float) -> float:
 
 
 BURST_MS = 2.0  # the interceptor's token bucket depth (DILU_BURST_US's default, 2000 µs)
+# The interceptor's kernel-launch cycles (interceptor.c, note_cycle), mirrored by the simulator:
+CYCLE_GAP_MS = 1.0  # an idle gap longer than this closes a cycle (DILU_CYCLE_GAP_US's default, 1000 µs)
+WARM_CYCLES = 16  # the first cycles set the baseline to their shortest (its WARM_CYCLES)
+BASELINE_DRIFT_MS = 60_000.0  # later a cycle moves the baseline towards it by (its span + the gap) / this (60e9 ns)
 
 
 def kernels_per_batch(model: str) -> int:

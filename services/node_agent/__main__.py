@@ -8,6 +8,7 @@ import click
 from dilu.services.common.cliopts import (Finite, check_creds, check_node, default_node, log_level_option, metrics_port_option,
                                         nats_options, service_main)
 
+from dilu.services.common.functions import SAMPLE_MS
 from dilu.services.common.runner import run
 from dilu.services.common.digits import as_count
 
@@ -46,7 +47,7 @@ def parse_gpus(value: str) -> int | None:
 @click.option("--sms", type=click.IntRange(1, 1024), default=None, help="SMs of each emulated GPU (default: the model's)")
 @click.option("--mps-dir", type=click.Path(file_okay=False, path_type=Path), default=None,
               help="MPS pipe and log directories go here on a real GPU (default: $XDG_RUNTIME_DIR/dilu-mps, else /tmp/dilu-mps)")
-@click.option("--sample-ms", type=Finite(1, 1000), default=10.0, show_default=True)
+@click.option("--sample-ms", type=Finite(1, 1000), default=SAMPLE_MS, show_default=True)
 @click.option("--telemetry-ms", type=Finite(10, 10000), default=250.0, show_default=True)
 @click.option("--instance-creds", type=click.Path(exists=True, dir_okay=False, path_type=Path), default=None,
               envvar="DILU_INSTANCE_CREDS", callback=check_creds,

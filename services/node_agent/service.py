@@ -61,6 +61,7 @@ from dilu.contracts import MalformedEvent, decode, encode, subjects
 from dilu.contracts import events as ev
 from dilu.services.common import logging as dlog
 from dilu.services.common.bus import Bus
+from dilu.services.common.functions import SAMPLE_MS
 from dilu.services.common.metrics import MALFORMED
 from dilu.services.common.natsconn import DEFAULT_URL, ENV_NATS, NatsOptions
 from dilu.services.common.jsresources import PLACEMENT_KV_CONFIG, ensure_kv
@@ -154,7 +155,7 @@ class NodeAgent:
         memory_bytes: int | None = None,
         sms: int | None = None,
         mps_dir: Path | None = None,
-        sample_ms: float = 10.0,
+        sample_ms: float = SAMPLE_MS,
         telemetry_ms: float = 250.0,
         initial_grant: str = "request",
         nats: NatsOptions | str = DEFAULT_URL,
