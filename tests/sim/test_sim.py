@@ -89,7 +89,9 @@ def test_exclusive_pays_at_least_dilus_gpu_seconds():
 def test_vertical_headroom_saves_cold_starts_on_a_bursty_trace():
     """One function, idle then a burst several times one instance's request capacity: dilu's lazy
     scaler lets the instance burst to its limit; horizontal-only launches (cold) instances, and so
-    does dilu-published, whose vertical scaling waits for a stretch that never comes."""
+    does dilu-published, whose vertical scaling waits for a stretch that comes too late: the
+    burst's batches follow each other without an idle gap, one kernel cycle that closes (and is
+    reported) only when the queue has emptied."""
     from dilu.loadgen.arrivals import Invocation
 
     cfg = SimConfig(**SMALL, seed=1, park_after_s=0.0)  # held on its GPU through the idle minute
@@ -113,7 +115,8 @@ def test_vertical_headroom_saves_cold_starts_on_a_bursty_trace():
     assert cold["horizontal-only"] >= cold["dilu"]
     assert cold["horizontal-only"] > 0
     # the published policy raises an instance only on a kernel-cycle stretch, which one instance
-    # alone never shows: it serves the burst at its request and scales out as horizontal-only does
+    # alone shows only once its burst is over: it serves the burst at its request and scales out
+    # as horizontal-only does
     assert cold["dilu-published"] > cold["dilu"] and violations["dilu-published"] > violations["dilu"]
 
 
