@@ -249,5 +249,9 @@ async def test_a_withdrawal_of_a_running_request_stops_its_chunks_and_its_reply(
     assert sent[0] is False and sent[-1] is True  # heard while it ran
     assert puller.cancelled == 1 and puller.handled == 0
     await settle(nc)
-    assert client.stats.ignored_chunks == 0 and client.stats.late_replies == 0  # nothing came after
+    assert client.stats.late_replies == 0  # no reply after the caller gave up
+    # only chunks already on their way when the puller heard of it (at most one past the last it
+    # sent unaware) reach the caller after its timeout: none is sent after (on a loaded machine
+    # the withdrawal takes longer to arrive, and one chunk more can be in flight)
+    assert client.stats.ignored_chunks <= sent.count(False) + 1 - result.chunks
     await client.close()
