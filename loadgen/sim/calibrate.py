@@ -84,7 +84,7 @@ def _log_events(log: Path, events: tuple[str, ...]) -> Iterator[tuple[int, dict]
     try:
         text = files.read_bounded(log, LOG_MAX_BYTES).decode()
     except UnicodeDecodeError:
-        raise ValueError(f"{log}: not text (not UTF-8): not the node agent's log of a run") from None
+        raise ValueError(f"{log}: not text (not UTF-8): not the node agent's log of a run (at DILU_LOG_LEVEL info or debug)") from None
     for n, line in enumerate(text.splitlines(), 1):
         if not line.startswith("{"):
             continue
@@ -111,7 +111,7 @@ def process_starts_ms(log: Path, model_of: dict[str, str]) -> Starts:
             except msgspec.ValidationError as exc:
                 raise ValueError(f"{log}:{n}: not an 'instance ready' line of the node agent: {exc}") from None
     if not ready:
-        raise ValueError(f"{log}: no instance became ready in it: not the node agent's log of a run")
+        raise ValueError(f"{log}: no instance became ready in it: not the node agent's log of a run (at DILU_LOG_LEVEL info or debug)")
     spans = [(r.timestamp.timestamp() * 1000.0 - r.cold_start_ms, r.timestamp.timestamp() * 1000.0)
              for r in ready]  # (launched, ready) in ms since the epoch
     first: dict[str, int] = {}

@@ -30,7 +30,11 @@ def configure(service: str, level: str = "info", stream=None) -> structlog.stdli
 configure("dilu")  # JSON from the first line on, even for loggers made before a service configures
 
 
-def get(service: str = "") -> structlog.stdlib.BoundLogger:
-    """A logger for ``service`` that follows the configuration in force when it logs (a logger
-    made at import still honours a later :func:`configure`'s level and stream)."""
-    return structlog.get_logger(service=service) if service else structlog.get_logger()
+def get(service: str = "", **values) -> structlog.stdlib.BoundLogger:
+    """A logger for ``service`` with ``values`` bound that follows the configuration in force
+    when it logs (a logger made at import or in a constructor still honours a later
+    :func:`configure`'s level and stream). Bind through here, not with ``.bind()`` on it: that
+    makes a logger of the configuration in force now, its level included."""
+    if service:
+        values["service"] = service
+    return structlog.get_logger(**values)

@@ -452,7 +452,7 @@ async def serve_instance(
     returns the exit code: 0 after a drain, 1 when the function cannot load or fails (a resume
     included; one log line says why). ``ready_out``: where ``READY``, ``PARKED`` and the
     ``FAILED`` lines are written (default stdout)."""
-    log = dlog.get("instance").bind(instance=instance_id, function=function)
+    log = dlog.get("instance", instance=instance_id, function=function)
     out = ready_out or sys.stdout
     ctl = Control(out, log)
     loop = asyncio.get_running_loop()

@@ -60,7 +60,7 @@ class Mps:
         self.state = "off"
         self.reason = ""
         self.started_here = False
-        self.log = dlog.get("node_agent").bind(component="mps")
+        self.log = dlog.get("node_agent", component="mps")
 
     def _env(self) -> dict[str, str]:
         return {**os.environ, "CUDA_MPS_PIPE_DIRECTORY": str(self.pipe_dir),

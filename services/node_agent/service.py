@@ -183,7 +183,7 @@ class NodeAgent:
         self.instances: dict[str, ManagedInstance] = {}
         self.cost = GpuCost()
         self.bus: Bus | None = None
-        self.log = dlog.get(self.name).bind(node=node)
+        self.log = dlog.get(self.name, node=node)  # lazy: the level run() configures later holds
         self._tasks: list[asyncio.Task] = []
         self._draining: set[asyncio.Task] = set()  # retirements the placement table asked for, in progress
         self._placements_watch: KvFollower | None = None
