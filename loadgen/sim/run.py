@@ -285,7 +285,9 @@ class SimFacts:
     GPU with room: the instance stayed parked and the function's placements back off), and ``resume_waits``
     (requests that waited for a resume: no launch, so not cold-start requests), ``migrations``
     (instances moved by defragmentation, every ``defrag_interval_s`` trace s; 0: none),
-    ``warm_up_s`` (when the replay started: :func:`warm_up_ms`) and the ``timeline`` (t_s,
+    ``warm_up_s`` (when the replay started: :func:`warm_up_ms`), ``stretches`` (per function, the
+    kernel-cycle stretches reported to the vertical scaler over the whole run, as the live
+    vertical scaler's debug ``stretch`` lines count them: :class:`node.Cycles`) and the ``timeline`` (t_s,
     active GPUs, cold-start requests so far, allocation and idle fragmentation over the sample)
     used by the plots."""
 
@@ -303,6 +305,7 @@ class SimFacts:
     park_after_s: float = 0.0  # the parking delay in force, trace s (0: never)
     warm_up_s: float = 0.0  # when the replay started, simulated s after the deploy (warm_up_ms)
     resume_waits: int = 0
+    stretches: dict = field(default_factory=dict)
     timeline: list = field(default_factory=list)
     latency_slo_cdf: list = field(default_factory=list)
 
@@ -788,6 +791,7 @@ class Simulation:
         extra = self.batch_extra() if self.batch_extra is not None else 0.0
         self.loop.at(now + dur + extra, self._end_batch, inst)
         if stretched is not None and inst.state == "ready" and not yields_share(inst.priority):
+            self.facts.stretches[f.name] = self.facts.stretches.get(f.name, 0) + 1
             for g in self.vertical.on_stretch(gpu.gid, now, inst.iid, stretched):
                 target = gpu.instances.get(g.instance_id)
                 if target is not None:
@@ -1130,7 +1134,7 @@ def simulate(cfg: SimConfig, policies: list[str], progress=None, tick=None) -> d
     """Every policy over the same workload: ``{"policies": {name: report dict}, "sim": {...}}``
     (the format of ``dilu compare --json`` plus the simulator's own figures, in ``sim``:
     configuration, and per policy ``events``, ``compute_s``, ``peak_active_gpus``,
-    ``max_limit_sum``, ``unplaced``, the ``timeline`` rows ``[t_s, active GPUs, cold-start
+    ``max_limit_sum``, ``unplaced``, ``stretches`` (per function), the ``timeline`` rows ``[t_s, active GPUs, cold-start
     requests so far, allocation fragmentation, idle fragmentation]`` every ``sample_s`` and the
     ``latency_slo_cdf``: [fraction, latency / SLO] at 200 quantiles of the completed requests). ``progress(name)`` is called
     before each policy, ``tick(name, simulated s done, s in all)`` every 10 wall seconds within
@@ -1155,7 +1159,7 @@ def simulate(cfg: SimConfig, policies: list[str], progress=None, tick=None) -> d
                         "resumes": f.resumes, "resumes_refused": f.resumes_refused, "relaunches": f.relaunches,
                         "migrations": f.migrations, "defrag_interval_s": f.defrag_interval_s,
                         "park_after_s": f.park_after_s, "warm_up_s": f.warm_up_s,
-                        "resume_waits": f.resume_waits,
+                        "resume_waits": f.resume_waits, "stretches": dict(sorted(f.stretches.items())),
                         "timeline": [list(r) for r in f.timeline], "latency_slo_cdf": f.latency_slo_cdf}
     except KeyboardInterrupt:
         partial = _output(cfg, work, reports, facts) if work is not None else {"policies": {}}

@@ -824,7 +824,8 @@ def test_an_instance_kept_busy_by_its_queue_reads_as_stretched_as_live():
             return stretch(gpu, now, iid, ratio)
 
         sim.vertical.on_stretch = reported
-        sim.run()
+        _, facts = sim.run()
+        assert facts.stretches == seen  # the sim section of its JSON counts them per function
         return seen
 
     merged, parted = stretches(models.CYCLE_GAP_MS / 2), stretches(models.CYCLE_GAP_MS * 3)
