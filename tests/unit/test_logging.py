@@ -1,12 +1,16 @@
-"""Loggers made before a service configures logging (module-level ones) follow its level and stream."""
+"""Loggers made before a service configures logging (module-level ones, or bound in a service's
+constructor, as the node agent binds its node) follow its level and stream."""
 import io
 import json
+
+import pytest
 
 from dilu.services.common import logging as dlog
 
 
-def test_a_logger_made_at_import_follows_a_later_configure():
-    early = dlog.get("early")
+@pytest.mark.parametrize("service, values", [("early", {}), ("node_agent", {"node": "n0"})])
+def test_a_logger_made_before_configure_follows_its_level(service, values):
+    early = dlog.get(service, **values)
     buf = io.StringIO()
     try:
         dlog.configure("svc", "warning", stream=buf)
@@ -15,19 +19,4 @@ def test_a_logger_made_at_import_follows_a_later_configure():
     finally:
         dlog.configure("dilu")
     lines = [json.loads(line) for line in buf.getvalue().splitlines()]
-    assert [(e["event"], e["service"]) for e in lines] == [("shown", "early")]
-
-
-def test_a_logger_with_values_made_before_configure_follows_its_level():
-    """The node agent binds its node in its constructor, before run() configures the level
-    (DILU_LOG_LEVEL): bound through dlog.get, its info lines still go at warning."""
-    agent = dlog.get("node_agent", node="n0")
-    buf = io.StringIO()
-    try:
-        dlog.configure("node_agent", "warning", stream=buf)
-        agent.info("hidden")
-        agent.warning("shown")
-    finally:
-        dlog.configure("dilu")
-    lines = [json.loads(line) for line in buf.getvalue().splitlines()]
-    assert [(e["event"], e["service"], e["node"]) for e in lines] == [("shown", "node_agent", "n0")]
+    assert [(e["event"], e["service"], {k: e[k] for k in values}) for e in lines] == [("shown", service, values)]
