@@ -84,7 +84,7 @@ def _log_events(log: Path, events: tuple[str, ...]) -> Iterator[tuple[int, dict]
     try:
         text = files.read_bounded(log, LOG_MAX_BYTES).decode()
     except UnicodeDecodeError:
-        raise ValueError(f"{log}: not text (not UTF-8): not the node agent's log of a run (at DILU_LOG_LEVEL info or debug)") from None
+        raise ValueError(f"{log}: not text (not UTF-8): not the node agent's log of a run") from None
     for n, line in enumerate(text.splitlines(), 1):
         if not line.startswith("{"):
             continue

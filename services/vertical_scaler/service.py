@@ -26,6 +26,7 @@ paper describes it) for dilu-published.
 from __future__ import annotations
 
 import gc
+import logging
 import time
 
 from prometheus_client import Counter
@@ -89,22 +90,26 @@ class VerticalScaler:
     async def _on_stretch(self, event: KernelCycleStretch, _msg) -> None:
         self._check_node(event.node)
         grants = self.policy.on_stretch(event.gpu, self._now_ms(), event.instance_id, event.ratio)
-        assert self.bus is not None
-        self.bus.log.debug("stretch", gpu=event.gpu, instance=event.instance_id, ratio=round(event.ratio, 2),
-                           grants=[(g.instance_id, round(g.quota, 3), g.reason) for g in grants])
         await self._publish(event.gpu, grants, event.detected_ns or event.ts_ns)
+        if self._debug():  # after the grants: the reaction does not wait for the log
+            self.bus.log.debug("stretch", gpu=event.gpu, instance=event.instance_id, ratio=round(event.ratio, 2),
+                               grants=[(g.instance_id, round(g.quota, 3), g.reason) for g in grants])
 
     async def _on_telemetry(self, event: GpuTelemetry, _msg) -> None:
         self._check_node(event.node)
         grants = self.policy.on_telemetry(event.gpu, self._now_ms(), event.instances)
-        assert self.bus is not None
-        # what each window said and what it was answered: the policy's inputs and outputs, to
-        # replay a grant sequence (--log-level debug)
-        self.bus.log.debug("window", gpu=event.gpu, rows=[
-            (t.instance_id, round(t.quota, 3), round(t.busy_share, 3), t.wait_us, t.queue_depth,
-             round(t.latency_ms_recent, 1)) for t in event.instances],
-            grants=[(g.instance_id, round(g.quota, 3), g.reason) for g in grants])
         await self._publish(event.gpu, grants, event.ts_ns)
+        if self._debug():  # what each window said and what it was answered: the policy's inputs and outputs
+            self.bus.log.debug("window", gpu=event.gpu, rows=[
+                (t.instance_id, round(t.quota, 3), round(t.busy_share, 3), t.wait_us, t.queue_depth,
+                 round(t.latency_ms_recent, 1)) for t in event.instances],
+                grants=[(g.instance_id, round(g.quota, 3), g.reason) for g in grants])
+
+    def _debug(self) -> bool:
+        """Whether debug lines are logged (DILU_LOG_LEVEL=debug): their rows are built only then,
+        off the path of every window and stretch at other levels."""
+        assert self.bus is not None
+        return self.bus.log.is_enabled_for(logging.DEBUG)
 
     async def _on_retired(self, event: InstanceRetired | InstanceParked, _msg) -> None:
         """Retired or parked: either way the instance holds no share now; its neighbours get it."""
