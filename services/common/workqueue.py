@@ -66,6 +66,12 @@ MAX_DELIVER_BACKSTOP = MAX_DELIVERIES + 2
 
 _MAX_HEADER_CHARS = 512
 
+# How long an idle puller's fetch waits for a request (s). A stop (drain, park) is seen when the
+# fetch returns, so an idle instance told to stop still takes what arrives before its open fetch
+# expires, serves it, then stops: a live drain ends a whole number of these after the puller
+# went idle (the simulator models it so, loadgen.sim.run).
+FETCH_TIMEOUT_S = 0.5
+
 # Withdrawn requests a puller remembers (their reply subjects, the oldest forgotten first). A
 # withdrawal matters until its request leaves the queue, which its deadline bounds; at the
 # highest rates measured here (about 10k requests/s per function) this covers a second of them,
@@ -407,7 +413,7 @@ class BatchPuller:
         instance_id: str,
         max_batch: int,
         ready_ns: int,
-        fetch_timeout_s: float = 0.5,
+        fetch_timeout_s: float = FETCH_TIMEOUT_S,
         on_done: OnDone | None = None,
         progress_interval_s: float | None = None,
         handler_timeout_s: float | None = None,

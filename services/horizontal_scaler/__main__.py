@@ -8,7 +8,7 @@ from dilu.services.common.cliopts import Finite, log_level_option, metrics_port_
 from dilu.services.common.policies import PARK_AFTER_S
 from dilu.services.common.runner import run
 
-from .policy import IDLE_BINS, MODES, HorizontalConfig
+from .policy import IDLE_BINS, MODES, TICK_MS, HorizontalConfig
 from .service import HorizontalScaler
 
 # The longest window (s) of any of the time options below. ``dilu demo`` and ``dilu chaos`` divide
@@ -25,7 +25,7 @@ WINDOW_MAX_S = 86_400
                    "dilu's keep-alive (static-mps, exclusive)")
 @click.option("--initial-scale", type=click.IntRange(0, 1000), default=HorizontalConfig.initial_scale, show_default=True,
               help="instances a newly deployed function gets before its first request (Knative's initial-scale)")
-@click.option("--tick-ms", type=Finite(10, 60_000), default=500.0, show_default=True)
+@click.option("--tick-ms", type=Finite(10, 60_000), default=TICK_MS, show_default=True)
 @click.option("--stable-window-s", type=Finite(0.1, WINDOW_MAX_S), default=HorizontalConfig.stable_window_s, show_default=True)
 @click.option("--panic-window-pct", type=Finite(1, 100), default=HorizontalConfig.panic_window_pct, show_default=True)
 @click.option("--panic-threshold", type=Finite(1.01, 100), default=HorizontalConfig.panic_threshold, show_default=True,

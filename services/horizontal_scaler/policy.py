@@ -111,6 +111,12 @@ InstanceState = Literal["starting", "ready", "draining", "parked", "moving"]
 # Knative's container-concurrency-target-percentage default (serving config-autoscaler, 70): the
 # KPA scales a function so its instances run at 70 % of their target concurrency.
 TARGET_UTILIZATION = 0.7
+# The scaler's tick (ms): every function's backlog sampled and decided on (Knative's autoscaler
+# ticks every 2 s; the demo replays traces 10x faster, so its windows and this tick are shorter).
+TICK_MS = 500.0
+# What a decision's reason says when it gives a function its initial scale (dilu calibrate finds
+# the deploy's tick by it).
+INITIAL_SCALE_REASON = "initial scale"
 PARK_SLO_SHARE = 0.5  # the largest share of its SLO a parked instance's resume may take (FunctionParams.parkable)
 IDLE_BINS = 240  # the idle-time histogram's range in bins (4 hours of 1-minute bins, Shahrad et al.)
 _EPS = 1e-9
@@ -835,7 +841,7 @@ class HorizontalPolicy:
                     if f.params.training else "backlog unknown: holding the current count")
         if f.fresh and want < self.initial_scale(f.name):
             want = self.initial_scale(f.name)
-            d.reason = f"backlog unknown: initial scale {want}"
+            d.reason = f"backlog unknown: {INITIAL_SCALE_REASON} {want}"
         if d.current == 0 and f.stored > 0:
             want = max(want, 1)
             d.reason = f"backlog unknown, {f.stored} requests stored and no instance: one instance"
@@ -888,7 +894,7 @@ class HorizontalPolicy:
         if f.fresh:
             initial = self.initial_scale(f.name)
             n = max(desired, initial)
-            return n, reason if desired >= n else f"initial scale {initial}"
+            return n, reason if desired >= n else f"{INITIAL_SCALE_REASON} {initial}"
         if w.prewarm_s > 0:
             return 1, f"pre-warmed for idle times ~{w.prewarm_s:.1f} s"
         return max(desired, 1), reason if desired else f"keep-alive ({w.keep_alive_s:.1f} s)"

@@ -98,8 +98,12 @@ from dilu.services.common.bus import Bus
 from dilu.services.common.kvkeys import kv_keys
 
 from .state import FunctionStateStore
-from .policy import (Decision, HorizontalConfig, InitialScaleGate, InstanceShare, PlacementBackoff,
+from .policy import (TICK_MS, Decision, HorizontalConfig, InitialScaleGate, InstanceShare, PlacementBackoff,
                      function_params, horizontal_policy, tick_order, vertical_room)
+
+# The reason logged for a resume decided when a request arrives, off the tick (dilu calibrate
+# times the tick by the other decisions).
+WAKE_REASON = "a request for a parked function"
 
 SCALE_OUTS = Counter("dilu_scale_outs", "Instances added by the horizontal scaler", ["function"])
 RETIREMENTS = Counter("dilu_retirements", "Instances removed (drained or cancelled) by the horizontal scaler", ["function"])
@@ -157,7 +161,7 @@ class HorizontalScaler:
 
     name = "horizontal_scaler"
 
-    def __init__(self, config: HorizontalConfig | None = None, *, tick_s: float = 0.5, target: float = 0.0,
+    def __init__(self, config: HorizontalConfig | None = None, *, tick_s: float = TICK_MS / 1000.0, target: float = 0.0,
                  request_timeout_s: float = 5.0, telemetry_stale_s: float = 10.0,
                  place_backoff_max_s: float = 10.0, reconcile_s: float = RECONCILE_S) -> None:
         if tick_s <= 0 or request_timeout_s <= 0:
@@ -515,7 +519,7 @@ class HorizontalScaler:
         self._busy.add(fn)
         try:
             await self._unwatch(fn)
-            d = Decision(fn, now, 0, 0, 1, direction="resume", reason="a request for a parked function")
+            d = Decision(fn, now, 0, 0, 1, direction="resume", reason=WAKE_REASON)
             d.resume = ids
             await self._resume(fn, d, now)
             await self._watch_parked(fn)  # refused: it listens again
