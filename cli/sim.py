@@ -185,6 +185,11 @@ def _simulate(console, stop: SignalExit, trace_dir, functions, hours, nodes, gpu
                    if not table]
         if missing:  # a file of an older build
             start += f"; no {' or '.join(missing)} in the file: none drawn"
+        if overheads.horizontal_tick_ms is not None:
+            start += f"; horizontal tick {overheads.horizontal_tick_ms:g} ms"
+        if overheads.loop_timings:
+            start += (f"; the loop timing of {count_of(len(overheads.loop_timings), 'run', 'runs')}, replayed "
+                      "where the deploy launches as many instances")
         console.print(f"[dim]with the overheads of {overheads_path} (drawn with seed "
                       f"{seed if overheads_seed is None else overheads_seed}); {start}[/dim]", highlight=False)
 
@@ -337,10 +342,10 @@ def _print_workload(out: dict, console) -> None:
       help="leave out a function and batch size with fewer batches than this, live or simulated")
 @_opt("--starts-from", "starts_from", multiple=True,
       type=click.Path(exists=True, file_okay=False, path_type=Path),
-      help="measure the process starts (the deploy's launches too) from these runs' log directories instead "
-           "(repeat it; they may include LOG_DIRS): one run launches too few instances for them, where its way "
-           "in and back, batch overhead, pickups and dispatches are its own (README, At cluster scale); "
-           "DILU_STARTS_FROM separates them with ':'")
+      help="measure the process starts of the launches after the deploy from these runs' log directories "
+           "instead (repeat it; they may include LOG_DIRS): one run launches too few instances for them, where its "
+           "way in and back, batch overhead, pickups, dispatches and deploy's launches are its own (README, At "
+           "cluster scale); DILU_STARTS_FROM separates them with ':'")
 def calibrate(log_dirs, json_path, min_batches, starts_from) -> None:
     """Measure what the live node adds beyond the simulator's model, from the log directories of
     live runs (each a policy's directory under dilu demo/compare --log-dir, holding
@@ -394,6 +399,12 @@ def calibrate(log_dirs, json_path, min_batches, starts_from) -> None:
         console.print("the deploy's launches (every function's first instance, all at once; a later one starts "
                       f"beside more): ms from the first launch until the k-th one's process is up, k: {initial}",
                       highlight=False)
+        tick = (f"{ov.horizontal_tick_ms:g} ms (over {count_of(src['horizontal_ticks'], 'tick', 'ticks')} between "
+                "its decisions)" if ov.horizontal_tick_ms is not None else "not measured (no horizontal scaler's log, "
+                "or too few decisions)")
+        console.print(f"the horizontal scaler's tick: {tick}; the replay's start after the deploy's tick (ms): "
+                      + (", ".join(f"{t.first_request_ms:g}" for t in ov.loop_timings) or "not measured"),
+                      highlight=False)
         if json_path:
             write_output(json_path, ov.to_json().decode())
             console.print(f"written to {json_path}")
@@ -417,8 +428,8 @@ def _by_starting(table: tuple[float, ...]) -> str:
 def crosscheck(log_dirs, draws, json_path, min_batches) -> None:
     """Set live runs against their simulation: each run's log directory (a policy's, under dilu
     demo/compare --log-dir) is calibrated alone (its way in and back, batch overhead, pickups and
-    dispatches; the process starts, the deploy's launches too, from all LOG_DIRS, as dilu
-    calibrate --starts-from) and simulated --draws times
+    dispatches, its deploy's launches and loop timing; the process starts of later launches from
+    all LOG_DIRS, as dilu calibrate --starts-from) and simulated --draws times
     on its own plan and policy. Runs of one comparison (the same trace, start minute, seed,
     duration, speed-up, functions, GPUs, training jobs and parking and defragmentation settings,
     as dilu summarize asks) and policy form a row; for the SLO

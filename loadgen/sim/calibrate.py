@@ -13,14 +13,22 @@ Input: the log directories ``dilu demo`` / ``dilu compare`` leave per policy und
   (:func:`starts_by_starting`). The deploy's launches (each function's first instance, all at
   once) are measured apart, by launch order: the k-th is up (launched after the first, plus its
   process start) a median of ``process_start_initial_ms[k]`` after the first's launch
-  (:func:`initial_by_order`). Those of other runs of the same node may stand in
-  (``starts_from``): one run launches too few instances to measure it alone.
+  (:func:`initial_by_order`). Those of other runs of the same node may stand in for the later
+  launches (``starts_from``): one run launches too few instances after its deploy to measure
+  them alone; the deploy's launches stay the runs' own (:func:`own_deploy`).
 - **transport**: per answered request, way in + way back (:mod:`.overheads`).
 - **pickup**: per instance, from a batch's last reply to its next batch's start, where a request
   of that next batch was already stored before that reply (the instance had work waiting).
 - **dispatch**: per instance, from the first stored request of a batch to the batch's start, where
   that request was stored after the batch before had its last reply (the instance was idle) and
   the instance was not parked in between (a resume is modelled apart, :func:`models.resume_ms`).
+- **loop timing**: from the horizontal scaler's log, its tick period (the gaps between its
+  ``scale decided`` lines, each a whole number of ticks apart: their sum over the sum of those
+  numbers, gaps of at most :data:`TICK_GAPS_MAX` ticks, where the drift of a tick stays far
+  under half a tick) over every run, and for each run its :class:`~.overheads.LoopTiming`: the
+  first request's scheduled send and the scheduler's defragmentation round nearest to it
+  (``defragmentation planned`` or ``defragmented`` lines), ms after the tick that decided the
+  deploy's initial scale. At ``DILU_LOG_LEVEL`` info these lines are there.
 - **batch**: the live service of each batch (the first reply of each (instance, start) pair:
   handler called -> reply published) against the simulator's service of the batches of the same
   function and size, simulated on the run's own plan, policy and process start: the k-th of n
@@ -42,12 +50,21 @@ import numpy as np
 
 from dilu.loadgen import report, requestlog
 from dilu.services.common import files, models
+from dilu.services.horizontal_scaler.policy import INITIAL_SCALE_REASON, TICK_MS
+from dilu.services.horizontal_scaler.service import WAKE_REASON
 
-from .overheads import Overheads, OverheadsError
+from .overheads import LoopTiming, Overheads, OverheadsError
 
 MIN_BATCHES = 20  # fewer batches of one function and size say little about its service's spread
 MIN_STARTS = 10  # a process start table's entry comes from at least this many launches (else pooled)
 NODE_AGENT_LOG = "node_agent.log"
+HORIZONTAL_LOG = "horizontal_scaler.log"
+SCHEDULER_LOG = "scheduler.log"
+# Scale decisions at most this many horizontal ticks apart time the tick: the live tick drifts
+# by its own work (1.6 ms a tick on the emulated node), 80 ms over 50 ticks, far under half a
+# tick, so the whole number of ticks between two decisions is never mistaken.
+TICK_GAPS_MAX = 50
+TICKS_MIN = 20  # fewer ticks between decisions in all time the tick too loosely: not measured
 LOG_MAX_BYTES = files.GiB  # a node agent's log of one run: hours of it are tens of MB
 
 
@@ -67,6 +84,20 @@ class _Parked(msgspec.Struct):
     timestamp: datetime
 
 
+class _Decided(msgspec.Struct):
+    """A ``scale decided`` line of the horizontal scaler: when, why and how many instances."""
+
+    timestamp: datetime
+    reason: str = ""
+    count: int = 0
+
+
+class _Logged(msgspec.Struct):
+    """Any service's log line, by its time."""
+
+    timestamp: datetime
+
+
 class Starts(NamedTuple):
     """The process starts (ms) read from node agents' logs: ``initial``, (launch order k, ms from
     the first launch until its process was up) of the deploy's launches (each function's first
@@ -78,19 +109,24 @@ class Starts(NamedTuple):
 
 
 def _log_events(log: Path, events: tuple[str, ...]) -> Iterator[tuple[int, dict]]:
-    """(line number, decoded line) of each JSON line of the node agent's log ``log`` whose
-    ``event`` is one of ``events``. Raises OSError, or ValueError naming the log (and line) when
-    it is not UTF-8 text or a line is not JSON."""
+    """(line number, decoded line) of each JSON line of a service's log ``log`` (the node
+    agent's, the horizontal scaler's, ...) whose ``event`` is one of ``events``; a last line cut
+    short (no newline after it: the service was killed while writing it) is left out. Raises
+    OSError, or ValueError naming the log (and line) when it is not UTF-8 text or another line
+    is not JSON."""
     try:
         text = files.read_bounded(log, LOG_MAX_BYTES).decode()
     except UnicodeDecodeError:
-        raise ValueError(f"{log}: not text (not UTF-8): not the node agent's log of a run") from None
-    for n, line in enumerate(text.splitlines(), 1):
+        raise ValueError(f"{log}: not text (not UTF-8): not a service's log of a run") from None
+    lines = text.splitlines()
+    for n, line in enumerate(lines, 1):
         if not line.startswith("{"):
             continue
         try:
             e = msgspec.json.decode(line)
         except msgspec.DecodeError:
+            if n == len(lines) and not text.endswith("\n"):
+                return  # cut short by a kill: what came before is whole
             raise ValueError(f"{log}:{n}: not a JSON log line") from None
         if isinstance(e, dict) and e.get("event") in events:
             yield n, e
@@ -132,6 +168,69 @@ def process_starts_ms(log: Path, model_of: dict[str, str]) -> Starts:
     initial.sort()
     deploy = initial[0][0] if initial else 0.0
     return Starts([(k, at - deploy + start) for k, (at, start) in enumerate(initial)], later)
+
+
+def _lines_of(log: Path, events: tuple[str, ...], struct: type = _Logged) -> list:
+    """The lines of ``events`` in ``log`` as ``struct``; raises as :func:`_log_events`, or
+    ValueError naming the line when one lacks a field."""
+    out = []
+    for n, e in _log_events(log, events):
+        try:
+            out.append(msgspec.convert(e, struct))
+        except msgspec.ValidationError as exc:
+            raise ValueError(f"{log}:{n}: not a '{e.get('event')}' line of a Dilu service: {exc}") from None
+    return out
+
+
+def tick_gaps(log_dir: Path, nominal_ms: float) -> tuple[float, int]:
+    """(sum of the gaps in ms, sum of their whole numbers of ticks) between the horizontal
+    scaler's successive ticks that decided something in the run of ``log_dir`` (decisions of one
+    tick are logged within a few ms: the first line stands for the tick; a resume decided when a
+    request came, :data:`WAKE_REASON`, is off the tick and left out), over gaps of 1 to
+    :data:`TICK_GAPS_MAX` ticks of ``nominal_ms``; (0, 0) without the scaler's log. Raises as
+    :func:`_log_events`."""
+    log = log_dir / HORIZONTAL_LOG
+    if not log.exists():
+        return 0.0, 0
+    ticks: list[float] = []
+    for d in sorted(x.timestamp.timestamp() * 1000.0 for x in _lines_of(log, ("scale decided",), _Decided)
+                    if x.reason != WAKE_REASON):
+        if not ticks or d - ticks[-1] > nominal_ms / 2:
+            ticks.append(d)
+    total, count = 0.0, 0
+    for a, b in zip(ticks, ticks[1:]):
+        k = round((b - a) / nominal_ms)
+        if 1 <= k <= TICK_GAPS_MAX:
+            total, count = total + b - a, count + k
+    return total, count
+
+
+def loop_timing(log_dir: Path, lines: list[requestlog.RequestLine], nominal_ms: float) -> LoopTiming | None:
+    """The run's :class:`~.overheads.LoopTiming` (module docstring): from the tick whose
+    ``scale decided`` lines gave the deploy's initial scale (the first such line, and those
+    within half a tick of ``nominal_ms`` after it, whose counts are the deploy's launches), the
+    first request of ``lines`` and the defragmentation round nearest to it. None without the
+    scaler's log, an initial scale or a request. Raises as :func:`_log_events`."""
+    log = log_dir / HORIZONTAL_LOG
+    sent = [r.scheduled_ns for r in lines if r.scheduled_ns]
+    if not log.exists() or not sent:
+        return None
+    initial = sorted((x.timestamp.timestamp() * 1000.0, x.count) for x in _lines_of(log, ("scale decided",), _Decided)
+                     if INITIAL_SCALE_REASON in x.reason)
+    if not initial:
+        return None
+    deploy = initial[0][0]
+    launches = sum(n for at, n in initial if at - deploy < nominal_ms / 2)
+    first = min(sent) / 1e6 - deploy
+    rounds: list[float] = []
+    slog = log_dir / SCHEDULER_LOG
+    if slog.exists():
+        rounds = [x.timestamp.timestamp() * 1000.0 - deploy
+                  for x in _lines_of(slog, ("defragmentation planned", "defragmented"))]
+    defrag = min(rounds, key=lambda r: abs(r - first)) if rounds else None
+    if launches < 1 or first < 0:
+        return None
+    return LoopTiming(launches, round(first, 3), None if defrag is None else round(defrag, 3))
 
 
 def initial_by_order(initial: list[tuple[int, float]]) -> list[float]:
@@ -382,6 +481,16 @@ def starts_of(runs: list[tuple[Path, report.Report, list]]) -> Starts:
     return out
 
 
+def own_deploy(runs: list[tuple[Path, report.Report, list]], pooled: Starts) -> Starts:
+    """The deploy's launches of ``runs`` themselves (:attr:`Starts.initial`; every run has one per
+    function), with the later launches of ``pooled`` (:func:`starts_of` of more runs of the node).
+    A run's own deploy says when each of its initial instances was ready, and a keep-alive runs
+    from there: medians pooled over other runs moved it by 140 ms on this machine, enough for a
+    keep-alive to run out one tick sooner than live. Raises as :func:`starts_of`."""
+    own = starts_of(runs).initial
+    return Starts(own or pooled.initial, pooled.later)
+
+
 class StartsFromError(ValueError):
     """A directory of :func:`calibrate`'s ``starts_from`` that cannot be used or read
     (``--starts-from``)."""
@@ -390,9 +499,10 @@ class StartsFromError(ValueError):
 def calibrate(log_dirs: list[Path], min_batches: int = MIN_BATCHES,
               starts_from: list[Path] | None = None) -> Overheads:
     """The overheads measured from the live runs' log directories (module docstring).
-    ``starts_from``: the log directories whose launches give the process start instead of
-    ``log_dirs`` (they may overlap): the node's process start needs tens of launches, where one
-    run's way in and back and batch overhead are its own and say how loaded its machine was.
+    ``starts_from``: the log directories whose launches after their deploy give the process
+    start instead of ``log_dirs``' (they may overlap): the node's process start needs tens of
+    launches, where one run's way in and back, batch overhead and deploy (:func:`own_deploy`)
+    are its own and say how loaded its machine was.
     Raises OSError for a file of ``log_dirs`` missing or unreadable, ValueError (OverheadsError)
     naming what cannot be used, :class:`StartsFromError` for a directory of ``starts_from`` (one
     that cannot be read too)."""
@@ -405,7 +515,7 @@ def calibrate(log_dirs: list[Path], min_batches: int = MIN_BATCHES,
         raise StartsFromError(str(exc)) from None
     except OSError as exc:  # said of --starts-from, not of the LOG_DIRS read before
         raise StartsFromError(f"cannot read {exc.filename or ''}: {exc.strerror or exc}") from None
-    return measure(runs, starts, min_batches, starts_from)
+    return measure(runs, own_deploy(runs, starts), min_batches, starts_from)
 
 
 
@@ -413,7 +523,8 @@ def measure(runs: list[tuple[Path, report.Report, list]], starts: Starts,
             min_batches: int = MIN_BATCHES, starts_from: list[Path] | None = None) -> Overheads:
     """:func:`calibrate` of runs already read (:func:`read_runs`) with the process starts
     ``starts`` (:func:`starts_of`; ``starts_from``: where they come from, for the ``source``).
-    Each run's own node agent log gives its parks (:func:`parked_ns`); raises as
+    Each run's own node agent log gives its parks (:func:`parked_ns`), its horizontal scaler's and
+    scheduler's logs its loop timing (:func:`tick_gaps`, :func:`loop_timing`); raises as
     :func:`calibrate`."""
     later = starts.later
     start_ms = statistics.median(ms for _, ms in later) if later else models.PROCESS_START_MS
@@ -423,7 +534,14 @@ def measure(runs: list[tuple[Path, report.Report, list]], starts: Starts,
     batch: list[float] = []
     pickup: list[float] = []
     dispatch: list[float] = []
+    timings: list[LoopTiming] = []
+    gap_ms, gap_ticks = 0.0, 0
+    nominal = TICK_MS
     for d, rep, lines in runs:
+        g, k = tick_gaps(d, nominal)
+        gap_ms, gap_ticks = gap_ms + g, gap_ticks + k
+        if (timing := loop_timing(d, lines, nominal)) is not None:
+            timings.append(timing)
         transport += transport_ms(lines)
         pickup += pickups_ms(lines)
         dispatch += dispatches_ms(lines, parked_ns(d / NODE_AGENT_LOG))
@@ -434,8 +552,10 @@ def measure(runs: list[tuple[Path, report.Report, list]], starts: Starts,
                              "and their simulation: give longer or busier runs")
     source = {"runs": [str(d) for d, _, _ in runs], "transport_samples": len(transport),
               "batch_samples": len(batch), "pickup_samples": len(pickup), "dispatch_samples": len(dispatch),
-              "process_start_samples": len(later), "initial_process_start_samples": len(starts.initial)}
+              "process_start_samples": len(later), "initial_process_start_samples": len(starts.initial),
+              "horizontal_ticks": gap_ticks}
     if starts_from is not None:
         source["process_starts_from"] = [str(d) for d in starts_from]
+    tick = gap_ms / gap_ticks if gap_ticks >= TICKS_MIN else None
     return Overheads.from_samples(transport, batch, start_ms if later else None, source, by_starting, pickup,
-                                  dispatch, initial)
+                                  dispatch, initial, tick, timings)

@@ -2,11 +2,15 @@
 
 Each live run (a policy's log directory under ``dilu demo`` / ``dilu compare --log-dir``) is
 simulated on its own plan and policy, ``draws`` times (``--overheads-seed`` 1..draws: other
-overheads and other phases of the control loops, as live reruns meet them), with the
+draws of its overheads and another phase of the node agent's telemetry), with the
 overheads :mod:`.calibrate` measures from that run alone: its way in and back, its batch
 overhead, its pickups and dispatches, which say how loaded its machine was (one run's tail can be
-twenty times another's on the same machine), and the process starts of all the runs given, the
-deploy's launches by launch order too (one run launches too few instances for them). Runs of one comparison (:func:`dilu.loadgen.summary.span_key`) and policy form
+twenty times another's on the same machine), its loop timing (its horizontal scaler's tick, when
+its first request and a defragmentation round came after the deploy's tick: every draw replays
+them, so its threshold decisions fall on the ticks they fell on live), its own deploy's launches
+by launch order (when each was up: the keep-alive of an instance the deploy placed runs from its
+readiness), and the process starts of the later launches of all the runs given (one run launches
+too few instances for them). Runs of one comparison (:func:`dilu.loadgen.summary.span_key`) and policy form
 a row; for each figure of :data:`FIGURES` a row holds the live runs' spread, the draws' spread,
 the relative difference of the means and that difference in standard errors. README, At cluster
 scale: the cross-check.
@@ -110,7 +114,7 @@ def crosscheck(log_dirs: list[Path], draws: int = DRAWS, min_batches: int = cal.
             progress(d, 0)
             said = clock()
         try:
-            ov = cal.measure([run], starts, min_batches, log_dirs)
+            ov = cal.measure([run], cal.own_deploy([run], starts), min_batches, log_dirs)
         except ValueError as exc:  # one run of many: say which
             raise ValueError(f"{d}: {exc}") from None
         simulated = []

@@ -126,12 +126,14 @@ class Instance:
     a batch ended) and ``recent_ms`` feed the next telemetry; a batch's busy and wait go into them
     as time passes (``accrued_at``), so one that spans windows is busy in each. ``tokens``: its
     token bucket's balance (ms of busy time) at ``tokens_at`` (ms), as the interceptor keeps it
-    (:func:`models.bucket_paced_ms`); full when it starts."""
+    (:func:`models.bucket_paced_ms`); full when it starts. ``fetch_at``: when its puller's
+    current fetch began (ms; at its readiness and at each batch's end): an idle puller's fetch
+    waits :data:`workqueue.FETCH_TIMEOUT_S` at a time, and a drain is seen only when it returns."""
 
     __slots__ = ("iid", "fn", "gpu", "request", "width", "grant", "batch", "ready_ms", "state", "busy",
                  "inflight", "quota_since", "win_busy_ms", "win_wait_ms", "win_served", "training",
                  "iterations", "train_since", "priority", "tokens", "tokens_at", "resumed_ms", "replaces",
-                 "recent_ms", "answered", "batch_to", "accrued_at", "device_share", "cycles")
+                 "recent_ms", "answered", "batch_to", "accrued_at", "device_share", "cycles", "fetch_at")
 
     def __init__(self, iid: str, fn, gpu: Gpu, request: float, width: float, grant: float, batch: int,
                  ready_ms: float, now_ms: float, training: bool, priority: str) -> None:
@@ -164,6 +166,7 @@ class Instance:
         self.accrued_at = 0.0  # its busy and wait are in the window counters up to here (ms)
         self.device_share = 1.0  # of its time on the device: busy (the rest waits for tokens)
         self.cycles = Cycles()
+        self.fetch_at = ready_ms
 
 
 class Function:
@@ -172,7 +175,7 @@ class Function:
 
     __slots__ = ("name", "spec", "model", "slo_ms", "timeout_ms", "batch", "demand", "pending", "ready",
                  "instances", "arrivals", "launches", "quota_ms", "training", "asleep", "last_tick", "last_busy",
-                 "kernels")
+                 "kernels", "closing")
 
     def __init__(self, name: str, spec, slo_ms: float, timeout_ms: float, batch: int, demand, training: bool) -> None:
         self.name = name
@@ -185,6 +188,7 @@ class Function:
         self.demand = demand
         self.pending: deque[int] = deque()
         self.ready: list[Instance] = []  # ready, not draining: they pull from ``pending``
+        self.closing: list[Instance] = []  # draining while idle: their open fetch still takes a request
         self.instances: dict[str, Instance] = {}
         self.arrivals = 0
         self.launches = 0

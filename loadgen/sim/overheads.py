@@ -30,6 +30,15 @@ by launch order: they start beside all the others, longer than any launch of the
 later one is up later (on the emulated node the first 2.0 s after the deploy, the sixteenth 2.5 s,
 against 0.3-0.8 s for a launch of the replay).
 
+And when the replay met the live control loops, which tick on their own clocks: the horizontal
+scaler's measured tick period (``horizontal_tick_ms``: it sleeps its 500 ms and then works, so
+on the emulated node a tick is 501.6 ms, and over a 60 s replay 500 ms ticks drift two fifths of
+a tick away), and each run's :class:`LoopTiming` (its first request and a defragmentation round
+after the deploy's tick). A decision on a threshold (a keep-alive running out one tick before a
+request, a stable window a hair under its target) turns on these phases: replayed at the phases
+its run met, a simulation takes the decisions on the ticks that run took them, where drawn
+phases put them on other ticks.
+
 On a real GPU node the tables are small against the GPU's time; on the emulated node of a
 2-core machine they are not (README, At cluster scale: the cross-check). ``dilu sim`` without
 ``--overheads`` models none of them.
@@ -57,6 +66,29 @@ class OverheadsError(ValueError):
     """An overheads file that cannot be used (one line: the file and what is wrong)."""
 
 
+class LoopTiming(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """When one live run met its control loops, ms after the horizontal scaler's tick that
+    decided the deploy's initial scale (the simulator's time 0, where its ticks start):
+    ``launches``, how many instances that deploy launched (a simulation replays this timing only
+    if its deploy launches as many: another plan meets its loops otherwise); ``first_request_ms``,
+    the first request's scheduled send; ``defrag_ms``, a defragmentation round of the scheduler
+    near it (None: none logged, e.g. a policy that does not defragment). Raises
+    :class:`OverheadsError` for a value out of range."""
+
+    launches: int
+    first_request_ms: float
+    defrag_ms: float | None = None
+
+    def __post_init__(self) -> None:
+        if self.launches < 1:
+            raise OverheadsError(f"a loop timing needs launches >= 1, got {self.launches}")
+        if not (math.isfinite(self.first_request_ms) and 0 <= self.first_request_ms <= OVERHEAD_MAX_MS):
+            raise OverheadsError(f"first_request_ms must be in [0, {OVERHEAD_MAX_MS:,.0f}] ms, got {self.first_request_ms}")
+        d = self.defrag_ms
+        if d is not None and not (math.isfinite(d) and abs(d) <= OVERHEAD_MAX_MS):
+            raise OverheadsError(f"defrag_ms must be within ±{OVERHEAD_MAX_MS:,.0f} ms, got {d}")
+
+
 class Overheads(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """Measured overheads (ms) as quantile tables of :data:`QUANTILE_POINTS` non-decreasing,
     finite, non-negative values (``transport_ms``, ``batch_ms``), the node's median process start
@@ -67,7 +99,9 @@ class Overheads(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     (``process_start_initial_ms``: entry k, ms from the first launch, for the k-th, the last
     entry also for more; empty: not measured), the pickup between batches while
     requests wait (``pickup_ms``, ms, a table as the two first; empty: not measured), the
-    dispatch of a request to an idle instance (``dispatch_ms``, likewise) and where they come
+    dispatch of a request to an idle instance (``dispatch_ms``, likewise), the horizontal
+    scaler's tick period (``horizontal_tick_ms``, ms; None: not measured, the nominal one), each
+    run's :class:`LoopTiming` (``loop_timings``; empty: not measured) and where they come
     from (``source``:
     free JSON, e.g. the runs measured and how many samples); the JSON of ``dilu calibrate
     --json`` is this struct's. Raises :class:`OverheadsError` when a table is malformed."""
@@ -80,6 +114,8 @@ class Overheads(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     pickup_ms: tuple[float, ...] = ()
     dispatch_ms: tuple[float, ...] = ()
     process_start_initial_ms: tuple[float, ...] = ()
+    horizontal_tick_ms: float | None = None
+    loop_timings: tuple[LoopTiming, ...] = ()
 
     def __post_init__(self) -> None:
         for name in ("transport_ms", "batch_ms", "pickup_ms", "dispatch_ms"):
@@ -102,13 +138,17 @@ class Overheads(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         ups = self.process_start_initial_ms
         if any(b < a for a, b in zip(ups, ups[1:])):  # a later launch of the deploy is up no sooner
             raise OverheadsError("process_start_initial_ms is not non-decreasing (by launch order)")
+        tick = self.horizontal_tick_ms
+        if tick is not None and not (math.isfinite(tick) and 0 < tick <= OVERHEAD_MAX_MS):
+            raise OverheadsError(f"horizontal_tick_ms must be in (0, {OVERHEAD_MAX_MS:,.0f}] ms, got {tick}")
 
     @classmethod
     def from_samples(cls, transport_ms: Sequence[float], batch_ms: Sequence[float],
                      process_start_ms: float | None = None, source: dict | None = None,
                      process_start_by_starting_ms: Sequence[float] = (),
                      pickup_ms: Sequence[float] = (), dispatch_ms: Sequence[float] = (),
-                     process_start_initial_ms: Sequence[float] = ()) -> Overheads:
+                     process_start_initial_ms: Sequence[float] = (), horizontal_tick_ms: float | None = None,
+                     loop_timings: Sequence[LoopTiming] = ()) -> Overheads:
         """The tables of the samples (ms; negative values count as 0: a batch served faster than
         modelled adds nothing; no pickup or dispatch sample: no such table). Raises
         :class:`OverheadsError` when the transport or batch sample is empty."""
@@ -117,7 +157,8 @@ class Overheads(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
                    tuple(round(v, 1) for v in process_start_by_starting_ms), dict(source or {}),
                    quantiles(pickup_ms, "pickup") if len(pickup_ms) else (),
                    quantiles(dispatch_ms, "dispatch") if len(dispatch_ms) else (),
-                   tuple(round(v, 1) for v in process_start_initial_ms))
+                   tuple(round(v, 1) for v in process_start_initial_ms),
+                   None if horizontal_tick_ms is None else round(horizontal_tick_ms, 3), tuple(loop_timings))
 
     @property
     def start_ms(self) -> float:

@@ -41,8 +41,17 @@ each is drawn from ``overheads_seed``, since a live run meets its loops at any p
 decision on a threshold (a scale-in one tick before a burst or one after) turns on it. The
 replay meets the horizontal tick at any phase too, yet starts as the last initial instance
 is ready, as live: the deploy's launches take their process start moved by a jitter uniform over
-one horizontal tick, centred on it (live it varies by more than a tick from run to run, and the
-scaler's tick drifts), and the replay starts with them.
+one horizontal tick, centred on it, and the replay starts with them. Overheads measured from a
+live run hold when that run met its loops (:class:`~.overheads.LoopTiming`): a simulation whose
+deploy launches as many instances replays one of them instead (:func:`replayed_timing`): its
+first request, and a defragmentation round, where that run's were after the deploy's tick, and
+the horizontal tick at the measured period (it drifts by its own work), so the replay's
+threshold decisions fall on the ticks the live run's fell on.
+
+Draining: an idle instance told to stop (retired) leaves when its puller's open fetch expires,
+a whole number of :data:`workqueue.FETCH_TIMEOUT_S` after it went idle, serving a request that
+comes meanwhile if no ready instance is idle, as a live puller sees its stop only when its fetch
+returns.
 
 The replay starts when every function's initial instance is ready, as the demo starts it once
 :class:`cli.deploy.WarmWatch` has seen them all (the latest of the deploy's launches, each up
@@ -80,7 +89,8 @@ from dilu.services.common.console import PROGRESS_EVERY_S
 from dilu.services.common.functions import GIB, default_priority, recent_latency, yields_share
 from dilu.services.common.interrupt import raise_if_stopped
 from dilu.services.common.policies import DEFRAG_INTERVAL_MIN_S, modes
-from dilu.services.horizontal_scaler.policy import (InstanceShare, PlacementBackoff,
+from dilu.services.common.workqueue import FETCH_TIMEOUT_S
+from dilu.services.horizontal_scaler.policy import (TICK_MS, InstanceShare, PlacementBackoff,
                                                     function_params, horizontal_policy, tick_order, vertical_room)
 from dilu.services.horizontal_scaler.service import MAX_PLACE_COUNT
 from dilu.services.node_agent.grants import fit_quota
@@ -92,7 +102,7 @@ from dilu.services.vertical_scaler.policy import VerticalConfig, vertical_policy
 
 from .engine import EventLoop
 from .node import Function, Gpu, Instance, batch_ms, iteration_ms, pace, train_load
-from .overheads import Overheads, Sampler
+from .overheads import LoopTiming, Overheads, Sampler
 
 GPU_MEMORY_BYTES = 40 * GIB  # the emulated A100 40 GB (node_agent.devices "a100-40gb" rounds to 40 GiB)
 REQUEST_TIMEOUT_MIN_MS = 30_000.0  # cli.demo.REQUEST_TIMEOUT_MIN_S
@@ -153,7 +163,7 @@ class SimConfig:
     overheads: Overheads | None = None
     overheads_seed: int | None = None
     vertical_tick_ms: float = 250.0
-    horizontal_tick_ms: float = 500.0
+    horizontal_tick_ms: float = TICK_MS
     warm_up_s: float | None = None  # None: when the initial instances are ready (warm_up_ms)
     drain_s: float = 20.0
     sample_s: float = 10.0
@@ -261,17 +271,38 @@ def warm_up_ms(cfg: SimConfig, launches: Sequence[str], mode: str, jitter_ms: fl
     return min(ready, warm_up_limit_s(mode, cfg.speedup, cfg.keep_alive_s) * 1000.0)
 
 
-def loop_phases(cfg: SimConfig, defrag_every_ms: float) -> tuple[float, float, float]:
+def loop_phases(cfg: SimConfig, defrag_every_ms: float,
+                timing: LoopTiming | None = None) -> tuple[float, float, float]:
     """(the deploy's jitter, first telemetry, first defragmentation round), ms on the simulated
     clock (module docstring, Control loops): (0, 0, ``defrag_every_ms``) without overheads; with
     them, the jitter uniform in [-tick/2, tick/2) of the horizontal tick, the others uniform in
     [0, tick) each, drawn from their own stream of ``overheads_seed`` (``seed`` when None), so the
-    other draws do not move."""
+    other draws do not move. A live run's measured ``timing`` (:func:`replayed_timing`) sets
+    the jitter to 0 (the replay starts when that run's did) and the first defragmentation round
+    at that run's phase, when it logged one."""
     if cfg.overheads is None:
         return 0.0, 0.0, defrag_every_ms
     rng = random.Random(f"phases-{cfg.seed if cfg.overheads_seed is None else cfg.overheads_seed}")
-    return ((rng.random() - 0.5) * cfg.horizontal_tick_ms, rng.random() * cfg.vertical_tick_ms,
-            defrag_every_ms * (1.0 - rng.random()))
+    jitter, telemetry, defrag = ((rng.random() - 0.5) * cfg.horizontal_tick_ms, rng.random() * cfg.vertical_tick_ms,
+                                 defrag_every_ms * (1.0 - rng.random()))
+    if timing is None:
+        return jitter, telemetry, defrag
+    if timing.defrag_ms is not None and defrag_every_ms:
+        defrag = timing.defrag_ms % defrag_every_ms or defrag_every_ms
+    return 0.0, telemetry, defrag
+
+
+def replayed_timing(cfg: SimConfig, launches: int) -> LoopTiming | None:
+    """The live run's loop timing this simulation replays: one of ``cfg.overheads``'s
+    :attr:`~.overheads.Overheads.loop_timings` whose deploy launched ``launches`` instances of
+    its initial scale, as this one's does (another plan meets its loops at other times), chosen
+    by ``overheads_seed`` (``seed`` when None) on its own stream; None when there is none (the
+    phases are drawn, :func:`loop_phases`)."""
+    ov = cfg.overheads
+    same = [t for t in ov.loop_timings if t.launches == launches] if ov is not None else []
+    if not same:
+        return None
+    return random.Random(f"timing-{cfg.seed if cfg.overheads_seed is None else cfg.overheads_seed}").choice(same)
 
 
 @dataclass
@@ -285,7 +316,9 @@ class SimFacts:
     GPU with room: the instance stayed parked and the function's placements back off), and ``resume_waits``
     (requests that waited for a resume: no launch, so not cold-start requests), ``migrations``
     (instances moved by defragmentation, every ``defrag_interval_s`` trace s; 0: none),
-    ``warm_up_s`` (when the replay started: :func:`warm_up_ms`), ``stretches`` (per function, the
+    ``warm_up_s`` (when the replay started: :func:`warm_up_ms`, or a live run's replayed
+    :class:`~.overheads.LoopTiming`, then ``loop_timing_replayed``), ``horizontal_tick_ms`` (the
+    tick in force: the measured one of the overheads, else the configured), ``stretches`` (per function, the
     kernel-cycle stretches reported to the vertical scaler over the whole run, as the live
     vertical scaler's debug ``stretch`` lines count them: :class:`node.Cycles`) and the ``timeline`` (t_s,
     active GPUs, cold-start requests so far, allocation and idle fragmentation over the sample)
@@ -304,6 +337,8 @@ class SimFacts:
     defrag_interval_s: float = 0.0  # the interval in force, trace s (0: none)
     park_after_s: float = 0.0  # the parking delay in force, trace s (0: never)
     warm_up_s: float = 0.0  # when the replay started, simulated s after the deploy (warm_up_ms)
+    loop_timing_replayed: bool = False
+    horizontal_tick_ms: float = 0.0
     resume_waits: int = 0
     stretches: dict = field(default_factory=dict)
     timeline: list = field(default_factory=list)
@@ -360,13 +395,24 @@ class Simulation:
         self.ticked: list[Function] = []  # functions with a profile, in horizontal tick order
         self.mech = report.Mechanism(vertical_reaction_ms_p50=None, vertical_reaction_ms_p99=None)  # not modelled
         self.facts = SimFacts(defrag_interval_s=every, park_after_s=park)
-        self.phases = loop_phases(cfg, self.defrag_every)
         self.deploy_launches = 0  # instances placed at the deploy so far (their launch order)
         self.seq = 0
-        for s in work.specs:
+        for s in work.specs:  # nothing is placed yet: the first horizontal tick places them
             self._deploy(s)
-        self.t0 = warm_up_ms(cfg, self._deploy_models(), m.horizontal, self.phases[0])  # the replay's start
+        launches = self._deploy_models()
+        self.timing = replayed_timing(cfg, len(self._initial_scale_models()))
+        self.phases = loop_phases(cfg, self.defrag_every, self.timing)
+        ov = cfg.overheads
+        # the live scaler's tick as measured (it sleeps its tick, then works), else the nominal one
+        self.tick_ms = ov.horizontal_tick_ms if ov is not None and ov.horizontal_tick_ms else cfg.horizontal_tick_ms
+        first = work.plan.invocations[0].scheduled_ns / 1e6 if work.plan.invocations else 0.0
+        if self.timing is not None and cfg.warm_up_s is None:  # the replay starts as the measured run's did
+            self.t0 = max(0.0, self.timing.first_request_ms - first)
+        else:
+            self.t0 = warm_up_ms(cfg, launches, m.horizontal, self.phases[0])
         self.facts.warm_up_s = round(self.t0 / 1000.0, 6)
+        self.facts.loop_timing_replayed = self.timing is not None
+        self.facts.horizontal_tick_ms = self.tick_ms
         self.span_end = self.t0 + work.plan.duration_s * 1000.0
         self.end = self.span_end + cfg.drain_s * 1000.0
         invs = work.plan.invocations
@@ -386,7 +432,7 @@ class Simulation:
         self.cut: _Cut | None = None  # the integrals when the replay ended (None: at self.end)
         self.train_iters: dict[str, float] = {}
         self.by_fn = [self.fns[i.function] for i in invs]
-        ov = cfg.overheads  # each its own seeded stream: the same draws whatever else is random
+        # each its own seeded stream: the same draws whatever else is random
         ov_seed = cfg.seed if cfg.overheads_seed is None else cfg.overheads_seed
         self.transport = Sampler(ov.transport_ms, f"transport-{ov_seed}") if ov else None
         self.batch_extra = Sampler(ov.batch_ms, f"batch-{ov_seed}") if ov else None
@@ -428,8 +474,13 @@ class Simulation:
         initial scale in the horizontal tick order (:func:`tick_order`), as its first tick places
         them."""
         training = [f.model for f in self.fns.values() if f.training and f.demand is not None]
-        return training + [f.model for f in self.ticked if not f.training and f.demand is not None
-                           for _ in range(self.horizontal.initial_scale(f.name))]
+        return training + self._initial_scale_models()
+
+    def _initial_scale_models(self) -> list[str]:
+        """The models of the inference instances the deploy's first horizontal tick places, in
+        its tick order (every function's initial scale)."""
+        return [f.model for f in self.ticked if not f.training and f.demand is not None
+                for _ in range(self.horizontal.initial_scale(f.name))]
 
     # ------------------------------------------------------------------ accounting
 
@@ -550,6 +601,7 @@ class Simulation:
             return
         self.horizontal.instance_ready(inst.fn.name, inst.iid, self.loop.now / 1000.0)
         inst.fn.ready.append(inst)
+        inst.fetch_at = self.loop.now  # its puller's first fetch
         old = inst.fn.instances.get(inst.replaces) if inst.replaces else None
         inst.replaces = ""
         if old is not None:  # a migration: the old instance drains now that its replacement serves
@@ -659,7 +711,9 @@ class Simulation:
                 other.replaces = ""
 
     def _retire(self, inst: Instance) -> None:
-        """Drain: a starting instance is cancelled, a busy one finishes its batch first."""
+        """Drain: a starting instance is cancelled, a busy one finishes its batch first, an idle
+        one leaves when its open fetch expires, serving what that fetch still takes
+        (:meth:`_close_fetch`)."""
         if inst.state in ("draining", "gone"):
             return
         if inst.state == "parked":
@@ -669,7 +723,38 @@ class Simulation:
         inst.state = "draining"
         if was == "ready":
             inst.fn.ready.remove(inst)
-        if not inst.busy:
+        if inst.busy:
+            return
+        if was == "ready":
+            self._close_fetch(inst)
+        else:
+            self._gone(inst)
+
+    def _close_fetch(self, inst: Instance) -> None:
+        """An idle instance told to drain: its puller sees the stop only when its open fetch
+        returns, every :data:`FETCH_TIMEOUT_S` since it began (``fetch_at``), so until then a
+        request that arrives is still delivered to it, served, and then it leaves; else it
+        leaves when the fetch expires (live, a drain ends a whole number of fetches after the
+        puller went idle, workqueue.FETCH_TIMEOUT_S)."""
+        now = self.loop.now
+        period = FETCH_TIMEOUT_S * 1000.0
+        left = period - (now - inst.fetch_at) % period
+        inst.fn.closing.append(inst)
+        self.loop.at(now + left, self._fetch_expired, inst)
+
+    def _fetch_expired(self, inst: Instance) -> None:
+        """A draining instance's open fetch returned empty: it leaves."""
+        f = inst.fn
+        if inst in f.closing:
+            f.closing.remove(inst)
+            self._gone(inst)
+
+    def _take_closing(self, inst: Instance) -> None:
+        """A request came to a draining instance's open fetch (:meth:`_close_fetch`): it serves
+        what that fetch delivers, then leaves."""
+        inst.busy = False
+        self._start_batch(inst)
+        if not inst.busy:  # another instance took it meanwhile
             self._gone(inst)
 
     def _gone(self, inst: Instance) -> None:
@@ -738,6 +823,11 @@ class Simulation:
                     self.loop.at(self.loop.now + self.dispatch(), self._picked_up, inst)
                 break
         else:
+            if f.closing:  # no ready instance is idle: a draining one's open fetch takes it
+                inst = f.closing.pop(0)
+                inst.busy = True
+                self.loop.at(self.loop.now + (self.dispatch() if self.dispatch is not None else 0.0),
+                             self._take_closing, inst)
             if self.hconf.park_after_s and not f.ready:
                 now_s = self.loop.now / 1000.0
                 for iid in self.horizontal.on_arrival(f.name, now_s, backing_off=self.backoff.blocked(f.name, now_s)):
@@ -822,6 +912,7 @@ class Simulation:
             inst.answered += 1
         inst.win_served = True
         inst.inflight = []
+        inst.fetch_at = now  # the puller's next fetch
         pickup = self.pickup() if self.pickup is not None and inst.state == "ready" and inst.fn.pending else 0.0
         if pickup > 0.0:  # the live puller acks, fetches what is queued then and decodes it meanwhile
             inst.busy = True  # takes no batch meanwhile; what arrives joins the next one
@@ -949,8 +1040,9 @@ class Simulation:
         for functions asleep: at zero instances, with nothing waiting, no pre-warm to come and
         only zero samples in their windows, where a decision cannot change anything. Such a
         function wakes at its next arrival; the zero samples its skipped ticks would have recorded
-        within the stable window are recorded then, so its windows hold what they would have."""
-        tick = self.cfg.horizontal_tick_ms
+        within the stable window are recorded then, so its windows hold what they would have.
+        Tick k runs at k x ``tick_ms`` (the measured period with overheads, else the nominal)."""
+        tick = self.tick_ms
         k = self.htick
         now = self.loop.now
         now_s = now / 1000.0
@@ -1159,6 +1251,7 @@ def simulate(cfg: SimConfig, policies: list[str], progress=None, tick=None) -> d
                         "resumes": f.resumes, "resumes_refused": f.resumes_refused, "relaunches": f.relaunches,
                         "migrations": f.migrations, "defrag_interval_s": f.defrag_interval_s,
                         "park_after_s": f.park_after_s, "warm_up_s": f.warm_up_s,
+                        "loop_timing_replayed": f.loop_timing_replayed, "horizontal_tick_ms": f.horizontal_tick_ms,
                         "resume_waits": f.resume_waits, "stretches": dict(sorted(f.stretches.items())),
                         "timeline": [list(r) for r in f.timeline], "latency_slo_cdf": f.latency_slo_cdf}
     except KeyboardInterrupt:

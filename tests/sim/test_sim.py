@@ -866,3 +866,80 @@ def test_simulated_telemetry_means_what_the_node_agents_does():
     assert any(r.queue_depth > 0 for r in rows) and all(r.queue_depth == 0 for r in rows if r.busy_share == 0)
     reported_wait_ms = sum(r.wait_us for r in rows) / 1000.0  # token waits, window by window
     assert reported_wait_ms > 0 and reported_wait_ms == pytest.approx(sim.mech.token_wait_ms, rel=0.05)
+
+
+def test_an_idle_instance_told_to_drain_leaves_as_its_open_fetch_expires_serving_what_it_takes():
+    """A live puller sees a stop only when its fetch returns (workqueue.FETCH_TIMEOUT_S, each
+    fetch from the last batch's end or its readiness): an idle instance retired leaves at the
+    next whole fetch, and a request that comes meanwhile, with no ready instance idle, is
+    delivered to it and served warm before it leaves (live, the 18 ms answer where the
+    simulator used to relaunch: a cold start)."""
+    from dilu.services.common.workqueue import FETCH_TIMEOUT_S
+
+    fetch = FETCH_TIMEOUT_S * 1000.0
+    cfg = SimConfig(functions=16, hours=60 * 10 / 3600, nodes=1, gpus_per_node=4, seed=2, speedup=10.0,
+                    start_minute=480)  # the demo's replay of seed 2: keep-alive retirements and scale-ins
+    sim = Simulation(cfg, "horizontal-only", prepare(cfg))
+    told: dict[str, tuple[float, float]] = {}  # idle instance -> (told to drain, its fetch's start)
+    left: dict[str, float] = {}
+    took: dict[str, list[int]] = {}
+    retire, gone, take = sim._retire, sim._gone, sim._take_closing
+
+    def retired(inst):
+        if inst.state == "ready" and not inst.busy:
+            told[inst.iid] = (sim.loop.now, inst.fetch_at)
+        retire(inst)
+
+    def went(inst):
+        left[inst.iid] = sim.loop.now
+        gone(inst)
+
+    def taken(inst):
+        take(inst)
+        took[inst.iid] = list(inst.inflight)
+
+    sim._retire, sim._gone, sim._take_closing = retired, went, taken
+    sim.run()
+    assert len(told) > 20 and took and set(took) < set(told)
+    for iid, (at, since) in told.items():
+        if iid not in left:
+            continue  # still draining at the end of the run
+        if iid in took:
+            assert at < left[iid]  # served its batch, then left
+            assert took[iid] and not any(sim.cold[i] for i in took[iid])  # a warm answer
+        else:
+            waited = left[iid] - at
+            assert 0.0 < waited <= fetch
+            assert (left[iid] - since) / fetch == pytest.approx(round((left[iid] - since) / fetch), abs=1e-6)
+
+
+def test_a_live_runs_loop_timing_is_replayed_where_its_deploy_matches():
+    """Overheads measured from a live run (``dilu calibrate``): the horizontal tick at its
+    measured period, the replay's start and a defragmentation round at that run's times after
+    the deploy's tick, so that its threshold decisions fall as they fell live; a simulation
+    whose deploy launches another count draws its phases instead."""
+    from dilu.loadgen.sim.overheads import QUANTILE_POINTS, LoopTiming, Overheads
+
+    work = prepare(SimConfig(**SMALL, seed=2))
+    first = work.plan.invocations[0].scheduled_ns / 1e6
+    timing = LoopTiming(launches=8, first_request_ms=4321.5, defrag_ms=-700.0)
+    ov = Overheads((0.0,) * QUANTILE_POINTS, (0.0,) * QUANTILE_POINTS, horizontal_tick_ms=501.6,
+                   loop_timings=(LoopTiming(launches=3, first_request_ms=9000.0), timing))
+    for k in (1, 2):
+        sim = Simulation(SimConfig(**SMALL, seed=2, overheads=ov, overheads_seed=k), "dilu", work)
+        assert sim.timing == timing and sim.t0 == pytest.approx(4321.5 - first)
+        assert sim.phases[0] == 0.0 and sim.phases[2] == pytest.approx(-700.0 % sim.defrag_every)
+        ticks: list[float] = []
+        tick = sim._horizontal_tick
+
+        def ticked(_=None, sim=sim, ticks=ticks, tick=tick):
+            ticks.append(sim.loop.now)
+            tick(_)
+
+        sim._horizontal_tick = ticked
+        sim.run()
+        assert ticks[:4] == pytest.approx([0.0, 501.6, 1003.2, 1504.8])
+    other = Overheads((0.0,) * QUANTILE_POINTS, (0.0,) * QUANTILE_POINTS,
+                      loop_timings=(LoopTiming(launches=3, first_request_ms=9000.0),))
+    sim = Simulation(SimConfig(**SMALL, seed=2, overheads=other, overheads_seed=1), "dilu", work)
+    assert sim.timing is None and sim.t0 != pytest.approx(9000.0 - first) and sim.tick_ms == 500.0

@@ -2,6 +2,7 @@
 live run's logs (loadgen/sim/calibrate.py, loadgen/requestlog.py)."""
 from __future__ import annotations
 
+import calendar
 import json
 from pathlib import Path
 
@@ -296,9 +297,9 @@ def test_calibrate_refuses_a_copy_of_a_run_given_beside_it(tmp_path: Path):
 
 
 def test_the_process_start_can_come_from_other_runs_of_the_node(tmp_path: Path, monkeypatch):
-    """``--starts-from``: one run's way in and back with the process start of other runs of the
-    node; the run's own launches are not counted then, theirs are (its own log still gives its
-    parks: a malformed one stops it)."""
+    """``--starts-from``: one run's way in and back and its own deploy with the process start of
+    other runs of the node; the run's own later launches are not counted then, theirs are (its own
+    log still gives its parks and deploy: a malformed one stops it)."""
     cold = models.cold_start_ms("bert_base")
     request = dict(id="r", function="f", status="ok", instance="f-0000000001", batch=1, scheduled_ns=1_000_000,
                    sent_ns=1_000_000, enqueued_ns=3_000_000, started_ns=4_000_000, replied_ns=6_000_000,
@@ -312,7 +313,7 @@ def test_the_process_start_can_come_from_other_runs_of_the_node(tmp_path: Path, 
     ov = cal.calibrate([run], starts_from=[other])
     assert ov.transport_ms[50] == pytest.approx(6.0)  # the run's own: 2 ms in, 4 ms back
     assert ov.process_start_ms == pytest.approx(250.0)  # the other run's launch after its initial one
-    assert ov.process_start_initial_ms == pytest.approx((900.0,))  # and its initial one, not the run's 5 s
+    assert ov.process_start_initial_ms == pytest.approx((5000.0,))  # the run's own deploy, not the other's 0.9 s
     assert ov.source["process_starts_from"] == [str(other)]
     assert cal.calibrate([run]).process_start_initial_ms == pytest.approx((5000.0,))
     (run / cal.NODE_AGENT_LOG).write_text("{not json\n")
@@ -410,3 +411,83 @@ def test_an_interrupted_calibration_says_so_and_exits_with_the_signals_status(tm
     monkeypatch.setattr(cal, "calibrate", stopped)
     r = CliRunner().invoke(main, ["calibrate", str(_log_dir(tmp_path / "run"))])
     assert r.exit_code == 130 and r.output.strip() == "interrupted", r.output
+
+
+def _logged(event: str, at_s: float, **fields) -> str:
+    """A service's JSON log line of ``event`` at ``at_s`` s after 12:00:00 UTC."""
+    stamp = f"2026-01-01T12:{int(at_s // 60):02d}:{at_s % 60:09.6f}Z"
+    return json.dumps({"event": event, "level": "info", "timestamp": stamp, **fields})
+
+
+def test_the_horizontal_tick_is_timed_by_its_decisions_and_a_wake_off_the_tick_is_left_out(tmp_path: Path):
+    """The live tick sleeps its 500 ms and then works, so it runs 501.6 ms apart on the emulated
+    node: decisions a whole number of ticks apart give the period; a resume decided when a
+    request came (off the tick) and gaps over TICK_GAPS_MAX ticks are left out."""
+    from dilu.services.horizontal_scaler.service import WAKE_REASON
+
+    period, t0 = 0.5016, 10.0
+    lines = [_logged("scale decided", t0 + 0.003 + 0.002 * i, reason="initial scale 1", count=1) for i in range(3)]
+    lines += [_logged("scale decided", t0 + k * period + 0.003, reason="stable: window 1.0 in flight", count=1)
+              for k in (5, 40, 41, 100, 180)]  # gaps of 5, 35, 1, 59 (too long) and 80 ticks (too long)
+    lines.append(_logged("scale decided", t0 + 17.3, reason=WAKE_REASON, count=1))
+    (tmp_path / cal.HORIZONTAL_LOG).write_text("starting\n" + "\n".join(lines) + "\n")
+    total, ticks = cal.tick_gaps(tmp_path, 500.0)
+    assert ticks == 41 and total / ticks == pytest.approx(period * 1000.0, abs=0.01)
+    assert cal.tick_gaps(tmp_path / "missing", 500.0) == (0.0, 0)
+
+
+def test_a_runs_loop_timing_is_read_from_its_deploys_tick(tmp_path: Path):
+    """The first request and the defragmentation round nearest to it, ms after the tick that
+    decided the deploy's initial scale; the deploy's launches are that tick's counts (a later
+    initial scale, another tick, is not the deploy's)."""
+    lines = [_logged("scale decided", 10.0 + 0.001 * i, reason="initial scale 1", count=1 + (i == 0)) for i in range(3)]
+    lines.append(_logged("scale decided", 14.0, reason="initial scale 1", count=1))
+    (tmp_path / cal.HORIZONTAL_LOG).write_text("\n".join(lines) + "\n")
+    (tmp_path / cal.SCHEDULER_LOG).write_text("\n".join(
+        [_logged("defragmentation planned", 11.2 + 3 * k) for k in range(10)] + [_logged("service started", 15.0)]) + "\n")
+    epoch_ms = calendar.timegm((2026, 1, 1, 0, 0, 0)) * 1000
+    start_ms = (12 * 3600 + 15) * 1000  # the first request at 12:00:15 UTC, 5 s after the deploy's tick
+    reqs = [line("f", "f-1", epoch_ms + start_ms + 40, 0, 0, 0, 0, 1), line("f", "f-1", epoch_ms + start_ms, 0, 0, 0, 0, 1)]
+    # (the request log's times are Unix ns; line() takes ms)
+    timing = cal.loop_timing(tmp_path, reqs, 500.0)
+    assert timing.launches == 4 and timing.first_request_ms == pytest.approx(5000.0)
+    assert timing.defrag_ms == pytest.approx(4200.0)  # 11.2 + 3 x 1 s: 0.8 s before the first request
+    (tmp_path / cal.SCHEDULER_LOG).unlink()
+    assert cal.loop_timing(tmp_path, reqs, 500.0).defrag_ms is None  # no round logged: drawn
+    assert cal.loop_timing(tmp_path, [], 500.0) is None
+    (tmp_path / cal.HORIZONTAL_LOG).write_text(_logged("scale decided", 10.0, reason="stable", count=1) + "\n")
+    assert cal.loop_timing(tmp_path, reqs, 500.0) is None  # no initial scale: no deploy to time from
+
+
+@pytest.mark.parametrize("kw, words", [
+    (dict(horizontal_tick_ms=0.0), "horizontal_tick_ms must be in"),
+    (dict(horizontal_tick_ms=float("inf")), "horizontal_tick_ms must be in"),
+])
+def test_a_tick_out_of_range_is_refused(kw, words):
+    with pytest.raises(OverheadsError, match=words):
+        Overheads(flat(1.0), flat(1.0), **kw)
+
+
+@pytest.mark.parametrize("kw, words", [
+    (dict(launches=0, first_request_ms=1.0), "launches >= 1"),
+    (dict(launches=1, first_request_ms=-1.0), "first_request_ms must be in"),
+    (dict(launches=1, first_request_ms=1.0, defrag_ms=float("nan")), "defrag_ms must be within"),
+])
+def test_a_loop_timing_out_of_range_is_refused(kw, words):
+    from dilu.loadgen.sim.overheads import LoopTiming
+
+    with pytest.raises(OverheadsError, match=words):
+        LoopTiming(**kw)
+
+
+def test_a_last_log_line_cut_short_by_a_kill_is_left_out_and_one_in_the_middle_is_not(tmp_path: Path):
+    log = tmp_path / cal.NODE_AGENT_LOG
+    whole = _ready("a-0000000001", models.cold_start_ms("bert_base") + 900, 10.0)
+    log.write_text(whole + "\n" + whole[:40])  # killed while writing its last line
+    assert [n for n, _ in cal._log_events(log, ("instance ready",))] == [1]
+    log.write_text(whole[:40] + "\n" + whole + "\n")
+    with pytest.raises(ValueError, match="node_agent.log:1: not a JSON log line"):
+        list(cal._log_events(log, ("instance ready",)))
+    log.write_text(whole + "\n" + whole[:40] + "\n")  # ended by a newline: written whole, yet not JSON
+    with pytest.raises(ValueError, match="node_agent.log:2: not a JSON log line"):
+        list(cal._log_events(log, ("instance ready",)))
