@@ -189,7 +189,8 @@ def _simulate(console, stop: SignalExit, trace_dir, functions, hours, nodes, gpu
             start += f"; horizontal tick {overheads.horizontal_tick_ms:g} ms"
         if overheads.loop_timings:
             start += (f"; the loop timing of {count_of(len(overheads.loop_timings), 'run', 'runs')}, replayed "
-                      "where the deploy launches as many instances")
+                      "if this deploy launches as many instances (sim.policies.P.loop_timing_replayed says; "
+                      "else the phases are drawn)")
         console.print(f"[dim]with the overheads of {overheads_path} (drawn with seed "
                       f"{seed if overheads_seed is None else overheads_seed}); {start}[/dim]", highlight=False)
 
@@ -349,12 +350,14 @@ def _print_workload(out: dict, console) -> None:
 def calibrate(log_dirs, json_path, min_batches, starts_from) -> None:
     """Measure what the live node adds beyond the simulator's model, from the log directories of
     live runs (each a policy's directory under dilu demo/compare --log-dir, holding
-    requests.jsonl, report.json and node_agent.log): the process start of an instance, the
-    way in and back of a request, how much longer a batch's service takes than simulated on
-    the run's own plan, the pickup between two batches of an instance while requests wait, the
-    dispatch of a request to an idle instance, and when the deploy's launches (every function's
-    first instance, all at once) are up, by launch order. Prints the quantiles; --json writes
-    them for dilu sim --overheads."""
+    requests.jsonl, report.json, node_agent.log, and horizontal_scaler.log and scheduler.log for
+    the loop timing): the process start of an instance, the way in and back of a request, how
+    much longer a batch's service takes than simulated on the run's own plan, the pickup between
+    two batches of an instance while requests wait, the dispatch of a request to an idle
+    instance, when the deploy's launches (every function's first instance, all at once) are up,
+    by launch order, and when each run met its control loops (the horizontal scaler's tick, the
+    first request and a defragmentation round after the deploy's tick; not measured without
+    those logs). Prints them; --json writes them for dilu sim --overheads."""
     with SignalExit():  # a stop says "interrupted" and exits 130 / 143, as every long command
         from rich.table import Table
 
@@ -402,9 +405,11 @@ def calibrate(log_dirs, json_path, min_batches, starts_from) -> None:
         tick = (f"{ov.horizontal_tick_ms:g} ms (over {count_of(src['horizontal_ticks'], 'tick', 'ticks')} between "
                 "its decisions)" if ov.horizontal_tick_ms is not None else "not measured (no horizontal scaler's log, "
                 "or too few decisions)")
-        console.print(f"the horizontal scaler's tick: {tick}; the replay's start after the deploy's tick (ms): "
-                      + (", ".join(f"{t.first_request_ms:g}" for t in ov.loop_timings) or "not measured"),
-                      highlight=False)
+        console.print(f"the horizontal scaler's tick: {tick}; after the deploy's tick (ms), the replay's start: "
+                      + (", ".join(f"{t.first_request_ms:g}" for t in ov.loop_timings) or "not measured")
+                      + "; a defragmentation round: "
+                      + (", ".join("none logged" if t.defrag_ms is None else f"{t.defrag_ms:g}" for t in ov.loop_timings)
+                         or "not measured"), highlight=False)
         if json_path:
             write_output(json_path, ov.to_json().decode())
             console.print(f"written to {json_path}")
@@ -452,7 +457,8 @@ def crosscheck(log_dirs, draws, json_path, min_batches) -> None:
             rows = xc.crosscheck(list(log_dirs), draws, min_batches,
                                  progress=lambda d, done: console.print(
                                      f"[dim]calibrating and simulating {d}[/dim]" if not done else
-                                     f"[dim]{d}: {done:,} of {count_of(draws, 'draw')}[/dim]", highlight=False))
+                                     f"[dim]{d}: {done:,} of {count_of(draws, 'draw')}[/dim]", highlight=False),
+                                 warn=lambda line: console.print(f"[yellow]{line}[/yellow]", highlight=False))
         except OSError as exc:
             if output_failed(exc):
                 raise

@@ -27,8 +27,9 @@ Input: the log directories ``dilu demo`` / ``dilu compare`` leave per policy und
   numbers, gaps of at most :data:`TICK_GAPS_MAX` ticks, where the drift of a tick stays far
   under half a tick) over every run, and for each run its :class:`~.overheads.LoopTiming`: the
   first request's scheduled send and the scheduler's defragmentation round nearest to it
-  (``defragmentation planned`` or ``defragmented`` lines), ms after the tick that decided the
-  deploy's initial scale. At ``DILU_LOG_LEVEL`` info these lines are there.
+  (``defragmentation planned`` or ``defragmented`` lines; without them, whole intervals after
+  its ``placement policy`` line, which it logs as its rounds start), ms after the tick that
+  decided the deploy's initial scale. At ``DILU_LOG_LEVEL`` info these lines are there.
 - **batch**: the live service of each batch (the first reply of each (instance, start) pair:
   handler called -> reply published) against the simulator's service of the batches of the same
   function and size, simulated on the run's own plan, policy and process start: the k-th of n
@@ -96,6 +97,14 @@ class _Logged(msgspec.Struct):
     """Any service's log line, by its time."""
 
     timestamp: datetime
+
+
+class _Policy(msgspec.Struct):
+    """The scheduler's ``placement policy`` line, logged as its defragmentation loop starts: its
+    rounds come every ``defrag_interval_s`` (s, or "off") after it."""
+
+    timestamp: datetime
+    defrag_interval_s: float | str = "off"
 
 
 class Starts(NamedTuple):
@@ -227,6 +236,12 @@ def loop_timing(log_dir: Path, lines: list[requestlog.RequestLine], nominal_ms: 
     if slog.exists():
         rounds = [x.timestamp.timestamp() * 1000.0 - deploy
                   for x in _lines_of(slog, ("defragmentation planned", "defragmented"))]
+        if not rounds:  # at info level a round is logged only when it moves something: count from the start
+            for p in _lines_of(slog, ("placement policy",), _Policy):
+                if isinstance(p.defrag_interval_s, (int, float)) and p.defrag_interval_s > 0:
+                    every = p.defrag_interval_s * 1000.0
+                    start = p.timestamp.timestamp() * 1000.0 - deploy
+                    rounds = [start + every * max(1, round((first - start) / every))]
     defrag = min(rounds, key=lambda r: abs(r - first)) if rounds else None
     if launches < 1 or first < 0:
         return None

@@ -93,11 +93,14 @@ def _plan(rep: rp.Report) -> dict[str, tuple[str, int]]:
 
 def crosscheck(log_dirs: list[Path], draws: int = DRAWS, min_batches: int = cal.MIN_BATCHES,
                progress: Callable[[Path, int], None] | None = None,
-               clock: Callable[[], float] = time.monotonic) -> list[Row]:
+               clock: Callable[[], float] = time.monotonic,
+               warn: Callable[[str], None] | None = None) -> list[Row]:
     """The rows of ``log_dirs`` (module docstring), in the order their first run is given.
     ``progress(log_dir, draws_done)`` is called before each run's calibration (0 done) and after
     a draw when :data:`PROGRESS_EVERY_S` have passed on ``clock`` (monotonic s) since it was
-    last called, so that a long run (``--draws 1000``) shows it is alive. Raises OSError,
+    last called, so that a long run (``--draws 1000``) shows it is alive. ``warn(line)`` is told
+    of a run whose loop timing could not be measured (no horizontal scaler's log, or no initial
+    scale in it): its draws meet the loops at drawn phases. Raises OSError,
     ValueError (:func:`calibrate.calibrate`'s) naming what cannot be used, ValueError for
     ``draws`` < 1 or for a live run whose simulation offers other requests (stopped early)."""
     from .run import Simulation, prepare
@@ -117,6 +120,9 @@ def crosscheck(log_dirs: list[Path], draws: int = DRAWS, min_batches: int = cal.
             ov = cal.measure([run], cal.own_deploy([run], starts), min_batches, log_dirs)
         except ValueError as exc:  # one run of many: say which
             raise ValueError(f"{d}: {exc}") from None
+        if not ov.loop_timings and warn is not None:
+            warn(f"{d}: no loop timing measured (its {cal.HORIZONTAL_LOG} is missing or holds no initial scale): "
+                 "its draws meet the control loops at drawn phases")
         simulated = []
         work = None  # the run's plan and profiles, the same for every draw (as simulate() shares them)
         for k in range(1, draws + 1):

@@ -32,7 +32,8 @@ What drives what, as in the live cluster (services/*/service.py):
   500 ms tick), in its :func:`tick_order` (largest instances first), each function records its
   backlog (waiting + in flight) and arrivals, decides
   with its :func:`vertical_headroom` and :func:`burst_reach`, and places (:class:`PlacementBackoff` after a refusal) or
-  retires (draining: an instance finishes its batch, then leaves).
+  retires (draining: a busy instance finishes its batch, then leaves; an idle one leaves when its
+  open fetch expires, Draining below).
 
 Control loops tick on their own clocks, as the live services do: the horizontal scaler's from the
 deploy, the node agent's telemetry and the scheduler's defragmentation rounds each at a phase of

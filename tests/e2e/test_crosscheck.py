@@ -82,6 +82,12 @@ def test_live_and_simulated_runs_agree(tmp_path: Path):
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     measured = json.loads(ov.read_text())
     assert measured["source"]["transport_samples"] == live["completed"]  # every answer carried the instance's times
+    # the control loops as this run met them: the scaler's tick (500 ms plus its own work) and the
+    # deploy's tick, from the info-level logs the demo keeps
+    assert 500.0 <= measured["horizontal_tick_ms"] < 520.0
+    (timing,) = measured["loop_timings"]
+    assert timing["launches"] == 16 and 0 < timing["first_request_ms"] < 60_000 and timing["defrag_ms"] is not None
+    # (dilu defragments: its rounds are whole intervals after the scheduler's start, or logged)
     xc, said_xc = _run(["crosscheck", str(logs / "dilu"), "--draws", str(DRAWS)], tmp_path / "xc.json", 300)
     # the footer says what the marks and the last column mean, and counts the rows within 15 %
     assert "*: the simulated mean is within 15 % of the live mean; of 1 seed and policy row, within it: SLO" in said_xc
@@ -107,3 +113,13 @@ def test_live_and_simulated_runs_agree(tmp_path: Path):
     xcmod.crosscheck([logs / "dilu"], draws=3, progress=lambda d, done: alive_at.append((d, done)),
                      clock=lambda: next(readings))
     assert alive_at == [(logs / "dilu", 0), (logs / "dilu", 1), (logs / "dilu", 2)]
+    assert "no loop timing measured" not in said_xc
+    # a run without its horizontal scaler's log is cross-checked at drawn phases, and says so
+    import shutil
+
+    bare = tmp_path / "bare"
+    shutil.copytree(logs / "dilu", bare)
+    (bare / "horizontal_scaler.log").unlink()
+    warned: list[str] = []
+    xcmod.crosscheck([bare], draws=1, warn=warned.append)
+    assert len(warned) == 1 and "no loop timing measured" in warned[0] and str(bare) in warned[0]

@@ -452,6 +452,11 @@ def test_a_runs_loop_timing_is_read_from_its_deploys_tick(tmp_path: Path):
     timing = cal.loop_timing(tmp_path, reqs, 500.0)
     assert timing.launches == 4 and timing.first_request_ms == pytest.approx(5000.0)
     assert timing.defrag_ms == pytest.approx(4200.0)  # 11.2 + 3 x 1 s: 0.8 s before the first request
+    # at info level a round is logged only when it moves something: whole intervals from the start
+    (tmp_path / cal.SCHEDULER_LOG).write_text(_logged("placement policy", 11.2, defrag_interval_s=3.0) + "\n")
+    assert cal.loop_timing(tmp_path, reqs, 500.0).defrag_ms == pytest.approx(4200.0)
+    (tmp_path / cal.SCHEDULER_LOG).write_text(_logged("placement policy", 11.2, defrag_interval_s="off") + "\n")
+    assert cal.loop_timing(tmp_path, reqs, 500.0).defrag_ms is None  # a policy that does not defragment
     (tmp_path / cal.SCHEDULER_LOG).unlink()
     assert cal.loop_timing(tmp_path, reqs, 500.0).defrag_ms is None  # no round logged: drawn
     assert cal.loop_timing(tmp_path, [], 500.0) is None
