@@ -496,14 +496,13 @@ def starts_of(runs: list[tuple[Path, report.Report, list]]) -> Starts:
     return out
 
 
-def own_deploy(runs: list[tuple[Path, report.Report, list]], pooled: Starts) -> Starts:
-    """The deploy's launches of ``runs`` themselves (:attr:`Starts.initial`; every run has one per
-    function), with the later launches of ``pooled`` (:func:`starts_of` of more runs of the node).
-    A run's own deploy says when each of its initial instances was ready, and a keep-alive runs
-    from there: medians pooled over other runs moved it by 140 ms on this machine, enough for a
-    keep-alive to run out one tick sooner than live. Raises as :func:`starts_of`."""
-    own = starts_of(runs).initial
-    return Starts(own or pooled.initial, pooled.later)
+def own_deploy(own: Starts, pooled: Starts) -> Starts:
+    """The deploy's launches of the runs calibrated (``own``: their :func:`starts_of`; every run
+    has one per function), with the later launches of ``pooled`` (more runs of the node). A run's
+    own deploy says when each of its initial instances was ready, and a keep-alive runs from
+    there: medians pooled over other runs moved it by 140 ms on this machine, enough for a
+    keep-alive to run out one tick sooner than live."""
+    return Starts(own.initial or pooled.initial, pooled.later)
 
 
 class StartsFromError(ValueError):
@@ -530,7 +529,7 @@ def calibrate(log_dirs: list[Path], min_batches: int = MIN_BATCHES,
         raise StartsFromError(str(exc)) from None
     except OSError as exc:  # said of --starts-from, not of the LOG_DIRS read before
         raise StartsFromError(f"cannot read {exc.filename or ''}: {exc.strerror or exc}") from None
-    return measure(runs, own_deploy(runs, starts), min_batches, starts_from)
+    return measure(runs, own_deploy(starts_of(runs), starts), min_batches, starts_from)
 
 
 

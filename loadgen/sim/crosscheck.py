@@ -108,16 +108,17 @@ def crosscheck(log_dirs: list[Path], draws: int = DRAWS, min_batches: int = cal.
     if draws < 1:
         raise ValueError(f"draws must be at least 1, got {draws}")
     runs = cal.read_runs(log_dirs)
-    starts = cal.starts_of(runs)
+    each = [cal.starts_of([run]) for run in runs]  # each run's log read once
+    starts = cal.Starts([s for e in each for s in e.initial], [s for e in each for s in e.later])
     getters = {label: get for label, get, _fmt, _better in rp._COMPARE_ROWS if label in FIGURES}
     groups: dict[tuple, list[tuple[str, rp.Report, list[rp.Report]]]] = {}
-    for run in runs:
+    for run, own in zip(runs, each):
         d, live, _ = run
         if progress is not None:
             progress(d, 0)
             said = clock()
         try:
-            ov = cal.measure([run], cal.own_deploy([run], starts), min_batches, log_dirs)
+            ov = cal.measure([run], cal.own_deploy(own, starts), min_batches, log_dirs)
         except ValueError as exc:  # one run of many: say which
             raise ValueError(f"{d}: {exc}") from None
         if not ov.loop_timings and warn is not None:
