@@ -2,7 +2,8 @@
 
 The node agent keeps one trial worker (``python -m dilu.services.node_agent.trial``) with its own
 control block; each trial replays ``repeats`` batches of the model at the width under test
-(``quota``: its kernels last as at that width, after one warm-up batch) and answers mean and p99
+(``quota``: its kernels last as at that width, after one warm-up batch; each width has kernels of
+its own, calibrated at its first trial, see ``emulated.load_kernels``) and answers mean and p99
 (max of the repeats) batch latency. The trial is paced by tokens to its ``grant`` below its width
 (an instance as deployed: width = its limit, paced to its request); grant 0 or ≥ the width means
 no pacing, the setting the A100 MPS surfaces were measured at. The worker's block has width 1
@@ -101,15 +102,16 @@ def _serve() -> None:
     from .handlers import HandlerContext
     from .handlers import emulated
 
-    loaded: dict[str, emulated.EmulatedModel] = {}
+    loaded: dict[tuple[str, float], emulated.EmulatedModel] = {}
     for line in sys.stdin:
         try:
             req = msgspec.json.decode(line, type=ev.TrialRequest)
-            m = loaded.get(req.model)
-            if m is None:
+            m = loaded.get((req.model, req.quota))
+            if m is None:  # kernels of their own at each width: the interceptor's estimates are per kernel
                 models.spec(req.model)
-                m = loaded[req.model] = emulated.load_kernels(
-                    HandlerContext(instance_id="trial", function="trial", model=req.model, batch_size=req.batch))
+                m = loaded[req.model, req.quota] = emulated.load_kernels(
+                    HandlerContext(instance_id="trial", function="trial", model=req.model, batch_size=req.batch),
+                    variant=f"@{req.quota:g}")
                 for _ in range(CALIBRATION_BATCHES - 1):  # the interceptor times each new kernel's first launches
                     emulated.run_batch(m, req.batch, req.quota, TRIAL_STEPS)
             emulated.run_batch(m, req.batch, req.quota, TRIAL_STEPS)  # warm-up

@@ -93,12 +93,17 @@ class EmulatedModel:
     load_ms: float = 0.0
 
 
-def load_kernels(ctx: FunctionContext) -> EmulatedModel:
-    """Open the driver and look up the model's kernels (no weight-load delay).
-    Raises KeyError for a model not in the catalogue, OSError/CudaError when no driver opens."""
+def load_kernels(ctx: FunctionContext, variant: str = "") -> EmulatedModel:
+    """Open the driver and look up the model's kernels (no weight-load delay), named
+    ``{model}{variant}_k{i}``. The interceptor keeps a cost estimate per kernel (the least of its
+    last 8 timings), so a process that runs the model at several widths (the profiler's trial
+    worker) gives each width its ``variant``: kernels shared across widths would be charged a
+    wider trial's shorter cost, and a narrower trial paced after it would run faster than an
+    instance deployed at that width. Raises KeyError for a model not in the catalogue,
+    OSError/CudaError when no driver opens."""
     spec = models.spec(ctx.model)
     driver = Driver.load()
-    kernels = [driver.function(f"{ctx.model}_k{i}") for i in range(spec.kernels_per_step)]
+    kernels = [driver.function(f"{ctx.model}{variant}_k{i}") for i in range(spec.kernels_per_step)]
     return EmulatedModel(driver=driver, spec=spec, width=ctx.width, kernels=kernels,
                          batch_size=max(1, ctx.batch_size))
 
