@@ -3,7 +3,10 @@ section 7, handlers/emulated.py):
 
 - an instance runs at SM width w = the limit quota it was placed with, paced to its grant q;
 - a batch of b requests alone at width w lasts L(b, w) (:func:`models.latency_ms`); paced to
-  q < w it lasts L(b, w) * w / q;
+  q < w its kernels are launched as the interceptor's token bucket lets them
+  (:func:`models.bucket_paced_ms`: about L(b, w) * w / q, less the burst), and a grant written
+  while it runs paces the kernels not yet launched (:func:`models.bucket_charged`: the
+  interceptor reads the grant at each launch);
 - when the widths of the instances busy at once on one GPU sum to W > 1, each progresses W times
   slower (the contention that kernel-cycle stretch detects). First order: the stretch of a batch
   is fixed when it starts, from the instances busy at that instant;
@@ -126,14 +129,16 @@ class Instance:
     a batch ended) and ``recent_ms`` feed the next telemetry; a batch's busy and wait go into them
     as time passes (``accrued_at``), so one that spans windows is busy in each. ``tokens``: its
     token bucket's balance (ms of busy time) at ``tokens_at`` (ms), as the interceptor keeps it
-    (:func:`models.bucket_paced_ms`); full when it starts. ``fetch_at``: when its puller's
+    (:func:`models.bucket_paced_ms`); full when it starts; a grant written while a batch is in
+    hand paces its kernels not yet launched (``plan``). ``fetch_at``: when its puller's
     current fetch began (ms; at its readiness and at each batch's end): an idle puller's fetch
     waits :data:`workqueue.FETCH_TIMEOUT_S` at a time, and a drain is seen only when it returns."""
 
     __slots__ = ("iid", "fn", "gpu", "request", "width", "grant", "batch", "ready_ms", "state", "busy",
                  "inflight", "quota_since", "win_busy_ms", "win_wait_ms", "win_served", "training",
                  "iterations", "train_since", "priority", "tokens", "tokens_at", "resumed_ms", "replaces",
-                 "recent_ms", "answered", "batch_to", "accrued_at", "device_share", "cycles", "fetch_at")
+                 "recent_ms", "answered", "batch_to", "accrued_at", "device_share", "cycles", "fetch_at",
+                 "batch_from", "batch_busy", "batch_seq", "batch_extra", "plan")
 
     def __init__(self, iid: str, fn, gpu: Gpu, request: float, width: float, grant: float, batch: int,
                  ready_ms: float, now_ms: float, training: bool, priority: str) -> None:
@@ -163,6 +168,13 @@ class Instance:
         self.recent_ms = 0.0  # recent-latency average (functions.recent_latency), as its process keeps it
         self.answered = 0  # requests averaged into it
         self.batch_to = 0.0  # when the batch in hand leaves the device (ms)
+        self.batch_from = 0.0  # when it started (ms)
+        self.batch_busy = 0.0  # its busy time on the device, stretched (ms; the rest waits for tokens)
+        self.batch_seq = 0  # its timing's version: a grant written mid-batch re-times it (run.py)
+        self.batch_extra = 0.0  # the live node's own time after it (ms)
+        # its kernels' pacing from the last grant on: (since ms, busy ms left, kernels left, rate,
+        # balance then, stretch, device free of earlier kernels at ms); see models.bucket_charged
+        self.plan: tuple = ()
         self.accrued_at = 0.0  # its busy and wait are in the window counters up to here (ms)
         self.device_share = 1.0  # of its time on the device: busy (the rest waits for tokens)
         self.cycles = Cycles()

@@ -25,7 +25,8 @@ What drives what, as in the live cluster (services/*/service.py):
   (:class:`node.Cycles`), and one that closes stretched by ``STRETCH_RATIO`` or more is reported
   at the launch that closes it, as the node agent's next sample reports it.
 - **Vertical scaler.** :func:`vertical_policy` of the policy's mode; its grants are fitted on the
-  GPU as the node agent fits them; a retired instance is reported to it at once
+  GPU as the node agent fits them, and a grant written while a batch runs paces the batch's
+  kernels not yet launched (:meth:`Simulation._retime`); a retired instance is reported to it at once
   (:meth:`VerticalPolicy.on_retired`), as the node agent's InstanceRetired reports it live.
 - **Horizontal scaler.** :func:`horizontal_policy` (windows of :func:`cli.demo.scaler_windows` at
   speed-up 1) with :func:`function_params` of each profile; every ``horizontal_tick_ms`` (its
@@ -514,6 +515,8 @@ class Simulation:
         inst.grant = q
         if loaded:
             inst.gpu.busy_width += train_load(inst)
+        elif inst.inflight and now < inst.batch_to:
+            self._retime(inst)
         self.mech.grant_changes += count
 
     def _fit(self, gpu: Gpu, inst: Instance, wanted: float, granted: bool = True) -> None:
@@ -856,37 +859,63 @@ class Simulation:
         slow = pace(inst.width, inst.grant)
         gpu.busy_width += inst.width
         stretch = gpu.busy_width if gpu.busy_width > 1.0 else 1.0
-        dur = base * stretch
-        wait = 0.0
         if slow > 1.0:  # paced: the token bucket lets the first kernels ride its burst
             rate = 1.0 / slow
             balance = min(models.BURST_MS, inst.tokens + (now - inst.tokens_at) * rate)
             dur, inst.tokens = models.bucket_paced_ms(base, f.kernels, rate, balance, stretch)
-            wait = dur - base * stretch
-            self.mech.token_wait_ms += wait
         else:
+            rate, balance, dur = 1.0, models.BURST_MS, base * stretch
             inst.tokens = models.BURST_MS
-        inst.tokens_at = now + dur
+        inst.plan = (now, base, f.kernels, rate, balance, stretch, now)
         inst.busy = True
         if gpu.quiet:
             self._wake(gpu)
-        inst.accrued_at, inst.batch_to = now, now + dur
-        inst.cycles.served(now + dur, dur, wait)
-        inst.device_share = (dur - wait) / dur if dur > 0 else 1.0  # waiting for tokens is not busy
+        inst.batch_from, inst.batch_busy = now, base * stretch
         if now >= self.t0:
             self.consumed += inst.width * base
-            if self.batch_log is not None:
-                self.batch_log.append((f.name, len(reqs), dur))
         # the live node's own time for a batch (the instance is busy for it; first order, it also
         # holds its width on the GPU meanwhile)
-        extra = self.batch_extra() if self.batch_extra is not None else 0.0
-        self.loop.at(now + dur + extra, self._end_batch, inst)
+        inst.batch_extra = self.batch_extra() if self.batch_extra is not None else 0.0
+        self._time_batch(inst, now + dur, base * stretch)
         if stretched is not None and inst.state == "ready" and not yields_share(inst.priority):
             self.facts.stretches[f.name] = self.facts.stretches.get(f.name, 0) + 1
             for g in self.vertical.on_stretch(gpu.gid, now, inst.iid, stretched):
                 target = gpu.instances.get(g.instance_id)
                 if target is not None:
                     self._fit(gpu, target, g.quota)
+
+    def _time_batch(self, inst: Instance, end: float, busy_left: float) -> None:
+        """The batch in hand leaves the device at ``end`` (ms), ``busy_left`` ms of the time to
+        then busy on it and the rest waiting for tokens: its token wait, kernel-launch cycle and
+        window share follow, and its end is scheduled (an end scheduled before is void)."""
+        now = self.loop.now
+        self._accrue(inst, now)  # what ran as timed before is in the window counters
+        # the batch's token wait is its time less its busy time: new, or moved by a re-timing
+        self.mech.token_wait_ms += end - (inst.batch_to if inst.batch_to > now else now + inst.batch_busy)
+        dur = end - inst.batch_from
+        inst.tokens_at = inst.batch_to = end
+        inst.accrued_at = now
+        inst.device_share = min(1.0, busy_left / (end - now)) if end > now else 1.0  # token waits are not busy
+        inst.cycles.served(end, dur, dur - inst.batch_busy)
+        inst.batch_seq += 1
+        self.loop.at(end + inst.batch_extra, self._end_batch, (inst, inst.batch_seq))
+
+    def _retime(self, inst: Instance) -> None:
+        """A grant written while ``inst`` has a batch on the device paces the kernels not yet
+        launched at the new rate, as the interceptor reads the grant at each launch and wakes a
+        launch waiting for tokens (interceptor.c, refresh_grant); those launched run on."""
+        now = self.loop.now
+        since, busy, kernels, rate, balance, stretch, free = inst.plan
+        new = 1.0 / pace(inst.width, inst.grant)
+        if not kernels or new == rate:
+            return
+        charged, balance, free = models.bucket_charged(busy, kernels, rate, balance, now - since, stretch, free - since)
+        free = max(now, since + free)
+        left, kernels = busy * (kernels - charged) / kernels, kernels - charged
+        inst.plan = (now, left, kernels, new, balance, stretch, free)
+        if kernels:
+            dur, inst.tokens = models.bucket_paced_ms(left, kernels, new, balance, stretch, free - now)
+            self._time_batch(inst, now + dur, free - now + left * stretch)
 
     @staticmethod
     def _accrue(inst: Instance, upto_ms: float) -> None:
@@ -899,8 +928,13 @@ class Simulation:
             inst.win_wait_ms += span * (1.0 - inst.device_share)
             inst.accrued_at = t
 
-    def _end_batch(self, inst: Instance) -> None:
+    def _end_batch(self, arg: tuple[Instance, int]) -> None:
+        inst, seq = arg
+        if seq != inst.batch_seq:  # re-timed since: its end is elsewhere
+            return
         now = self.loop.now
+        if self.batch_log is not None and inst.batch_from >= self.t0:
+            self.batch_log.append((inst.fn.name, len(inst.inflight), inst.batch_to - inst.batch_from))
         self._accrue(inst, now)
         inst.busy = False
         inst.gpu.busy_width -= inst.width

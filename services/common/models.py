@@ -144,6 +144,7 @@ def pacing_stretch(width: float, grant: float) -> float:
 
 
 BURST_MS = 2.0  # the interceptor's token bucket depth (DILU_BURST_US's default, 2000 µs)
+MIN_WAIT_MS = 0.2  # the least refill a throttled launch waits for, x the rate (DILU_MIN_WAIT_US's default, 200 µs)
 # The interceptor's kernel-launch cycles (interceptor.c, note_cycle), mirrored by the simulator:
 CYCLE_GAP_MS = 1.0  # an idle gap longer than this closes a cycle (DILU_CYCLE_GAP_US's default, 1000 µs)
 WARM_CYCLES = 16  # the first cycles set the baseline to their shortest (its WARM_CYCLES)
@@ -156,28 +157,72 @@ def kernels_per_batch(model: str) -> int:
     return s.kernels_per_step * s.steps_per_request
 
 
-def bucket_paced_ms(busy_ms: float, kernels: int, rate: float, balance_ms: float,
-                    stretch: float = 1.0) -> tuple[float, float]:
-    """Wall time (ms) of one batch of ``busy_ms`` of busy time in ``kernels`` equal kernels under
-    the interceptor's token bucket, and the bucket's balance (ms of tokens) when it ends.
+def launch_threshold_ms(kernel_ms: float, rate: float) -> tuple[float, float]:
+    """The interceptor's throttle for a launch of a ``kernel_ms`` kernel at refill ``rate``:
+    ``(floor, want)``, ms of tokens. A launch goes at once while the balance is >= ``floor``;
+    below it, it waits until the balance is back to ``want``. Paced (rate < 1): floor 0, want the
+    kernel's cost, at least ``MIN_WAIT_MS`` x rate of refill, at most half the burst; unpaced
+    (rate 1): launches may run a burst ahead (floor -``BURST_MS``) and a throttled one waits for
+    ``MIN_WAIT_MS`` x rate of it back. Source: interceptor.c, admit()."""
+    if rate >= 1.0:
+        return -BURST_MS, -BURST_MS + min(MIN_WAIT_MS * rate, BURST_MS / 2)
+    return 0.0, min(max(kernel_ms, MIN_WAIT_MS * rate), BURST_MS / 2)
 
-    The bucket holds ``balance_ms`` (at most ``BURST_MS``) at the batch's start and refills at
-    ``rate`` = grant / width (0 < rate <= 1) per ms; a kernel launches when the balance is >= 0
-    and is charged its busy time at once; kernels run one after another, each ``stretch`` times
-    its busy time (SMs shared with neighbours; the charge meters busy time, not the stretch).
-    Kernel i launches at max(0, (i·c − balance) / rate), c = busy_ms / kernels. Source:
-    interceptor.c (its throttling comment). For a batch much longer than the burst this tends
-    to :func:`pacing_stretch`'s ``busy_ms / rate``; shorter ones, and an instance idle long
-    enough to fill its bucket, finish sooner: the first kernels ride the burst and the last
-    one's run is not waited for. Raises ValueError for a rate outside (0, 1] or no kernel."""
+
+def _bucket_launches(busy_ms: float, kernels: int, rate: float, balance_ms: float, stretch: float,
+                     free_ms: float):
+    """Yields, kernel by kernel, (when it is charged, the balance after its charge, when it leaves
+    the device), ms from the start (:func:`bucket_paced_ms`)."""
     if not (0 < rate <= 1.0 + 1e-9) or kernels < 1:
         raise ValueError(f"need 0 < rate <= 1 and kernels >= 1, got rate={rate} kernels={kernels}")
     c = busy_ms / kernels
     run = c * stretch
-    end = 0.0
-    for i in range(kernels):
-        end = max((i * c - balance_ms) / rate, end) + run
-    return end, min(BURST_MS, balance_ms + rate * end - busy_ms)
+    floor, want = launch_threshold_ms(c, rate)
+    t, balance, end = 0.0, balance_ms, free_ms
+    for _ in range(kernels):
+        if balance < floor:
+            t += (want - balance) / rate
+            balance = want
+        balance -= c
+        end = max(t, end) + run
+        yield t, balance, end
+
+
+def bucket_paced_ms(busy_ms: float, kernels: int, rate: float, balance_ms: float,
+                    stretch: float = 1.0, free_ms: float = 0.0) -> tuple[float, float]:
+    """Wall time (ms) of one batch of ``busy_ms`` of busy time in ``kernels`` equal kernels under
+    the interceptor's token bucket, and the bucket's balance (ms of tokens) when it ends.
+
+    The bucket holds ``balance_ms`` (at most ``BURST_MS``) at the batch's start and refills at
+    ``rate`` = grant / width (0 < rate <= 1) per ms; the kernels are launched one after another
+    (a launch returns at once), each charged its busy time c = busy_ms / kernels as it goes; a
+    launch that finds the balance below :func:`launch_threshold_ms`'s floor waits for its
+    ``want``. Kernels run one after another on the device, free from ``free_ms`` (work launched
+    before still running), each ``stretch`` times its busy time (SMs shared with neighbours; the
+    charge meters busy time, not the stretch). Source: interceptor.c, admit(). For a batch much
+    longer than the burst this tends to :func:`pacing_stretch`'s ``busy_ms / rate``; shorter
+    ones, and an instance idle long enough to fill its bucket, finish sooner: the first kernels
+    ride the burst and the last one's run is not waited for. Raises ValueError for a rate
+    outside (0, 1] or no kernel."""
+    t, balance, end = 0.0, balance_ms, free_ms
+    for t, balance, end in _bucket_launches(busy_ms, kernels, rate, balance_ms, stretch, free_ms):
+        pass
+    return end, min(BURST_MS, balance + rate * (end - t))
+
+
+def bucket_charged(busy_ms: float, kernels: int, rate: float, balance_ms: float, at_ms: float,
+                   stretch: float = 1.0, free_ms: float = 0.0) -> tuple[int, float, float]:
+    """Where a batch timed as :func:`bucket_paced_ms` (same arguments) stands ``at_ms`` after its
+    start: ``(kernels charged, the balance then (ms of tokens), when the device is free of the
+    charged ones (ms from the start))``. A grant written then meets the kernels not yet charged:
+    the interceptor reads it at each launch and wakes a launch waiting for tokens (interceptor.c,
+    refresh_grant). Raises ValueError as :func:`bucket_paced_ms`."""
+    charged, t, balance, end = 0, 0.0, balance_ms, free_ms
+    for when, after, leaves in _bucket_launches(busy_ms, kernels, rate, balance_ms, stretch, free_ms):
+        if when > at_ms:
+            break
+        charged, t, balance, end = charged + 1, when, after, leaves
+    return charged, min(BURST_MS, balance + rate * (at_ms - t)), end
 
 
 def paced_latency_ms(model: str, batch: int, width: float, grant: float) -> float:

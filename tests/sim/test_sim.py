@@ -470,10 +470,19 @@ def test_a_lone_request_at_a_paced_instance_takes_the_token_buckets_time():
     """One request after an idle minute at an instance held at its request below its width: it
     takes what the interceptor's bucket allows (the burst, then the refill), shorter than the
     first-order L · w / q, and no shorter than the unpaced batch."""
-    from dilu.loadgen.arrivals import Invocation
-    from dilu.services.common import models
-
     cfg = SimConfig(**SMALL, seed=1, park_after_s=0.0)  # held on its GPU through the idle minute
+    sim, busy, rate = _lone_request(cfg)
+    rep, _ = sim.run()
+    want, _ = models.bucket_paced_ms(busy, models.kernels_per_batch("resnet152"), rate, models.BURST_MS)
+    assert rep.totals.latency_ms.p50 == pytest.approx(want, abs=0.1)  # the HDR histogram's resolution
+    assert busy < want < busy / rate
+
+
+def _lone_request(cfg: SimConfig) -> tuple[Simulation, float, float]:
+    """A simulation of one ResNet-152 request after an idle minute, with the busy time (ms) of
+    its batch and its instance's token rate (request / limit)."""
+    from dilu.loadgen.arrivals import Invocation
+
     base = prepare(cfg)
     spec = next(s for s in base.specs if s.model == "resnet152")
     profile = base.profiles[spec.name][0]
@@ -481,12 +490,34 @@ def test_a_lone_request_at_a_paced_instance_takes_the_token_buckets_time():
     plan = base.plan.__class__(**{**{f: getattr(base.plan, f) for f in base.plan.__struct_fields__},
                                   "invocations": (Invocation(id="one", function=spec.name, scheduled_ns=60 * 10**9,
                                                              trace_minute=0),), "duration_s": 90.0})
-    rep, _ = Simulation(cfg, "dilu", Workload(plan, [spec], {spec.name: base.profiles[spec.name]})).run()
-    busy = models.latency_ms("resnet152", 1, profile.limit_quota)
-    rate = profile.request_quota / profile.limit_quota
-    want, _ = models.bucket_paced_ms(busy, models.kernels_per_batch("resnet152"), rate, models.BURST_MS)
-    assert rep.totals.latency_ms.p50 == pytest.approx(want, abs=0.1)  # the HDR histogram's resolution
-    assert busy < want < busy / rate
+    sim = Simulation(cfg, "dilu", Workload(plan, [spec], {spec.name: base.profiles[spec.name]}))
+    return sim, models.latency_ms("resnet152", 1, profile.limit_quota), profile.request_quota / profile.limit_quota
+
+
+def test_a_grant_written_while_a_batch_runs_paces_its_kernels_not_yet_launched():
+    """The interceptor reads the grant at each launch and wakes a launch waiting for tokens: a
+    grant raised to the width 10 ms into a paced batch lets its remaining kernels go unpaced, so
+    the batch ends when the bucket's state at 10 ms and the new rate say, sooner than timed at
+    its start (which the request would take without it: the test above)."""
+    cfg = SimConfig(**SMALL, seed=1, park_after_s=0.0)
+    sim, busy, rate = _lone_request(cfg)
+    start = sim._start_batch
+
+    def started(inst):
+        start(inst)
+        if inst.inflight:
+            sim.loop.at(sim.loop.now + 10.0, lambda _: sim._fit(inst.gpu, inst, inst.width))
+
+    sim._start_batch = started
+    rep, _ = sim.run()
+    kernels = models.kernels_per_batch("resnet152")
+    charged, balance, free = models.bucket_charged(busy, kernels, rate, models.BURST_MS, 10.0)
+    assert 0 < charged < kernels
+    rest, _ = models.bucket_paced_ms(busy * (kernels - charged) / kernels, kernels - charged, 1.0, balance,
+                                     free_ms=free - 10.0)
+    unraised, _ = models.bucket_paced_ms(busy, kernels, rate, models.BURST_MS)
+    assert rep.totals.latency_ms.p50 == pytest.approx(10.0 + rest, abs=0.1)  # the HDR histogram's resolution
+    assert busy <= 10.0 + rest < unraised - 2.0
 
 
 @pytest.mark.parametrize("args", [
@@ -674,9 +705,11 @@ def test_a_pickup_parts_an_instances_batches_while_requests_wait():
             if inst.inflight and waited:
                 gaps.append(sim.loop.now - at)
 
-        def finished(inst):
-            ended[inst.iid] = (sim.loop.now, bool(inst.fn.pending))
-            end(inst)
+        def finished(arg):
+            inst, seq = arg
+            if seq == inst.batch_seq:  # not an end void since (the batch re-timed by a grant)
+                ended[inst.iid] = (sim.loop.now, bool(inst.fn.pending))
+            end(arg)
 
         sim._start_batch, sim._end_batch = started, finished
         rep, _ = sim.run()

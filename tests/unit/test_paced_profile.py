@@ -133,7 +133,8 @@ def test_a_batch_under_the_token_bucket_tends_to_the_first_order_model_when_long
     assert long_ms == pytest.approx(400.0 / 0.5, rel=0.02)
     short_ms, left = models.bucket_paced_ms(21.25, 10, 0.5, models.BURST_MS)
     assert 21.25 < short_ms < 21.25 / 0.5 - 4.0  # the burst and the last kernel's run are saved
-    assert short_ms == pytest.approx((21.25 - 2.125 - models.BURST_MS) / 0.5 + 2.125)
+    want = min(2.125, models.BURST_MS / 2)  # a throttled launch waits for its cost, at most half the burst
+    assert short_ms == pytest.approx((21.25 - 2.125 - models.BURST_MS + want) / 0.5 + 2.125)
     assert left < 0  # the bucket ends in debt: the next batch right after waits for it
     empty_ms, _ = models.bucket_paced_ms(21.25, 10, 0.5, left)
     assert empty_ms > short_ms
@@ -143,3 +144,31 @@ def test_a_batch_under_the_token_bucket_tends_to_the_first_order_model_when_long
     with pytest.raises(ValueError):
         models.bucket_paced_ms(10.0, 5, 1.5, 0.0)
 
+
+
+@pytest.mark.parametrize("at_ms", [0.0, 1.0, 2.25, 5.0, 17.3, 36.25, 50.0])
+@pytest.mark.parametrize("rate,balance,stretch", [(0.5, models.BURST_MS, 1.0), (0.3, -1.0, 1.4), (1.0, models.BURST_MS, 1.6)])
+def test_a_batch_split_where_it_stands_ends_as_the_whole_when_the_rate_holds(at_ms, rate, balance, stretch):
+    """Where a batch stands at any instant (kernels charged, balance, device free) and the rest
+    timed from there at the same rate end it when timing it whole does: the state a grant
+    written mid-batch starts from is the bucket's own."""
+    whole, left = models.bucket_paced_ms(21.25, 10, rate, balance, stretch)
+    charged, bal, free = models.bucket_charged(21.25, 10, rate, balance, at_ms, stretch)
+    assert 0 <= charged <= 10 and free <= whole + 1e-9
+    if charged < 10:
+        rest, left_rest = models.bucket_paced_ms(21.25 * (10 - charged) / 10, 10 - charged, rate, bal, stretch,
+                                                  free_ms=max(0.0, free - at_ms))
+        assert at_ms + rest == pytest.approx(whole) and left_rest == pytest.approx(left)
+    else:
+        assert free == pytest.approx(whole)
+
+
+def test_a_launch_past_the_floor_waits_for_its_cost_or_the_least_refill():
+    """Paced, a launch finding the bucket in debt waits until it holds the kernel's cost, at most
+    half the burst and at least ``MIN_WAIT_MS`` x rate of refill; unpaced, launches run a burst
+    ahead (interceptor.c, admit)."""
+    assert models.launch_threshold_ms(2.5, 0.5) == (0.0, models.BURST_MS / 2)
+    assert models.launch_threshold_ms(0.3, 0.5) == (0.0, 0.3)
+    assert models.launch_threshold_ms(0.01, 0.5) == (0.0, pytest.approx(models.MIN_WAIT_MS * 0.5))
+    floor, want = models.launch_threshold_ms(2.5, 1.0)
+    assert floor == -models.BURST_MS and want == pytest.approx(-models.BURST_MS + models.MIN_WAIT_MS)
