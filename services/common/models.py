@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import bisect
 import csv
+import math
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
@@ -175,6 +176,10 @@ def _bucket_launches(busy_ms: float, kernels: int, rate: float, balance_ms: floa
     the device), ms from the start (:func:`bucket_paced_ms`)."""
     if not (0 < rate <= 1.0 + 1e-9) or kernels < 1:
         raise ValueError(f"need 0 < rate <= 1 and kernels >= 1, got rate={rate} kernels={kernels}")
+    if not (busy_ms >= 0 and stretch >= 1 and free_ms >= 0 and abs(balance_ms) <= 1e9
+            and math.isfinite(busy_ms + stretch + free_ms)):
+        raise ValueError(f"need finite busy_ms >= 0, stretch >= 1, free_ms >= 0 and balance_ms, got "
+                         f"{busy_ms}, {stretch}, {free_ms}, {balance_ms}")
     c = busy_ms / kernels
     run = c * stretch
     floor, want = launch_threshold_ms(c, rate)
@@ -203,7 +208,8 @@ def bucket_paced_ms(busy_ms: float, kernels: int, rate: float, balance_ms: float
     longer than the burst this tends to :func:`pacing_stretch`'s ``busy_ms / rate``; shorter
     ones, and an instance idle long enough to fill its bucket, finish sooner: the first kernels
     ride the burst and the last one's run is not waited for. Raises ValueError for a rate
-    outside (0, 1] or no kernel."""
+    outside (0, 1], no kernel, a negative or non-finite busy time or start, a stretch below 1,
+    a non-finite balance."""
     t, balance, end = 0.0, balance_ms, free_ms
     for t, balance, end in _bucket_launches(busy_ms, kernels, rate, balance_ms, stretch, free_ms):
         pass
@@ -216,7 +222,10 @@ def bucket_charged(busy_ms: float, kernels: int, rate: float, balance_ms: float,
     start: ``(kernels charged, the balance then (ms of tokens), when the device is free of the
     charged ones (ms from the start))``. A grant written then meets the kernels not yet charged:
     the interceptor reads it at each launch and wakes a launch waiting for tokens (interceptor.c,
-    refresh_grant). Raises ValueError as :func:`bucket_paced_ms`."""
+    refresh_grant). Raises ValueError as :func:`bucket_paced_ms`, and for ``at_ms`` not a finite
+    number >= 0."""
+    if not (at_ms >= 0 and math.isfinite(at_ms)):
+        raise ValueError(f"at_ms must be a finite number >= 0, got {at_ms}")
     charged, t, balance, end = 0, 0.0, balance_ms, free_ms
     for when, after, leaves in _bucket_launches(busy_ms, kernels, rate, balance_ms, stretch, free_ms):
         if when > at_ms:

@@ -514,7 +514,7 @@ def test_a_grant_written_while_a_batch_runs_paces_its_kernels_not_yet_launched()
     charged, balance, free = models.bucket_charged(busy, kernels, rate, models.BURST_MS, 10.0)
     assert 0 < charged < kernels
     rest, _ = models.bucket_paced_ms(busy * (kernels - charged) / kernels, kernels - charged, 1.0, balance,
-                                     free_ms=free - 10.0)
+                                     free_ms=max(0.0, free - 10.0))
     unraised, _ = models.bucket_paced_ms(busy, kernels, rate, models.BURST_MS)
     assert rep.totals.latency_ms.p50 == pytest.approx(10.0 + rest, abs=0.1)  # the HDR histogram's resolution
     assert busy <= 10.0 + rest < unraised - 2.0

@@ -143,6 +143,13 @@ def test_a_batch_under_the_token_bucket_tends_to_the_first_order_model_when_long
         models.bucket_paced_ms(10.0, 0, 0.5, 0.0)
     with pytest.raises(ValueError):
         models.bucket_paced_ms(10.0, 5, 1.5, 0.0)
+    for bad in ({"busy_ms": -1.0}, {"busy_ms": float("nan")}, {"balance_ms": float("nan")},
+                {"balance_ms": float("inf")}, {"stretch": 0.5}, {"free_ms": -1.0}):
+        with pytest.raises(ValueError):
+            models.bucket_paced_ms(**{"busy_ms": 10.0, "kernels": 5, "rate": 0.5, "balance_ms": 0.0, **bad})
+    for at in (-1.0, float("nan"), float("inf")):
+        with pytest.raises(ValueError):
+            models.bucket_charged(10.0, 5, 0.5, 0.0, at)
 
 
 
