@@ -114,8 +114,9 @@ def sim(trace_dir, functions, hours, start_minute, speedup, nodes, gpus_per_node
         plots_dir, workload) -> None:
     """Simulate the platform's policies over a real trace (deterministic per seed) and print the
     comparison table, as dilu compare does for live runs. In a simulated report, seconds are
-    simulated seconds ("wall s" and goodput's denominator included), and the vertical reaction is
-    not modelled (a grant takes effect at the vertical scaler's next tick, every 250 ms). Ctrl-C
+    simulated seconds ("wall s" and goodput's denominator included), and the vertical reaction's
+    delay is not modelled (a grant is decided at the vertical scaler's next tick, every 250 ms, or
+    at a stretch, and takes effect at once, on a running batch's kernels not yet launched too). Ctrl-C
     or SIGTERM stops it: the policies already finished are still reported (and written), and it
     exits with 130 (143)."""
     with SignalExit() as stop:  # from the first import to the report's last line (its exit: 130, 143)

@@ -146,6 +146,7 @@ def pacing_stretch(width: float, grant: float) -> float:
 
 BURST_MS = 2.0  # the interceptor's token bucket depth (DILU_BURST_US's default, 2000 µs)
 MIN_WAIT_MS = 0.2  # the least refill a throttled launch waits for, x the rate (DILU_MIN_WAIT_US's default, 200 µs)
+MAX_KERNELS = 1_000_000  # the most kernels one batch is timed over (a catalogue batch has at most 128)
 # The interceptor's kernel-launch cycles (interceptor.c, note_cycle), mirrored by the simulator:
 CYCLE_GAP_MS = 1.0  # an idle gap longer than this closes a cycle (DILU_CYCLE_GAP_US's default, 1000 µs)
 WARM_CYCLES = 16  # the first cycles set the baseline to their shortest (its WARM_CYCLES)
@@ -164,7 +165,10 @@ def launch_threshold_ms(kernel_ms: float, rate: float) -> tuple[float, float]:
     below it, it waits until the balance is back to ``want``. Paced (rate < 1): floor 0, want the
     kernel's cost, at least ``MIN_WAIT_MS`` x rate of refill, at most half the burst; unpaced
     (rate 1): launches may run a burst ahead (floor -``BURST_MS``) and a throttled one waits for
-    ``MIN_WAIT_MS`` x rate of it back. Source: interceptor.c, admit()."""
+    ``MIN_WAIT_MS`` x rate of it back. Source: interceptor.c, admit(). Raises ValueError for a
+    rate outside (0, 1] or a negative or non-finite cost."""
+    if not (0 < rate <= 1.0 + 1e-9 and kernel_ms >= 0 and math.isfinite(kernel_ms)):
+        raise ValueError(f"need 0 < rate <= 1 and a finite kernel_ms >= 0, got rate={rate} kernel_ms={kernel_ms}")
     if rate >= 1.0:
         return -BURST_MS, -BURST_MS + min(MIN_WAIT_MS * rate, BURST_MS / 2)
     return 0.0, min(max(kernel_ms, MIN_WAIT_MS * rate), BURST_MS / 2)
@@ -174,16 +178,16 @@ def _bucket_launches(busy_ms: float, kernels: int, rate: float, balance_ms: floa
                      free_ms: float):
     """Yields, kernel by kernel, (when it is charged, the balance after its charge, when it leaves
     the device), ms from the start (:func:`bucket_paced_ms`)."""
-    if not (0 < rate <= 1.0 + 1e-9) or kernels < 1:
-        raise ValueError(f"need 0 < rate <= 1 and kernels >= 1, got rate={rate} kernels={kernels}")
-    if not (busy_ms >= 0 and stretch >= 1 and free_ms >= 0 and abs(balance_ms) <= 1e9
-            and math.isfinite(busy_ms + stretch + free_ms)):
-        raise ValueError(f"need finite busy_ms >= 0, stretch >= 1, free_ms >= 0 and balance_ms, got "
+    if isinstance(kernels, bool) or not isinstance(kernels, int) or not 1 <= kernels <= MAX_KERNELS:
+        raise ValueError(f"kernels must be an integer in 1..{MAX_KERNELS:,}, got {kernels!r}")
+    if not (busy_ms >= 0 and stretch >= 1 and free_ms >= 0
+            and math.isfinite(busy_ms + stretch + free_ms + balance_ms)):
+        raise ValueError(f"need finite busy_ms >= 0, stretch >= 1, free_ms >= 0 and a finite balance_ms, got "
                          f"{busy_ms}, {stretch}, {free_ms}, {balance_ms}")
     c = busy_ms / kernels
     run = c * stretch
     floor, want = launch_threshold_ms(c, rate)
-    t, balance, end = 0.0, balance_ms, free_ms
+    t, balance, end = 0.0, min(balance_ms, BURST_MS), free_ms  # the bucket holds at most the burst
     for _ in range(kernels):
         if balance < floor:
             t += (want - balance) / rate
@@ -198,8 +202,8 @@ def bucket_paced_ms(busy_ms: float, kernels: int, rate: float, balance_ms: float
     """Wall time (ms) of one batch of ``busy_ms`` of busy time in ``kernels`` equal kernels under
     the interceptor's token bucket, and the bucket's balance (ms of tokens) when it ends.
 
-    The bucket holds ``balance_ms`` (at most ``BURST_MS``) at the batch's start and refills at
-    ``rate`` = grant / width (0 < rate <= 1) per ms; the kernels are launched one after another
+    The bucket holds ``balance_ms`` (more counts as ``BURST_MS``, its depth) at the batch's start
+    and refills at ``rate`` = grant / width (0 < rate <= 1) per ms; the kernels are launched one after another
     (a launch returns at once), each charged its busy time c = busy_ms / kernels as it goes; a
     launch that finds the balance below :func:`launch_threshold_ms`'s floor waits for its
     ``want``. Kernels run one after another on the device, free from ``free_ms`` (work launched
@@ -208,8 +212,8 @@ def bucket_paced_ms(busy_ms: float, kernels: int, rate: float, balance_ms: float
     longer than the burst this tends to :func:`pacing_stretch`'s ``busy_ms / rate``; shorter
     ones, and an instance idle long enough to fill its bucket, finish sooner: the first kernels
     ride the burst and the last one's run is not waited for. Raises ValueError for a rate
-    outside (0, 1], no kernel, a negative or non-finite busy time or start, a stretch below 1,
-    a non-finite balance."""
+    outside (0, 1], kernels not an integer in 1..``MAX_KERNELS``, a negative or non-finite busy
+    time or start, a stretch below 1, a non-finite balance."""
     t, balance, end = 0.0, balance_ms, free_ms
     for t, balance, end in _bucket_launches(busy_ms, kernels, rate, balance_ms, stretch, free_ms):
         pass
@@ -226,7 +230,7 @@ def bucket_charged(busy_ms: float, kernels: int, rate: float, balance_ms: float,
     number >= 0."""
     if not (at_ms >= 0 and math.isfinite(at_ms)):
         raise ValueError(f"at_ms must be a finite number >= 0, got {at_ms}")
-    charged, t, balance, end = 0, 0.0, balance_ms, free_ms
+    charged, t, balance, end = 0, 0.0, min(balance_ms, BURST_MS), free_ms
     for when, after, leaves in _bucket_launches(busy_ms, kernels, rate, balance_ms, stretch, free_ms):
         if when > at_ms:
             break

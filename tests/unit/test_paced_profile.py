@@ -150,6 +150,15 @@ def test_a_batch_under_the_token_bucket_tends_to_the_first_order_model_when_long
     for at in (-1.0, float("nan"), float("inf")):
         with pytest.raises(ValueError):
             models.bucket_charged(10.0, 5, 0.5, 0.0, at)
+    for kernels in (0, 2.5, True, models.MAX_KERNELS + 1):
+        with pytest.raises(ValueError):
+            models.bucket_paced_ms(10.0, kernels, 0.5, 0.0)
+    for rate, cost in ((0.0, 1.0), (-1.0, 1.0), (1.5, 1.0), (float("nan"), 1.0), (0.5, -5.0), (0.5, float("nan"))):
+        with pytest.raises(ValueError):
+            models.launch_threshold_ms(cost, rate)
+    # a bucket holds at most its depth: a larger balance is a full bucket, not a longer burst
+    assert models.bucket_paced_ms(10.0, 10, 0.5, 1e9) == models.bucket_paced_ms(10.0, 10, 0.5, models.BURST_MS)
+    assert models.bucket_charged(10.0, 10, 0.5, 1e9, 0.0) == models.bucket_charged(10.0, 10, 0.5, models.BURST_MS, 0.0)
 
 
 
