@@ -128,15 +128,15 @@ class Instance:
     its cold start ends. Window counters (``win_*``: busy ms on the device, token-wait ms, whether
     a batch ended) and ``recent_ms`` feed the next telemetry; a batch's busy and wait go into them
     as time passes (``accrued_at``), so one that spans windows is busy in each. ``tokens``: its
-    token bucket's balance (ms of busy time) at ``tokens_at`` (ms), as the interceptor keeps it
-    (:func:`models.bucket_paced_ms`); full when it starts; a grant written while a batch is in
-    hand paces its kernels not yet launched (``plan``). ``fetch_at``: when its puller's
+    token bucket's balance (ms of busy time) at ``batch_to`` (its last batch's end), as the
+    interceptor keeps it (:func:`models.bucket_paced_ms`); full when it starts; a grant written
+    while a batch is in hand paces its kernels not yet launched (``plan``). ``fetch_at``: when its puller's
     current fetch began (ms; at its readiness and at each batch's end): an idle puller's fetch
     waits :data:`workqueue.FETCH_TIMEOUT_S` at a time, and a drain is seen only when it returns."""
 
     __slots__ = ("iid", "fn", "gpu", "request", "width", "grant", "batch", "ready_ms", "state", "busy",
                  "inflight", "quota_since", "win_busy_ms", "win_wait_ms", "win_served", "training",
-                 "iterations", "train_since", "priority", "tokens", "tokens_at", "resumed_ms", "replaces",
+                 "iterations", "train_since", "priority", "tokens", "resumed_ms", "replaces",
                  "recent_ms", "answered", "batch_to", "accrued_at", "device_share", "cycles", "fetch_at",
                  "batch_from", "batch_busy", "batch_seq", "batch_extra", "plan")
 
@@ -162,7 +162,6 @@ class Instance:
         self.train_since = ready_ms
         self.priority = priority
         self.tokens = models.BURST_MS
-        self.tokens_at = ready_ms
         self.resumed_ms = 0.0  # when its last resume from parking ended (0: never parked)
         self.replaces = ""  # a migration's replacement: the instance it drains once ready
         self.recent_ms = 0.0  # recent-latency average (functions.recent_latency), as its process keeps it

@@ -861,7 +861,7 @@ class Simulation:
         stretch = gpu.busy_width if gpu.busy_width > 1.0 else 1.0
         if slow > 1.0:  # paced: the token bucket lets the first kernels ride its burst
             rate = 1.0 / slow
-            balance = min(models.BURST_MS, inst.tokens + (now - inst.tokens_at) * rate)
+            balance = min(models.BURST_MS, inst.tokens + (now - inst.batch_to) * rate)  # refilled since
             dur, inst.tokens = models.bucket_paced_ms(base, f.kernels, rate, balance, stretch)
         else:
             rate, balance, dur = 1.0, models.BURST_MS, base * stretch
@@ -893,7 +893,7 @@ class Simulation:
         # the batch's token wait is its time less its busy time: new, or moved by a re-timing
         self.mech.token_wait_ms += end - (inst.batch_to if inst.batch_to > now else now + inst.batch_busy)
         dur = end - inst.batch_from
-        inst.tokens_at = inst.batch_to = end
+        inst.batch_to = end
         inst.accrued_at = now
         inst.device_share = min(1.0, busy_left / (end - now)) if end > now else 1.0  # token waits are not busy
         inst.cycles.served(end, dur, dur - inst.batch_busy)
