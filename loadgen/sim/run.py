@@ -34,7 +34,8 @@ What drives what, as in the live cluster (services/*/service.py):
   backlog (waiting + in flight) and arrivals, decides
   with its :func:`vertical_headroom` and :func:`burst_reach`, and places (:class:`PlacementBackoff` after a refusal) or
   retires (draining: a busy instance finishes its batch, then leaves; an idle one leaves when its
-  open fetch expires, Draining below).
+  open fetch expires, Draining below). A tick's placements come before its parks, resumes and
+  retirements, as the live scheduler receives them (the scaler sends those one task later).
 
 Control loops tick on their own clocks, as the live services do: the horizontal scaler's from the
 deploy, the node agent's telemetry and the scheduler's defragmentation rounds each at a phase of
@@ -92,7 +93,7 @@ from dilu.services.common.functions import GIB, default_priority, recent_latency
 from dilu.services.common.interrupt import raise_if_stopped
 from dilu.services.common.policies import DEFRAG_INTERVAL_MIN_S, modes
 from dilu.services.common.workqueue import FETCH_TIMEOUT_S
-from dilu.services.horizontal_scaler.policy import (TICK_MS, InstanceShare, PlacementBackoff,
+from dilu.services.horizontal_scaler.policy import (TICK_MS, Decision, InstanceShare, PlacementBackoff,
                                                     function_params, horizontal_policy, tick_order, vertical_room)
 from dilu.services.horizontal_scaler.service import MAX_PLACE_COUNT
 from dilu.services.node_agent.grants import fit_quota
@@ -1092,6 +1093,7 @@ class Simulation:
                       for gid, gpu in gpus.items()}
             headroom, reach = vertical_room(shares)
         window_ticks = self.hconf.stable_window_s * 1000.0 / tick
+        decided: list[tuple[Function, Decision, int]] = []  # (function, its decision, backlog or arrivals)
         for f in due:
             if f.last_tick < k - 1:  # woken: the zero samples of the skipped ticks still in the window
                 first = max(f.last_tick + 1, math.floor(k - window_ticks) + 1)
@@ -1119,10 +1121,11 @@ class Simulation:
                     self.mech.scale_outs += placed
                 else:
                     self.backoff.failed(f.name, now_s)
-            for iid in d.retire:
-                inst = f.instances.get(iid)
-                if inst is not None:
-                    self._retire(inst)
+            decided.append((f, d, backlog or arrived))
+        # The live scaler's tick task sends a placement at once, but its parks, resumes and
+        # retirements one task later (asyncio.gather), so the scheduler serves every placement of
+        # a tick before them: a placement does not see the room a park of the same tick frees.
+        for f, d, active in decided:
             for iid in d.park:
                 inst = f.instances.get(iid)
                 if inst is None or not self._park(inst):
@@ -1131,7 +1134,11 @@ class Simulation:
                 inst = f.instances.get(iid)
                 if inst is not None:
                     self._resume(inst)
-            if (self.sleep_idle and not f.instances and not backlog and not arrived and d.desired == 0 and not d.panic
+            for iid in d.retire:
+                inst = f.instances.get(iid)
+                if inst is not None:
+                    self._retire(inst)
+            if (self.sleep_idle and not f.instances and not active and d.desired == 0 and not d.panic
                     and not d.place and hp.idle_windows(f.name).prewarm_s == 0
                     and k - f.last_busy >= window_ticks):  # every sample in the stable window is 0
                 f.asleep = True
