@@ -216,9 +216,11 @@ def nats_options(f):
 
 
 def log_level_option(f):
-    """``--log-level`` (env DILU_LOG_LEVEL): one of LOG_LEVELS."""
+    """``--log-level`` (env DILU_LOG_LEVEL): one of LOG_LEVELS. The variable is named here too, not
+    only by the services' prefix, so that an instance process, which the node agent starts in its
+    own environment, logs at the level its node's services log at."""
     return click.option("--log-level", type=click.Choice(LOG_LEVELS, case_sensitive=False), default="info",
-                        show_default=True)(f)
+                        envvar=f"{ENV_PREFIX}_LOG_LEVEL", show_default=True)(f)
 
 
 def metrics_port_option(service: str):

@@ -60,7 +60,7 @@ from nats.js.errors import BucketNotFoundError, KeyDeletedError, KeyNotFoundErro
 from dilu.contracts import cloudevents, encode, subjects
 from dilu.contracts import events as ev
 from dilu.services.common import logging as dlog
-from dilu.services.common.cliopts import nats_options
+from dilu.services.common.cliopts import log_level_option, nats_options
 from dilu.services.common.lifetime import ORPHANED_EXIT, signal_on_parent_death
 from dilu.services.common.digits import as_count
 from dilu.services.common.functions import recent_latency
@@ -517,7 +517,7 @@ async def serve_instance(
 @nats_options
 @click.option("--cb", "cb_path", default=None, help="control block path (the node agent creates it)")
 @click.option("--node", default="", help="the node agent's node name, carried in FunctionStats")
-@click.option("--log-level", default="info", show_default=True)
+@log_level_option
 def main(log_level: str, **kwargs) -> None:
     """Run one function instance until SIGTERM (then drain and exit)."""
     die_with_parent()

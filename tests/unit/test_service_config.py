@@ -92,3 +92,22 @@ def test_the_scheduler_defragments_by_default_only_under_the_dilu_allocation(mon
     out = CliRunner().invoke(entry.main, args, env={"DILU_DEFRAG_INTERVAL_S": None})
     assert out.exit_code == 0, out.output
     assert seen == [interval]
+
+
+def test_an_instance_process_logs_at_the_level_dilu_log_level_names(monkeypatch):
+    """The node agent starts each instance in its own environment, with no --log-level: the
+    instance reads DILU_LOG_LEVEL as the services do (at debug, its expired and withdrawn requests
+    are logged), and a bad value is refused, not taken as info."""
+    import click
+
+    from dilu.services.node_agent import instance
+
+    args = ["--instance-id", "fn-a-1", "--function", "fn-a", "--model", "none"]
+    monkeypatch.setenv("DILU_LOG_LEVEL", "debug")
+    assert instance.main.make_context("instance", list(args)).params["log_level"] == "debug"
+    assert instance.main.make_context("instance", [*args, "--log-level", "error"]).params["log_level"] == "error"
+    monkeypatch.setenv("DILU_LOG_LEVEL", "loud")
+    with pytest.raises(click.BadParameter):
+        instance.main.make_context("instance", list(args))
+    monkeypatch.delenv("DILU_LOG_LEVEL")
+    assert instance.main.make_context("instance", list(args)).params["log_level"] == "info"
