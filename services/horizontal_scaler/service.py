@@ -24,7 +24,8 @@ have no invocations and are only held at their ``min_instances``):
    stream ``DILU_INVOKE``, read from one listing of the stream's consumers per tick serving every
    function (pending plus in flight, so a long request keeps its instance and a
    request held by a dead instance still counts); a missing consumer or a monitoring error is an
-   *unknown* backlog, counted in ``dilu_backlog_errors`` and logged once per outage, and the
+   *unknown* backlog, counted in ``dilu_backlog_errors`` and logged once per outage (a warning;
+   a function whose consumer no instance has created yet is logged at info), and the
    policy holds the current count (except that a function with no instance and requests stored
    on its subject gets one instance: instances create the consumer when they bind);
 2. the policy decides; scale-out asks ``dilu.v1.scheduler.place`` (PlaceRequest -> PlaceReply;
@@ -173,7 +174,8 @@ class HorizontalScaler:
         self.bus: Bus | None = None
         self._gpus: dict[tuple[str, int], tuple[float, list[InstanceShare]]] = {}
         self._counts: dict[str, _Counts] = {}
-        self._missing: set[str] = set()
+        self._missing: set[str] = set()  # functions whose backlog is unknown now (logged once)
+        self._read: set[str] = set()  # functions whose consumer was read once: missing later is an outage
         self._specs: dict[str, FunctionSpec] = {}
         self._profiles: dict[str, Profile] = {}
         self._gate = InitialScaleGate()  # deployed live + profiled -> initial scale (training: never)
@@ -258,6 +260,7 @@ class HorizontalScaler:
         self._backoff.clear(fn)
         self._gate.forget(fn)
         self._missing.discard(fn)
+        self._read.discard(fn)
         self._undeployed.add(fn)
         try:
             await self.state.forget(fn)
@@ -553,7 +556,9 @@ class HorizontalScaler:
             return self._no_backlog(fn, "missing", f"no consumer {name!r} on {subjects.INVOKE_STREAM}")
         if fn in self._missing:
             self._missing.discard(fn)
-            self.bus.log.info("backlog readable again", function=fn, consumer=name)
+            if fn in self._read:
+                self.bus.log.info("backlog readable again", function=fn, consumer=name)
+        self._read.add(fn)
         pending, in_flight = int(info.num_pending or 0), int(info.num_ack_pending or 0)
         delivered = int(info.delivered.consumer_seq or 0) if info.delivered else 0
         prev = self._counts.get(fn)
@@ -579,7 +584,10 @@ class HorizontalScaler:
         BACKLOG_ERRORS.labels(fn, kind).inc()
         if fn not in self._missing:  # once per outage, not once per tick
             self._missing.add(fn)
-            self.bus.log.warning("backlog unknown: holding the current scale", function=fn, error=why)
+            if kind == "missing" and fn not in self._read:  # deployed, no instance bound yet: as expected
+                self.bus.log.info("no backlog yet: the function's first instance creates its consumer", function=fn)
+            else:
+                self.bus.log.warning("backlog unknown: holding the current scale", function=fn, error=why)
         self._counts.pop(fn, None)
         return None, None
 
