@@ -40,7 +40,7 @@ from dilu.services.common.workqueue import ensure_stream
 from dilu.services.node_agent.__main__ import parse_gpus
 from dilu.services.node_agent.devices import EMULATED_DEFAULT_COUNT
 
-from dilu.services.common.policies import DEFRAG_INTERVAL_MIN_S, DEFRAG_INTERVAL_S, PARK_AFTER_S, modes
+from dilu.services.common.policies import DEFRAG_INTERVAL_MIN_S, DEFRAG_INTERVAL_S, PARK_AFTER_S, modes, policy_names
 from dilu.services.common.digits import as_count
 
 from .cluster import POLICIES, POLICY_HELP, Cluster
@@ -691,14 +691,10 @@ def compare(json_path, policies, **kw) -> None:
     Ctrl-C (or SIGTERM) stops the policy under way; the ones already finished, and the stopped
     one's replay so far, are still reported, and the exit status is 130 (143). No training
     jobs unless --training-jobs asks (the exclusive policy gives each a whole GPU)."""
-    names = [p.strip() for p in policies.split(",") if p.strip()]
-    bad = [p for p in names if p not in POLICIES]
-    if not names:
-        raise click.BadParameter(f"no policy given; choose from {', '.join(POLICIES)}", param_hint="--policies")
-    if bad:
-        raise click.BadParameter(f"unknown policies {', '.join(bad)}; choose from {', '.join(POLICIES)}", param_hint="--policies")
-    if len(set(names)) != len(names):
-        raise click.BadParameter(f"a policy is named twice in {', '.join(names)}", param_hint="--policies")
+    try:
+        names = policy_names(policies)
+    except ValueError as exc:
+        raise click.BadParameter(str(exc), param_hint="--policies") from None
     opts = RunOptions(**kw)
     check_trace(opts.trace_dir, opts.start_minute)
     if opts.training_jobs is None:  # an exclusive GPU per instance leaves no room to collocate

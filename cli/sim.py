@@ -20,7 +20,8 @@ from dilu.services.common.cliopts import (PARK_AFTER_S_TYPE, Finite, ZeroOrAtLea
                                          writable_output, write_output)
 from dilu.services.common.console import count_of, output_failed
 from dilu.services.common.interrupt import Interrupt, SignalExit
-from dilu.services.common.policies import DEFRAG_INTERVAL_MIN_S, DEFRAG_INTERVAL_S, PARK_AFTER_S, POLICIES
+from dilu.services.common.policies import (DEFRAG_INTERVAL_MIN_S, DEFRAG_INTERVAL_S, PARK_AFTER_S, POLICIES,
+                                           policy_names)
 from dilu.services.horizontal_scaler.policy import HorizontalConfig
 from dilu.services.scheduler.bench import workloads_epilog
 
@@ -28,15 +29,10 @@ _WORKLOAD_OPTIONS = ("workload", "nodes", "gpus_per_node", "json_path")  # what 
 
 
 def _policies(_ctx, param, value: str) -> list[str]:
-    names = [p.strip() for p in value.split(",") if p.strip()]
-    if not names:
-        raise click.BadParameter(f"no policy given; choose from {', '.join(POLICIES)}", param=param)
-    bad = [p for p in names if p not in POLICIES]
-    if bad:
-        raise click.BadParameter(f"unknown policies {', '.join(bad)}; choose from {', '.join(POLICIES)}", param=param)
-    if len(set(names)) != len(names):
-        raise click.BadParameter(f"a policy is named twice in {', '.join(names)}", param=param)
-    return names
+    try:
+        return policy_names(value)
+    except ValueError as exc:
+        raise click.BadParameter(str(exc), param=param) from None
 
 
 def _functions(_ctx, param, value: str) -> int | str:

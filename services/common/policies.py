@@ -96,6 +96,24 @@ POLICIES: dict[str, PolicyModes] = {
 }
 
 
+def policy_names(text: str) -> list[str]:
+    """The policies a comma-separated list names (``--policies dilu,horizontal-only``), in its
+    order, spaces around names ignored. Raises ValueError for no name at all, an empty entry (a
+    stray comma), an unknown name or one named twice."""
+    names = [p.strip() for p in text.split(",")]
+    choose = f"choose from {', '.join(POLICIES)}"
+    if not any(names):
+        raise ValueError(f"no policy given; {choose}")
+    if not all(names):
+        raise ValueError(f"an empty policy name in {text!r}: separate names by single commas")
+    bad = [p for p in names if p not in POLICIES]
+    if bad:
+        raise ValueError(f"unknown policies {', '.join(bad)}; {choose}")
+    if len(set(names)) != len(names):
+        raise ValueError(f"a policy is named twice in {', '.join(names)}")
+    return names
+
+
 def modes(name: str) -> PolicyModes:
     """The modes of policy ``name``; ValueError naming the known policies for an unknown one."""
     try:

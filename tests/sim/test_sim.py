@@ -153,6 +153,8 @@ def test_workload_too_big_for_the_cluster_says_so(tmp_path):
 @pytest.mark.parametrize("args, words", [
     (["--policies", "dilu,nope"], "unknown policies nope"),
     (["--policies", ","], "no policy given"),
+    (["--policies", ",dilu"], "an empty policy name"),
+    (["--policies", "dilu,dilu"], "named twice"),
     (["--functions", "zero"], "expected a count"),
     (["--hours", "-1"], "--hours"),
     (["--training-jobs", "2"], "--training-jobs"),

@@ -19,6 +19,9 @@ from dilu.client.errors import Unreachable
     (["compare", "--defrag-interval-s", "0.05"], "a round every 0.005 s, below the scheduler's 0.01 s"),
     (["demo", "--defrag-interval-s", "-1"], "--defrag-interval-s"),
     (["chaos", "--sample-s", "30"], "it needs --soak"),
+    (["compare", "--policies", "dilu,"], "an empty policy name in 'dilu,'"),
+    (["compare", "--policies", "dilu,nope"], "unknown policies nope"),
+    (["compare", "--policies", "dilu, dilu"], "a policy is named twice"),
 ])
 def test_a_combination_that_means_nothing_is_refused_in_one_line(args, words):
     assert words in one_line_error(CliRunner().invoke(main, args), 2)
