@@ -553,7 +553,8 @@ class HorizontalScaler:
             return self._no_backlog(fn, consumers.kind, consumers.why)
         info = consumers.infos.get(name)
         if info is None:
-            return self._no_backlog(fn, "missing", f"no consumer {name!r} on {subjects.INVOKE_STREAM}")
+            return self._no_backlog(fn, "missing", f"no consumer {name!r} on {subjects.INVOKE_STREAM}",
+                                    not_yet=fn not in self._read)
         if fn in self._missing:
             self._missing.discard(fn)
             if fn in self._read:
@@ -578,13 +579,15 @@ class HorizontalScaler:
             return 0
         return int((info.state.subjects or {}).get(subject, 0))
 
-    def _no_backlog(self, fn: str, kind: str, why: str) -> tuple[None, None]:
+    def _no_backlog(self, fn: str, kind: str, why: str, not_yet: bool = False) -> tuple[None, None]:
+        """Count a tick whose backlog cannot be read and log it once per outage; ``not_yet``: the
+        function's consumer was never read, as before its first instance binds (info, not a warning)."""
         assert self.bus is not None
         self.backlog_errors += 1
         BACKLOG_ERRORS.labels(fn, kind).inc()
         if fn not in self._missing:  # once per outage, not once per tick
             self._missing.add(fn)
-            if kind == "missing" and fn not in self._read:  # deployed, no instance bound yet: as expected
+            if not_yet:  # deployed, no instance bound yet: as expected
                 self.bus.log.info("no backlog yet: the function's first instance creates its consumer", function=fn)
             else:
                 self.bus.log.warning("backlog unknown: holding the current scale", function=fn, error=why)

@@ -44,5 +44,6 @@ def test_a_consumer_not_created_yet_is_info_and_one_gone_later_is_a_warning():
     assert svc._backlog("f", listing("f"))[0] == 3
     assert log.lines[2:] == [("info", "backlog readable again")]
     assert svc._backlog("g", _Consumers(None, "error", "timeout")) == (None, None)  # a failed listing
-    assert log.lines[3:] == [("warning", "backlog unknown: holding the current scale")]
-    assert svc.backlog_errors == 6  # every unread tick counted (dilu_backlog_errors)
+    assert svc._backlog("h", _Consumers(None, "missing", "no stream DILU_INVOKE")) == (None, None)  # no stream
+    assert log.lines[3:] == [("warning", "backlog unknown: holding the current scale")] * 2
+    assert svc.backlog_errors == 7  # every unread tick counted (dilu_backlog_errors)
