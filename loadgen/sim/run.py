@@ -34,8 +34,8 @@ What drives what, as in the live cluster (services/*/service.py):
   backlog (waiting + in flight) and arrivals, decides
   with its :func:`vertical_headroom` and :func:`burst_reach`, and places (:class:`PlacementBackoff` after a refusal) or
   retires (draining: a busy instance finishes its batch, then leaves; an idle one leaves when its
-  open fetch expires, Draining below). A tick's placements come before its parks, resumes and
-  retirements, as the live scheduler receives them (the scaler sends those one task later).
+  open fetch expires, Draining below), in the order the live scheduler serves a tick's requests
+  (:func:`.requests.request_order`: its placements first, as the scaler sends them first).
 
 Control loops tick on their own clocks, as the live services do: the horizontal scaler's from the
 deploy, the node agent's telemetry and the scheduler's defragmentation rounds each at a phase of
@@ -106,6 +106,7 @@ from dilu.services.vertical_scaler.policy import VerticalConfig, vertical_policy
 from .engine import EventLoop
 from .node import Function, Gpu, Instance, batch_ms, iteration_ms, pace, train_load
 from .overheads import LoopTiming, Overheads, Sampler
+from .requests import request_order
 
 GPU_MEMORY_BYTES = 40 * GIB  # the emulated A100 40 GB (node_agent.devices "a100-40gb" rounds to 40 GiB)
 REQUEST_TIMEOUT_MIN_MS = 30_000.0  # cli.demo.REQUEST_TIMEOUT_MIN_S
@@ -1108,36 +1109,30 @@ class Simulation:
                 f.last_busy = k
             d = hp.decide(f.name, now_s, headroom.get(f.name, 0.0), backing_off=self.backoff.blocked(f.name, now_s),
                           reach=reach)
-            if d.place:
-                placed = 0
-                for _ in range(min(d.place, MAX_PLACE_COUNT)):
-                    inst = self._place(f)
-                    if inst is None:
-                        break
-                    hp.instance_starting(f.name, inst.iid, now_s)
-                    placed += 1
-                if placed:
-                    self.backoff.clear(f.name)
-                    self.mech.scale_outs += placed
-                else:
-                    self.backoff.failed(f.name, now_s)
             decided.append((f, d, backlog or arrived))
-        # The live scaler's tick task sends a placement at once, but its parks, resumes and
-        # retirements one task later (asyncio.gather), so the scheduler serves every placement of
-        # a tick before them: a placement does not see the room a park of the same tick frees.
+        # the tick's placements, parks, resumes and retirements in the order the live scheduler
+        # serves them (requests.request_order): a placement sent before a park of the same tick
+        # does not count the room that park frees
+        acting = [(f, d) for f, d, _ in decided if d.place or d.park or d.resume or d.retire]
+        for step, j in request_order([d for _, d in acting]) if acting else ():
+            f, d = acting[j]
+            if step == "place":
+                self._scale_out(f, d, now_s)
+            elif step == "park":
+                for iid in d.park:
+                    inst = f.instances.get(iid)
+                    if inst is None or not self._park(inst):
+                        hp.park_failed(f.name, iid)
+                for iid in d.resume:
+                    inst = f.instances.get(iid)
+                    if inst is not None:
+                        self._resume(inst)
+            else:
+                for iid in d.retire:
+                    inst = f.instances.get(iid)
+                    if inst is not None:
+                        self._retire(inst)
         for f, d, active in decided:
-            for iid in d.park:
-                inst = f.instances.get(iid)
-                if inst is None or not self._park(inst):
-                    hp.park_failed(f.name, iid)
-            for iid in d.resume:
-                inst = f.instances.get(iid)
-                if inst is not None:
-                    self._resume(inst)
-            for iid in d.retire:
-                inst = f.instances.get(iid)
-                if inst is not None:
-                    self._retire(inst)
             if (self.sleep_idle and not f.instances and not active and d.desired == 0 and not d.panic
                     and not d.place and hp.idle_windows(f.name).prewarm_s == 0
                     and k - f.last_busy >= window_ticks):  # every sample in the stable window is 0
@@ -1146,6 +1141,22 @@ class Simulation:
         nxt = self.htick * tick
         if nxt <= self.end:
             self.loop.at(nxt, self._horizontal_tick)
+
+    def _scale_out(self, f: Function, d: Decision, now_s: float) -> None:
+        """Place the instances ``d`` asks for (at most :data:`MAX_PLACE_COUNT`, as the live scaler
+        asks at a time); none placed backs the function off (:class:`PlacementBackoff`)."""
+        placed = 0
+        for _ in range(min(d.place, MAX_PLACE_COUNT)):
+            inst = self._place(f)
+            if inst is None:
+                break
+            self.horizontal.instance_starting(f.name, inst.iid, now_s)
+            placed += 1
+        if placed:
+            self.backoff.clear(f.name)
+            self.mech.scale_outs += placed
+        else:
+            self.backoff.failed(f.name, now_s)
 
     def _sample(self, _=None) -> None:
         self._account()
