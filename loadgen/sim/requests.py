@@ -10,7 +10,9 @@ retirements only when its placement is. The scheduler answers each subject's req
 time (``Bus.serve``), each under one lock held across its KV write and handed to its waiters first
 come, first served, so with requests of several subjects waiting it serves them in turn: a
 placement, a park, a retirement, the next placement, and so on, the subjects in the order their
-first request came. The simulator applies a tick's decisions in this order
+first request came. (A live function whose backlog could not be read asks the stream what it
+holds before it decides, so its placement comes later still; a simulated backlog is always
+known.) The simulator applies a tick's decisions in this order
 (``Simulation._horizontal_tick``), so a placement counts the room a park of the same tick frees
 only where the live scheduler would have served that park first.
 """
