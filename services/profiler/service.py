@@ -134,6 +134,7 @@ class ProfilerService:
         self.bus: Bus | None = None
         self.kv = None
         self.cache: dict[tuple, Profile] = {}
+        self._told: dict[str, Profile] = {}  # function -> the profile last published for it (trials 0)
         self._locks: dict[tuple, asyncio.Lock] = {}
         self._tasks: set[asyncio.Task] = set()
         self.trials = 0
@@ -206,8 +207,13 @@ class ProfilerService:
         # the bucket holds the Profile itself (JSON), one key per function, the last 5 kept
         await self.kv.put(subjects.token(spec.name), msgspec.json.encode(profile))
         await self.bus.publish(subjects.profile_ready(spec.name), ProfileReady(profile=profile))
-        self.bus.log.info("profile ready", function=spec.name, request_quota=profile.request_quota,
-                          limit_quota=profile.limit_quota, batch=profile.batch_size, trials=profile.trials)
+        # a deploy asks for the profile, then its FunctionDeployed asks again (answered from the
+        # cache): the same profile published twice is one "profile ready" line, not two
+        same = self._told.get(spec.name) == msgspec.structs.replace(profile, trials=0)
+        self._told[spec.name] = msgspec.structs.replace(profile, trials=0)
+        (self.bus.log.debug if same else self.bus.log.info)(
+            "profile unchanged" if same else "profile ready", function=spec.name, request_quota=profile.request_quota,
+            limit_quota=profile.limit_quota, batch=profile.batch_size, trials=profile.trials)
         return profile
 
     async def _without_trials(self, spec: FunctionSpec) -> Profile | None:
