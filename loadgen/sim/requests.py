@@ -20,19 +20,14 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Sequence
-from typing import Literal, Protocol
+from typing import Literal
+
+from dilu.services.horizontal_scaler.policy import Decision
 
 Step = Literal["place", "park", "retire"]
 
 
-class _Decided(Protocol):
-    place: int
-    park: list[str]
-    resume: list[str]
-    retire: list[str]
-
-
-def request_order(decisions: Sequence[_Decided]) -> list[tuple[Step, int]]:
+def request_order(decisions: Sequence[Decision]) -> list[tuple[Step, int]]:
     """``decisions``: one tick's decisions in tick order (``HorizontalPolicy.decide``'s). Returns
     ``(step, k)`` pairs, decision ``k``'s requests in the order the live scheduler serves them
     (module docstring): ``"place"`` its placement, ``"park"`` its parks and then its resumes,

@@ -209,8 +209,8 @@ class ProfilerService:
         await self.bus.publish(subjects.profile_ready(spec.name), ProfileReady(profile=profile))
         # a deploy asks for the profile, then its FunctionDeployed asks again (answered from the
         # cache): the same profile published twice is one "profile ready" line, not two
-        same = self._told.get(spec.name) == msgspec.structs.replace(profile, trials=0)
-        self._told[spec.name] = msgspec.structs.replace(profile, trials=0)
+        told, self._told[spec.name] = self._told.get(spec.name), msgspec.structs.replace(profile, trials=0)
+        same = told == self._told[spec.name]
         (self.bus.log.debug if same else self.bus.log.info)(
             "profile unchanged" if same else "profile ready", function=spec.name, request_quota=profile.request_quota,
             limit_quota=profile.limit_quota, batch=profile.batch_size, trials=profile.trials)
